@@ -1,0 +1,146 @@
+"""Memory estimate on hand-built inventories (exact arithmetic) and placement helpers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from workbench.core.inventory import Inventory
+from workbench.core.memory import (
+    HOST_BASELINE_BYTES,
+    estimate_memory,
+    gpu_runtime_overhead,
+    kv_bytes_per_token,
+    placement_all_gpu,
+    placement_cpu_moe,
+    placement_n_cpu_moe,
+)
+from workbench.core.placement import CPU_COMPUTE, CPU_STREAM, Assignment
+from workbench.core.spec import ModelSpec
+from workbench.core.units import TensorInfo, TensorRef, Unit, UnitKey
+
+
+def _inventory(spec: ModelSpec, expert_bytes: int = 1000) -> Inventory:
+    """One tensor per unit; routed experts in one stacked tensor per layer."""
+    tensors: dict[str, TensorInfo] = {}
+    units: dict[UnitKey, Unit] = {}
+
+    def add(key: UnitKey, name: str, nbytes: int, stacked: int = 0) -> None:
+        shape = (stacked, nbytes // stacked) if stacked else (nbytes,)
+        t = tensors.setdefault(name, TensorInfo(name, shape, "I8", nbytes, Path("x"), 0))
+        units[key] = Unit(key, [TensorRef(t, key.expert if stacked else None)])
+
+    add(UnitKey(None, "embed"), "embed", 500)
+    add(UnitKey(None, "norm"), "norm", 10)
+    add(UnitKey(None, "lm_head"), "lm_head", 500)
+    for layer in range(spec.n_layers):
+        add(UnitKey(layer, "attn"), f"{layer}.attn", 300)
+        if layer in spec.moe_layers:
+            add(UnitKey(layer, "router"), f"{layer}.router", 20)
+            for e in range(spec.n_experts):
+                add(UnitKey(layer, "expert", e), f"{layer}.exps", expert_bytes * spec.n_experts, spec.n_experts)
+            if spec.n_shared_experts:
+                add(UnitKey(layer, "shared"), f"{layer}.shexp", 700)
+        else:
+            add(UnitKey(layer, "dense_mlp"), f"{layer}.mlp", 2000)
+    return Inventory(Path("x"), "test", spec.family, spec, {}, tensors, units)
+
+
+GQA = ModelSpec(
+    family="qwen3_moe", n_layers=4, hidden_size=64, vocab_size=100, n_heads=8, n_kv_heads=2, head_dim=16,
+    n_experts=4, n_experts_active=2, expert_ffn=32, dense_ffn=128, moe_layers=(0, 2, 3),
+    layer_window=(None, None, None, None),
+)
+
+
+def test_all_gpu_weights_and_kv_exact():
+    inv = _inventory(GQA)
+    est = estimate_memory(inv, ctx=1000, kv_dtype="f16")
+    assert list(est.tiers) == ["gpu:0", "cpu"]
+    g = est.tiers["gpu:0"]
+    assert g.weights_total == inv.total_bytes
+    assert g.weights["expert"] == 3 * 4 * 1000
+    assert g.weights["dense_mlp"] == 2000
+    # K and V: 2 kv heads x 16 dims x 2 (K,V) x 2 bytes, 1000 tokens, 4 layers
+    assert g.kv_cache == 4 * 1000 * 2 * 2 * 16 * 2
+    assert g.stream_cache == 0
+    assert g.overhead == gpu_runtime_overhead(inv, 1000)
+    assert g.total == g.weights_total + g.kv_cache + g.overhead
+    cpu = est.tiers["cpu"]
+    assert cpu.weights_total == 0 and cpu.kv_cache == 0 and cpu.overhead == HOST_BASELINE_BYTES
+
+
+def test_kv_dtypes_and_bad_dtype():
+    inv = _inventory(GQA)
+    assert kv_bytes_per_token(inv, 0, "f32") == 2 * 2 * 16 * 4
+    assert kv_bytes_per_token(inv, 0, "q8_0") == 64 // 32 * 34
+    assert kv_bytes_per_token(inv, 0, "q4_0") == 64 // 32 * 18
+    with pytest.raises(ValueError, match="q3_x"):
+        estimate_memory(inv, kv_dtype="q3_x")
+    with pytest.raises(ValueError):
+        estimate_memory(inv, ctx=0)
+
+
+def test_cpu_moe_moves_routed_experts_only():
+    inv = _inventory(GQA)
+    est = estimate_memory(inv, placement_cpu_moe(inv), ctx=16)
+    assert est.tiers["cpu"].weights["expert"] == 3 * 4 * 1000
+    assert est.tiers["cpu"].weights_total == 3 * 4 * 1000
+    assert est.tiers["gpu:0"].weights["expert"] == 0
+    assert est.tiers["gpu:0"].weights["router"] == 3 * 20
+    assert est.tiers["gpu:0"].weights_total + est.tiers["cpu"].weights_total == inv.total_bytes
+
+
+def test_n_cpu_moe_counts_layers_like_llama_cpp():
+    inv = _inventory(GQA)
+    # layers 0 and 1: layer 1 is dense, so only layer 0's experts move
+    p = placement_n_cpu_moe(inv, 2)
+    assert {k.layer for k, a in p.assignments.items()} == {0}
+    assert all(a == CPU_COMPUTE for a in p.assignments.values())
+    assert estimate_memory(inv, p).tiers["cpu"].weights["expert"] == 4 * 1000
+    assert placement_n_cpu_moe(inv, 0) == placement_all_gpu(inv)
+    assert placement_n_cpu_moe(inv, 99) == placement_cpu_moe(inv)
+    with pytest.raises(ValueError):
+        placement_n_cpu_moe(inv, -1)
+
+
+def test_sliding_window_bounds_kv():
+    spec = ModelSpec(**{**GQA.to_json(), "moe_layers": (0, 2, 3), "layer_window": (8, None, 8, None)})
+    inv = _inventory(spec)
+    per_tok = kv_bytes_per_token(inv, 0)
+    assert estimate_memory(inv, ctx=100).tiers["gpu:0"].kv_cache == (8 + 100 + 8 + 100) * per_tok
+    assert estimate_memory(inv, ctx=4).tiers["gpu:0"].kv_cache == 4 * 4 * per_tok
+
+
+def test_mla_latent_kv():
+    spec = ModelSpec(
+        family="deepseek_v3", n_layers=3, hidden_size=64, vocab_size=100, n_heads=8, n_kv_heads=8,
+        head_dim=24, n_experts=4, n_experts_active=2, n_shared_experts=1, expert_ffn=16, shared_ffn=16,
+        dense_ffn=64, moe_layers=(1, 2), layer_window=(None,) * 3, kv_lora_rank=32, qk_rope_head_dim=8,
+    )
+    inv = _inventory(spec)
+    est = estimate_memory(inv, ctx=10, kv_dtype="bf16")
+    assert est.tiers["gpu:0"].kv_cache == 3 * 10 * (32 + 8) * 2
+    assert est.tiers["gpu:0"].weights["shared"] == 2 * 700
+
+
+def test_kv_follows_attn_tier_and_stream_cache():
+    inv = _inventory(GQA, expert_bytes=1000)
+    p = placement_all_gpu(inv)
+    p.set(UnitKey(1, "attn"), Assignment("gpu:1"))
+    p.move(inv.expert_keys(2), CPU_STREAM)
+    p.set(UnitKey(3, "expert", 1), CPU_STREAM)
+    p.stream_slots = 3
+    est = estimate_memory(inv, p, ctx=10)
+    assert list(est.tiers) == ["gpu:0", "gpu:1", "cpu"]
+    per_layer = 10 * kv_bytes_per_token(inv, 0)
+    assert est.tiers["gpu:1"].kv_cache == per_layer
+    assert est.tiers["gpu:1"].weights == {**dict.fromkeys(est.tiers["gpu:1"].weights, 0), "attn": 300}
+    assert est.tiers["gpu:0"].kv_cache == 3 * per_layer
+    # streamed experts live in RAM; 3 slots x 1000 bytes for each of layers 2 and 3
+    assert est.tiers["cpu"].weights["expert"] == 5 * 1000
+    assert est.tiers["gpu:0"].stream_cache == 2 * 3 * 1000
+    assert est.total("gpu:7") == 0
+    j = est.to_json()
+    assert j["tiers"]["gpu:0"]["stream_cache"] == 6000 and j["ctx"] == 10

@@ -1,0 +1,195 @@
+"""Memory estimate: what each tier (GPU or host RAM) needs for a placement, before loading anything.
+
+Weights come from the inventory (exact bytes as stored). The KV cache is computed from the spec for
+a context length and a KV dtype: grouped-query heads, the MLA latent for DeepSeek, and sliding or
+chunked attention layers bounded by their window. Runtime overhead (CUDA context, activation and
+logit buffers, host baseline) is an approximation and is reported separately from weights and KV.
+
+All sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .inventory import Inventory
+from .placement import CPU, CPU_COMPUTE, ON_GPU0, Assignment, Placement, gpu, is_gpu
+from .units import KINDS, UnitKey
+
+KV_DTYPES: dict[str, tuple[int, int]] = {
+    "f32": (1, 4),
+    "f16": (1, 2),
+    "bf16": (1, 2),
+    "q8_0": (32, 34),
+    "q4_0": (32, 18),
+}
+"""KV cache dtype -> (values per block, bytes per block), as llama.cpp's ``--cache-type-k/v``."""
+
+CUDA_CONTEXT_BYTES = 512 * 2**20
+"""CUDA context + PyTorch allocator reserve per GPU in use (measured 400-600 MiB on recent cards)."""
+
+HOST_BASELINE_BYTES = 512 * 2**20
+"""Host RAM of the process itself (Python, PyTorch, tokenizer) before any weight is loaded."""
+
+PREFILL_CHUNK = 512
+"""Tokens per prefill step the activation buffers are sized for (llama.cpp's default ubatch)."""
+
+
+@dataclass
+class TierMemory:
+    """Bytes one tier needs. ``weights`` maps each unit kind (``embed``, ``attn``, ``router``,
+    ``shared``, ``expert``, ``dense_mlp``, ``norm``, ``lm_head``) to the bytes of that kind here."""
+
+    weights: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    kv_cache: int = 0
+    stream_cache: int = 0
+    overhead: int = 0
+
+    @property
+    def weights_total(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def total(self) -> int:
+        """Weights + KV cache + stream cache + runtime overhead (bytes)."""
+        return self.weights_total + self.kv_cache + self.stream_cache + self.overhead
+
+    def to_json(self) -> dict:
+        return {
+            "weights": dict(self.weights),
+            "weights_total": self.weights_total,
+            "kv_cache": self.kv_cache,
+            "stream_cache": self.stream_cache,
+            "overhead": self.overhead,
+            "total": self.total,
+        }
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per tier (``"gpu:0"``, ``"gpu:1"``, ``"cpu"``) for a context of ``ctx`` tokens with a KV
+    cache of ``kv_dtype``. The ``cpu`` tier is always present (at least the host baseline)."""
+
+    tiers: dict[str, TierMemory]
+    ctx: int
+    kv_dtype: str
+
+    def total(self, tier: str) -> int:
+        """Bytes ``tier`` needs; 0 for a tier the placement does not use."""
+        t = self.tiers.get(tier)
+        return t.total if t else 0
+
+    @property
+    def gpu_tiers(self) -> list[str]:
+        return sorted((t for t in self.tiers if is_gpu(t)), key=lambda t: int(t[4:]))
+
+    def to_json(self) -> dict:
+        return {
+            "ctx": self.ctx,
+            "kv_dtype": self.kv_dtype,
+            "tiers": {name: tier.to_json() for name, tier in self.tiers.items()},
+        }
+
+
+def kv_bytes_per_token(inv: Inventory, layer: int, kv_dtype: str = "f16") -> int:
+    """Bytes one token adds to layer ``layer``'s KV cache (K and V, or the MLA latent)."""
+    block, size = _kv_type(kv_dtype)
+    values = inv.spec.kv_values_per_token(layer)
+    return math.ceil(values / block) * size
+
+
+def kv_cache_bytes(inv: Inventory, layer: int, ctx: int, kv_dtype: str = "f16") -> int:
+    """KV cache bytes of layer ``layer`` for ``ctx`` tokens; a windowed layer keeps at most its window."""
+    windows = inv.spec.layer_window
+    window = windows[layer] if layer < len(windows) else None
+    tokens = ctx if window is None else min(ctx, window)
+    return tokens * kv_bytes_per_token(inv, layer, kv_dtype)
+
+
+def gpu_runtime_overhead(inv: Inventory, ctx: int) -> int:
+    """Approximate GPU bytes besides weights and KV: CUDA context plus activation and logit buffers
+    for one prefill chunk of ``min(ctx, PREFILL_CHUNK)`` tokens in fp32 (hidden states and residual
+    copies, the widest MLP intermediate, logits over the vocabulary)."""
+    s = inv.spec
+    tokens = max(1, min(ctx, PREFILL_CHUNK))
+    widest_mlp = max(
+        s.dense_ffn,
+        s.shared_ffn * max(1, s.n_shared_experts),
+        s.expert_ffn * max(1, s.n_experts_active),
+    )
+    qkv = (s.n_heads + 2 * s.n_kv_heads) * s.head_dim
+    per_token = 8 * s.hidden_size + 3 * widest_mlp + 2 * qkv + s.vocab_size
+    return CUDA_CONTEXT_BYTES + tokens * per_token * 4
+
+
+def estimate_memory(
+    inv: Inventory, placement: Placement | None = None, ctx: int = 4096, kv_dtype: str = "f16"
+) -> MemoryEstimate:
+    """Bytes each tier needs to run ``inv`` under ``placement`` (default: everything on ``gpu:0``)
+    with a context of ``ctx`` tokens.
+
+    - weights: every unit's bytes on its tier; a streamed expert's weights live in host RAM.
+    - KV cache: on the tier of each layer's ``attn`` unit, ``min(ctx, window)`` tokens per layer.
+    - stream cache: ``stream_slots`` x the largest expert of the layer, for each layer with streamed
+      experts, on ``gpu:0``.
+    - overhead: ``gpu_runtime_overhead`` on each GPU in use; ``HOST_BASELINE_BYTES`` on the CPU.
+    """
+    if ctx < 1:
+        raise ValueError(f"context length must be at least 1 token, got {ctx}")
+    _kv_type(kv_dtype)
+    placement = placement or placement_all_gpu(inv)
+    tiers: dict[str, TierMemory] = {CPU: TierMemory()}
+
+    def tier(name: str) -> TierMemory:
+        return tiers.setdefault(name, TierMemory())
+
+    streamed_layers: dict[int, int] = {}
+    for key, unit in inv.units.items():
+        a = placement.get(key)
+        tier(a.tier).weights[key.kind] += unit.nbytes
+        if a.mode == "stream" and key.layer is not None:
+            streamed_layers[key.layer] = max(streamed_layers.get(key.layer, 0), unit.nbytes)
+
+    for layer in range(inv.spec.n_layers):
+        a = placement.get(UnitKey(layer, "attn"))
+        tier(a.tier).kv_cache += kv_cache_bytes(inv, layer, ctx, kv_dtype)
+
+    if streamed_layers and placement.stream_slots > 0:
+        tier(gpu(0)).stream_cache += placement.stream_slots * sum(streamed_layers.values())
+
+    for name, t in tiers.items():
+        t.overhead = gpu_runtime_overhead(inv, ctx) if is_gpu(name) else HOST_BASELINE_BYTES
+
+    order = sorted(tiers, key=lambda n: (not is_gpu(n), int(n[4:]) if is_gpu(n) else 0))
+    return MemoryEstimate({n: tiers[n] for n in order}, ctx, kv_dtype)
+
+
+def placement_all_gpu(inv: Inventory, device: int = 0) -> Placement:
+    """Every unit on ``gpu:device`` (llama.cpp ``-ngl 99``)."""
+    return Placement(default=Assignment(gpu(device)) if device else ON_GPU0)
+
+
+def placement_cpu_moe(inv: Inventory) -> Placement:
+    """All routed experts in host RAM, computed by the CPU; the rest on ``gpu:0`` (``--cpu-moe``)."""
+    return placement_n_cpu_moe(inv, inv.spec.n_layers)
+
+
+def placement_n_cpu_moe(inv: Inventory, n: int) -> Placement:
+    """The routed experts of layers ``0 .. n-1`` in host RAM (CPU compute), the rest on ``gpu:0``.
+
+    Same semantics as llama.cpp's ``--n-cpu-moe N``: it counts decoder layers, dense ones included
+    (a dense layer has no routed experts to move). Shared experts and routers stay on the GPU.
+    """
+    if n < 0:
+        raise ValueError(f"--n-cpu-moe takes a layer count >= 0, got {n}")
+    p = placement_all_gpu(inv)
+    p.move((k for k in inv.expert_keys() if k.layer is not None and k.layer < n), CPU_COMPUTE)
+    return p
+
+
+def _kv_type(kv_dtype: str) -> tuple[int, int]:
+    try:
+        return KV_DTYPES[kv_dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unknown KV cache dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}") from None
