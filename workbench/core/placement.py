@@ -156,3 +156,158 @@ def _parse_ranges(text: str) -> list[int]:
         a, _, b = part.partition("-")
         out.extend(range(int(a), int(b or a) + 1))
     return out
+
+
+# -- budgets, validation, diff, expert grids ---------------------------------------------------
+
+TIER_CPU_COMPUTE = -1
+TIER_CPU_STREAM = -2
+"""Codes of the expert tier grid: ``k >= 0`` is ``gpu:k``; these two are the CPU modes."""
+
+
+def tier_code(a: Assignment) -> int:
+    """Grid code of an assignment: the GPU index, ``TIER_CPU_COMPUTE`` or ``TIER_CPU_STREAM``."""
+    if is_gpu(a.tier):
+        return gpu_index(a.tier)
+    return TIER_CPU_STREAM if a.mode == "stream" else TIER_CPU_COMPUTE
+
+
+def code_assignment(code: int) -> Assignment:
+    """Inverse of ``tier_code``."""
+    if code >= 0:
+        return Assignment(gpu(int(code)))
+    return CPU_STREAM if code == TIER_CPU_STREAM else CPU_COMPUTE
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Memory a placement may use. ``gpu_bytes[i]``: VRAM of ``gpu:i`` (bytes); ``margin``: bytes kept
+    free on every GPU (the user's safety margin); ``host_bytes``: host RAM the model may use, or
+    ``None`` for no limit."""
+
+    gpu_bytes: tuple[int, ...]
+    margin: int = 0
+    host_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if any(b < 0 for b in self.gpu_bytes) or self.margin < 0:
+            raise ValueError("budgets and margins are byte counts >= 0")
+
+    @property
+    def n_gpus(self) -> int:
+        return len(self.gpu_bytes)
+
+    def usable(self, tier: str) -> int | None:
+        """Bytes ``tier`` may hold (VRAM minus the margin, never below 0); ``None`` = no limit."""
+        if tier == CPU:
+            return self.host_bytes
+        i = gpu_index(tier)
+        if i >= len(self.gpu_bytes):
+            return 0
+        return max(0, self.gpu_bytes[i] - self.margin)
+
+    @classmethod
+    def from_profile(cls, profile, margin: int = 0, vram: int | None = None,
+                     host_bytes: int | None = None) -> Budget:
+        """Budget of a HardwareProfile; ``vram`` (bytes) overrides every GPU's VRAM."""
+        gpus = tuple(vram if vram is not None else g.vram_bytes for g in profile.gpus)
+        host = profile.host_ram_bytes if host_bytes is None else host_bytes
+        return cls(gpus, margin, host or None)
+
+
+def validate(placement: Placement, inventory, n_gpus: int | None = None) -> list[str]:
+    """Problems of ``placement`` for ``inventory`` (empty when none), one sentence each: assignments
+    to units the model does not have, streamed units that are not routed experts, streamed experts
+    without stream slots, GPU tiers beyond ``n_gpus``."""
+    problems: list[str] = []
+    unknown = [k for k in placement.assignments if k not in inventory.units]
+    if unknown:
+        problems.append(f"{len(unknown)} assignment(s) name units this model does not have, e.g. {unknown[0]}")
+    streamed = [k for k, a in placement.assignments.items() if a.mode == "stream"]
+    if placement.default.mode == "stream":
+        problems.append("the default assignment cannot be 'stream': only routed experts are streamed")
+    bad_stream = [k for k in streamed if k.kind != "expert"]
+    if bad_stream:
+        problems.append(f"only routed experts can be streamed, not {bad_stream[0]}")
+    if streamed and placement.stream_slots < 1:
+        problems.append(f"{len(streamed)} expert(s) are streamed but the GPU stream cache has no slots")
+    if placement.stream_slots < 0:
+        problems.append("stream_slots must be >= 0")
+    if n_gpus is not None:
+        over = sorted(t for t in placement.tiers() if is_gpu(t) and gpu_index(t) >= n_gpus)
+        if over:
+            problems.append(f"{over[0]} is used but the machine has {n_gpus} GPU(s)")
+    return problems
+
+
+def check_budget(placement: Placement, inventory, budget: Budget, ctx: int = 4096, kv_dtype: str = "f16"):
+    """Raise PlacementError unless ``placement`` is valid and every tier fits ``budget``.
+
+    Returns the MemoryEstimate (``core.memory``) it checked, so that callers need not compute it twice.
+    """
+    from .errors import PlacementError
+    from .fmt import bytes2human
+    from .memory import estimate_memory
+
+    problems = validate(placement, inventory, budget.n_gpus)
+    if problems:
+        raise PlacementError("; ".join(problems))
+    est = estimate_memory(inventory, placement, ctx, kv_dtype)
+    over = []
+    for tier in est.tiers:
+        limit = budget.usable(tier)
+        need = est.total(tier)
+        if limit is not None and need > limit:
+            margin = f" after a {bytes2human(budget.margin)} margin" if is_gpu(tier) and budget.margin else ""
+            over.append(f"{tier} needs {bytes2human(need)} but has {bytes2human(limit)}{margin}")
+    if over:
+        raise PlacementError("the placement does not fit: " + "; ".join(over))
+    return est
+
+
+def fits(placement: Placement, inventory, budget: Budget, ctx: int = 4096, kv_dtype: str = "f16") -> bool:
+    """True when ``check_budget`` passes."""
+    from .errors import PlacementError
+
+    try:
+        check_budget(placement, inventory, budget, ctx, kv_dtype)
+    except PlacementError:
+        return False
+    return True
+
+
+def diff(a: Placement, b: Placement, keys: Iterable[UnitKey] | None = None) -> list[tuple[UnitKey, Assignment, Assignment]]:
+    """Units whose assignment differs between ``a`` and ``b``: ``[(key, in_a, in_b)]``, sorted.
+
+    ``keys`` (e.g. ``inventory.units``) is needed when the defaults differ; without it only the
+    explicitly assigned units are compared.
+    """
+    if keys is None:
+        if a.default != b.default:
+            raise ValueError("the placements have different defaults: pass the model's unit keys")
+        keys = set(a.assignments) | set(b.assignments)
+    return [(k, a.get(k), b.get(k)) for k in sorted(keys) if a.get(k) != b.get(k)]
+
+
+def expert_grid(placement: Placement, n_layers: int, n_experts: int):
+    """Tier codes of every routed expert, numpy int16 ``[layers, experts]`` (see ``tier_code``).
+    Cells of units the model does not have carry the default's code."""
+    import numpy as np
+
+    grid = np.full((n_layers, n_experts), tier_code(placement.default), dtype=np.int16)
+    for key, a in placement.assignments.items():
+        if key.kind == "expert" and key.layer is not None and key.layer < n_layers and key.expert < n_experts:
+            grid[key.layer, key.expert] = tier_code(a)
+    return grid
+
+
+def with_expert_grid(base: Placement, grid, keys: Iterable[UnitKey]) -> Placement:
+    """A copy of ``base`` whose routed experts ``keys`` take the tiers of ``grid`` (``[layers, experts]``
+    codes); other units keep ``base``'s assignments."""
+    out = base.copy()
+    cache = {}
+    for key in keys:
+        code = int(grid[key.layer, key.expert])
+        a = cache.get(code) or cache.setdefault(code, code_assignment(code))
+        out.set(key, a)
+    return out
