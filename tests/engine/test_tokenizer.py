@@ -139,3 +139,15 @@ def test_unsupported_and_foreign_files_are_refused(tmp_path, byte_level):
     empty = tmp_path / "empty_model"
     empty.mkdir()
     assert load_tokenizer(empty) is None
+
+
+@pytest.mark.parametrize("which", ["byte_level", "sentencepiece"])
+def test_inventory_metadata_builds_the_same_tokenizer(which, request):
+    """The GGUF reader's metadata (lazy string arrays, numpy arrays) serves as well as gguf-py's fields."""
+    from workbench.core.readers.gguf import read_gguf
+
+    hf, _, gguf_path = request.getfixturevalue(which)
+    metadata, _, _ = read_gguf(gguf_path)
+    ours = from_gguf(gguf_path, metadata)
+    for text in SAMPLES:
+        assert ours.encode(text) == hf.encode(text).ids

@@ -184,6 +184,17 @@ def _id_list(value) -> list[int]:
     return [int(v) for v in (value if isinstance(value, list) else [value])]
 
 
+def tokenizer_for(inventory) -> Tokenizer | None:
+    """The tokenizer of an opened model (an ``Inventory``): its GGUF vocabulary (from the metadata
+    already read) or the ``tokenizer.json`` in its folder. None when the model ships none."""
+    if inventory.format == "gguf":
+        if "tokenizer.ggml.tokens" not in inventory.metadata:
+            log.warning("%s has no tokenizer vocabulary", inventory.path)
+            return None
+        return from_gguf(inventory.path, inventory.metadata)
+    return load_tokenizer(inventory.path)
+
+
 def from_pretrained_dir(folder: str | Path) -> Tokenizer:
     """Load ``tokenizer.json`` (+ ``tokenizer_config.json`` for the special token names)."""
     folder = Path(folder)
@@ -228,9 +239,11 @@ def from_gguf(path: str | Path, fields: dict | None = None) -> Tokenizer:
     fields = read_gguf_tokenizer_fields(path) if fields is None else fields
     kind = fields.get("tokenizer.ggml.model")
     tokens = fields.get("tokenizer.ggml.tokens")
+    tokens = [str(t) for t in tokens] if tokens is not None else []
     if kind is None or not tokens:
         raise ModelFormatError(f"{path}: the GGUF file has no tokenizer vocabulary")
-    types = list(fields.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    types = fields.get("tokenizer.ggml.token_type")
+    types = [int(t) for t in types] if types is not None else [NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise ModelFormatError(f"{path}: {len(types)} token types for {len(tokens)} tokens")
     if kind == "gpt2":
@@ -282,7 +295,7 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
 
 def _byte_level_bpe(fields: dict, tokens: list[str]) -> BackendTokenizer:
     merges_text = fields.get("tokenizer.ggml.merges")
-    if not merges_text:
+    if merges_text is None or len(merges_text) == 0:
         raise ModelFormatError("a gpt2-style GGUF vocabulary has no tokenizer.ggml.merges")
     merges = [tuple(m.split(" ", 1)) for m in merges_text]
     pre = fields.get("tokenizer.ggml.pre", "default")
@@ -324,6 +337,7 @@ def _sentencepiece_bpe(fields: dict, tokens: list[str], types: list[int]) -> Bac
     scores = fields.get("tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
         raise ModelFormatError("a llama (SentencePiece) GGUF vocabulary needs one score per token")
+    scores = [float(x) for x in scores]
     unk_id = fields.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
     bpe = models.BPE(vocab=_vocab(tokens), merges=sentencepiece_merges(tokens, scores, types), unk_token=unk,
