@@ -1,0 +1,101 @@
+"""Shared pieces of the engine tests: tiny models on disk, their Inventory, reference runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import torch
+
+from tests.tiny_models import build_hf_model
+from workbench.core.inventory import Inventory
+from workbench.core.placement import CPU_COMPUTE, CPU_STREAM, ON_GPU0, Placement
+from workbench.core.units import UnitKey
+
+TEST_DEVICE = os.environ.get("WORKBENCH_TEST_DEVICE", "cpu")
+"""Accelerator the engine tests use: ``cpu`` in CI, ``cuda`` on a GPU machine."""
+
+TEST_DTYPE = torch.float32 if TEST_DEVICE == "cpu" else torch.bfloat16
+LOGITS_RTOL = 1e-4 if TEST_DTYPE == torch.float32 else 1e-2
+
+
+def open_inventory(path: Path) -> Inventory:
+    """The Inventory of a model folder or GGUF file, from the product's reader."""
+    try:
+        from workbench.core.readers import open_model
+    except ImportError:  # until the inventory reader lands: safetensors folders from its parts
+        return _inventory_by_hand(Path(path))
+    return open_model(path)
+
+
+def _inventory_by_hand(folder: Path) -> Inventory:
+    from workbench.core.naming import assign_units
+    from workbench.core.readers.hf_config import family_of, spec_from_config
+    from workbench.core.readers.safetensors import read_safetensors_folder
+
+    config = json.loads((folder / "config.json").read_text())
+    spec = spec_from_config(config)
+    tensors, files = read_safetensors_folder(folder)
+    units, _ = assign_units(tensors, "safetensors", spec.n_layers, spec.n_experts)
+    return Inventory(folder, "safetensors", family_of(config), spec, config, tensors, units, files)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref|."""
+    got, ref = got.float().cpu(), ref.float().cpu()
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def reference_tokens(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def greedy_tokens(engine, ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens from the engine: prefill the prompt, then decode one token at a time."""
+    logits = engine.forward(torch.tensor(ids), 0)
+    out = [int(logits[-1].argmax())]
+    pos = len(ids)
+    while len(out) < n:
+        logits = engine.forward(torch.tensor([out[-1]]), pos)
+        pos += 1
+        out.append(int(logits[-1].argmax()))
+    return out
+
+
+def placements(inv: Inventory, seed: int = 0) -> dict[str, Placement]:
+    """The four placements every family is tested under."""
+    keys = inv.expert_keys()
+    layers = sorted({k.layer for k in keys})
+    per_layer = len(keys) // max(1, len(layers))
+    out = {"resident": Placement()}
+    out["compute"] = Placement()
+    out["compute"].move(keys, CPU_COMPUTE)
+    p = Placement(ON_GPU0, stream_slots=max(1, per_layer // 2 - 1) if per_layer > 2 else 1)
+    p.move(keys, CPU_STREAM)
+    out["stream"] = p
+    rng = random.Random(seed)
+    p = Placement(ON_GPU0, stream_slots=2)
+    for k in keys:
+        p.set(k, rng.choice([ON_GPU0, CPU_COMPUTE, CPU_STREAM]))
+    out["mixed"] = p
+    return out
+
+
+def make_model(model_type: str, folder: Path, **overrides):
+    model = build_hf_model(model_type, folder, **overrides)
+    (folder / "overrides.json").write_text(json.dumps(overrides))
+    return model
+
+
+def unit(layer, kind, expert=None) -> UnitKey:
+    return UnitKey(layer, kind, expert)

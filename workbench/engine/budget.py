@@ -1,0 +1,69 @@
+"""Refuse a placement before loading anything: unknown units, missing GPUs, no stream slots, or more
+accelerator memory than the budget. Sizes are what the engine allocates (its dtype), not file bytes."""
+
+from __future__ import annotations
+
+import logging
+
+from workbench.core.errors import PlacementError
+from workbench.core.fmt import bytes2human
+from workbench.core.inventory import Inventory
+from workbench.core.placement import CPU, Placement, gpu_index, is_gpu
+
+from .families import ModelArgs
+
+log = logging.getLogger(__name__)
+
+
+def check_placement(inventory: Inventory, args: ModelArgs, placement: Placement, n_accelerators: int,
+                    dtype_bytes: int, max_context: int, vram_budget: int | None) -> dict[str, int]:
+    """Validate ``placement`` for ``inventory``; return the predicted bytes ``{"accelerator", "cpu"}``.
+
+    Raises PlacementError naming the first problem: a unit the model lacks, a ``gpu:N`` beyond the
+    ``n_accelerators`` present, streamed experts with ``stream_slots == 0``, or an accelerator need
+    (weights in the engine's dtype + KV cache for ``max_context`` + stream cache) over ``vram_budget``.
+    """
+    unknown = [k for k in placement.assignments if k not in inventory.units]
+    if unknown:
+        names = ", ".join(str(k) for k in sorted(unknown)[:5])
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise PlacementError(f"the placement names units this model does not have: {names}{more}")
+    for tier in placement.tiers():
+        if is_gpu(tier) and gpu_index(tier) >= n_accelerators:
+            raise PlacementError(
+                f"the placement uses {tier}, but the engine has {n_accelerators} accelerator(s) (gpu:0"
+                + (f"..gpu:{n_accelerators - 1})" if n_accelerators > 1 else ")")
+            )
+    acc = cpu = 0
+    streamed_layers: set[int] = set()
+    expert_params = 0
+    kept = []
+    for key, unit in inventory.units.items():
+        nbytes = unit.n_params * dtype_bytes
+        a = placement.get(key)
+        if key.kind == "expert":
+            expert_params = max(expert_params, unit.n_params)
+            if is_gpu(a.tier):
+                acc += nbytes
+            else:
+                cpu += nbytes
+                if a.mode == "stream":
+                    streamed_layers.add(key.layer)
+        else:
+            acc += nbytes
+            if a.tier == CPU:
+                kept.append(key)
+    if kept:
+        log.warning("the engine runs attention, router, shared experts, dense layers, embeddings and lm_head "
+                    "on the accelerator; %d such units the placement puts on the CPU are loaded on the accelerator", len(kept))
+    if streamed_layers and placement.stream_slots < 1:
+        raise PlacementError("some experts are streamed but the placement has no stream slots (stream_slots = 0)")
+    acc += len(streamed_layers) * max(1, placement.stream_slots) * expert_params * dtype_bytes
+    kv = sum(2 * args.n_kv_heads * args.head_dim for _ in range(args.n_layers)) * max_context * dtype_bytes
+    acc += kv
+    if vram_budget is not None and acc > vram_budget:
+        raise PlacementError(
+            f"the placement needs {bytes2human(acc)} on the accelerator (weights, {bytes2human(kv)} of KV cache "
+            f"for {max_context} tokens, stream cache) but the budget is {bytes2human(vram_budget)}"
+        )
+    return {"accelerator": acc, "cpu": cpu}

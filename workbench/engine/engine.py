@@ -1,0 +1,311 @@
+"""Engine: runs a model under a Placement on one accelerator (``cuda`` or, in tests, ``cpu``).
+
+    engine = Engine.load(inventory, placement, device="cuda", dtype=torch.bfloat16, max_context=4096)
+    logits = engine.forward(torch.tensor([1, 2, 3]), start_pos=0)   # [3, vocab] float32
+    counts = engine.routing_counts()                                # [n_layers, n_experts] int64
+
+Attention, routers, shared experts, dense MLPs, embeddings and lm_head live on the accelerator;
+each routed expert is resident there, computed on the CPU, or streamed through a slot cache
+(``experts.LayerExperts``). Loading copies each unit once from the mmap'd file to where it belongs.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from workbench.core.errors import WorkbenchError
+from workbench.core.inventory import Inventory
+from workbench.core.placement import Placement, is_gpu
+from workbench.core.units import UnitKey
+
+from .budget import check_placement
+from .experts import COMPUTE, RESIDENT, STREAM, LayerExperts
+from .families import FamilyWeights, ModelArgs
+from .model import Attention, DenseMlp, KVCache, Layer, Rope, rms_norm
+from .moe import MoeBlock
+from .weights import WeightReader
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int, str], None]
+"""``progress(done_bytes, total_bytes, what)`` while loading."""
+
+
+class LoadCancelled(WorkbenchError):
+    """Loading was cancelled; everything loaded so far was freed."""
+
+
+class AcceleratorMemoryError(WorkbenchError):
+    """The accelerator ran out of memory while loading; everything loaded so far was freed."""
+
+
+class _Loader:
+    """Puts tensors where they belong; knows which unit is being loaded (for errors and progress)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, total: int, progress: Progress | None, cancel):
+        self.device, self.dtype = device, dtype
+        self.total, self.done = total, 0
+        self.progress, self.cancel = progress, cancel
+        self.unit: UnitKey | None = None
+
+    def begin(self, key: UnitKey, nbytes: int) -> None:
+        if self.cancel is not None and (self.cancel.is_set() if hasattr(self.cancel, "is_set") else self.cancel()):
+            raise LoadCancelled("loading was cancelled")
+        self.unit = key
+        self.done += nbytes
+        if self.progress is not None:
+            self.progress(self.done, self.total, str(key))
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """The one allocation function for accelerator weights (tests inject failures here)."""
+        return t.to(device=self.device, dtype=self.dtype)
+
+
+class Engine:
+    """A loaded model. Build with ``Engine.load``; see the module docstring."""
+
+    def __init__(self) -> None:
+        raise TypeError("use Engine.load(inventory, placement, ...)")
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, inventory: Inventory, placement: Placement | None = None, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.float32, max_context: int = 2048, progress: Progress | None = None,
+             cancel=None, vram_budget: int | None = None) -> Engine:
+        """Load ``inventory`` under ``placement`` (default: everything on the accelerator).
+
+        ``device`` is the accelerator. ``max_context`` sizes the static KV cache (tokens).
+        ``vram_budget`` (bytes) defaults to the free memory of a CUDA device and to no limit on the
+        CPU. ``cancel`` is a ``threading.Event`` or a callable returning True to stop.
+        Raises PlacementError before allocating anything when the placement does not fit, and
+        AcceleratorMemoryError / LoadCancelled after freeing what was loaded.
+        """
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        placement = placement if placement is not None else Placement()
+        args = ModelArgs.from_config(inventory.family, inventory.config)
+        if max_context < 1:
+            raise WorkbenchError(f"max_context must be at least 1 token, not {max_context}")
+        if vram_budget is None and device.type == "cuda":
+            vram_budget = torch.cuda.mem_get_info(device)[0]
+        dtype_bytes = torch.empty((), dtype=dtype).element_size()
+        predicted = check_placement(inventory, args, placement, 1, dtype_bytes, max_context, vram_budget)
+        self = object.__new__(cls)
+        self.inventory, self.args, self.device, self.dtype = inventory, args, device, dtype
+        self.max_context, self.vocab_size = max_context, args.vocab
+        self.predicted = predicted
+        self._lock = threading.RLock()
+        self._reader = WeightReader(inventory)
+        self._fw = FamilyWeights(self._reader, args)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
+        total = sum(u.nbytes for u in inventory.units.values())
+        loader = _Loader(device, dtype, total, progress, cancel)
+        failure = None
+        try:
+            self._build(loader, placement)
+        except torch.OutOfMemoryError as exc:
+            failure = AcceleratorMemoryError(
+                f"out of memory on {device} while loading {loader.unit}; freed everything loaded so far "
+                f"(try a placement with fewer units on the accelerator or a shorter context): {str(exc)[:160]}"
+            )
+        except LoadCancelled as exc:
+            failure = exc
+        if failure is not None:  # outside the except block: no traceback keeps tensors alive
+            self._free()
+            raise failure
+        self.placement = placement.copy()
+        log.info("loaded %s on %s: %s", inventory.path.name, device, self.memory_report())
+        return self
+
+    def _build(self, loader: _Loader, placement: Placement) -> None:
+        a, fw, place, dev = self.args, self._fw, loader.place, self.device
+        units = self.inventory.units
+        nbytes = {k: u.nbytes for k, u in units.items()}
+        self.layers = []
+        self.rope = Rope(a.rope, a.head_dim, a.max_position, self.max_context, dev)
+        self.counts = torch.zeros(a.n_layers, max(1, a.n_experts), dtype=torch.int64, device=dev)
+        self.caches = []
+        loader.begin(UnitKey(None, "embed"), nbytes.get(UnitKey(None, "embed"), 0))
+        self.embed = place(fw.get("embed"))
+        self.experts: dict[int, LayerExperts] = {}
+        for layer in range(a.n_layers):
+            loader.begin(UnitKey(layer, "attn"), nbytes.get(UnitKey(layer, "attn"), 0))
+            w = {role: place(fw.get(role, layer)) for role in
+                 ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm")
+                 if fw.has(role, layer)}
+            cache = KVCache(self.max_context, a.n_kv_heads, a.head_dim, dev, self.dtype)
+            self.caches.append(cache)
+            loader.begin(UnitKey(layer, "norm"), nbytes.get(UnitKey(layer, "norm"), 0))
+            attn_norm, ffn_norm = place(fw.get("attn_norm", layer)), place(fw.get("ffn_norm", layer))
+            if layer in a.moe_layers:
+                ffn = self._build_moe(loader, placement, layer)
+            else:
+                loader.begin(UnitKey(layer, "dense_mlp"), nbytes.get(UnitKey(layer, "dense_mlp"), 0))
+                ffn = DenseMlp(*(place(fw.get(r, layer)) for r in ("mlp_gate", "mlp_up", "mlp_down")))
+            self.layers.append(Layer(Attention(a, layer, w, cache), attn_norm, ffn_norm, ffn, a.rms_eps))
+        loader.begin(UnitKey(None, "norm"), nbytes.get(UnitKey(None, "norm"), 0))
+        self.norm = place(fw.get("norm"))
+        loader.begin(UnitKey(None, "lm_head"), nbytes.get(UnitKey(None, "lm_head"), 0))
+        self.lm_head = place(fw.get("lm_head")) if fw.has("lm_head") else self.embed
+
+    def _build_moe(self, loader: _Loader, placement: Placement, layer: int) -> MoeBlock:
+        a, fw, place = self.args, self._fw, loader.place
+        loader.begin(UnitKey(layer, "router"), 0)
+        router = place(fw.get("router", layer))
+        shared = shared_router = None
+        if fw.has("shared_gate", layer):
+            loader.begin(UnitKey(layer, "shared"), 0)
+            shared = DenseMlp(*(place(fw.get(r, layer)) for r in ("shared_gate", "shared_up", "shared_down")))
+            if fw.has("shared_router", layer):
+                shared_router = place(fw.get("shared_router", layer))
+        experts = self._build_experts(loader, placement, layer)
+        return MoeBlock(a, layer, router, experts, shared, shared_router, self.counts)
+
+    def _build_experts(self, loader: _Loader, placement: Placement, layer: int) -> LayerExperts:
+        a = self.args
+        tiers = []
+        for e in range(a.n_experts):
+            asg = placement.get(UnitKey(layer, "expert", e))
+            tiers.append(RESIDENT if is_gpu(asg.tier) else STREAM if asg.mode == "stream" else COMPUTE)
+        lx = LayerExperts(layer, a.n_experts, self.device, self.dtype, self._worker, placement.stream_slots)
+        shape13, shape2 = (2 * a.expert_ffn, a.hidden), (a.hidden, a.expert_ffn)
+        self.experts[layer] = lx  # reachable for _free() if a later allocation fails
+        for tier in (RESIDENT, COMPUTE, STREAM):
+            lx.alloc_tier(tier, tiers.count(tier), shape13, shape2)
+        rows = [0, 0, 0]
+        units = self.inventory.units
+        for e, tier in enumerate(tiers):
+            key = UnitKey(layer, "expert", e)
+            loader.begin(key, units[key].nbytes if key in units else 0)
+            w = self._fw.expert(layer, e)
+            lx.put(e, tier, rows[tier], w["w13"], w["w2"])
+            rows[tier] += 1
+        lx.finish()
+        return lx
+
+    def _free(self) -> None:
+        for name in ("layers", "experts", "caches", "embed", "norm", "lm_head", "rope", "counts"):
+            self.__dict__.pop(name, None)
+        self._worker.shutdown(wait=False)
+        self._reader.close()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- running ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Logits ``[T, vocab]`` (float32) for ``input_ids [T]`` at positions ``start_pos..start_pos+T-1``.
+
+        Writes those positions of the KV cache; positions after them are ignored until rewritten.
+        """
+        ids = torch.as_tensor(input_ids).reshape(-1)
+        T = ids.shape[0]
+        if T == 0:
+            raise WorkbenchError("forward needs at least one token")
+        if start_pos < 0 or start_pos + T > self.max_context:
+            raise WorkbenchError(
+                f"{start_pos + T} tokens do not fit the context of {self.max_context} tokens"
+                f" ({T} new tokens after {start_pos})"
+            )
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise WorkbenchError(f"token ids must be in 0..{self.vocab_size - 1}")
+        with self._lock:
+            ids = ids.to(self.device)
+            pos = torch.arange(start_pos, start_pos + T, device=self.device)
+            x = F.embedding(ids, self.embed)
+            for layer in self.layers:
+                x = layer(x, pos, start_pos, self.rope)
+            x = rms_norm(x, self.norm, self.args.rms_eps)
+            return F.linear(x, self.lm_head).float()
+
+    # -- statistics ------------------------------------------------------------------------------
+
+    def routing_counts(self) -> np.ndarray:
+        """How often each expert was selected since the last reset: ``[n_layers, n_experts]`` int64.
+
+        One device->host copy; call it a few times per second, not per token.
+        """
+        return self.counts.to("cpu").numpy().copy()
+
+    def reset_routing_counts(self) -> None:
+        self.counts.zero_()
+
+    def stream_stats(self) -> dict[int, tuple[int, int]]:
+        """Per MoE layer with streamed experts: ``(cache hits, fetches)`` since loading."""
+        return {layer: (lx.hits, lx.misses) for layer, lx in self.experts.items() if lx.cache_w13 is not None}
+
+    # -- placement -------------------------------------------------------------------------------
+
+    def apply_placement(self, placement: Placement, progress: Progress | None = None, cancel=None) -> None:
+        """Move routed experts between tiers; only layers whose expert assignments changed reload.
+
+        The new placement is checked first (PlacementError leaves the engine as it was).
+        """
+        vram = torch.cuda.mem_get_info(self.device)[0] + self.memory_report()["gpu:0"] \
+            if self.device.type == "cuda" else None
+        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        check_placement(self.inventory, self.args, placement, 1, dtype_bytes, self.max_context, vram)
+        changed = [layer for layer in self.args.moe_layers
+                   if placement.stream_slots != self.placement.stream_slots
+                   or any(placement.get(UnitKey(layer, "expert", e)) != self.placement.get(UnitKey(layer, "expert", e))
+                          for e in range(self.args.n_experts))]
+        total = sum(self.inventory.units[k].nbytes for layer in changed for k in self.inventory.expert_keys(layer))
+        loader = _Loader(self.device, self.dtype, total, progress, cancel)
+        with self._lock:
+            for layer in changed:
+                block = self.layers[layer].ffn
+                block.experts = None
+                self.experts.pop(layer, None)
+                gc.collect()
+                block.experts = self._build_experts(loader, placement, layer)
+            self.placement = placement.copy()
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes allocated by the engine per tier: ``{"gpu:0": accelerator, "cpu": host}``.
+
+        With ``device="cpu"`` the accelerator tier still reports as ``gpu:0``. File-backed views of
+        weights (mmap, no copy) count as allocated.
+        """
+        seen: set[int] = set()
+        acc = cpu = 0
+
+        def add(t: torch.Tensor | None) -> int:
+            if t is None or id(t) in seen:
+                return 0
+            seen.add(id(t))
+            return t.numel() * t.element_size()
+
+        acc += add(self.embed) + add(self.norm) + add(self.lm_head)
+        for layer in self.layers:
+            for t in layer.attn.w.values():
+                acc += add(t)
+            acc += layer.attn.cache.nbytes + add(layer.attn_norm) + add(layer.ffn_norm)
+            ffn = layer.ffn
+            if isinstance(ffn, DenseMlp):
+                acc += add(ffn.gate) + add(ffn.up) + add(ffn.down)
+            else:
+                acc += add(ffn.router) + add(ffn.shared_router)
+                if ffn.shared is not None:
+                    acc += add(ffn.shared.gate) + add(ffn.shared.up) + add(ffn.shared.down)
+                n = ffn.experts.nbytes
+                acc += n["accelerator"]
+                cpu += n["cpu"]
+        return {"gpu:0": acc, "cpu": cpu}
+
+    def close(self) -> None:
+        """Free everything; the engine cannot be used afterwards."""
+        self._free()

@@ -1,0 +1,267 @@
+"""Per-family model arguments from an HF-style config, and where each family keeps each weight.
+
+``ModelArgs.from_config`` turns a ``config.json`` dict (or the one an Inventory synthesises for a
+GGUF file) into the numbers and switches the decoder needs. ``FamilyWeights`` answers "give me
+layer 3's q projection" in one canonical layout whatever the file: HF safetensors names
+(per-expert or fused expert tensors) or llama.cpp GGUF names, with llama.cpp's rewrites undone.
+
+Canonical layouts (``nn.Linear`` convention, out x in): q ``[nH*hd, H]``, k/v ``[nKV*hd, H]``,
+o ``[H, nH*hd]``, router ``[E, H]``, expert ``w13 [2I, H]`` (gate rows then up rows), ``w2 [H, I]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from workbench.core.errors import ModelFormatError
+
+from .weights import WeightReader
+
+SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama4")
+
+
+@dataclass
+class RopeArgs:
+    """Rotary embedding: ``kind`` default|linear|llama3|yarn; ``interleaved`` rotates (x[2i], x[2i+1])
+    pairs (Llama 4, llama.cpp "normal" rope) instead of the two halves (NeoX, most HF models)."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    interleaved: bool = False
+    params: dict = field(default_factory=dict)
+
+
+@dataclass
+class ModelArgs:
+    """Everything the decoder needs to know about the architecture (sizes are element counts)."""
+
+    family: str
+    n_layers: int
+    hidden: int
+    vocab: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    rope: RopeArgs
+    max_position: int
+    moe_layers: tuple[int, ...]
+    n_experts: int
+    top_k: int
+    expert_ffn: int
+    dense_ffn: int
+    shared_ffn: int = 0
+    norm_topk_prob: bool = True
+    router: str = "softmax_topk"  # softmax_topk | sigmoid_topk_scale_input (llama4)
+    shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate(x)) * shared(x)
+    qk_norm: str | None = None  # None | "head" (per head, RMS) | "full" (whole projection) | "l2"
+    clip_qkv: float | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    use_rope: tuple[bool, ...] = ()
+    chunk: tuple[int | None, ...] = ()  # per layer: chunked-attention size (Llama 4)
+    window: tuple[int | None, ...] = ()  # per layer: sliding window (keys with q - k < window)
+    temperature_tuning: tuple[float, float] | None = None  # (attn_scale, floor_scale) on NoPE layers
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_config(cls, family: str, config: dict) -> ModelArgs:
+        """Read ``config`` (HF ``config.json`` dict) of ``family``; unsupported families are refused."""
+        if family not in SUPPORTED:
+            raise ModelFormatError(
+                f"the engine does not run the {family} family yet (it runs {', '.join(SUPPORTED)})"
+            )
+        c = dict(config.get("text_config") or config) if family == "llama4" else dict(config)
+        n_layers = int(c["num_hidden_layers"])
+        hidden = int(c["hidden_size"])
+        n_heads = int(c["num_attention_heads"])
+        head_dim = int(c.get("head_dim") or hidden // n_heads)
+        rp = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        theta = float(rp.get("rope_theta", c.get("rope_theta", 10000.0)))
+        kind = rp.get("rope_type", rp.get("type", "default")) or "default"
+        rope = RopeArgs(theta=theta, kind=kind, interleaved=family == "llama4", params=rp)
+        common = dict(
+            family=family, n_layers=n_layers, hidden=hidden, vocab=int(c["vocab_size"]), n_heads=n_heads,
+            n_kv_heads=int(c.get("num_key_value_heads") or n_heads), head_dim=head_dim,
+            rms_eps=float(c.get("rms_norm_eps", 1e-6)), rope=rope,
+            max_position=int(c.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            use_rope=(True,) * n_layers, chunk=(None,) * n_layers, window=(None,) * n_layers,
+        )
+        n_exp = int(c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0)
+        if family == "mixtral":
+            window = c.get("sliding_window")
+            return cls(
+                **{**common, "window": (window,) * n_layers},
+                moe_layers=tuple(range(n_layers)), n_experts=n_exp,
+                top_k=int(c["num_experts_per_tok"]), expert_ffn=int(c["intermediate_size"]), dense_ffn=0,
+                norm_topk_prob=True,
+            )
+        if family in ("qwen2_moe", "qwen3_moe"):
+            step = int(c.get("decoder_sparse_step", 1) or 1)
+            only = set(c.get("mlp_only_layers") or [])
+            moe = tuple(i for i in range(n_layers) if i not in only and n_exp > 0 and (i + 1) % step == 0)
+            windows = list(common["window"])
+            if c.get("use_sliding_window") and c.get("sliding_window"):
+                types = c.get("layer_types") or []
+                windows = [c["sliding_window"] if t == "sliding_attention" else None for t in types] or windows
+            q2 = family == "qwen2_moe"
+            return cls(
+                **{**common, "window": tuple(windows)},
+                moe_layers=moe, n_experts=n_exp, top_k=int(c["num_experts_per_tok"]),
+                expert_ffn=int(c["moe_intermediate_size"]), dense_ffn=int(c["intermediate_size"]),
+                shared_ffn=int(c.get("shared_expert_intermediate_size") or 0) if q2 else 0,
+                shared_gate=q2 and bool(c.get("shared_expert_intermediate_size")),
+                norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+                qk_norm=None if q2 else "head", qkv_bias=bool(c.get("qkv_bias", True)) if q2 else
+                bool(c.get("attention_bias", False)), o_bias=False if q2 else bool(c.get("attention_bias", False)),
+            )
+        if family == "olmoe":
+            bias = bool(c.get("attention_bias", False))
+            return cls(
+                **common, moe_layers=tuple(range(n_layers)), n_experts=n_exp,
+                top_k=int(c["num_experts_per_tok"]), expert_ffn=int(c["intermediate_size"]), dense_ffn=0,
+                norm_topk_prob=bool(c.get("norm_topk_prob", False)), qk_norm="full",
+                clip_qkv=c.get("clip_qkv"), qkv_bias=bias, o_bias=bias,
+            )
+        # llama4 (text part)
+        moe = c.get("moe_layers")
+        if moe is None:
+            step = int(c.get("interleave_moe_layer_step", 1))
+            moe = list(range(step - 1, n_layers, step))
+        nope = c.get("no_rope_layers") or [
+            int((i + 1) % int(c.get("no_rope_layer_interval", 4)) != 0) for i in range(n_layers)
+        ]
+        use_rope = tuple(bool(x) for x in nope)
+        chunk_size = c.get("attention_chunk_size")
+        chunk = tuple(chunk_size if (r and chunk_size) else None for r in use_rope)
+        tuning = None
+        if c.get("attn_temperature_tuning", True):
+            tuning = (float(c.get("attn_scale", 0.1)), float(c.get("floor_scale", 8192)))
+        bias = bool(c.get("attention_bias", False))
+        return cls(
+            **{**common, "use_rope": use_rope, "chunk": chunk},
+            moe_layers=tuple(moe), n_experts=n_exp, top_k=int(c["num_experts_per_tok"]),
+            expert_ffn=int(c["intermediate_size"]), dense_ffn=int(c.get("intermediate_size_mlp") or 0),
+            shared_ffn=int(c["intermediate_size"]), router="sigmoid_topk_scale_input",
+            qk_norm="l2" if c.get("use_qk_norm", True) else None, qkv_bias=bias, o_bias=bias,
+            temperature_tuning=tuning,
+        )
+
+
+# -- where each weight lives ---------------------------------------------------------------------
+
+_HF_ATTN = {"q": "q_proj.weight", "k": "k_proj.weight", "v": "v_proj.weight", "o": "o_proj.weight",
+            "q_bias": "q_proj.bias", "k_bias": "k_proj.bias", "v_bias": "v_proj.bias", "o_bias": "o_proj.bias",
+            "q_norm": "q_norm.weight", "k_norm": "k_norm.weight", "sinks": "sinks"}
+_GGUF_LAYER = {"q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
+               "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
+               "o_bias": "attn_output.bias", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+               "sinks": "attn_sinks.weight", "attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
+               "router": "ffn_gate_inp.weight", "router_bias": "ffn_gate_inp.bias",
+               "shared_gate": "ffn_gate_shexp.weight", "shared_up": "ffn_up_shexp.weight",
+               "shared_down": "ffn_down_shexp.weight", "shared_router": "ffn_gate_inp_shexp.weight",
+               "mlp_gate": "ffn_gate.weight", "mlp_up": "ffn_up.weight", "mlp_down": "ffn_down.weight"}
+_GGUF_MODEL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
+_GGUF_ARCH_PERMUTES_QK = {"mixtral"}  # llama.cpp's llama converter permutes Q/K rows for its rope
+
+
+class FamilyWeights:
+    """Canonical tensors of one model (CPU, stored dtype or float32), by role, from either format."""
+
+    def __init__(self, reader: WeightReader, args: ModelArgs):
+        self.reader = reader
+        self.args = args
+        self.gguf = reader.inventory.format == "gguf"
+        if not self.gguf:
+            self.prefix = self._find_prefix()
+            self.mlp = {"mixtral": "block_sparse_moe", "llama4": "feed_forward"}.get(args.family, "mlp")
+
+    def _find_prefix(self) -> str:
+        for p in ("model.", "language_model.model.", "model.language_model."):
+            if self.reader.has(p + "embed_tokens.weight"):
+                return p
+        raise ModelFormatError(f"{self.reader.inventory.path.name}: no embed_tokens tensor found")
+
+    # -- names -----------------------------------------------------------------------------------
+
+    def _hf_name(self, role: str, layer: int | None) -> str:
+        a, p = self.args, self.prefix
+        if layer is None:
+            if role == "lm_head":
+                return p.replace("model.", "", 1) + "lm_head.weight" if p != "model.language_model." \
+                    else "lm_head.weight"
+            return p + {"embed": "embed_tokens.weight", "norm": "norm.weight"}[role]
+        lp = f"{p}layers.{layer}."
+        if role in _HF_ATTN:
+            return lp + "self_attn." + _HF_ATTN[role]
+        if role == "attn_norm":
+            return lp + "input_layernorm.weight"
+        if role == "ffn_norm":
+            return lp + "post_attention_layernorm.weight"
+        m = lp + self.mlp + "."
+        if role == "router":
+            return m + ("router.weight" if a.family == "llama4" else "gate.weight")
+        if role.startswith("shared_"):
+            if role == "shared_router":
+                return m + "shared_expert_gate.weight"
+            return m + f"shared_expert.{role[7:]}_proj.weight"
+        if role.startswith("mlp_"):
+            return m + f"{role[4:]}_proj.weight"
+        raise KeyError(role)
+
+    def name(self, role: str, layer: int | None = None) -> str:
+        """File tensor name of ``role`` (``"q"``, ``"router"``, ``"embed"``...) in ``layer``."""
+        if self.gguf:
+            return _GGUF_MODEL[role] if layer is None else f"blk.{layer}." + _GGUF_LAYER[role]
+        return self._hf_name(role, layer)
+
+    # -- tensors ---------------------------------------------------------------------------------
+
+    def has(self, role: str, layer: int | None = None) -> bool:
+        return self.reader.has(self.name(role, layer))
+
+    def get(self, role: str, layer: int | None = None) -> torch.Tensor:
+        """Tensor of ``role`` in canonical layout (a zero-copy file view when no transform applies)."""
+        if role == "lm_head" and not self.has("lm_head"):
+            role = "embed"  # tied embeddings
+        t = self.reader.tensor(self.name(role, layer))
+        if self.gguf:
+            t = self._undo_gguf(role, t)
+        if role == "shared_router":
+            t = t.reshape(1, -1)
+        return t
+
+    def _undo_gguf(self, role: str, t: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        if a.family in _GGUF_ARCH_PERMUTES_QK and role in ("q", "k", "q_bias", "k_bias"):
+            heads = a.n_heads if role.startswith("q") else a.n_kv_heads
+            t = _unpermute_rows(t, heads)
+        return t
+
+    def expert(self, layer: int, e: int) -> dict[str, torch.Tensor]:
+        """Expert ``e`` of ``layer``: ``{"w13": [2I, H], "w2": [H, I]}`` (CPU; a new tensor for w13)."""
+        if self.gguf:
+            g = self.reader.tensor(f"blk.{layer}.ffn_gate_exps.weight", e)
+            u = self.reader.tensor(f"blk.{layer}.ffn_up_exps.weight", e)
+            d = self.reader.tensor(f"blk.{layer}.ffn_down_exps.weight", e)
+            return {"w13": torch.cat([g, u]), "w2": d}
+        m = f"{self.prefix}layers.{layer}.{self.mlp}.experts."
+        if self.reader.has(m + "gate_up_proj"):
+            gu = self.reader.tensor(m + "gate_up_proj", e)
+            d = self.reader.tensor(m + "down_proj", e)
+            if self.args.family == "llama4":  # stored [H, 2I] and [I, H]: x @ W
+                return {"w13": gu.t().contiguous(), "w2": d.t()}
+            return {"w13": gu, "w2": d}
+        names = ("w1", "w3", "w2") if self.args.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        g, u, d = (self.reader.tensor(f"{m}{e}.{n}.weight") for n in names)
+        return {"w13": torch.cat([g, u]), "w2": d}
+
+
+def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's ``permute`` of Q/K rows (HF halves layout -> GGML pairs layout)."""
+    shape = w.shape
+    rest = shape[1:]
+    return w.reshape(n_head, shape[0] // n_head // 2, 2, *rest).transpose(1, 2).reshape(shape)

@@ -1,0 +1,202 @@
+"""The decoder: embeddings, attention with a static KV cache, RoPE variants, dense MLPs, lm_head.
+
+Plain tensors on the accelerator, no nn.Module tree: the engine attaches weights per placement and
+the MoE part (``moe.MoeBlock``) decides where each expert runs. Shapes: ``T`` tokens in this call,
+``H`` hidden size, ``nH``/``nKV`` query/key-value heads, ``hd`` head dim, ``S`` cached positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .families import ModelArgs, RopeArgs
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 like transformers; ``weight=None`` is Llama 4's L2 norm."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(dtype) if weight is None else weight * xf.to(dtype)
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` for ``x [T, H]``, nn.Linear-layout weights."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+# -- rotary embeddings ---------------------------------------------------------------------------
+
+def rope_inv_freq(rope: RopeArgs, dim: int, max_position: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[dim/2]`` (float32) and the attention scaling of the RoPE variant."""
+    p = rope.params
+    base = rope.theta
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = rope.kind
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return inv / float(p["factor"]), 1.0
+    if kind == "llama3":
+        factor, lo, hi = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        old = float(p["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        out = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, out), 1.0
+    if kind == "yarn":
+        factor = float(p.get("factor") or 1.0)
+        orig = float(p["original_max_position_embeddings"])
+        att = p.get("attention_factor")
+        if att is None:
+            def mscale(s: float, m: float = 1.0) -> float:
+                return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+            ms, msa = p.get("mscale"), p.get("mscale_all_dim")
+            att = mscale(factor, ms) / mscale(factor, msa) if ms and msa else mscale(factor)
+        beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
+
+        def corr(rot: float) -> float:
+            return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        lo, hi = corr(beta_fast), corr(beta_slow)
+        if p.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+        extra = 1 - ramp
+        pos = base ** (torch.arange(0, dim, 2).float() / dim)
+        inv = (1.0 / (factor * pos)) * (1 - extra) + (1.0 / pos) * extra
+        return inv, float(att)
+    raise ValueError(f"RoPE type {kind!r} is not supported by the engine")
+
+
+class Rope:
+    """Cos/sin tables for positions ``0..max_context-1`` on the accelerator."""
+
+    def __init__(self, rope: RopeArgs, head_dim: int, max_position: int, max_context: int, device):
+        inv, scale = rope_inv_freq(rope, head_dim, max_position)
+        freqs = torch.arange(max_context, dtype=torch.float32)[:, None] * inv[None, :]  # [S, hd/2]
+        self.interleaved = rope.interleaved
+        if self.interleaved:
+            self.cis = (torch.polar(torch.ones_like(freqs), freqs) * scale).to(device)  # complex [S, hd/2]
+        else:
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self.cos = (emb.cos() * scale).to(device)  # [S, hd]
+            self.sin = (emb.sin() * scale).to(device)
+
+    def apply(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, n, hd]`` for positions ``pos [T]``."""
+        if self.interleaved:
+            xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+            return torch.view_as_real(xc * self.cis[pos][:, None, :]).flatten(-2).type_as(x)
+        cos, sin = self.cos[pos][:, None, :].to(x.dtype), self.sin[pos][:, None, :].to(x.dtype)
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rot * sin
+
+
+# -- attention -----------------------------------------------------------------------------------
+
+class KVCache:
+    """Static per-layer cache ``k, v [S, nKV, hd]`` for ``S = max_context`` positions."""
+
+    def __init__(self, max_context: int, n_kv: int, head_dim: int, device, dtype):
+        self.k = torch.zeros(max_context, n_kv, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros(max_context, n_kv, head_dim, device=device, dtype=dtype)
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write positions ``start..start+T-1``; return the keys/values of ``0..start+T-1``."""
+        end = start + k.shape[0]
+        self.k[start:end] = k
+        self.v[start:end] = v
+        return self.k[:end], self.v[:end]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+def attention_mask(pos: torch.Tensor, end: int, window: int | None, chunk: int | None) -> torch.Tensor:
+    """Boolean ``[T, end]``: query at ``pos[t]`` may attend key position ``s``."""
+    s = torch.arange(end, device=pos.device)[None, :]
+    q = pos[:, None]
+    mask = s <= q
+    if window is not None:
+        mask &= s > q - window
+    if chunk is not None:
+        mask &= (s // chunk) == (q // chunk)
+    return mask
+
+
+class Attention:
+    """One layer's self-attention. ``w`` holds canonical tensors already on the accelerator."""
+
+    def __init__(self, args: ModelArgs, layer: int, w: dict[str, torch.Tensor], cache: KVCache):
+        self.a = args
+        self.layer = layer
+        self.w = w
+        self.cache = cache
+        self.use_rope = args.use_rope[layer]
+        self.window = args.window[layer]
+        self.chunk = args.chunk[layer]
+        self.scale = args.head_dim ** -0.5
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, start: int, rope: Rope) -> torch.Tensor:
+        a, w = self.a, self.w
+        T = x.shape[0]
+        q = F.linear(x, w["q"], w.get("q_bias"))  # [T, nH*hd]
+        k = F.linear(x, w["k"], w.get("k_bias"))
+        v = F.linear(x, w["v"], w.get("v_bias"))
+        if a.qk_norm == "full":
+            q, k = rms_norm(q, w["q_norm"], a.rms_eps), rms_norm(k, w["k_norm"], a.rms_eps)
+        if a.clip_qkv is not None:
+            q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+        q = q.view(T, a.n_heads, a.head_dim)
+        k = k.view(T, a.n_kv_heads, a.head_dim)
+        v = v.view(T, a.n_kv_heads, a.head_dim)
+        if a.qk_norm == "head":
+            q, k = rms_norm(q, w["q_norm"], a.rms_eps), rms_norm(k, w["k_norm"], a.rms_eps)
+        if self.use_rope:
+            q, k = rope.apply(q, pos), rope.apply(k, pos)
+            if a.qk_norm == "l2":
+                q, k = rms_norm(q, None, a.rms_eps), rms_norm(k, None, a.rms_eps)
+        elif a.temperature_tuning is not None:
+            attn_scale, floor_scale = a.temperature_tuning
+            scales = torch.log1p(torch.floor((pos.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+            q = (q * scales[:, None, None]).to(q.dtype)
+        keys, values = self.cache.update(start, k, v)  # [S', nKV, hd]
+        mask = attention_mask(pos, start + T, self.window, self.chunk)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=mask[None, None], scale=self.scale, enable_gqa=a.n_heads != a.n_kv_heads,
+        )  # [1, nH, T, hd]
+        out = out[0].transpose(0, 1).reshape(T, a.n_heads * a.head_dim)
+        return F.linear(out, w["o"], w.get("o_bias"))
+
+
+class DenseMlp:
+    """A dense SwiGLU MLP (dense layers; also a model's shared expert)."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+        self.gate, self.up, self.down = gate, up, down
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.gate, self.up, self.down)
+
+
+class Layer:
+    """Pre-norm decoder layer: ``x + attn(norm(x))`` then ``h + ffn(norm(h))``."""
+
+    def __init__(self, attn: Attention, attn_norm: torch.Tensor, ffn_norm: torch.Tensor, ffn, eps: float):
+        self.attn, self.attn_norm, self.ffn_norm, self.ffn, self.eps = attn, attn_norm, ffn_norm, ffn, eps
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, start: int, rope: Rope) -> torch.Tensor:
+        h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos, start, rope)
+        return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))

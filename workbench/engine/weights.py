@@ -1,0 +1,109 @@
+"""Tensors straight from the model files: zero-copy views of mmap'd safetensors / GGUF data.
+
+``WeightReader.tensor(name)`` returns a CPU tensor that views the file's pages (``np.memmap`` in
+copy-on-write mode + ``torch.from_numpy``) for F32/F16/BF16 data, so nothing is allocated until the
+caller copies it to where it belongs. GGUF block-quantized types (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K...)
+are dequantized to float32 with gguf-py's dequantizer, one tensor or one expert slice at a time, so
+peak host memory stays near the size of the unit being loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from workbench.core.errors import ModelFormatError
+from workbench.core.inventory import Inventory
+from workbench.core.units import TensorInfo
+
+log = logging.getLogger(__name__)
+
+_PLAIN = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": np.uint16,  # numpy has no bfloat16: read the bits, view them as torch.bfloat16
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+class WeightReader:
+    """Reads tensors (or expert slices of stacked tensors) of one Inventory from its files."""
+
+    def __init__(self, inventory: Inventory):
+        self.inventory = inventory
+        self._maps: dict[Path, np.memmap] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.inventory.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.inventory.tensors[name]
+        except KeyError:
+            raise ModelFormatError(f"{self.inventory.path.name}: tensor {name} is missing") from None
+
+    def _file(self, path: Path) -> np.memmap:
+        m = self._maps.get(path)
+        if m is None:
+            m = np.memmap(path, dtype=np.uint8, mode="c")
+            self._maps[path] = m
+        return m
+
+    def tensor(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """Tensor ``name`` on the CPU, in its stored dtype (F32/F16/BF16) or dequantized to float32.
+
+        With ``expert`` given, axis 0 of the stored tensor stacks the experts and only expert
+        ``expert``'s contiguous byte range is read; the result drops that axis.
+        """
+        info = self.info(name)
+        shape = tuple(info.shape)
+        start, nbytes = info.offset, info.nbytes
+        if expert is not None:
+            n_exp = shape[0]
+            if not 0 <= expert < n_exp:
+                raise ModelFormatError(f"{name}: expert {expert} out of range 0..{n_exp - 1}")
+            nbytes //= n_exp
+            start += expert * nbytes
+            shape = shape[1:]
+        raw = self._file(info.file)
+        if start + nbytes > raw.shape[0]:
+            raise ModelFormatError(f"{info.file.name} is truncated: tensor {name} ends past the end of the file")
+        data = raw[start : start + nbytes]
+        dtype = info.dtype.upper()
+        if dtype in _PLAIN:
+            arr = data.view(_PLAIN[dtype]).reshape(shape)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                t = torch.from_numpy(arr)
+            return t.view(torch.bfloat16) if dtype == "BF16" else t
+        return _dequantize(data, dtype, shape, name)
+
+    def close(self) -> None:
+        self._maps.clear()
+
+
+def _dequantize(data: np.ndarray, dtype: str, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    try:
+        qtype = GGMLQuantizationType[dtype]
+    except KeyError:
+        raise ModelFormatError(f"tensor {name} has storage type {dtype}, which the engine cannot read") from None
+    n_rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    rows = np.asarray(data).reshape(n_rows, -1)
+    try:
+        out = dequantize(rows, qtype)
+    except NotImplementedError:
+        raise ModelFormatError(f"tensor {name}: gguf cannot dequantize {dtype}") from None
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32).reshape(shape))
