@@ -1,0 +1,208 @@
+import math
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workbench.core.costmodel import CostModel, EngineShape, cpu_rate, lru_hit_probs
+from workbench.core.memory import estimate_memory, placement_all_gpu, placement_cpu_moe, placement_n_cpu_moe
+from workbench.core.placement import CPU_COMPUTE, CPU_STREAM, ON_GPU0, Placement
+from workbench.core.stats import ExpertStats
+from workbench.core.units import UnitKey
+
+from .profiles import desktop_profile, h200_profile
+from .synth_inventory import synth_inventory
+
+
+def _skewed_stats(inv, seed=0, alpha=0.2):
+    rng = np.random.default_rng(seed)
+    s = ExpertStats.for_spec(inv.spec)
+    counts = np.zeros(s.shape)
+    for layer in inv.spec.moe_layers:
+        counts[layer] = rng.dirichlet(np.full(s.n_experts, alpha)) * 1e5
+    s.add(counts)
+    return s
+
+
+def test_one_layer_by_hand():
+    """1 layer, 2 experts, top-1, no stats: every term of the decode formula checked by hand."""
+    inv = synth_inventory(1, 2, top_k=1, hidden=64, expert_ffn=32, vocab=128, n_heads=2, n_kv_heads=1, head_dim=32)
+    hw = h200_profile()
+    g = hw.gpus[0]
+    eng = EngineShape()
+    cm = CostModel(inv, hw, engine=eng)
+    p = Placement()
+    p.set(UnitKey(0, "expert", 1), CPU_COMPUTE)
+    pred = cm.predict(p, ctx=256, prompt_tokens=100)
+    c = pred.decode_layers[0]
+    eb = inv.units[UnitKey(0, "expert", 0)].nbytes
+    attn = inv.units[UnitKey(0, "attn")].nbytes + 100 * 2 * 1 * 32 * 2  # weights + KV of 100 tokens (f16)
+    pre = (attn / g.mem_bandwidth + eng.launches_attn * g.launch_s
+           + inv.units[UnitKey(0, "router")].nbytes / g.mem_bandwidth + eng.launches_moe * g.launch_s
+           + inv.units[UnitKey(0, "norm")].nbytes / g.mem_bandwidth)
+    assert c.pre == pytest.approx(pre)
+    assert c.gpu == pytest.approx(0.5 * eb / g.expert_bandwidth + eng.launches_cpu_return * g.launch_s)
+    assert c.cpu == pytest.approx(0.5 * eb / hw.cpu_expert_throughput["bf16"])
+    assert c.sync == hw.sync_s and c.bus == 0
+    assert c.total == pytest.approx(c.pre + max(c.gpu, c.cpu) + c.sync)  # overlap, not the sum
+    assert c.gpu_share == pytest.approx(0.5)
+    assert 1 / pred.decode_tps == pytest.approx(c.total + pred.decode_other_s)
+
+
+def test_memory_is_the_memory_estimate():
+    inv = synth_inventory(4, 8)
+    p = placement_n_cpu_moe(inv, 2)
+    pred = CostModel(inv, h200_profile()).predict(p, ctx=2048)
+    assert pred.memory.to_json() == estimate_memory(inv, p, 2048).to_json()
+
+
+def test_layer_shaped_placements_are_ordered():
+    inv = synth_inventory(6, 16, hidden=512, expert_ffn=256)
+    cm = CostModel(inv, desktop_profile())
+    speeds = [cm.predict(placement_n_cpu_moe(inv, n)).decode_tps for n in range(7)]
+    assert all(a > b for a, b in zip(speeds, speeds[1:]))
+    assert speeds[0] == pytest.approx(cm.predict(placement_all_gpu(inv)).decode_tps)
+    assert speeds[-1] == pytest.approx(cm.predict(placement_cpu_moe(inv)).decode_tps)
+    pre = [cm.predict(placement_n_cpu_moe(inv, n)).prefill_tps for n in (0, 6)]
+    assert pre[0] > pre[1]
+
+
+def test_hot_experts_on_gpu_beat_cold_ones():
+    inv = synth_inventory(4, 32, hidden=512, expert_ffn=256, top_k=4)
+    stats = _skewed_stats(inv)
+    cm = CostModel(inv, desktop_profile(), stats)
+    hot, cold = Placement(default=CPU_COMPUTE), Placement(default=CPU_COMPUTE)
+    for u in inv.units:
+        if u.kind != "expert":
+            hot.set(u, ON_GPU0)
+            cold.set(u, ON_GPU0)
+    for layer in range(4):
+        order = stats.hottest(layer)
+        hot.move([UnitKey(layer, "expert", int(e)) for e in order[:8]], ON_GPU0)
+        cold.move([UnitKey(layer, "expert", int(e)) for e in order[-8:]], ON_GPU0)
+    assert cm.predict(hot).decode_tps > 1.3 * cm.predict(cold).decode_tps
+    assert cm.predict(hot).gpu_share > cm.predict(cold).gpu_share
+
+
+def test_stats_of_another_shape_are_refused():
+    inv = synth_inventory(4, 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        CostModel(inv, h200_profile(), ExpertStats(4, 16, 2))
+
+
+def test_cpu_rate_lookup():
+    hw = h200_profile()
+    assert cpu_rate(hw, "BF16") == 50e9
+    assert cpu_rate(hw, "F16") == 50e9
+    assert cpu_rate(hw, "Q8_0") == 44e9
+    assert cpu_rate(hw, "Q4_K") == 36e9
+    assert cpu_rate(hw, "MXFP4") == 36e9
+    assert cpu_rate(desktop_profile(), "Q4_K") == 20e9  # falls back to bf16
+
+
+def _simulate_lru(q, slots, tokens, rng):
+    """Token-level LRU as the engine runs it: a step's selected experts are looked up against the cache
+    as it was before the step, then all of them become most recent; the least recent are evicted."""
+    cache: list[int] = []
+    hits = reqs = 0
+    for _ in range(tokens):
+        req = list(np.flatnonzero(rng.random(q.size) < q))
+        reqs += len(req)
+        hits += sum(e in cache for e in req)
+        cache = ([c for c in cache if c not in req] + req)[-slots:]
+    return hits / reqs
+
+
+def test_lru_hit_rate_matches_simulation():
+    rng = np.random.default_rng(1)
+    for slots, alpha in ((4, 0.3), (8, 1.0), (16, 0.3), (32, 0.5)):
+        q = np.minimum(1, 4 * rng.dirichlet(np.full(64, alpha)))
+        h = lru_hit_probs(q[None, :], slots)[0]
+        predicted = (q * h).sum() / q.sum()
+        measured = _simulate_lru(q, slots, 3000, rng)
+        assert predicted == pytest.approx(measured, abs=0.04), (slots, alpha)
+    assert np.all(lru_hit_probs(np.array([[0.5, 0.5, 0.0]]), 2) == [[1, 1, 0]])
+    assert np.all(lru_hit_probs(np.array([[0.5, 0.5]]), 0) == 0)
+
+
+def test_streaming_cost_falls_with_slots():
+    inv = synth_inventory(2, 16, hidden=512, expert_ffn=256)
+    stats = _skewed_stats(inv, alpha=0.3)
+    cm = CostModel(inv, h200_profile(), stats)
+    base = Placement()
+    base.move(inv.expert_keys(), CPU_STREAM)
+    times = []
+    for slots in (1, 4, 12, 16):
+        base.stream_slots = slots
+        pred = cm.predict(base)
+        times.append(pred.decode_s)
+        assert all(0 <= c.stream_hit_rate <= 1 for c in pred.decode_layers)
+    assert times == sorted(times, reverse=True)
+    assert pred.decode_layers[0].stream_hit_rate == 1.0
+
+
+def test_prefill_fetches_busy_experts_and_computes_rare_ones():
+    inv = synth_inventory(1, 8, hidden=1024, expert_ffn=512, top_k=2)
+    cm = CostModel(inv, h200_profile())
+    p = placement_cpu_moe(inv)
+    short = cm.predict(p, prompt_tokens=1).prefill_layers[0]
+    assert short.cpu > 0 and short.bus == 0
+    p_stream = Placement(stream_slots=1)
+    p_stream.move(inv.expert_keys(), CPU_STREAM)
+    long = cm.predict(p_stream, prompt_tokens=512).prefill_layers[0]
+    assert long.bus > 0 and long.cpu == 0  # 128 tokens per expert: cheaper to copy it over pinned memory
+
+
+def test_predict_is_fast_for_94_layers_by_256_experts():
+    inv = synth_inventory(94, 256, hidden=4096, expert_ffn=1536, top_k=8, vocab=151936, n_heads=64, n_kv_heads=4,
+                          head_dim=128)
+    stats = _skewed_stats(inv)
+    t0 = time.perf_counter()
+    cm = CostModel(inv, h200_profile(), stats)
+    p = placement_n_cpu_moe(inv, 47)
+    pred = cm.predict(p)
+    dt = time.perf_counter() - t0
+    assert dt < 1.0, dt
+    assert len(pred.decode_layers) == 94 and pred.decode_tps > 0
+    assert "decode" in pred.table(per_layer=True)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.floats(0.05, 3.0), st.integers(1, 8))
+def test_moving_an_expert_to_the_gpu_never_slows_a_cpu_bound_layer(seed, alpha, n_moves):
+    """CPU -> GPU moves that fit never lower the predicted decode speed while the layer's CPU lane is
+    the longest, and emptying a layer of CPU experts never does either. (Where the GPU lane is already
+    the longest, the overlap model predicts a slowdown of at most the moved expert's GPU read time:
+    the CPU work it removes was hidden.)"""
+    rng = np.random.default_rng(seed)
+    inv = synth_inventory(3, 8, hidden=256, expert_ffn=128, top_k=2)
+    stats = _skewed_stats(inv, seed=seed % 1000, alpha=alpha)
+    hw = desktop_profile()
+    cm = CostModel(inv, hw, stats)
+    p = placement_cpu_moe(inv)
+    cpu_keys = list(inv.expert_keys())
+    rng.shuffle(cpu_keys)
+    before = cm.predict(p)
+    for key in cpu_keys[:n_moves]:
+        layer = before.decode_layers[key.layer]
+        q = p.copy()
+        q.set(key, ON_GPU0)
+        after = cm.predict(q)
+        gpu_read = cm.p_sel[key.layer, key.expert] * cm.expert_bytes[key.layer, key.expert] / hw.gpus[0].mem_bandwidth
+        if layer.cpu >= layer.gpu or not any(q.get(k) == CPU_COMPUTE for k in inv.expert_keys(key.layer)):
+            assert after.decode_tps >= before.decode_tps * (1 - 1e-12)
+        else:
+            assert after.decode_s <= before.decode_s + gpu_read + 1e-12
+        p, before = q, after
+    assert cm.predict(placement_all_gpu(inv)).decode_tps >= before.decode_tps
+
+
+def test_no_stats_means_uniform_selection():
+    inv = synth_inventory(2, 8, top_k=2)
+    cm = CostModel(inv, h200_profile())
+    assert np.allclose(cm.p_sel, 0.25)
+    pred = cm.predict(placement_cpu_moe(inv))
+    assert all(c.gpu_share == 0 for c in pred.decode_layers)
+    assert not math.isnan(pred.prefill_tps)

@@ -1,0 +1,467 @@
+"""CostModel: predict what a placement does before running it — bytes per device, decode and prefill
+tokens/s, and a per-layer breakdown.
+
+Decode, per decoder layer (batch 1, times in seconds):
+
+- ``pre``: attention (weights + the KV cache read for the current context), norms and the router,
+  on their tier: bytes / bandwidth + kernel launches. It runs before routing is known.
+- then three lanes run at the same time and the layer waits for the longest:
+  GPU lane (shared expert, dense MLP, resident routed experts: expected bytes of the selected ones /
+  the GPU's expert bandwidth, plus launches), CPU lane (expected bytes of the selected CPU-compute
+  experts / the CPU's expert throughput for their weight format), bus lane (streamed experts:
+  expected misses of an LRU cache of ``stream_slots`` per layer x transfer time over the pinned bus,
+  then their GPU compute).
+- a host<->GPU sync per layer that has CPU or streamed experts (the router's choice must reach the
+  host), plus the GPU-side launches of bringing CPU results back.
+
+So a layer costs ``pre + max(gpu, cpu, bus) + sync`` rather than the sum. Expected selections come
+from ExpertStats per layer (uniform without stats): a token picks expert ``e`` of layer ``l`` with
+probability ``min(1, top_k * share[l, e])``.
+
+Prefill of ``P`` tokens runs in chunks of ``memory.PREFILL_CHUNK``: GPU work is the larger of weight
+reads and GEMM FLOPs (plus causal attention FLOPs); a CPU expert that ``n`` tokens pick is either
+computed on the CPU (weights read once, FLOPs at the CPU's GEMM rate) or copied to the GPU for the
+chunk (pinned copies for streamed experts, pageable for CPU-compute ones), whichever is cheaper.
+
+Every rate comes from the HardwareProfile (calibrated by ``workbench calibrate`` or a preset); the
+engine's kernel counts are in ``EngineShape``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .fmt import bytes2human
+from .hardware import HardwareProfile
+from .inventory import Inventory
+from .memory import PREFILL_CHUNK, MemoryEstimate, estimate_memory, kv_cache_bytes
+from .placement import TIER_CPU_COMPUTE, TIER_CPU_STREAM, Placement, expert_grid, gpu_index, is_gpu
+from .stats import ExpertStats
+from .units import UnitKey
+
+_QUANT_FAMILY = {"Q8": "int8", "I8": "int8", "INT8": "int8", "F8": "fp8", "FP8": "fp8"}
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """Kernel launches of the hybrid engine's decode step (structure of the engine, not of the machine)."""
+
+    launches_attn: int = 10
+    """norm, q/k/v projections, rope, cache write, attention, output projection, residual."""
+    launches_moe: int = 6
+    """router, top-k, gather, grouped gate_up / down GEMMs, weighted combine (per MoE layer)."""
+    launches_mlp: int = 4
+    """a dense MLP or a shared expert: gate_up, act, down, residual."""
+    launches_cpu_return: int = 2
+    """GPU-side work per layer with CPU experts: copy of their result to the GPU, add."""
+    launches_stream: int = 2
+    """per streamed expert fetched: the copy and its compute."""
+    launches_head: int = 3
+    """final norm, lm_head, sampling."""
+
+
+@dataclass
+class LayerCost:
+    """Predicted decode (or prefill-chunk) time of one layer, seconds. ``gpu`` includes ``pre``."""
+
+    layer: int
+    pre: float = 0.0
+    gpu: float = 0.0
+    cpu: float = 0.0
+    bus: float = 0.0
+    sync: float = 0.0
+    gpu_share: float = 1.0
+    """Expected share of the layer's expert selections served by GPU-resident experts."""
+    stream_hit_rate: float = float("nan")
+    """Expected hit rate of the layer's stream cache (NaN without streamed experts)."""
+
+    @property
+    def total(self) -> float:
+        return self.pre + max(self.gpu, self.cpu, self.bus) + self.sync
+
+    @property
+    def bound(self) -> str:
+        lanes = {"gpu": self.gpu, "cpu": self.cpu, "bus": self.bus}
+        return max(lanes, key=lanes.get)
+
+    def to_json(self) -> dict:
+        return {"layer": self.layer, "pre_s": self.pre, "gpu_s": self.gpu, "cpu_s": self.cpu,
+                "bus_s": self.bus, "sync_s": self.sync, "total_s": self.total, "bound": self.bound,
+                "gpu_share": self.gpu_share,
+                "stream_hit_rate": None if math.isnan(self.stream_hit_rate) else self.stream_hit_rate}
+
+
+@dataclass
+class Prediction:
+    """What the cost model predicts for one placement."""
+
+    memory: MemoryEstimate
+    decode_tps: float
+    prefill_tps: float
+    prompt_tokens: int
+    kv_tokens: int
+    decode_layers: list[LayerCost] = field(default_factory=list)
+    prefill_layers: list[LayerCost] = field(default_factory=list)
+    """Per-layer costs of one prefill chunk of ``min(prompt_tokens, PREFILL_CHUNK)`` tokens."""
+    decode_other_s: float = 0.0
+    """Embedding, final norm, lm_head and sampling per decoded token (s)."""
+
+    @property
+    def decode_s(self) -> float:
+        return 1.0 / self.decode_tps
+
+    @property
+    def gpu_share(self) -> float:
+        """Expected share of all routed selections served by GPU-resident experts."""
+        moe = [c.gpu_share for c in self.decode_layers if not math.isnan(c.gpu_share)]
+        return float(np.mean(moe)) if moe else 1.0
+
+    def to_json(self) -> dict:
+        return {
+            "decode_tps": self.decode_tps,
+            "prefill_tps": self.prefill_tps,
+            "prompt_tokens": self.prompt_tokens,
+            "kv_tokens": self.kv_tokens,
+            "decode_other_s": self.decode_other_s,
+            "memory": self.memory.to_json(),
+            "decode_layers": [c.to_json() for c in self.decode_layers],
+            "prefill_layers": [c.to_json() for c in self.prefill_layers],
+        }
+
+    def table(self, per_layer: bool = False) -> str:
+        """Plain-text summary: bytes per device, decode and prefill tokens/s (and optionally layers)."""
+        lines = [f"{'device':<8} {'weights':>11} {'KV cache':>10} {'stream':>10} {'overhead':>10} {'total':>11}"]
+        for name, t in self.memory.tiers.items():
+            lines.append(f"{name:<8} {bytes2human(t.weights_total):>11} {bytes2human(t.kv_cache):>10} "
+                         f"{bytes2human(t.stream_cache):>10} {bytes2human(t.overhead):>10} {bytes2human(t.total):>11}")
+        lines.append("")
+        lines.append(f"decode  {self.decode_tps:10.2f} tokens/s  (context {self.kv_tokens} tokens; "
+                     f"{100 * self.gpu_share:.1f}% of expert selections on the GPU)")
+        lines.append(f"prefill {self.prefill_tps:10.1f} tokens/s  (prompt {self.prompt_tokens} tokens)")
+        if per_layer:
+            lines.append("")
+            lines.append(f"{'layer':>5} {'pre µs':>8} {'gpu µs':>8} {'cpu µs':>8} {'bus µs':>8} {'sync µs':>8} "
+                         f"{'total µs':>9} {'bound':>5} {'gpu share':>9}")
+            for c in self.decode_layers:
+                lines.append(f"{c.layer:>5} {c.pre * 1e6:8.1f} {c.gpu * 1e6:8.1f} {c.cpu * 1e6:8.1f} "
+                             f"{c.bus * 1e6:8.1f} {c.sync * 1e6:8.1f} {c.total * 1e6:9.1f} {c.bound:>5} "
+                             f"{100 * c.gpu_share:8.1f}%")
+        return "\n".join(lines)
+
+
+def weight_format(dtype: str) -> str:
+    """The CPU throughput key of a storage dtype: ``BF16 -> bf16``, ``Q8_0 -> q8_0`` (then ``int8``)."""
+    return dtype.lower()
+
+
+def cpu_rate(profile: HardwareProfile, dtype: str) -> float:
+    """Bytes of expert weights per second the CPU serves at batch 1 for weights stored as ``dtype``.
+
+    Looks up ``cpu_expert_throughput`` by the exact format (``q4_k``), then its family (``int8``,
+    ``int4`` for other quantized types, ``bf16`` for ``f16``), then ``bf16``; without any entry,
+    half the host RAM read bandwidth (plain PyTorch bf16 GEMV reaches a third to two thirds of it).
+    """
+    table = {k.lower(): v for k, v in profile.cpu_expert_throughput.items()}
+    fmt = weight_format(dtype)
+    family = next((v for k, v in _QUANT_FAMILY.items() if fmt.upper().startswith(k)), None)
+    if family is None and (fmt[:1] in ("q", "i") or fmt.startswith(("mxfp", "nvfp"))):
+        family = "int4"
+    for key in (fmt, family, "bf16" if fmt in ("f16", "fp16") else None, "bf16"):
+        if key and key in table and table[key] > 0:
+            return float(table[key])
+    return 0.5 * profile.host_read_bandwidth
+
+
+class CostModel:
+    """Predicts a placement's memory and speed for one model on one machine.
+
+    Build it once per (inventory, profile, stats); ``predict`` is then cheap (milliseconds for
+    94 layers x 256 experts) so that the GUI can call it while the user drags experts.
+    """
+
+    def __init__(self, inventory: Inventory, profile: HardwareProfile, stats: ExpertStats | None = None,
+                 engine: EngineShape | None = None, recent: bool = False):
+        if not profile.gpus:
+            raise ValueError("the hardware profile has no GPU")
+        self.inv = inventory
+        self.profile = profile
+        self.engine = engine or EngineShape()
+        spec = inventory.spec
+        self.n_layers = spec.n_layers
+        self.n_experts = max(1, spec.n_experts)
+        L, E = self.n_layers, self.n_experts
+        self.expert_bytes = np.zeros((L, E))
+        self.expert_params = np.zeros((L, E))
+        self.expert_cpu_rate = np.ones((L, E))
+        self.present = np.zeros((L, E), dtype=bool)
+        self.expert_keys: list[UnitKey] = []
+        rates: dict[str, float] = {}
+        for key, unit in inventory.units.items():
+            if key.kind != "expert":
+                continue
+            if key.layer >= L or key.expert >= E:
+                raise ValueError(f"{key} lies outside the model's {L} layers x {E} experts")
+            self.expert_keys.append(key)
+            self.present[key.layer, key.expert] = True
+            self.expert_bytes[key.layer, key.expert] = unit.nbytes
+            self.expert_params[key.layer, key.expert] = unit.n_params
+            dtype = max(unit.tensors, key=lambda t: t.nbytes).tensor.dtype if unit.tensors else "BF16"
+            if dtype not in rates:
+                rates[dtype] = cpu_rate(profile, dtype)
+            self.expert_cpu_rate[key.layer, key.expert] = rates[dtype]
+        self.expert_keys.sort()
+        self.moe_layer = self.present.any(axis=1)
+        self.stats = stats
+        top_k = max(1, spec.n_experts_active)
+        if stats is not None:
+            if stats.shape != (L, E):
+                raise ValueError(f"expert stats of shape {stats.shape} do not fit this model ({L} x {E})")
+            self.p_sel = stats.selection_probs(recent, top_k)
+        else:
+            n = np.maximum(self.present.sum(axis=1, keepdims=True), 1)
+            self.p_sel = np.minimum(1.0, top_k / n) * np.ones((L, E))
+        self.p_sel = np.where(self.present, self.p_sel, 0.0)
+        self.other_units = [(k, u.nbytes, u.n_params) for k, u in sorted(inventory.units.items())
+                            if k.kind != "expert"]
+
+    # -- rates -----------------------------------------------------------------------------------
+
+    def _gpu(self, index: int):
+        gpus = self.profile.gpus
+        return gpus[min(index, len(gpus) - 1)]
+
+    def _expert_bw(self, index: int) -> float:
+        g = self._gpu(index)
+        return g.expert_bandwidth or g.mem_bandwidth
+
+    # -- prediction ------------------------------------------------------------------------------
+
+    def predict(self, placement: Placement, ctx: int = 4096, kv_dtype: str = "f16",
+                prompt_tokens: int = 512, kv_tokens: int | None = None) -> Prediction:
+        """Memory (for a context of ``ctx`` tokens), decode tokens/s with ``kv_tokens`` tokens in the
+        cache (default: the prompt), and prefill tokens/s for a prompt of ``prompt_tokens``."""
+        if prompt_tokens < 1:
+            raise ValueError("the prompt has at least one token")
+        kv_tokens = min(ctx, prompt_tokens if kv_tokens is None else kv_tokens)
+        memory = estimate_memory(self.inv, placement, ctx, kv_dtype)
+        grid = expert_grid(placement, self.n_layers, self.n_experts)
+        decode, other = self._decode(placement, grid, kv_tokens, kv_dtype)
+        chunk = min(prompt_tokens, PREFILL_CHUNK)
+        n_chunks = math.ceil(prompt_tokens / chunk)
+        prefill = self._prefill(placement, grid, chunk, prompt_tokens)
+        decode_s = sum(c.total for c in decode) + other
+        prefill_s = n_chunks * sum(c.total for c in prefill) + other
+        return Prediction(memory, 1.0 / decode_s, prompt_tokens / prefill_s, prompt_tokens, kv_tokens,
+                          decode, prefill, other)
+
+    def decode_tps(self, placement: Placement, kv_tokens: int = 512, kv_dtype: str = "f16") -> float:
+        """Decode tokens/s alone (no memory estimate, no prefill): what planners compare."""
+        grid = expert_grid(placement, self.n_layers, self.n_experts)
+        layers, other = self._decode(placement, grid, kv_tokens, kv_dtype)
+        return 1.0 / (sum(c.total for c in layers) + other)
+
+    # -- decode ----------------------------------------------------------------------------------
+
+    def _unit_time(self, tier: str, nbytes: float, launches: int) -> tuple[str, float]:
+        """(lane, seconds) of reading ``nbytes`` of weights on ``tier`` at batch 1."""
+        if is_gpu(tier):
+            g = self._gpu(gpu_index(tier))
+            return tier, nbytes / g.mem_bandwidth + launches * g.launch_s
+        return "cpu", nbytes / self.profile.host_read_bandwidth
+
+    def _fixed_decode(self, placement: Placement, kv_tokens: int, kv_dtype: str):
+        """Per-layer costs of the units that are not routed experts: (pre [L], post lanes, syncs [L], other s)."""
+        L = self.n_layers
+        pre = np.zeros(L)
+        post: dict[str, np.ndarray] = {}
+        sync = np.zeros(L)
+        other = 0.0
+        eng = self.engine
+        for key, nbytes, _ in self.other_units:
+            a = placement.get(key)
+            if key.layer is None:
+                if key.kind == "embed":
+                    nbytes = nbytes / max(1, self.inv.spec.vocab_size)  # one row per token
+                launches = eng.launches_head if key.kind == "lm_head" else 1
+                lane, t = self._unit_time(a.tier, nbytes, launches)
+                other += t
+                continue
+            layer = key.layer
+            if key.kind == "attn":
+                nbytes = nbytes + kv_cache_bytes(self.inv, layer, kv_tokens, kv_dtype)
+                launches = eng.launches_attn
+            elif key.kind == "router":
+                launches = eng.launches_moe
+            elif key.kind in ("shared", "dense_mlp"):
+                launches = eng.launches_mlp
+            else:
+                launches = 0
+            lane, t = self._unit_time(a.tier, nbytes, launches)
+            if lane == "cpu":
+                sync[layer] += self.profile.sync_s
+            if key.kind in ("shared", "dense_mlp"):
+                post.setdefault(lane, np.zeros(L))[layer] += t
+            else:
+                pre[layer] += t
+        return pre, post, sync, other
+
+    def _decode(self, placement: Placement, grid: np.ndarray, kv_tokens: int, kv_dtype: str):
+        L = self.n_layers
+        pre, post, sync, other = self._fixed_decode(placement, kv_tokens, kv_dtype)
+        eng = self.engine
+        p, b = self.p_sel, self.expert_bytes
+        load = p * b  # expected bytes read per token [L, E]
+        present = self.present
+
+        gpu_lanes: dict[str, np.ndarray] = {k: v.copy() for k, v in post.items() if k != "cpu"}
+        cpu_lane = post.get("cpu", np.zeros(L)).copy()
+        gpu_share = np.full(L, np.nan)
+        sel_total = p.sum(axis=1)
+        on_gpu = (grid >= 0) & present
+        for g in np.unique(grid[on_gpu]):
+            mask = on_gpu & (grid == g)
+            tier = f"gpu:{int(g)}"
+            lane = gpu_lanes.setdefault(tier, np.zeros(L))
+            lane += (load * mask).sum(axis=1) / self._expert_bw(int(g))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            gpu_share = np.where(self.moe_layer, (p * on_gpu).sum(axis=1) / np.where(sel_total > 0, sel_total, 1), np.nan)
+
+        compute = (grid == TIER_CPU_COMPUTE) & present
+        cpu_lane += (load * compute / self.expert_cpu_rate).sum(axis=1)
+
+        stream = (grid == TIER_CPU_STREAM) & present
+        bus = np.zeros(L)
+        hit_rate = np.full(L, np.nan)
+        if stream.any():
+            hits = lru_hit_probs(np.where(stream, p, 0.0), placement.stream_slots)
+            miss_bytes = (load * (1 - hits) * stream).sum(axis=1)
+            fetches = (p * (1 - hits) * stream).sum(axis=1)
+            g0 = self._gpu(0)
+            stream_compute = (load * stream).sum(axis=1) / self._expert_bw(0)
+            bus = miss_bytes / self.profile.h2d_pinned + stream_compute + fetches * eng.launches_stream * g0.launch_s
+            gpu_lanes.setdefault("gpu:0", np.zeros(L))
+            gpu_lanes["gpu:0"] += stream_compute
+            with np.errstate(invalid="ignore", divide="ignore"):
+                hit_rate = np.where(stream.any(axis=1), (p * hits * stream).sum(axis=1) / (p * stream).sum(axis=1), np.nan)
+
+        host_work = (compute | stream).any(axis=1)
+        sync = sync + np.where(host_work, self.profile.sync_s, 0.0)
+        attn_gpu = [self._attn_gpu(placement, layer) for layer in range(L)]
+        layers = []
+        for layer in range(L):
+            lanes_g = [v[layer] for v in gpu_lanes.values()] or [0.0]
+            gpu_t = max(lanes_g)
+            if compute[layer].any():
+                gpu_t += eng.launches_cpu_return * self._gpu(attn_gpu[layer]).launch_s
+            layers.append(LayerCost(layer, float(pre[layer]), float(gpu_t), float(cpu_lane[layer]),
+                                    float(bus[layer]), float(sync[layer]),
+                                    float(gpu_share[layer]), float(hit_rate[layer])))
+        return layers, other
+
+    def _attn_gpu(self, placement: Placement, layer: int) -> int:
+        a = placement.get(UnitKey(layer, "attn"))
+        return gpu_index(a.tier) if is_gpu(a.tier) else 0
+
+    # -- prefill ---------------------------------------------------------------------------------
+
+    def _prefill(self, placement: Placement, grid: np.ndarray, tokens: int, prompt_tokens: int) -> list[LayerCost]:
+        """Per-layer costs of one chunk of ``tokens`` tokens of a ``prompt_tokens``-token prompt."""
+        L = self.n_layers
+        spec = self.inv.spec
+        prof = self.profile
+        n_chunks = math.ceil(prompt_tokens / tokens)
+        attn_flops = 2.0 * spec.n_heads * spec.head_dim * prompt_tokens * prompt_tokens / n_chunks
+        pre = np.zeros(L)
+        lanes: dict[str, np.ndarray] = {}
+        cpu = np.zeros(L)
+        sync = np.zeros(L)
+        for key, nbytes, params in self.other_units:
+            if key.layer is None:
+                continue
+            a = placement.get(key)
+            flops = 2.0 * params * tokens + (attn_flops if key.kind == "attn" else 0.0)
+            if is_gpu(a.tier):
+                g = self._gpu(gpu_index(a.tier))
+                t = max(nbytes / g.mem_bandwidth, flops / g.bf16_flops) + 4 * g.launch_s
+            else:
+                t = max(nbytes / prof.host_read_bandwidth, flops / prof.cpu_flops)
+                sync[key.layer] += prof.sync_s
+            if key.kind in ("shared", "dense_mlp"):
+                if is_gpu(a.tier):
+                    lanes.setdefault(a.tier, np.zeros(L))[key.layer] += t
+                else:
+                    cpu[key.layer] += t
+            else:
+                pre[key.layer] += t
+
+        p, b, params = self.p_sel, self.expert_bytes, self.expert_params
+        used = 1.0 - (1.0 - p) ** tokens  # probability the chunk uses the expert at all
+        n_tok = p * tokens  # expected tokens per expert
+        flops = 2.0 * params * n_tok
+        present = self.present
+        for g in np.unique(grid[(grid >= 0) & present]):
+            gp = self._gpu(int(g))
+            mask = (grid == g) & present
+            read = (b * used * mask).sum(axis=1) / self._expert_bw(int(g))
+            comp = (flops * mask).sum(axis=1) / gp.bf16_flops
+            lanes.setdefault(f"gpu:{int(g)}", np.zeros(L))
+            lanes[f"gpu:{int(g)}"] += np.maximum(read, comp) + self.engine.launches_moe * gp.launch_s
+
+        host = (grid < 0) & present
+        g0 = self._gpu(0)
+        on_cpu = np.maximum(b * used / self.expert_cpu_rate, flops / prof.cpu_flops)
+        h2d = np.where(grid == TIER_CPU_STREAM, prof.h2d_pinned, prof.h2d_pageable)
+        fetch = b * used / h2d + flops / g0.bf16_flops
+        choose_cpu = on_cpu <= fetch
+        cpu += (on_cpu * host * choose_cpu).sum(axis=1)
+        bus = (fetch * host * ~choose_cpu).sum(axis=1)
+        sync += np.where(host.any(axis=1), prof.sync_s, 0.0)
+        out = []
+        for layer in range(L):
+            gpu_t = max([v[layer] for v in lanes.values()] or [0.0])
+            out.append(LayerCost(layer, float(pre[layer]), float(gpu_t), float(cpu[layer]), float(bus[layer]),
+                                 float(sync[layer])))
+        return out
+
+
+def lru_hit_probs(q: np.ndarray, slots: int) -> np.ndarray:
+    """Per-expert hit probability of an LRU cache of ``slots`` entries per layer (Che's approximation).
+
+    ``q[l, e]``: probability that a token selects expert ``e`` of layer ``l`` (0 for experts not
+    streamed). The cache is updated per step: a step's selected experts are looked up, then all of
+    them become the most recent.
+    Under independent requests an expert stays cached for a characteristic time ``T`` (tokens) with
+    ``sum_e (1 - (1 - q_e)^T) = slots``; its hit probability is ``1 - (1 - q_e)^T``. Layers with no
+    more streamed experts than slots hit always (after warm-up). Returns ``[layers, experts]``.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    hits = np.zeros_like(q)
+    # Requests come once per token (Bernoulli, not Poisson): the rate whose Poisson process is
+    # requested at least once per token with probability q makes ``1 - exp(-rate T) = 1 - (1-q)^T``.
+    rate = -np.log1p(-np.minimum(q, 1 - 1e-12))
+    if slots <= 0:
+        return hits
+    requested = q > 0
+    n = requested.sum(axis=1)
+    fits_all = n <= slots
+    hits[fits_all] = requested[fits_all].astype(np.float64)
+    rows = np.flatnonzero(~fits_all)
+    if rows.size:
+        qr = rate[rows]
+        lo = np.zeros(rows.size)
+        hi = np.ones(rows.size)
+        while True:  # grow hi until it holds more than ``slots`` entries
+            occ = (1 - np.exp(-qr * hi[:, None])).sum(axis=1)
+            if np.all(occ >= slots):
+                break
+            hi = np.where(occ < slots, hi * 4, hi)
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            occ = (1 - np.exp(-qr * mid[:, None])).sum(axis=1)
+            lo = np.where(occ < slots, mid, lo)
+            hi = np.where(occ < slots, hi, mid)
+        hits[rows] = 1 - np.exp(-qr * hi[:, None])
+    return hits
