@@ -1,0 +1,25 @@
+"""``workbench [PATH]`` / ``workbench gui [PATH]``: open the window.
+
+With no PATH it opens the bundled demo model (resources/demo/) when it is there."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "resources" / "demo"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", nargs="?", help="model folder, .gguf file or project .json (default: the demo model)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from workbench.core.errors import WorkbenchError
+
+    path = Path(args.path) if args.path else (DEMO_MODEL if (DEMO_MODEL / "config.json").is_file() else None)
+    if path is not None and not path.exists():
+        raise WorkbenchError(f"{path} does not exist")
+    from workbench.ui.app import run as run_app
+
+    return run_app(path)

@@ -1,0 +1,341 @@
+"""The workbench window: menus, docks, banner, status bar with job progress, undo stack."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from PySide6.QtCore import QSettings, Qt, QTimer
+from PySide6.QtGui import QKeySequence, QUndoStack
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QProgressBar,
+    QPushButton,
+    QSizePolicy,
+    QToolBar,
+)
+
+from workbench.core.errors import WorkbenchError
+from workbench.session import Session, services
+
+from .bridge import connect_gui
+from .experts_dock import ExpertsDock
+from .jobs import Job
+from .memory_dock import MemoryDock
+from .model_dock import ModelDock
+
+log = logging.getLogger(__name__)
+MAX_RECENT = 10
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, session: Session | None = None, settings: QSettings | None = None):
+        super().__init__()
+        self.session = session or Session()
+        self.settings = settings or QSettings("moe-workbench", "workbench")
+        self.undo_stack = QUndoStack(self)
+        self.job: Job | None = None
+        self.resize(1560, 960)
+
+        self.banner = QLabel("")
+        self.banner.setWordWrap(True)
+        self.banner.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        self.banner.setStyleSheet("QLabel{background:#5a3d00;color:#ffe9b0;padding:4px 8px;}")
+        bar = QToolBar("banner")
+        bar.setMovable(False)
+        bar.addWidget(self.banner)
+        self.addToolBar(Qt.ToolBarArea.TopToolBarArea, bar)
+        self.banner_bar = bar
+        bar.hide()
+
+        self.experts = ExpertsDock(self.session, self.undo_stack, self.show_status)
+        self.setCentralWidget(self.experts)
+        self.model_dock = ModelDock(self.session)
+        self.memory_dock = MemoryDock(self.session)
+        self.docks: dict[str, QDockWidget] = {}
+        self._add_dock("Model", self.model_dock, Qt.DockWidgetArea.LeftDockWidgetArea)
+        self._add_dock("Memory", self.memory_dock, Qt.DockWidgetArea.RightDockWidgetArea)
+        self.model_dock.setMinimumWidth(380)
+        self.memory_dock.setMinimumWidth(400)
+
+        self.status_label = QLabel("")
+        self.progress = QProgressBar()
+        self.progress.setMaximumWidth(240)
+        self.progress.setRange(0, 1000)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.clicked.connect(self.cancel_job)
+        sb = self.statusBar()
+        sb.addWidget(self.status_label, 1)
+        self.hardware_label = QLabel("")
+        sb.addPermanentWidget(self.hardware_label)
+        sb.addPermanentWidget(self.progress)
+        sb.addPermanentWidget(self.cancel_button)
+        self.progress.hide()
+        self.cancel_button.hide()
+
+        self._make_menus()
+        ev = self.session.events
+        connect_gui(ev.project_changed, self._on_project_changed, self)
+        connect_gui(ev.message, lambda text: self.show_status(text), self)
+        self._on_project_changed(None, False)
+
+    def _add_dock(self, title: str, widget, area) -> QDockWidget:
+        dock = QDockWidget(title, self)
+        dock.setObjectName(f"dock_{title}")
+        dock.setWidget(widget)
+        self.addDockWidget(area, dock)
+        self.docks[title] = dock
+        return dock
+
+    # -- status, banner, jobs --------------------------------------------------------------------
+
+    def show_status(self, text: str, error: bool = False) -> None:
+        self.status_label.setStyleSheet("color:#ff6060;" if error else "")
+        self.status_label.setText(text)
+        self.status_label.setToolTip(text)
+
+    def set_banner(self, text: str) -> None:
+        self.banner.setText(text)
+        self.banner_bar.setVisible(bool(text))
+
+    def run_job(self, name: str, fn, on_done, cancellable: bool = True) -> Job | None:
+        """Run ``fn(progress, cancel)`` in a worker; ``on_done(result)`` on success (GUI thread)."""
+        if self.job is not None and self.job.running:
+            self.show_status(f"Busy with {self.job.name}; wait or cancel it first", True)
+            return None
+        job = Job(name, fn, self)
+        self.job = job
+        self.progress.setValue(0)
+        self.progress.setFormat(f"{name} %p%")
+        self.progress.show()
+        self.cancel_button.setVisible(cancellable)
+        self.show_status(f"{name}…")
+        job.progressed.connect(self._on_progress)
+
+        def finished(result, error):
+            self.progress.hide()
+            self.cancel_button.hide()
+            if self.job is job:
+                self.job = None
+            if error is not None:
+                msg = str(error) if isinstance(error, WorkbenchError) else f"{type(error).__name__}: {error}"
+                if not isinstance(error, WorkbenchError):
+                    log.error("%s failed", name, exc_info=error)
+                self.show_status(f"{name} failed: {msg}", True)
+                return
+            on_done(result)
+
+        job.finished.connect(finished)
+        return job.start()
+
+    def _on_progress(self, fraction: float, message: str) -> None:
+        self.progress.setValue(int(1000 * max(0.0, min(1.0, fraction))))
+        if message:
+            self.show_status(message)
+
+    def cancel_job(self) -> None:
+        if self.job is not None:
+            self.job.cancel.set()
+            self.show_status(f"Cancelling {self.job.name}…")
+
+    # -- files -------------------------------------------------------------------------------------
+
+    def open_path(self, path: str | Path) -> Job | None:
+        """Open a model folder, a .gguf file or a project .json (read in a worker)."""
+        path = Path(path)
+        if not self.maybe_save():
+            return None
+        is_project = services.is_project_file(path)
+
+        def work(progress, cancel):
+            progress(0.1, f"reading {path.name}")
+            return services.load_project(path) if is_project else services.open_model(path)
+
+        def done(result):
+            self.undo_stack.clear()
+            if is_project:
+                self.session.apply_project(result, path)
+            else:
+                self.session.set_model(result)
+            self.add_recent(path)
+            self.show_status(f"Opened {path}")
+
+        return self.run_job(f"Open {path.name}", work, done, cancellable=False)
+
+    def open_model_dialog(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Open a model folder (Cancel to pick a .gguf file)")
+        if not path:
+            path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", "", "GGUF (*.gguf)")
+        if path:
+            self.open_path(path)
+
+    def open_project_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open project", "", "Workbench project (*.json)")
+        if path:
+            self.open_path(path)
+
+    def save_project(self, path: str | Path | None = None) -> bool:
+        path = path or self.session.project_path
+        if path is None:
+            return self.save_project_as()
+        try:
+            self.session.save_project(path)
+        except WorkbenchError as e:
+            self.show_status(f"Save failed: {e}", True)
+            return False
+        self.undo_stack.setClean()
+        self.add_recent(Path(path))
+        self.show_status(f"Saved {path}")
+        return True
+
+    def save_project_as(self) -> bool:
+        path, _ = QFileDialog.getSaveFileName(self, "Save project", "", "Workbench project (*.json)")
+        return bool(path) and self.save_project(path)
+
+    def maybe_save(self) -> bool:
+        """Ask about unsaved changes; False if the user cancels."""
+        if not self.session.dirty or self.session.inventory is None:
+            return True
+        answer = QMessageBox.question(
+            self, "Unsaved changes", "The project has unsaved changes. Save them first?",
+            QMessageBox.StandardButton.Save | QMessageBox.StandardButton.Discard | QMessageBox.StandardButton.Cancel,
+        )
+        if answer == QMessageBox.StandardButton.Save:
+            return self.save_project()
+        return answer == QMessageBox.StandardButton.Discard
+
+    def recent_files(self) -> list[str]:
+        value = self.settings.value("recent", [])
+        if isinstance(value, str):
+            value = [value]
+        return [str(v) for v in (value or [])]
+
+    def add_recent(self, path: Path) -> None:
+        p = str(Path(path).resolve())
+        recent = [p] + [r for r in self.recent_files() if r != p]
+        self.settings.setValue("recent", recent[:MAX_RECENT])
+        self._fill_recent_menu()
+
+    def _fill_recent_menu(self) -> None:
+        self.recent_menu.clear()
+        for p in self.recent_files():
+            self.recent_menu.addAction(p, lambda p=p: self.open_path(p))
+        self.recent_menu.setEnabled(bool(self.recent_files()))
+
+    def export_to(self, target: str) -> None:
+        from .export_dialog import ExportDialog
+
+        try:
+            text = services.export(self.session, target)
+        except WorkbenchError as e:
+            self.show_status(f"Export failed: {e}", True)
+            return
+        ExportDialog(target, text, self).exec()
+
+    def closeEvent(self, event) -> None:
+        if self.maybe_save():
+            if self.job is not None:
+                self.job.cancel.set()
+            self.session.close_engine()
+            self.session.stop_telemetry()
+            event.accept()
+        else:
+            event.ignore()
+
+    def _on_project_changed(self, path, dirty: bool) -> None:
+        inv = self.session.inventory
+        name = Path(path).name if path else (inv.path.name if inv is not None else "no model")
+        self.setWindowTitle(f"{name}[*] — MoE Workbench")
+        self.setWindowModified(dirty)
+
+    # -- hardware ----------------------------------------------------------------------------------
+
+    def start_hardware(self) -> None:
+        """Start telemetry, pick the profile to plan for, say in the banner when there is no GPU."""
+        try:
+            self.session.detect_hardware()
+        except WorkbenchError as e:
+            self.set_banner(f"No hardware profile: {e}")
+        self._on_hardware(self.session.hardware)
+        self.telemetry_timer = QTimer(self)
+        self.telemetry_timer.setInterval(250)
+        self.telemetry_timer.timeout.connect(self.session.telemetry_tick)
+        self.telemetry_timer.start()
+
+    def _on_hardware(self, profile) -> None:
+        note = self.session.hardware_note
+        sampler = self.session.sampler
+        no_gpu = sampler is None or not sampler.n_gpus
+        self.set_banner(note if no_gpu or "preset" in note.lower() and "no preset" in note.lower() else "")
+        if profile is not None:
+            self.hardware_label.setText(f"planning for: {profile.name}")
+
+    def _fill_hardware_menu(self) -> None:
+        menu = self.hardware_menu
+        menu.clear()
+        try:
+            presets = services.presets()
+        except WorkbenchError as e:
+            menu.addAction(f"no presets: {e}").setEnabled(False)
+            return
+        current = self.session.hardware.name if self.session.hardware is not None else ""
+        menu.addSection(f"Planning for: {current or 'nothing'}")
+        machines = menu.addMenu("Measured machines")
+        for key in sorted(presets.machines):
+            machines.addAction(key, lambda k=key: self.use_preset(k))
+        for host in sorted(presets.hosts):
+            sub = menu.addMenu(f"GPU in a {host} host")
+            for gpu in sorted(presets.gpus):
+                sub.addAction(presets.gpus[gpu].get("name", gpu), lambda n=f"{gpu}+{host}": self.use_preset(n))
+            sub.addSeparator()
+            sub.addAction("2x RTX 3090", lambda n=f"2x rtx3090+{host}": self.use_preset(n))
+            sub.addAction("no GPU (CPU only)", lambda n=host: self.use_preset(n))
+
+    def use_preset(self, name: str) -> None:
+        try:
+            profile = services.preset(name)
+        except WorkbenchError as e:
+            self.show_status(str(e), True)
+            return
+        self.session.set_hardware(profile, f"preset {name} chosen in the Hardware menu")
+        self._on_hardware(profile)
+        self.show_status(f"Planning for {profile.name}")
+
+    # -- menus -------------------------------------------------------------------------------------
+
+    def _make_menus(self) -> None:
+        mb = self.menuBar()
+        f = mb.addMenu("&File")
+        f.addAction("Open &model…", QKeySequence.StandardKey.Open, self.open_model_dialog)
+        f.addAction("Open &project…", QKeySequence("Ctrl+Shift+O"), self.open_project_dialog)
+        self.recent_menu = f.addMenu("&Recent")
+        self._fill_recent_menu()
+        f.addSeparator()
+        f.addAction("&Save project", QKeySequence.StandardKey.Save, self.save_project)
+        f.addAction("Save project &as…", QKeySequence.StandardKey.SaveAs, self.save_project_as)
+        exp = f.addMenu("&Export placement")
+        for target, title in (("llama.cpp", "llama.cpp (-ot / --n-cpu-moe)"), ("ktransformers", "KTransformers"),
+                              ("accelerate", "accelerate device_map")):
+            exp.addAction(title, lambda t=target: self.export_to(t))
+        f.addSeparator()
+        f.addAction("&Quit", QKeySequence.StandardKey.Quit, self.close)
+
+        e = mb.addMenu("&Edit")
+        undo = self.undo_stack.createUndoAction(self, "&Undo")
+        undo.setShortcut(QKeySequence.StandardKey.Undo)
+        redo = self.undo_stack.createRedoAction(self, "&Redo")
+        redo.setShortcut(QKeySequence.StandardKey.Redo)
+        e.addAction(undo)
+        e.addAction(redo)
+        self.undo_action, self.redo_action = undo, redo
+
+        self.hardware_menu = mb.addMenu("&Hardware")
+        self.hardware_menu.aboutToShow.connect(self._fill_hardware_menu)
+        self.run_menu = mb.addMenu("&Run")
+        self.view_menu = mb.addMenu("&View")
+        for dock in self.docks.values():
+            self.view_menu.addAction(dock.toggleViewAction())
