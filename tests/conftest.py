@@ -1,0 +1,72 @@
+"""Session fixtures shared by every test package: tiny real models, built once per test session.
+
+``tiny_model_dir(model_type, **overrides) -> Path``
+    A folder saved by ``save_pretrained`` holding a random-init fp32 transformers model of
+    ``model_type`` (a key of ``tests.tiny_models.FAMILY_CONFIGS``: ``mixtral``, ``qwen2_moe``,
+    ``qwen3_moe``, ``olmoe``, ``llama4_text``, ``deepseek_v2``, ``deepseek_v3``, ``gpt_oss``), seed 0.
+    ``overrides`` change config values (e.g. ``hidden_size=256``); each distinct call is built once
+    and cached for the session. Treat the folder as read-only.
+
+``tiny_gguf(model_type, tensor_type="F32", **overrides) -> Path``
+    A GGUF copy of ``tiny_model_dir(model_type, **overrides)`` written by
+    ``workbench.core.gguf_writer.write_gguf`` with llama.cpp's names, stacked experts, metadata and
+    per-architecture transforms (see that module's docstring). ``tensor_type`` is one of
+    ``gguf_writer.TENSOR_TYPES`` (``F32``, ``F16``, ``BF16``, ``Q8_0``, ``Q4_0``...). Cached too.
+
+``tiny_hf_model(model_type, **overrides)``
+    The transformers model object that was saved to ``tiny_model_dir`` (eval mode), for comparisons.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def _key(model_type: str, overrides: dict) -> str:
+    return model_type + "".join(f"-{k}={overrides[k]}" for k in sorted(overrides))
+
+
+@pytest.fixture(scope="session")
+def _tiny_cache(tmp_path_factory):
+    return {"dirs": {}, "models": {}, "ggufs": {}, "root": tmp_path_factory.mktemp("tiny_models")}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(_tiny_cache):
+    def make(model_type: str, **overrides) -> Path:
+        key = _key(model_type, overrides)
+        if key not in _tiny_cache["dirs"]:
+            from tests.tiny_models import build_hf_model
+
+            out = _tiny_cache["root"] / key
+            _tiny_cache["models"][key] = build_hf_model(model_type, out, **overrides)
+            _tiny_cache["dirs"][key] = out
+        return _tiny_cache["dirs"][key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(_tiny_cache, tiny_model_dir):
+    def get(model_type: str, **overrides):
+        tiny_model_dir(model_type, **overrides)
+        return _tiny_cache["models"][_key(model_type, overrides)]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(_tiny_cache, tiny_model_dir):
+    def make(model_type: str, tensor_type: str = "F32", **overrides) -> Path:
+        key = (_key(model_type, overrides), tensor_type)
+        if key not in _tiny_cache["ggufs"]:
+            from workbench.core.gguf_writer import write_gguf
+
+            src = tiny_model_dir(model_type, **overrides)
+            out = _tiny_cache["root"] / f"{key[0]}-{tensor_type}.gguf"
+            _tiny_cache["ggufs"][key] = write_gguf(src, out, tensor_type)[0]
+        return _tiny_cache["ggufs"][key]
+
+    return make
