@@ -8,7 +8,7 @@ import logging
 from workbench.core.errors import PlacementError
 from workbench.core.fmt import bytes2human
 from workbench.core.inventory import Inventory
-from workbench.core.placement import CPU, Placement, gpu_index, is_gpu
+from workbench.core.placement import CPU, Placement, is_gpu, validate
 
 from .families import ModelArgs
 
@@ -23,17 +23,9 @@ def check_placement(inventory: Inventory, args: ModelArgs, placement: Placement,
     ``n_accelerators`` present, streamed experts with ``stream_slots == 0``, or an accelerator need
     (weights in the engine's dtype + KV cache for ``max_context`` + stream cache) over ``vram_budget``.
     """
-    unknown = [k for k in placement.assignments if k not in inventory.units]
-    if unknown:
-        names = ", ".join(str(k) for k in sorted(unknown)[:5])
-        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-        raise PlacementError(f"the placement names units this model does not have: {names}{more}")
-    for tier in placement.tiers():
-        if is_gpu(tier) and gpu_index(tier) >= n_accelerators:
-            raise PlacementError(
-                f"the placement uses {tier}, but the engine has {n_accelerators} accelerator(s) (gpu:0"
-                + (f"..gpu:{n_accelerators - 1})" if n_accelerators > 1 else ")")
-            )
+    problems = validate(placement, inventory, n_accelerators)
+    if problems:
+        raise PlacementError("; ".join(problems))
     acc = cpu = 0
     streamed_layers: set[int] = set()
     expert_params = 0
@@ -56,8 +48,6 @@ def check_placement(inventory: Inventory, args: ModelArgs, placement: Placement,
     if kept:
         log.warning("the engine runs attention, router, shared experts, dense layers, embeddings and lm_head "
                     "on the accelerator; %d such units the placement puts on the CPU are loaded on the accelerator", len(kept))
-    if streamed_layers and placement.stream_slots < 1:
-        raise PlacementError("some experts are streamed but the placement has no stream slots (stream_slots = 0)")
     acc += len(streamed_layers) * max(1, placement.stream_slots) * expert_params * dtype_bytes
     kv = sum(2 * args.n_kv_heads * args.head_dim for _ in range(args.n_layers)) * max_context * dtype_bytes
     acc += kv

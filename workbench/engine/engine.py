@@ -160,11 +160,12 @@ class Engine:
 
     def _build_moe(self, loader: _Loader, placement: Placement, layer: int) -> MoeBlock:
         a, fw, place = self.args, self._fw, loader.place
-        loader.begin(UnitKey(layer, "router"), 0)
+        nbytes = {k: u.nbytes for k, u in self.inventory.units.items() if k.layer == layer}
+        loader.begin(UnitKey(layer, "router"), nbytes.get(UnitKey(layer, "router"), 0))
         router = place(fw.get("router", layer))
         shared = shared_router = None
         if fw.has("shared_gate", layer):
-            loader.begin(UnitKey(layer, "shared"), 0)
+            loader.begin(UnitKey(layer, "shared"), nbytes.get(UnitKey(layer, "shared"), 0))
             shared = DenseMlp(*(place(fw.get(r, layer)) for r in ("shared_gate", "shared_up", "shared_down")))
             if fw.has("shared_router", layer):
                 shared_router = place(fw.get("shared_router", layer))
@@ -180,6 +181,7 @@ class Engine:
         lx = LayerExperts(layer, a.n_experts, self.device, self.dtype, self._worker, placement.stream_slots)
         shape13, shape2 = (2 * a.expert_ffn, a.hidden), (a.hidden, a.expert_ffn)
         self.experts[layer] = lx  # reachable for _free() if a later allocation fails
+        loader.unit = UnitKey(layer, "expert", 0)
         for tier in (RESIDENT, COMPUTE, STREAM):
             lx.alloc_tier(tier, tiers.count(tier), shape13, shape2)
         rows = [0, 0, 0]
@@ -241,6 +243,14 @@ class Engine:
 
     def reset_routing_counts(self) -> None:
         self.counts.zero_()
+
+    def expert_stats(self, half_life: float = 256.0):
+        """The routing counts so far as a ``core.stats.ExpertStats`` (tokens = busiest layer's picks / top_k)."""
+        from workbench.core.stats import ExpertStats
+
+        stats = ExpertStats(self.args.n_layers, max(1, self.args.n_experts), max(1, self.args.top_k), half_life)
+        stats.add(self.routing_counts())
+        return stats
 
     def stream_stats(self) -> dict[int, tuple[int, int]]:
         """Per MoE layer with streamed experts: ``(cache hits, fetches)`` since loading."""

@@ -1,0 +1,246 @@
+"""Engine: placement changes, routing counts, memory report, and bad input (refused placements,
+out-of-memory while loading, cancel, context overflow)."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engine.engine_helpers import (
+    LOGITS_RTOL,
+    TEST_DEVICE,
+    TEST_DTYPE,
+    greedy_tokens,
+    make_model,
+    open_inventory,
+    placements,
+    reference_logits,
+    rel_err,
+)
+from workbench.core.errors import PlacementError, WorkbenchError
+from workbench.core.placement import CPU_COMPUTE, CPU_STREAM, Assignment, Placement
+from workbench.core.units import UnitKey
+from workbench.engine import AcceleratorMemoryError, Engine, LoadCancelled
+from workbench.engine import engine as engine_module
+
+PROMPT = [3, 17, 5, 42, 9, 11, 60, 7, 22, 33, 1, 4]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3_moe")
+    model = make_model("qwen3_moe", folder)
+    return model, open_inventory(folder)
+
+
+def load(inv, placement=None, **kw):
+    kw.setdefault("max_context", 64)
+    return Engine.load(inv, placement, device=TEST_DEVICE, dtype=TEST_DTYPE, **kw)
+
+
+# -- routing statistics --------------------------------------------------------------------------
+
+def test_routing_counts_equal_transformers_router_choices(qwen3):
+    model, inv = qwen3
+    with torch.no_grad():
+        out = model(torch.tensor([PROMPT]), output_router_logits=True)
+    cfg = model.config
+    engine = load(inv, placements(inv)["mixed"])
+    engine.forward(torch.tensor(PROMPT), 0)
+    counts = engine.routing_counts()
+    assert counts.dtype == np.int64 and counts.shape == (cfg.num_hidden_layers, cfg.num_experts)
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if i not in cfg.mlp_only_layers]
+    assert len(out.router_logits) == len(moe_layers)
+    for layer, logits in zip(moe_layers, out.router_logits):
+        picks = torch.topk(torch.softmax(logits.float(), -1), cfg.num_experts_per_tok, dim=-1).indices
+        expected = np.bincount(picks.reshape(-1).numpy(), minlength=cfg.num_experts)
+        assert counts[layer].tolist() == expected.tolist()
+    for layer in cfg.mlp_only_layers:
+        assert not counts[layer].any()
+    engine.forward(torch.tensor([5]), len(PROMPT))
+    assert engine.routing_counts().sum() == counts.sum() + len(moe_layers) * cfg.num_experts_per_tok
+    engine.reset_routing_counts()
+    assert not engine.routing_counts().any()
+    engine.close()
+
+
+def test_routing_counts_export_as_expert_stats(qwen3):
+    _, inv = qwen3
+    engine = load(inv)
+    engine.forward(torch.tensor(PROMPT), 0)
+    stats = engine.expert_stats()
+    assert stats.shape == engine.routing_counts().shape
+    assert stats.counts.tolist() == engine.routing_counts().astype(float).tolist()
+    assert stats.tokens == len(PROMPT)
+    engine.close()
+
+
+# -- changing the placement of a loaded engine ---------------------------------------------------
+
+def test_apply_placement_moves_experts_and_keeps_results(qwen3):
+    model, inv = qwen3
+    ref = reference_logits(model, PROMPT)
+    engine = load(inv)
+    tokens = greedy_tokens(engine, PROMPT, 8)
+    resident = engine.memory_report()
+    assert resident["cpu"] == 0
+    mixed = placements(inv)["mixed"]
+    engine.apply_placement(mixed)
+    assert engine.placement == mixed
+    moved = engine.memory_report()
+    assert moved["cpu"] > 0 and moved["gpu:0"] < resident["gpu:0"]
+    assert rel_err(engine.forward(torch.tensor(PROMPT), 0), ref) < LOGITS_RTOL
+    assert greedy_tokens(engine, PROMPT, 8) == tokens
+    engine.apply_placement(Placement())
+    assert engine.memory_report() == resident
+    engine.close()
+
+
+def test_memory_report_counts_what_each_tier_holds(qwen3):
+    _, inv = qwen3
+    keys = inv.expert_keys()
+    dtype_bytes = torch.empty((), dtype=TEST_DTYPE).element_size()
+    engine = load(inv)
+    all_gpu = engine.memory_report()
+    engine.close()
+    p = Placement()
+    p.move(keys[:5], CPU_COMPUTE)
+    engine = load(inv, p)
+    report = engine.memory_report()
+    moved = sum(inv.units[k].n_params for k in keys[:5]) * dtype_bytes
+    assert report["cpu"] == moved
+    assert report["gpu:0"] == all_gpu["gpu:0"] - moved
+    engine.close()
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_allocation(monkeypatch):
+    """Fail the test if the engine allocates any weight."""
+    def place(self, t):
+        raise AssertionError("allocated a weight although the placement was refused")
+    monkeypatch.setattr(engine_module._Loader, "place", place)
+
+
+def test_placement_naming_missing_units_is_refused_before_loading(qwen3, no_allocation):
+    _, inv = qwen3
+    p = Placement()
+    p.set(UnitKey(1, "expert", 0), CPU_COMPUTE)  # layer 1 is a dense layer: no experts
+    p.set(UnitKey(0, "expert", 99), CPU_COMPUTE)
+    with pytest.raises(PlacementError, match="does not have"):
+        load(inv, p)
+
+
+def test_placement_on_a_missing_gpu_is_refused(qwen3, no_allocation):
+    _, inv = qwen3
+    p = Placement()
+    p.set(inv.expert_keys()[0], Assignment("gpu:1"))
+    with pytest.raises(PlacementError, match="gpu:1"):
+        load(inv, p)
+
+
+def test_streaming_without_slots_is_refused(qwen3, no_allocation):
+    _, inv = qwen3
+    p = Placement(stream_slots=0)
+    p.move(inv.expert_keys(0), CPU_STREAM)
+    with pytest.raises(PlacementError, match="slots"):
+        load(inv, p)
+
+
+def test_placement_over_the_vram_budget_is_refused_with_the_numbers(qwen3, no_allocation):
+    _, inv = qwen3
+    with pytest.raises(PlacementError, match=r"needs .* on the accelerator .* budget is"):
+        load(inv, vram_budget=100_000)
+
+
+def test_moving_experts_to_the_cpu_makes_a_placement_fit(qwen3):
+    _, inv = qwen3
+    with pytest.raises(PlacementError):
+        load(inv, vram_budget=200_000)
+    p = Placement()
+    p.move(inv.expert_keys(), CPU_COMPUTE)
+    engine = load(inv, p, vram_budget=200_000)
+    assert engine.memory_report()["gpu:0"] <= 200_000
+    engine.close()
+
+
+def test_out_of_memory_while_loading_frees_everything_and_names_the_unit(qwen3, monkeypatch):
+    """The allocation function fails at the 12th weight: the error names the unit being loaded,
+    every weight placed before is freed (no reference survives), and a retry in the same process
+    loads normally."""
+    _, inv = qwen3
+    placed: list[weakref.ref] = []
+    real_place = engine_module._Loader.place
+
+    def place(self, t):
+        if len(placed) == 11:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+        out = real_place(self, t)
+        placed.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(engine_module._Loader, "place", place)
+    with pytest.raises(AcceleratorMemoryError, match=r"out of memory on .* while loading layer 1 attn"):
+        load(inv)
+    assert len(placed) == 11 and all(r() is None for r in placed)
+    monkeypatch.undo()
+    engine = load(inv)
+    assert engine.forward(torch.tensor(PROMPT), 0).isfinite().all()
+    engine.close()
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="a real out-of-memory needs a CUDA device")
+def test_real_cuda_out_of_memory_frees_everything_and_a_retry_fits(qwen3):
+    _, inv = qwen3
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    total = torch.cuda.get_device_properties(0).total_memory
+    # ~24 MiB of KV cache per layer at 32k tokens: the limit lets the first layers in, not all.
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 40 * 2**20) / total)
+    try:
+        with pytest.raises(AcceleratorMemoryError, match=r"out of memory on cuda.* while loading layer \d"):
+            load(inv, max_context=32768 * 12)
+        assert torch.cuda.memory_allocated() == before
+        engine = load(inv, max_context=256)
+        assert engine.forward(torch.tensor(PROMPT), 0).isfinite().all()
+        engine.close()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_cancel_while_loading_frees_everything(qwen3):
+    _, inv = qwen3
+    cancel = threading.Event()
+    seen = []
+
+    def progress(done, total, what):
+        seen.append((done, total, what))
+        if len(seen) == 6:
+            cancel.set()
+
+    with pytest.raises(LoadCancelled):
+        load(inv, progress=progress, cancel=cancel)
+    assert len(seen) == 6 and seen[-1][0] <= seen[-1][1]
+    done = []
+    engine = load(inv, progress=lambda d, t, w: done.append((d, t)))
+    assert done[-1][0] == done[-1][1] == sum(u.nbytes for u in inv.units.values())
+    engine.close()
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(qwen3):
+    _, inv = qwen3
+    engine = load(inv, max_context=16)
+    with pytest.raises(WorkbenchError, match="do not fit the context of 16 tokens"):
+        engine.forward(torch.arange(17), 0)
+    engine.forward(torch.arange(10), 0)
+    with pytest.raises(WorkbenchError, match="do not fit the context"):
+        engine.forward(torch.arange(7), 10)
+    with pytest.raises(WorkbenchError, match="token ids"):
+        engine.forward(torch.tensor([1, 500]), 0)
+    engine.close()
