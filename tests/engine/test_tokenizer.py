@@ -151,3 +151,15 @@ def test_inventory_metadata_builds_the_same_tokenizer(which, request):
     ours = from_gguf(gguf_path, metadata)
     for text in SAMPLES:
         assert ours.encode(text) == hf.encode(text).ids
+
+
+def test_stream_decoder_does_not_stall_on_invalid_bytes(byte_level):
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    _, _, gguf_path = byte_level
+    tok = from_gguf(gguf_path)
+    lone_continuation = tok.token_to_id(bytes_to_unicode()[0x80])
+    stream = StreamDecoder(tok)
+    deltas = [stream.push(i) for i in [tok.token_to_id("a")] + [lone_continuation] * 6]
+    assert deltas[0] == "a" and deltas[1:4] == ["", "", ""]
+    assert "".join(deltas) + stream.flush() == "a" + "\ufffd" * 6

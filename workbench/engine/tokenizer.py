@@ -129,7 +129,10 @@ class StreamDecoder:
         self.ids.append(int(token_id))
         emitted = self._decode(self.ids[self._prefix:self._read])
         text = self._decode(self.ids[self._prefix:])
-        if len(text) > len(emitted) and not text.endswith("\ufffd"):
+        # A character has at most 4 bytes and every token adds at least one: after 4 pending tokens
+        # a trailing U+FFFD is an invalid sequence, not an incomplete one, and is emitted as it is.
+        complete = not text.endswith("\ufffd") or len(self.ids) - self._read >= 4
+        if len(text) > len(emitted) and complete:
             self._prefix, self._read = self._read, len(self.ids)
             return text[len(emitted):]
         return ""
