@@ -155,8 +155,12 @@ def _parse(buf, path: Path, size: int) -> tuple[dict, dict[str, TensorInfo]]:
     if version not in (2, 3):
         raise ModelFormatError(f"{path.name}: GGUF version {version} is not supported (2 and 3 are)")
     n_tensors, n_kv = c.u64("tensor count"), c.u64("key count")
-    if n_tensors > MAX_COUNT or n_kv > MAX_COUNT or (n_tensors * 24 + n_kv * 12) > size:
+    if n_tensors > MAX_COUNT or n_kv > MAX_COUNT:
         raise ModelFormatError(f"{path.name}: absurd header counts ({n_tensors} tensors, {n_kv} keys): corrupt file")
+    if n_tensors * 24 + n_kv * 12 > size:
+        raise ModelFormatError(
+            f"{path.name} is truncated or corrupt: {n_tensors} tensors and {n_kv} keys do not fit in {size} bytes"
+        )
     meta: dict = {"GGUF.version": version}
     for _ in range(n_kv):
         key = c.string("a metadata key")

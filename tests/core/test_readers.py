@@ -1,0 +1,152 @@
+"""Readers against the real thing: transformers' models, safetensors' and gguf-py's own readers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.tiny_models import FAMILY_CONFIGS
+from workbench.core.readers import open_model
+from workbench.core.readers.gguf import GGUFStringArray, read_gguf_header
+from workbench.core.units import UnitKey
+
+MODEL_TYPES = list(FAMILY_CONFIGS)
+
+
+def _file_param_count(model) -> int:
+    """Parameters plus persistent buffers (DeepSeek-V3's e_score_correction_bias), tied ones once."""
+    seen, n = set(), 0
+    for t in model.state_dict().values():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            n += t.numel()
+    return n
+
+
+def _check_units(inv) -> None:
+    """Every tensor is owned once: whole by one unit, or one slice per expert adding up to it."""
+    owned: dict[str, int] = {}
+    for unit in inv.units.values():
+        for ref in unit.tensors:
+            owned[ref.tensor.name] = owned.get(ref.tensor.name, 0) + ref.nbytes
+    assert owned == {name: t.nbytes for name, t in inv.tensors.items()}
+    assert sum(u.nbytes for u in inv.units.values()) == inv.total_bytes
+    s = inv.spec
+    assert len(inv.expert_keys()) == s.n_experts * len(s.moe_layers)
+    for layer in range(s.n_layers):
+        assert UnitKey(layer, "attn") in inv.units
+        assert (UnitKey(layer, "router") in inv.units) == (layer in s.moe_layers)
+        assert (UnitKey(layer, "shared") in inv.units) == (layer in s.moe_layers and s.n_shared_experts > 0)
+        assert (UnitKey(layer, "dense_mlp") in inv.units) == (layer not in s.moe_layers)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_hf_folder_matches_transformers(model_type, tiny_model_dir, tiny_hf_model):
+    from safetensors import safe_open
+
+    folder = tiny_model_dir(model_type)
+    model = tiny_hf_model(model_type)
+    inv = open_model(folder)
+    assert inv.format == "safetensors"
+    assert inv.params_total == _file_param_count(model)
+    with safe_open(folder / "model.safetensors", "np") as f:
+        real = {n: f.get_tensor(n) for n in f.keys()}
+    assert inv.total_bytes == sum(a.nbytes for a in real.values())
+    for name, t in inv.tensors.items():
+        assert t.shape == real[name].shape
+        raw = np.fromfile(t.file, dtype=np.float32, count=t.nbytes // 4, offset=t.offset)
+        np.testing.assert_array_equal(raw.reshape(t.shape), real[name])
+    _check_units(inv)
+    cfg = model.config
+    s = inv.spec
+    assert s.n_layers == cfg.num_hidden_layers and s.hidden_size == cfg.hidden_size
+    assert s.n_experts_active == cfg.num_experts_per_tok
+    if model_type == "qwen2_moe":
+        assert s.moe_layers == (1, 3) and s.n_shared_experts == 1 and s.shared_ffn == 24
+    if model_type == "qwen3_moe":
+        assert s.dense_layers == (1,)
+    if model_type == "llama4_text":
+        assert s.moe_layers == tuple(cfg.moe_layers) == (1, 3)
+        assert s.layer_window == (16, 16, 16, None)
+    if model_type == "gpt_oss":
+        assert s.layer_window == (8, None)
+    if model_type.startswith("deepseek"):
+        assert s.moe_layers == (1, 2) and s.kv_lora_rank == 16 and s.qk_rope_head_dim == 8
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("tensor_type", ["F32", "Q8_0"])
+def test_gguf_matches_gguf_py_and_hf(model_type, tensor_type, tiny_gguf, tiny_model_dir, tiny_hf_model):
+    from gguf import GGUFReader
+
+    path = tiny_gguf(model_type, tensor_type)
+    inv = open_model(path)
+    hf = open_model(tiny_model_dir(model_type))
+    assert inv.format == "gguf" and inv.family == hf.family
+    assert inv.spec == hf.spec  # the synthesised config describes the same model
+    assert inv.params_total == hf.params_total == _file_param_count(tiny_hf_model(model_type))
+    reader = GGUFReader(str(path))
+    assert inv.total_bytes == sum(int(t.n_bytes) for t in reader.tensors)
+    assert set(inv.tensors) == {t.name for t in reader.tensors}
+    for t in reader.tensors:
+        mine = inv.tensors[t.name]
+        assert mine.shape == tuple(int(d) for d in reversed(t.shape))
+        assert mine.dtype == t.tensor_type.name and mine.nbytes == int(t.n_bytes)
+        assert mine.offset == int(t.data_offset)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        want = field.contents()
+        got = inv.metadata[name]
+        if isinstance(got, GGUFStringArray):
+            got = got.materialize()
+        if hasattr(got, "tolist"):
+            got = got.tolist()
+        assert got == pytest.approx(want) if isinstance(want, float) else got == want, name
+    if tensor_type == "Q8_0":
+        assert "Q8_0" in inv.dtype_mix()
+        assert any(t.dtype == "Q8_0" for k in inv.expert_keys() for t in (r.tensor for r in inv.units[k].tensors))
+    _check_units(inv)
+
+
+def test_sharded_safetensors_equal_single(tiny_model_dir, tiny_hf_model, tmp_path):
+    model = tiny_hf_model("qwen3_moe")
+    model.save_pretrained(tmp_path, max_shard_size="60KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    sharded, single = open_model(tmp_path), open_model(tiny_model_dir("qwen3_moe"))
+    assert len(sharded.files) > 1
+    assert sharded.total_bytes == single.total_bytes and sharded.params_total == single.params_total
+    assert {n: (t.shape, t.dtype) for n, t in sharded.tensors.items()} == {
+        n: (t.shape, t.dtype) for n, t in single.tensors.items()}
+    assert sharded.fingerprint == single.fingerprint
+
+
+def test_split_gguf_equal_single(tiny_model_dir, tmp_path):
+    from workbench.core.gguf_writer import write_gguf
+
+    src = tiny_model_dir("mixtral")
+    parts = write_gguf(src, tmp_path / "m.gguf", "Q8_0", split_max_tensors=10)
+    single = write_gguf(src, tmp_path / "one.gguf", "Q8_0")[0]
+    assert len(parts) > 2 and parts[1].name.endswith(f"-00002-of-{len(parts):05d}.gguf")
+    a, b = open_model(parts[1]), open_model(single)
+    assert a.files == parts
+    assert a.total_bytes == b.total_bytes and a.spec == b.spec
+    assert {n: (t.shape, t.dtype, t.nbytes) for n, t in a.tensors.items()} == {
+        n: (t.shape, t.dtype, t.nbytes) for n, t in b.tensors.items()}
+    # each part's data is where its own header says
+    for t in a.tensors.values():
+        assert t.file in parts
+
+
+def test_fingerprint_tracks_content(tiny_model_dir, tiny_gguf):
+    a = open_model(tiny_gguf("olmoe", "F32"))
+    assert a.fingerprint == open_model(tiny_gguf("olmoe", "F32")).fingerprint
+    assert a.fingerprint != open_model(tiny_gguf("olmoe", "Q8_0")).fingerprint
+    assert a.fingerprint != open_model(tiny_model_dir("olmoe")).fingerprint
+
+
+def test_gguf_header_only_offsets(tiny_gguf):
+    meta, tensors = read_gguf_header(tiny_gguf("qwen2_moe", "F32"))
+    t = tensors["blk.1.ffn_up_exps.weight"]
+    assert t.shape == (6, 16, 32) and t.nbytes == 6 * 16 * 32 * 4
+    assert meta["general.architecture"] == "qwen2moe" and meta["qwen2moe.expert_count"] == 6
