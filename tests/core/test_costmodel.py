@@ -206,3 +206,21 @@ def test_no_stats_means_uniform_selection():
     pred = cm.predict(placement_cpu_moe(inv))
     assert all(c.gpu_share == 0 for c in pred.decode_layers)
     assert not math.isnan(pred.prefill_tps)
+
+
+def test_layer_curves_agree_with_predict():
+    inv = synth_inventory(3, 8, hidden=256, expert_ffn=128, top_k=2, dense_layers=(0,), shared_ffn=64)
+    stats = _skewed_stats(inv, seed=3)
+    cm = CostModel(inv, desktop_profile(), stats)
+    base = placement_cpu_moe(inv)
+    order = np.stack([stats.hottest(layer) for layer in range(3)])
+    curves, nbytes = cm.layer_curves(base, order, kv_tokens=300)
+    for k in (0, 1, 3, 8):
+        p = base.copy()
+        for layer in inv.spec.moe_layers:
+            p.move([UnitKey(layer, "expert", int(e)) for e in order[layer, :k]], ON_GPU0)
+        pred = cm.predict(p, prompt_tokens=300)
+        for layer in range(3):
+            assert curves[layer, k] == pytest.approx(pred.decode_layers[layer].total, rel=1e-12)
+        gpu_experts = sum(inv.units[key].nbytes for key in inv.expert_keys() if p.get(key) == ON_GPU0)
+        assert nbytes[list(inv.spec.moe_layers), k].sum() == gpu_experts

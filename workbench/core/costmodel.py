@@ -240,13 +240,16 @@ class CostModel:
     # -- prediction ------------------------------------------------------------------------------
 
     def predict(self, placement: Placement, ctx: int = 4096, kv_dtype: str = "f16",
-                prompt_tokens: int = 512, kv_tokens: int | None = None) -> Prediction:
+                prompt_tokens: int = 512, kv_tokens: int | None = None,
+                memory: MemoryEstimate | None = None) -> Prediction:
         """Memory (for a context of ``ctx`` tokens), decode tokens/s with ``kv_tokens`` tokens in the
-        cache (default: the prompt), and prefill tokens/s for a prompt of ``prompt_tokens``."""
+        cache (default: the prompt), and prefill tokens/s for a prompt of ``prompt_tokens``.
+        ``memory``: the placement's estimate when the caller has it already."""
         if prompt_tokens < 1:
             raise ValueError("the prompt has at least one token")
         kv_tokens = min(ctx, prompt_tokens if kv_tokens is None else kv_tokens)
-        memory = estimate_memory(self.inv, placement, ctx, kv_dtype)
+        if memory is None:
+            memory = estimate_memory(self.inv, placement, ctx, kv_dtype)
         grid = expert_grid(placement, self.n_layers, self.n_experts)
         decode, other = self._decode(placement, grid, kv_tokens, kv_dtype)
         chunk = min(prompt_tokens, PREFILL_CHUNK)
@@ -257,9 +260,12 @@ class CostModel:
         return Prediction(memory, 1.0 / decode_s, prompt_tokens / prefill_s, prompt_tokens, kv_tokens,
                           decode, prefill, other)
 
-    def decode_tps(self, placement: Placement, kv_tokens: int = 512, kv_dtype: str = "f16") -> float:
-        """Decode tokens/s alone (no memory estimate, no prefill): what planners compare."""
-        grid = expert_grid(placement, self.n_layers, self.n_experts)
+    def decode_tps(self, placement: Placement, kv_tokens: int = 512, kv_dtype: str = "f16",
+                   grid: np.ndarray | None = None) -> float:
+        """Decode tokens/s alone (no memory estimate, no prefill): what planners compare. ``grid``
+        (``[layers, experts]`` tier codes) overrides the placement's routed experts."""
+        if grid is None:
+            grid = expert_grid(placement, self.n_layers, self.n_experts)
         layers, other = self._decode(placement, grid, kv_tokens, kv_dtype)
         return 1.0 / (sum(c.total for c in layers) + other)
 
@@ -360,6 +366,37 @@ class CostModel:
                                     float(bus[layer]), float(sync[layer]),
                                     float(gpu_share[layer]), float(hit_rate[layer])))
         return layers, other
+
+    def layer_curves(self, base: Placement, order: np.ndarray, kv_tokens: int = 512,
+                     kv_dtype: str = "f16") -> tuple[np.ndarray, np.ndarray]:
+        """Decode time of each layer when its first ``k`` experts of ``order`` sit on ``gpu:0`` and
+        the others are CPU-compute, for every ``k``; ``base`` places the other units.
+
+        ``order[l]`` lists the expert indices of layer ``l`` (``[layers, experts]``). Returns
+        ``(seconds [layers, experts + 1], gpu_bytes [layers, experts + 1])``; column ``k`` is the
+        layer's time and its experts' GPU bytes with ``k`` experts on the GPU. The same formula as
+        ``predict`` (the planners search these curves, ``predict`` checks the result).
+        """
+        L, E = self.n_layers, self.n_experts
+        pre, post, sync, _ = self._fixed_decode(base, kv_tokens, kv_dtype)
+        rows = np.arange(L)[:, None]
+        present = self.present[rows, order]
+        load = (self.p_sel * self.expert_bytes)[rows, order] * present
+        zeros = np.zeros((L, 1))
+        g_cum = np.hstack([zeros, np.cumsum(load / self._expert_bw(0), axis=1)])
+        c_gain = np.hstack([zeros, np.cumsum(load / self.expert_cpu_rate[rows, order], axis=1)])
+        b_cum = np.hstack([zeros, np.cumsum(self.expert_bytes[rows, order] * present, axis=1)])
+        n_present = present.sum(axis=1)
+        k = np.arange(E + 1)[None, :]
+        cpu_left = k < n_present[:, None]  # some experts of the layer stay on the CPU
+        gpu0 = post.get("gpu:0", np.zeros(L))[:, None] + g_cum
+        others = [v for name, v in post.items() if name not in ("gpu:0", "cpu")]
+        gpu_t = np.maximum(gpu0, np.max(others, axis=0)[:, None]) if others else gpu0
+        launch = np.array([self._gpu(self._attn_gpu(base, layer)).launch_s for layer in range(L)])[:, None]
+        gpu_t = gpu_t + cpu_left * self.engine.launches_cpu_return * launch
+        cpu_t = post.get("cpu", np.zeros(L))[:, None] + c_gain[:, -1:] - c_gain
+        t = pre[:, None] + np.maximum(gpu_t, cpu_t) + sync[:, None] + cpu_left * self.profile.sync_s
+        return t, b_cum
 
     def _attn_gpu(self, placement: Placement, layer: int) -> int:
         a = placement.get(UnitKey(layer, "attn"))

@@ -305,9 +305,14 @@ def with_expert_grid(base: Placement, grid, keys: Iterable[UnitKey]) -> Placemen
     """A copy of ``base`` whose routed experts ``keys`` take the tiers of ``grid`` (``[layers, experts]``
     codes); other units keep ``base``'s assignments."""
     out = base.copy()
-    cache = {}
+    default_code = tier_code(out.default)
+    table = {int(c): code_assignment(int(c)) for c in set(grid.ravel().tolist())}
+    codes = grid.tolist()
+    assignments = out.assignments
     for key in keys:
-        code = int(grid[key.layer, key.expert])
-        a = cache.get(code) or cache.setdefault(code, code_assignment(code))
-        out.set(key, a)
+        code = codes[key.layer][key.expert]
+        if code == default_code:
+            assignments.pop(key, None)
+        else:
+            assignments[key] = table[code]
     return out
