@@ -114,6 +114,9 @@ def gguf_role(name: str) -> TensorRole | None:
     return None
 
 
+_ANY_LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")
+
+
 def assign_units(
     tensors: dict[str, TensorInfo], fmt: str, n_layers: int, n_experts: int
 ) -> tuple[dict[UnitKey, Unit], list[str]]:
@@ -133,6 +136,9 @@ def assign_units(
 
     for name, info in tensors.items():
         role = role_of(name)
+        if role is None and (m := _ANY_LAYER.search(name)) and int(m.group(1)) >= n_layers:
+            skipped.append(name)  # e.g. DeepSeek-V3's MTP layer: enorm, hnorm, eh_proj, shared_head
+            continue
         if role is None:
             raise ModelFormatError(f"tensor {name!r} belongs to no unit: the workbench does not know this name")
         if role.layer is not None and role.layer >= n_layers:
