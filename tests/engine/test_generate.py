@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from tests.engine.engine_helpers import TEST_DEVICE, TEST_DTYPE, make_model, open_inventory, reference_tokens
-from tests.engine.test_tokenizer_helpers import build_byte_level_tokenizer
+from tests.engine.engine_helpers import TEST_DEVICE, TEST_DTYPE, open_inventory, reference_tokens
+from tests.engine.test_tokenizer_helpers import build_tiny_chat_model
 from workbench.core.errors import WorkbenchError
 from workbench.engine.chat_template import ChatTemplate
 from workbench.engine.engine import Engine
@@ -29,10 +29,7 @@ def model(tmp_path_factory):
     """(transformers model, folder with weights + tokenizer.json, our Tokenizer)."""
     torch.set_num_threads(1)
     folder = tmp_path_factory.mktemp("qwen3_moe_tok")
-    hf_tok = build_byte_level_tokenizer(vocab_size=320)
-    model = make_model("qwen3_moe", folder, vocab_size=hf_tok.get_vocab_size(),
-                       eos_token_id=hf_tok.token_to_id("<|im_end|>"), bos_token_id=None)
-    hf_tok.save(str(folder / "tokenizer.json"))
+    model = build_tiny_chat_model(folder)
     return model, folder, load_tokenizer(folder)
 
 

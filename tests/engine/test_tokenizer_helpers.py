@@ -130,3 +130,17 @@ def write_tokenizer_gguf(path: Path, tok: Tokenizer, kind: str, *, pre: str = "q
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def build_tiny_chat_model(folder: Path):
+    """A tiny Qwen3-MoE whose vocabulary is a real byte-level tokenizer's (saved beside it).
+
+    Returns the transformers model; ``folder`` holds config, weights and ``tokenizer.json``.
+    """
+    from tests.tiny_models import build_hf_model
+
+    tok = build_byte_level_tokenizer(vocab_size=320)
+    model = build_hf_model("qwen3_moe", folder, vocab_size=tok.get_vocab_size(),
+                       eos_token_id=tok.token_to_id("<|im_end|>"), bos_token_id=None)
+    tok.save(str(folder / "tokenizer.json"))
+    return model
