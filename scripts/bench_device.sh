@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# What runs on the GPU machine for the S1 baselines (BENCHMARKS.md). From the repo root, with
+# .llamacpp carried (scripts/build_llamacpp.sh fetch; gguf wheel in .llamacpp/whl):
+#
+#   OUT=/path scripts/bench_device.sh STAGE...
+#
+# Stages: build (llama-bench for sm_90, skipped if .llamacpp/bin/llama-bench exists), s1 (write S1
+# skewed; llama-bench at the budget, all on GPU, all experts in RAM), cpu (CPU expert formats),
+# uniform (S1 reskewed to uniform routing; llama-bench), q8, q4 (S1 as Q8_0 / Q4_K; llama-bench),
+# pack (llama-bench binary as $OUT/llama-bench.tar.xz to carry to the next machine).
+# BENCH_TIME_S (default 540) bounds the whole script: llama-bench configurations that would start
+# too late are skipped and reported as such.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/bench-out}"
+mkdir -p "$OUT"
+t0=$(date +%s)
+budget_s="${BENCH_TIME_S:-540}"
+left() { echo $(( budget_s - ($(date +%s) - t0) )); }
+log() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/device.log"; }
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site"
+if [ -d .llamacpp/whl ] && ! python3 -c "import gguf" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .llamacpp/whl/*.whl
+fi
+models=/dev/shm/wb
+mkdir -p "$models"
+wb() { python3 -m workbench -v bench "$@" 2>>"$OUT/device.log"; }
+lbench() {  # label json args...
+    local label="$1" json="$2"; shift 2
+    local tl=$(( $(left) - 20 ))
+    if [ "$tl" -lt 40 ]; then log "skip llama-bench $label: out of time"; return; fi
+    log "llama-bench $label ($tl s left)"
+    wb llamacpp --label "$label" --json "$OUT/$json" --time-limit "$tl" "$@" | tee -a "$OUT/device.log"
+}
+build_pid=""
+
+stage_build() {
+    if [ -x .llamacpp/bin/llama-bench ]; then log "llama-bench present"; return; fi
+    log "building llama-bench in the background"
+    scripts/build_llamacpp.sh build >"$OUT/build.log" 2>&1 &
+    build_pid=$!
+}
+wait_build() {
+    if [ -n "$build_pid" ]; then wait "$build_pid"; log "build exit $?"; build_pid=""; tail -2 "$OUT/build.log"; fi
+    [ -x .llamacpp/bin/llama-bench ] || { log "no llama-bench"; return 1; }
+}
+stage_s1() {
+    log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 --coverage 0.5 | tee -a "$OUT/device.log"
+    wait_build || return
+    [ -f "$OUT/llama-bench.tar.xz" ] || stage_pack
+    lbench "S1 bf16 skewed" llamacpp_s1_skew.json --model "$models/s1.gguf" --around 16 --all-gpu
+    lbench "S1 bf16 skewed, all experts in RAM" llamacpp_s1_skew_cpu.json --model "$models/s1.gguf" --n-cpu-moe 24
+}
+stage_cpu() {
+    log "CPU formats"; wb cpu-formats --shape s1 --threads 16 --experts 128 --json "$OUT/cpu_formats.json" | tee -a "$OUT/device.log"
+}
+stage_uniform() {
+    [ -f "$models/s1.gguf" ] || { log "writing S1 uniform"; wb write -o "$models/s1.gguf" --shape s1 --uniform; }
+    wb reskew "$models/s1.gguf" --uniform | tee -a "$OUT/device.log"
+    wait_build || return
+    lbench "S1 bf16 uniform" llamacpp_s1_uniform.json --model "$models/s1.gguf" --n-cpu-moe 16,24
+}
+stage_q8() {
+    rm -f "$models"/s1.gguf
+    log "writing S1 Q8_0"; wb write -o "$models/s1_q8.gguf" --shape s1 --weights q8_0 | tee -a "$OUT/device.log"
+    wait_build || return
+    lbench "S1 Q8_0 skewed" llamacpp_s1_q8.json --model "$models/s1_q8.gguf" --n-cpu-moe 7,8,9 --all-gpu
+    rm -f "$models"/s1_q8.gguf
+}
+stage_q4() {
+    rm -f "$models"/s1.gguf
+    log "writing S1 Q4_K"; wb write -o "$models/s1_q4.gguf" --shape s1 --weights q4_k | tee -a "$OUT/device.log"
+    wait_build || return
+    lbench "S1 Q4_K skewed" llamacpp_s1_q4.json --model "$models/s1_q4.gguf" --n-cpu-moe 0,2 --all-gpu
+    rm -f "$models"/s1_q4.gguf
+}
+stage_pack() {
+    [ -x .llamacpp/bin/llama-bench ] || return
+    tar -C .llamacpp -cf - bin COMMIT | xz -T0 -6 >"$OUT/llama-bench.tar.xz"
+    local size; size=$(stat -c %s "$OUT/llama-bench.tar.xz")
+    log "packed llama-bench: $size bytes"
+    if [ "$size" -gt 16000000 ]; then rm -f "$OUT/llama-bench.tar.xz"; log "too large to bring back"; fi
+}
+
+{
+    date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+    lscpu | grep -E 'Model name|^CPU\(s\)|L3|Flags' | cut -c1-200; free -g; df -h /dev/shm | tail -1
+    python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+    git log -1 --format='commit %H' 2>/dev/null || true
+} >>"$OUT/device.log" 2>&1
+for st in "$@"; do
+    log "stage $st"
+    "stage_$st"
+done
+wait_build >/dev/null 2>&1 || true
+log "done"
