@@ -24,6 +24,8 @@ def model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("generate_cli")
     hf = build_tiny_chat_model(folder)
     (folder / "chat_template.jinja").write_text(CHATML)
+    # The GGUF writer copies the template from tokenizer_config.json into tokenizer.chat_template.
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
     return hf, folder, load_tokenizer(folder)
 
 
@@ -91,6 +93,9 @@ def test_gguf_copy_with_its_own_tokenizer(model, capsys, tmp_path):
     out = run_json(capsys, gguf_path, "--prompt", "The experts", "--max-new", 8, "--greedy", "--ignore-eos")
     assert out["tokens"] == reference_tokens(hf, tok.encode("The experts"), 8)
     assert out["text"] == tok.decode(out["tokens"])
+    from_folder = run_json(capsys, folder, "--chat", "Hi", "--max-new", 6, "--greedy", "--ignore-eos")
+    from_gguf = run_json(capsys, gguf_path, "--chat", "Hi", "--max-new", 6, "--greedy", "--ignore-eos")
+    assert from_gguf["tokens"] == from_folder["tokens"]
 
 
 def test_eos_and_stop_string_end_generation(model, capsys):
