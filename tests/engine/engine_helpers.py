@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from pathlib import Path
 
 import torch
 
-from tests.tiny_models import build_hf_model
 from workbench.core.inventory import Inventory
 from workbench.core.placement import CPU_COMPUTE, CPU_STREAM, ON_GPU0, Placement
-from workbench.core.units import UnitKey
 
 TEST_DEVICE = os.environ.get("WORKBENCH_TEST_DEVICE", "cpu")
 """Accelerator the engine tests use: ``cpu`` in CI, ``cuda`` on a GPU machine."""
@@ -23,23 +20,9 @@ LOGITS_RTOL = 1e-4 if TEST_DTYPE == torch.float32 else 1e-2
 
 def open_inventory(path: Path) -> Inventory:
     """The Inventory of a model folder or GGUF file, from the product's reader."""
-    try:
-        from workbench.core.readers import open_model
-    except ImportError:  # until the inventory reader lands: safetensors folders from its parts
-        return _inventory_by_hand(Path(path))
+    from workbench.core.readers import open_model
+
     return open_model(path)
-
-
-def _inventory_by_hand(folder: Path) -> Inventory:
-    from workbench.core.naming import assign_units
-    from workbench.core.readers.hf_config import family_of, spec_from_config
-    from workbench.core.readers.safetensors import read_safetensors_folder
-
-    config = json.loads((folder / "config.json").read_text())
-    spec = spec_from_config(config)
-    tensors, files = read_safetensors_folder(folder)
-    units, _ = assign_units(tensors, "safetensors", spec.n_layers, spec.n_experts)
-    return Inventory(folder, "safetensors", family_of(config), spec, config, tensors, units, files)
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -90,12 +73,3 @@ def placements(inv: Inventory, seed: int = 0) -> dict[str, Placement]:
     out["mixed"] = p
     return out
 
-
-def make_model(model_type: str, folder: Path, **overrides):
-    model = build_hf_model(model_type, folder, **overrides)
-    (folder / "overrides.json").write_text(json.dumps(overrides))
-    return model
-
-
-def unit(layer, kind, expert=None) -> UnitKey:
-    return UnitKey(layer, kind, expert)

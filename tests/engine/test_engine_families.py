@@ -17,7 +17,6 @@ from tests.engine.engine_helpers import (
     TEST_DEVICE,
     TEST_DTYPE,
     greedy_tokens,
-    make_model,
     open_inventory,
     placements,
     reference_logits,
@@ -40,17 +39,17 @@ FAMILIES = {
 
 
 class Case:
-    def __init__(self, model_type: str, folder):
-        torch.manual_seed(0)
-        self.model = make_model(model_type, folder, **FAMILIES[model_type])
+    def __init__(self, model, folder):
+        self.model = model
         self.inventory = open_inventory(folder)
         self.logits = reference_logits(self.model, PROMPT)
         self.tokens = reference_tokens(self.model, PROMPT, N_NEW)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def case(request, tmp_path_factory):
-    return Case(request.param, tmp_path_factory.mktemp(request.param))
+def case(request, tiny_model_dir, tiny_hf_model):
+    overrides = FAMILIES[request.param]
+    return Case(tiny_hf_model(request.param, **overrides), tiny_model_dir(request.param, **overrides))
 
 
 def assert_greedy_like_reference(case: Case, tokens: list[int]) -> None:

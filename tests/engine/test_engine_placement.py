@@ -15,7 +15,6 @@ from tests.engine.engine_helpers import (
     TEST_DEVICE,
     TEST_DTYPE,
     greedy_tokens,
-    make_model,
     open_inventory,
     placements,
     reference_logits,
@@ -31,10 +30,8 @@ PROMPT = [3, 17, 5, 42, 9, 11, 60, 7, 22, 33, 1, 4]
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen3_moe")
-    model = make_model("qwen3_moe", folder)
-    return model, open_inventory(folder)
+def qwen3(tiny_model_dir, tiny_hf_model):
+    return tiny_hf_model("qwen3_moe"), open_inventory(tiny_model_dir("qwen3_moe"))
 
 
 def load(inv, placement=None, **kw):

@@ -1,0 +1,120 @@
+"""GGUF copies run like the safetensors originals.
+
+- F32 GGUF (llama.cpp names, stacked experts, Mixtral's permuted Q/K rows): the same logits and
+  greedy tokens as transformers on the original, with experts on every tier.
+- Q8_0 / Q4_0 GGUF: the same logits and tokens as transformers run on the weights transformers'
+  own GGUF loader dequantizes (gguf-py) from the same file.
+- K-quants (Q4_K, Q5_K, Q6_K; gguf-py cannot write them): one expert's slice, dequantized at load,
+  equals gguf-py's dequantization of the whole stacked tensor at that expert.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engine.engine_helpers import (
+    LOGITS_RTOL,
+    TEST_DEVICE,
+    TEST_DTYPE,
+    greedy_tokens,
+    open_inventory,
+    placements,
+    reference_logits,
+    reference_tokens,
+    rel_err,
+)
+from workbench.engine import Engine
+from workbench.engine.weights import WeightReader
+
+PROMPT = [3, 17, 5, 42, 9, 11, 60, 7, 22, 33, 1, 4, 8, 19, 25, 30, 44, 50, 2, 13]
+N_NEW = 32
+# Sizes that fill whole 32-value quant blocks in every row, so that every matrix is quantized.
+QUANT_SIZES = {"hidden_size": 64, "moe_intermediate_size": 32, "intermediate_size": 64}
+
+
+def check(engine: Engine, model) -> None:
+    assert rel_err(engine.forward(torch.tensor(PROMPT), 0), reference_logits(model, PROMPT)) < LOGITS_RTOL
+    tokens = greedy_tokens(engine, PROMPT, N_NEW)
+    if TEST_DTYPE == torch.float32:
+        assert tokens == reference_tokens(model, PROMPT, N_NEW)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama4_text"])
+def test_f32_gguf_matches_transformers_on_the_original(model_type, tiny_gguf, tiny_hf_model):
+    inv = open_inventory(tiny_gguf(model_type, "F32"))
+    assert inv.format == "gguf"
+    engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
+    check(engine, tiny_hf_model(model_type))
+    engine.close()
+
+
+def transformers_on_gguf(model, path):
+    """A copy of ``model`` carrying the weights transformers' GGUF loader reads from ``path``."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    ref = copy.deepcopy(model)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=ref)["tensors"]
+    params = dict(ref.state_dict())
+    state = {k: v.reshape(params[k].shape) for k, v in tensors.items()}
+    missing = ref.load_state_dict(state, strict=False)
+    assert not missing.missing_keys and not missing.unexpected_keys
+    return ref
+
+
+@pytest.mark.parametrize(("model_type", "tensor_type"), [
+    ("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_0"), ("qwen2_moe", "Q8_0"),
+])
+def test_quantized_gguf_matches_transformers_on_dequantized_weights(model_type, tensor_type, tiny_gguf,
+                                                                     tiny_hf_model):
+    # transformers' GGUF loader knows no dense layers in qwen2moe / qwen3moe files (nor does llama.cpp)
+    sizes = dict(QUANT_SIZES, mlp_only_layers=[]) if model_type == "qwen3_moe" else \
+        dict(QUANT_SIZES, decoder_sparse_step=1, shared_expert_intermediate_size=32)
+    path = tiny_gguf(model_type, tensor_type, **sizes)
+    inv = open_inventory(path)
+    assert inv.dtype_mix().get(tensor_type, 0) > 0.9 * inv.total_bytes
+    ref = transformers_on_gguf(tiny_hf_model(model_type, **sizes), path)
+    for name in ("resident", "mixed"):
+        engine = Engine.load(inv, placements(inv)[name], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
+        check(engine, ref)
+        engine.close()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16", "BF16"])
+def test_expert_slice_dequantizes_like_gguf(qtype, tmp_path):
+    import gguf
+    from gguf.quants import dequantize
+
+    from workbench.core.readers.gguf import read_gguf_header
+
+    t = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    n_exp, rows, cols = 3, 4, 512
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(n_exp, rows, cols // block * size), dtype=np.uint8)
+    if qtype in ("Q4_K", "Q5_K", "Q6_K", "Q8_0"):  # keep the f16 scales finite and small
+        blocks = raw.reshape(-1, size)
+        scale_at = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [size - 2], "Q8_0": [0]}[qtype]
+        for off in scale_at:
+            blocks[:, off:off + 2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    if qtype in ("F16", "BF16"):
+        raw[..., 1::2] &= 0x3F  # small finite values
+    path = tmp_path / "experts.gguf"
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_block_count(1)
+    w.add_tensor("blk.0.ffn_up_exps.weight", raw, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _, tensors = read_gguf_header(path)
+    inv = type("Inv", (), {"tensors": tensors, "path": path, "format": "gguf"})()
+    reader = WeightReader(inv)
+    assert tensors["blk.0.ffn_up_exps.weight"].shape == (n_exp, rows, cols)
+    whole = dequantize(raw.reshape(n_exp * rows, -1), t).reshape(n_exp, rows, cols)
+    for e in range(n_exp):
+        got = reader.tensor("blk.0.ffn_up_exps.weight", e).float().numpy()
+        np.testing.assert_array_equal(got, whole[e].astype(np.float32))
