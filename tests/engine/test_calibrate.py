@@ -1,0 +1,141 @@
+"""Calibration on the CPU with a tiny expert shape and a short time budget."""
+
+import json
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from workbench.cli import main
+from workbench.core.errors import WorkbenchError
+from workbench.core.hardware import HardwareProfile
+from workbench.engine.calibrate import FALLBACK_FORMATS, CalibrationCancelled, calibrate, format_table
+
+HIDDEN, FFN = 64, 32
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_cpu_calibration_in_budget_with_progress():
+    seen = []
+    t = time.perf_counter()
+    prof = calibrate(
+        HIDDEN,
+        FFN,
+        budget_s=1.5,
+        progress=lambda f, m: seen.append((f, m)),
+        weight_bytes=4 << 20,
+        use_cuda=False,
+    )
+    wall = time.perf_counter() - t
+    assert wall < 6.0  # 1.5 s budget; generous for a shared 2-core machine
+    prof.validate()
+    fractions = [f for f, _ in seen]
+    assert fractions == sorted(fractions) and fractions[0] == 0.0 and fractions[-1] == 1.0
+    assert any("host RAM read" in m for _, m in seen) and seen[-1][1].startswith("done")
+    expected = set(format_table())
+    assert set(prof.cpu_expert_throughput) == expected and {"bf16", "f32"} <= expected
+    assert all(v > 1e6 for v in prof.cpu_expert_throughput.values())
+    assert prof.host_read_bandwidth > 1e8 and prof.cpu_flops > 1e7
+    assert prof.gpus == () and math.isnan(prof.h2d_pinned)
+    assert prof.provenance["h2d_pinned"] == "absent" and prof.provenance["host_read_bandwidth"] == "measured"
+    assert "no CUDA here" in prof.source and f"{HIDDEN} x {FFN}" in prof.source
+    back = HardwareProfile.from_json(json.loads(json.dumps(prof.to_json(), allow_nan=False)))
+    assert back.to_json() == prof.to_json()
+
+
+def test_preset_supplies_the_gpu_side_without_cuda():
+    prof = calibrate(
+        HIDDEN,
+        FFN,
+        budget_s=0.6,
+        preset="rtx4090+ddr5-2ch",
+        formats=["bf16"],
+        weight_bytes=1 << 20,
+        use_cuda=False,
+    )
+    assert list(prof.cpu_expert_throughput) == ["bf16"]
+    assert prof.gpus[0].name == "NVIDIA GeForce RTX 4090" and prof.h2d_pinned > 1e10
+    assert (
+        prof.provenance["gpus"] == "preset:rtx4090+ddr5-2ch"
+        and prof.provenance["cpu_expert_throughput"] == "measured"
+    )
+    assert prof.host_ram_bytes < 2**50 and prof.name.startswith("NVIDIA GeForce RTX 4090 + ")
+
+
+def test_cancel_stops_quickly():
+    stop = threading.Event()
+    timer = threading.Timer(0.3, stop.set)
+    timer.start()
+    t = time.perf_counter()
+    with pytest.raises(CalibrationCancelled):
+        calibrate(HIDDEN, FFN, budget_s=20, cancel=stop, weight_bytes=1 << 20, use_cuda=False)
+    assert time.perf_counter() - t < 2.0
+    timer.join()
+    with pytest.raises(CalibrationCancelled):  # a callable works too
+        calibrate(HIDDEN, FFN, budget_s=20, cancel=lambda: True, weight_bytes=1 << 20, use_cuda=False)
+
+
+def test_bad_arguments():
+    with pytest.raises(WorkbenchError, match="unknown CPU weight format"):
+        calibrate(HIDDEN, FFN, formats=["fp3"], use_cuda=False)
+    with pytest.raises(WorkbenchError, match="positive"):
+        calibrate(0, FFN, use_cuda=False)
+
+
+@pytest.mark.parametrize("name", list(FALLBACK_FORMATS))
+def test_measured_kernels_compute_the_expert_matmul(name):
+    """Calibration times real matmuls: each fallback format's kernel gives x @ W.T of its weight."""
+    available, pack, supports = FALLBACK_FORMATS[name]
+    if not available():
+        pytest.skip(f"{name} kernel not in this torch build")
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(64, 128, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(2, 128, generator=g)
+    p = pack(w)
+    y = p(x.to(p.act_dtype)).double()
+    ref = x.double() @ w.double().T
+    tol = {"int4": 0.15, "int8": 0.03}.get(name, 0.01)
+    assert float((y - ref).norm() / ref.norm()) < tol
+    expected = {
+        "bf16": 64 * 128 * 2,
+        "f32": 64 * 128 * 4,
+        "int8": 64 * 128 + 64 * 2,
+        "int4": 64 * 64 + 4 * 64 * 2 * 2,
+    }
+    assert p.nbytes == expected[name]
+
+
+def test_cli_json_and_output_file(tmp_path, capsys):
+    out = tmp_path / "hw.json"
+    rc = main(
+        [
+            "calibrate",
+            "--json",
+            "--hidden",
+            str(HIDDEN),
+            "--ffn",
+            str(FFN),
+            "--budget",
+            "0.6",
+            "--formats",
+            "bf16,f32",
+            "--cpu-only",
+            "-o",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert set(printed["cpu_expert_throughput"]) == {"bf16", "f32"}
+    assert HardwareProfile.load(out).to_json() == printed
+    assert main(["calibrate", "--hidden", "0"]) == 2
+    assert "out of range" in capsys.readouterr().err

@@ -1,0 +1,121 @@
+"""``workbench calibrate``: measure this machine (under 30 s) and print or save its HardwareProfile.
+
+The expert shape comes from ``--model PATH`` (headers only) or ``--hidden``/``--ffn`` (default: the
+Qwen3-30B-A3B expert, 2048 x 768). Without CUDA the CPU side is measured and ``--preset`` supplies
+the GPU side (what-if), or the GPU fields stay absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from workbench.core.errors import WorkbenchError
+from workbench.core.fmt import bytes2human
+from workbench.core.hardware import HardwareProfile
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the profile as JSON")
+    parser.add_argument("-o", "--output", metavar="FILE", help="save the profile as JSON to FILE")
+    parser.add_argument("--model", metavar="PATH", help="take the expert shape from this model's headers")
+    parser.add_argument("--hidden", type=int, metavar="N", help="model hidden size (2048)")
+    parser.add_argument("--ffn", type=int, metavar="N", help="routed expert FFN size (768)")
+    parser.add_argument(
+        "--budget", type=float, default=20.0, metavar="S", help="seconds to spend (20, at most 28)"
+    )
+    parser.add_argument("--preset", metavar="NAME", help="GPU side from this preset when there is no CUDA")
+    parser.add_argument("--formats", metavar="LIST", help="CPU weight formats to measure, e.g. bf16,int8")
+    parser.add_argument("--cpu-only", action="store_true", help="do not measure GPUs even if CUDA is present")
+    parser.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: torch's choice)")
+
+
+def _shape(args: argparse.Namespace) -> tuple[int, int]:
+    hidden, ffn = args.hidden, args.ffn
+    if args.model:
+        from workbench.core.readers import open_model
+
+        spec = open_model(args.model).spec
+        if not spec.expert_ffn:
+            raise WorkbenchError(f"{args.model} has no routed experts (expert FFN size unknown)")
+        hidden = spec.hidden_size if hidden is None else hidden
+        ffn = spec.expert_ffn if ffn is None else ffn
+    hidden, ffn = 2048 if hidden is None else hidden, 768 if ffn is None else ffn
+    if hidden < 1 or ffn < 1 or hidden > 65536 or ffn > 65536:
+        raise WorkbenchError(f"expert shape {hidden} x {ffn} is out of range (1..65536)")
+    return hidden, ffn
+
+
+def _rate(value: float) -> str:
+    return "N/A" if value is None or math.isnan(value) else f"{value / 1e9:.1f} GB/s"
+
+
+def format_profile(p: HardwareProfile) -> str:
+    """The profile as text, with where each figure came from."""
+    prov = p.provenance
+    tag = lambda key: f"  [{prov[key]}]" if key in prov else ""  # noqa: E731
+    lines = [f"{p.name}", f"  source: {p.source}"]
+    for g in p.gpus:
+        exp = "N/A" if g.expert_bandwidth is None else f"{g.expert_bandwidth / 1e9:.0f} GB/s"
+        lines.append(
+            f"  GPU {g.name}: {bytes2human(g.vram_bytes)}, memory {g.mem_bandwidth / 1e12:.2f} TB/s, "
+            f"bf16 {g.bf16_flops / 1e12:.0f} TFLOP/s, experts (batch 1) {exp}, launch {g.launch_s * 1e6:.1f} us, "
+            f"PCIe gen {g.pcie_gen or 'N/A'} x{g.pcie_width or 'N/A'}{tag('gpus')}"
+        )
+    if not p.gpus:
+        lines.append(f"  GPU: none{tag('gpus')}")
+    lines += [
+        f"  host->GPU pinned {_rate(p.h2d_pinned)}, pageable {_rate(p.h2d_pageable)}; "
+        f"GPU->host pinned {_rate(p.d2h_pinned)}{tag('h2d_pinned')}",
+        f"  sync per layer {p.sync_s * 1e6:.0f} us{tag('sync_s')}",
+        f"  host RAM {bytes2human(p.host_ram_bytes)}, read {_rate(p.host_read_bandwidth)}{tag('host_read_bandwidth')}",
+        f"  CPU {p.cpu_cores} cores, bf16 GEMM {p.cpu_flops / 1e12:.2f} TFLOP/s{tag('cpu_flops')}",
+        "  CPU experts (batch 1, bytes of weights/s):"
+        + "".join(f" {fmt} {_rate(v)};" for fmt, v in p.cpu_expert_throughput.items())
+        + tag("cpu_expert_throughput"),
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    hidden, ffn = _shape(args)
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()] if args.formats else None
+    if args.preset:
+        from workbench.core.hardware import preset
+
+        preset(args.preset)  # fail on a bad name before spending 20 s
+    import torch
+
+    from workbench.engine.calibrate import calibrate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    show = not args.json
+
+    def progress(fraction: float, message: str) -> None:
+        if show:
+            print(f"[{fraction * 100:3.0f}%] {message}", file=sys.stderr, flush=True)
+
+    prof = calibrate(
+        hidden,
+        ffn,
+        budget_s=args.budget,
+        progress=progress,
+        preset=args.preset,
+        formats=formats,
+        use_cuda=False if args.cpu_only else None,
+    )
+    problems = prof.problems()
+    if args.output:
+        prof.save(args.output)
+    if args.json:
+        print(json.dumps(prof.to_json(), indent=2, allow_nan=False))
+    else:
+        print(format_profile(prof))
+        if args.output:
+            print(f"saved to {args.output}")
+    if problems:
+        print("warning: " + "; ".join(problems), file=sys.stderr)
+    return 0

@@ -1,0 +1,536 @@
+"""Calibration: measure this machine in well under 30 s and return a HardwareProfile.
+
+Measures host RAM read bandwidth, CPU expert throughput for every CPU weight format the engine
+supports at the model's expert shape (batch 1, the engine's thread count), the CPU bf16 GEMM rate
+(prefill), and with CUDA: pinned and pageable host<->GPU copies, GPU memory bandwidth, bf16 matmul
+rate, batch-1 expert throughput, kernel launch cost and the per-layer host sync. Without CUDA the
+GPU fields come from a chosen preset, or stay absent (NaN, ``provenance`` says which).
+
+Every step runs against its share of the time budget, reports ``progress(fraction, message)``
+and checks ``cancel`` between repetitions.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import math
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import psutil
+import torch
+import torch.nn.functional as F
+
+from workbench.core.errors import WorkbenchError
+from workbench.core.hardware import GpuProfile, HardwareProfile
+from workbench.core.hardware import preset as load_preset
+from workbench.telemetry.host import cpu_info
+from workbench.telemetry.nvml import default_nvml
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[float, str], None]
+MAX_BUDGET_S = 28.0
+
+
+class CalibrationCancelled(WorkbenchError):
+    """The user stopped the calibration."""
+
+
+class _Run:
+    """Time budget, progress and cancel for one calibration."""
+
+    def __init__(
+        self, budget_s: float, progress: ProgressFn | None, cancel: Any, steps: list[tuple[str, float]]
+    ):
+        self.t0 = time.perf_counter()
+        self.budget_s = budget_s
+        self.progress = progress
+        self.cancel = cancel
+        total = sum(w for _, w in steps)
+        self.share = {name: budget_s * w / total for name, w in steps}
+        self.done_weight = 0.0
+        self.weights = {name: w / total for name, w in steps}
+
+    def cancelled(self) -> bool:
+        c = self.cancel
+        if c is None:
+            return False
+        if isinstance(c, threading.Event):
+            return c.is_set()
+        return bool(c())
+
+    def check(self) -> None:
+        if self.cancelled():
+            raise CalibrationCancelled("calibration cancelled")
+
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.t0)
+
+    def report(self, message: str) -> None:
+        log.info("calibrate: %s", message)
+        if self.progress is not None:
+            self.progress(min(1.0, self.done_weight), message)
+
+    def finish(self, step: str, message: str) -> None:
+        self.done_weight += self.weights.get(step, 0.0)
+        self.report(message)
+
+
+def _repeat(
+    run: _Run, fn: Callable[[], Any], seconds: float, min_reps: int = 3, max_reps: int = 10_000
+) -> float:
+    """Call ``fn`` until ``seconds`` pass and it ran ``min_reps`` times, but never past twice
+    ``seconds`` (a slow or busy machine gets fewer repetitions, not a blown budget); median seconds
+    per call. When ``fn`` returns a float it is taken as that call's own time (CUDA events)."""
+    times: list[float] = []
+    start = time.perf_counter()
+    hard_stop = start + max(2 * seconds, 0.02)
+    while len(times) < max_reps:
+        run.check()
+        t = time.perf_counter()
+        own = fn()
+        now = time.perf_counter()
+        times.append(own if isinstance(own, float) else now - t)
+        if (now - start >= seconds and len(times) >= min_reps) or now >= hard_stop:
+            break
+    return statistics.median(times)
+
+
+# -- CPU weight formats --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A packed weight ``[N, K]``: call it on ``x [T, K]`` to get ``[T, N]``."""
+
+    run: Callable[[torch.Tensor], torch.Tensor]
+    nbytes: int  # bytes the kernel reads per call (weights + scales)
+    act_dtype: torch.dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x)
+
+
+@dataclass(frozen=True)
+class CalibrationFormat:
+    """How calibration packs a bf16 weight ``[N, K]`` into one CPU format, and which shapes it takes."""
+
+    name: str
+    pack: Callable[[torch.Tensor], Any]  # -> callable with .nbytes and .act_dtype
+    supports: Callable[[int, int], bool] = lambda n, k: True
+
+
+def _nbytes(*ts: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _plain(dtype: torch.dtype) -> Callable[[torch.Tensor], _Packed]:
+    def pack(w: torch.Tensor) -> _Packed:
+        w = w.to(dtype).contiguous()
+        return _Packed(lambda x: F.linear(x, w), _nbytes(w), dtype)
+
+    return pack
+
+
+def _int8(w: torch.Tensor) -> _Packed:
+    scale = w.float().abs().amax(dim=1).clamp_min(1e-8) / 127.0  # [N]
+    q = torch.round(w.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    s = scale.to(torch.bfloat16)
+    return _Packed(lambda x: torch.ops.aten._weight_int8pack_mm(x, q, s), _nbytes(q, s), torch.bfloat16)
+
+
+def _int4(w: torch.Tensor, group: int = 32) -> _Packed:
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-8)  # [N, K/group]
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).reshape(n, k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    sz = torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return _Packed(
+        lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz),
+        _nbytes(packed, sz),
+        torch.bfloat16,
+    )
+
+
+# The formats calibration can measure on its own; extend by adding a row. When the engine's
+# workbench.engine.cpu_formats offers FORMATS and pack(w, fmt), its kernels are measured instead.
+FALLBACK_FORMATS: dict[str, tuple[Callable[[], bool], Callable, Callable[[int, int], bool]]] = {
+    "bf16": (lambda: True, _plain(torch.bfloat16), lambda n, k: True),
+    "f32": (lambda: True, _plain(torch.float32), lambda n, k: True),
+    "int8": (lambda: hasattr(torch.ops.aten, "_weight_int8pack_mm"), _int8, lambda n, k: True),
+    "int4": (
+        lambda: (
+            hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+        ),
+        _int4,
+        lambda n, k: n % 16 == 0 and k % 32 == 0,
+    ),
+}
+
+
+def format_table() -> dict[str, CalibrationFormat]:
+    """The CPU weight formats to measure: the engine's own (``cpu_formats.FORMATS``) when that module
+    provides them, else :data:`FALLBACK_FORMATS` that this torch build supports."""
+    try:
+        from workbench.engine import cpu_formats as engine_formats
+    except ImportError:
+        engine_formats = None
+    names = getattr(engine_formats, "FORMATS", None)
+    pack = getattr(engine_formats, "pack", None)
+    if names and callable(pack):
+        return {str(n): CalibrationFormat(str(n), lambda w, n=n: pack(w, n)) for n in names}
+    return {
+        name: CalibrationFormat(name, packer, supports)
+        for name, (available, packer, supports) in FALLBACK_FORMATS.items()
+        if available()
+    }
+
+
+# -- CPU ---------------------------------------------------------------------------------------
+
+
+def _host_read(run: _Run, nbytes: int) -> float:
+    """Bytes/s a multi-threaded sum reads from a buffer much larger than the caches."""
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    t = _repeat(run, lambda: buf.sum(), run.share["host"])
+    return buf.numel() * 4 / t
+
+
+def _expert_weights(hidden: int, ffn: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w1 = (torch.randn(2 * ffn, hidden, generator=g) * 0.02).to(torch.bfloat16)  # gate_up [2I, H]
+    w2 = (torch.randn(hidden, ffn, generator=g) * 0.02).to(torch.bfloat16)  # down [H, I]
+    return w1, w2
+
+
+def _cpu_expert(run: _Run, step: str, pack: Callable, hidden: int, ffn: int, weight_bytes: int):
+    """Pack experts of shape (hidden, ffn) up to ``weight_bytes`` and time batch-1 passes over all of
+    them. Returns (bytes/s of packed weights, seconds per expert, the packed experts).
+
+    The expert count is also capped so that a pass fits the step's time share: on a slow machine
+    fewer experts (possibly cache-resident, flattering the figure) rather than a blown budget.
+    """
+    t_step = time.perf_counter()
+    share = run.share[step]
+    w1, w2 = _expert_weights(hidden, ffn)
+    first = (pack(w1), pack(w2))
+    x = torch.randn(1, hidden).to(first[0].act_dtype)
+
+    def forward(p1, p2) -> None:
+        h = p1(x)  # [1, 2I]
+        p2(F.silu(h[:, :ffn]) * h[:, ffn:])  # [1, H]
+
+    forward(*first)  # warm up: first-touch, kernel selection
+    t1 = _repeat(run, lambda: forward(*first), 0.02 * share)
+    per_expert = first[0].nbytes + first[1].nbytes
+    want = max(1, min(256, weight_bytes // max(1, per_expert), int(0.1 * share / max(t1, 1e-7))))
+    experts = [first]
+    setup_until = t_step + 0.4 * share
+    while len(experts) < want and time.perf_counter() < setup_until:
+        run.check()
+        experts.append((pack(w1), pack(w2)))
+    if len(experts) < weight_bytes // max(1, per_expert):
+        log.info(
+            "calibrate %s: timed %d experts (%s); caches may flatter the figure", step, len(experts), "budget"
+        )
+
+    def one_pass() -> None:
+        for p1, p2 in experts:
+            forward(p1, p2)
+
+    one_pass()
+    t = _repeat(run, one_pass, max(0.0, share - (time.perf_counter() - t_step)))
+    return per_expert * len(experts) / t, t / len(experts), experts
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+
+
+def _cuda_time(fn: Callable[[], Any], reps: int = 1) -> float:
+    """Seconds per call of ``fn`` on the current CUDA stream, timed with events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def _gpu_copies(run: _Run, dev: torch.device, size: int, share: float) -> tuple[float, float, float]:
+    """(pinned host->GPU, pageable host->GPU, pinned GPU->host) in bytes/s, ``size``-byte copies."""
+    pinned = torch.ones(size, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.ones(size, dtype=torch.uint8)
+    gbuf = torch.empty(size, dtype=torch.uint8, device=dev)
+    h2d = size / _repeat(run, lambda: _cuda_time(lambda: gbuf.copy_(pinned, non_blocking=True)), share / 3)
+    d2h = size / _repeat(run, lambda: _cuda_time(lambda: pinned.copy_(gbuf, non_blocking=True)), share / 3)
+
+    def pageable_copy() -> None:
+        gbuf.copy_(pageable)
+        torch.cuda.synchronize(dev)
+
+    return h2d, size / _repeat(run, pageable_copy, share / 3), d2h
+
+
+def _gpu_memory(run: _Run, dev: torch.device, size: int, share: float) -> float:
+    """Device copy rate counting read + write bytes (as BENCH.md reports it), bytes/s."""
+    a = torch.ones(size, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    return 2 * size / _repeat(run, lambda: _cuda_time(lambda: b.copy_(a)), share)
+
+
+def _gpu_matmul(run: _Run, dev: torch.device, n: int, share: float) -> float:
+    """Dense bf16 ``[n, n] @ [n, n]`` rate, FLOP/s."""
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    return 2 * n**3 / _repeat(run, lambda: _cuda_time(lambda: a @ b), share)
+
+
+def _gpu_experts(run: _Run, dev: torch.device, hidden: int, ffn: int, nbytes: int, share: float) -> float:
+    """Bytes/s of bf16 expert weights batch-1 ``F.linear`` reaches, one launch per projection."""
+    per = 3 * ffn * hidden * 2
+    n_exp = max(1, min(256, nbytes // per))
+    w1 = torch.randn(n_exp, 2 * ffn, hidden, device=dev, dtype=torch.bfloat16) * 0.02  # [E, 2I, H]
+    w2 = torch.randn(n_exp, hidden, ffn, device=dev, dtype=torch.bfloat16) * 0.02  # [E, H, I]
+    x = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16)
+
+    def experts() -> None:
+        for e in range(n_exp):
+            h = F.linear(x, w1[e])  # [1, 2I]
+            F.linear(F.silu(h[:, :ffn]) * h[:, ffn:], w2[e])  # [1, H]
+
+    experts()
+    return per * n_exp / _repeat(run, lambda: _cuda_time(experts), share)
+
+
+def _gpu_launch_sync(
+    run: _Run, dev: torch.device, n_router: int, top_k: int, share: float
+) -> tuple[float, float]:
+    """(seconds per tiny kernel launch, seconds for a router top-k brought to the host)."""
+    tiny = torch.zeros(1, device=dev)
+    launch = _repeat(run, lambda: _cuda_time(lambda: tiny.add_(1), reps=200), share / 2)
+    logits = torch.randn(1, n_router, device=dev)
+    sync = _repeat(run, lambda: torch.topk(logits, top_k).indices.cpu(), share / 2)
+    return launch, sync
+
+
+def _pcie_link(uuid: str) -> tuple[int | None, int | None]:
+    """Max PCIe generation and width of the GPU with this CUDA UUID, from NVML (None if unknown)."""
+    nvml = default_nvml()
+    index = nvml.index_of_uuid(uuid) if uuid else None
+    if index is None:
+        return None, None
+    snap = nvml.gpu(index, processes=False)
+    gen = None if math.isnan(snap.pcie_gen_max) else int(snap.pcie_gen_max)
+    width = None if math.isnan(snap.pcie_width_max) else int(snap.pcie_width_max)
+    return gen, width
+
+
+def _gpu(run: _Run, index: int, hidden: int, ffn: int, n_router: int, top_k: int) -> tuple[GpuProfile, dict]:
+    """Measure CUDA device ``index``: its GpuProfile and the bus/sync figures."""
+    dev = torch.device("cuda", index)
+    step = f"gpu{index}"
+    share = run.share[step] / 5
+    torch.cuda.set_device(dev)
+    props = torch.cuda.get_device_properties(dev)
+    free, _ = torch.cuda.mem_get_info(dev)
+    h2d, h2d_pageable, d2h = _gpu_copies(run, dev, int(min(256 << 20, free // 8)), share)
+    run.report(f"GPU {index}: host->GPU pinned {h2d / 1e9:.1f} GB/s, pageable {h2d_pageable / 1e9:.1f} GB/s")
+    mem_bw = _gpu_memory(run, dev, int(min(1 << 30, free // 8)), share)
+    flops = _gpu_matmul(run, dev, 8192 if free > 8 * 3 * 8192 * 8192 * 2 else 2048, share)
+    expert_bw = _gpu_experts(run, dev, hidden, ffn, int(min(1 << 30, free // 8)), share)
+    launch, sync = _gpu_launch_sync(run, dev, n_router, top_k, share)
+    torch.cuda.empty_cache()
+    gen, width = _pcie_link(str(getattr(props, "uuid", "") or ""))
+    gpu = GpuProfile(
+        name=props.name,
+        vram_bytes=int(props.total_memory),
+        mem_bandwidth=mem_bw,
+        bf16_flops=flops,
+        launch_s=launch,
+        expert_bandwidth=expert_bw,
+        pcie_gen=gen,
+        pcie_width=width,
+    )
+    run.finish(
+        step,
+        f"GPU {index} {props.name}: memory {mem_bw / 1e12:.2f} TB/s, bf16 {flops / 1e12:.0f} TFLOP/s, "
+        f"experts {expert_bw / 1e9:.0f} GB/s, launch {launch * 1e6:.1f} us, sync {sync * 1e6:.0f} us",
+    )
+    return gpu, {"h2d_pinned": h2d, "h2d_pageable": h2d_pageable, "d2h_pinned": d2h, "sync_s": sync}
+
+
+# -- the whole run -----------------------------------------------------------------------------
+
+
+def calibrate(
+    hidden: int = 2048,
+    expert_ffn: int = 768,
+    *,
+    budget_s: float = 20.0,
+    progress: ProgressFn | None = None,
+    cancel: threading.Event | Callable[[], bool] | None = None,
+    preset: HardwareProfile | str | None = None,
+    formats: list[str] | None = None,
+    weight_bytes: int = 512 << 20,
+    use_cuda: bool | None = None,
+    n_router: int = 128,
+    top_k: int = 8,
+) -> HardwareProfile:
+    """Measure this machine at the expert shape ``hidden`` x ``expert_ffn`` (gate_up ``[2I, H]``,
+    down ``[H, I]``) and return its HardwareProfile.
+
+    ``budget_s``: target wall time (capped at 28 s). ``progress(fraction 0..1, message)`` is called
+    after each step; ``cancel`` (an Event or a callable) stops the run with
+    :class:`CalibrationCancelled`. ``preset`` (a profile or a preset name) supplies what cannot be
+    measured here (GPU fields without CUDA). ``formats`` restricts the CPU formats measured (default:
+    all the engine supports). ``weight_bytes``: expert bytes per CPU format (more than the caches).
+    ``n_router``/``top_k``: the router size used to time the per-layer sync.
+    """
+    if hidden < 1 or expert_ffn < 1:
+        raise WorkbenchError(f"expert shape must be positive, got hidden={hidden}, ffn={expert_ffn}")
+    budget_s = min(max(budget_s, 0.5), MAX_BUDGET_S)
+    base = load_preset(preset) if isinstance(preset, str) else preset
+    table = format_table()
+    names = [f for f in (formats or list(table)) if f in table]
+    unknown = sorted(set(formats or ()) - set(table))
+    if unknown:
+        raise WorkbenchError(f"unknown CPU weight format(s) {', '.join(unknown)}; known: {', '.join(table)}")
+    cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+    n_gpus = torch.cuda.device_count() if cuda else 0
+    avail = psutil.virtual_memory().available
+    weight_bytes = int(min(weight_bytes, avail // 8))
+
+    steps = [("host", 1.0)] + [(f"cpu:{f}", 1.0) for f in names] + [("prefill", 0.5)]
+    steps += [(f"gpu{i}", 5.0 / max(1, n_gpus)) for i in range(n_gpus)]
+    run = _Run(budget_s, progress, cancel, steps)
+    run.report(f"calibrating for {budget_s:.0f} s at expert shape {hidden} x {expert_ffn}")
+
+    read = _host_read(run, weight_bytes)
+    run.finish("host", f"host RAM read {read / 1e9:.1f} GB/s")
+
+    throughput: dict[str, float] = {}
+    bf16_experts = None
+    for name in names:
+        step = f"cpu:{name}"
+        fmt = table[name]
+        if not fmt.supports(2 * expert_ffn, hidden) or not fmt.supports(hidden, expert_ffn):
+            run.finish(step, f"CPU {name}: skipped (this kernel does not take shape {hidden} x {expert_ffn})")
+            continue
+        try:
+            bps, per_expert, experts = _cpu_expert(run, step, fmt.pack, hidden, expert_ffn, weight_bytes)
+        except (RuntimeError, ValueError, NotImplementedError) as e:  # a kernel this CPU lacks
+            run.finish(step, f"CPU {name}: skipped ({e})")
+            continue
+        throughput[name] = bps
+        bf16_experts = experts if name == "bf16" else bf16_experts
+        del experts
+        run.finish(step, f"CPU {name}: {bps / 1e9:.1f} GB/s of weights, {per_expert * 1e6:.0f} us per expert")
+
+    cpu_flops = _prefill_flops(run, bf16_experts, hidden, expert_ffn)
+    del bf16_experts
+    run.finish(
+        "prefill", f"CPU bf16 GEMM (32 tokens): {cpu_flops / 1e12:.2f} TFLOP/s" if cpu_flops else "no bf16"
+    )
+
+    measured = [_gpu(run, i, hidden, expert_ffn, n_router, top_k) for i in range(n_gpus)]
+    info = cpu_info()
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    source = (
+        f"measured on {platform.node() or 'this machine'} at {now} (torch {torch.__version__}, "
+        f"{torch.get_num_threads()} CPU threads, expert {hidden} x {expert_ffn}, "
+        f"{time.perf_counter() - run.t0:.1f} s)"
+    )
+    provenance = {
+        "host_read_bandwidth": "measured",
+        "cpu_expert_throughput": "measured",
+        "host_ram_bytes": "measured",
+        "cpu_cores": "measured",
+        "cpu_flops": "measured" if cpu_flops else "default",
+    }
+    prof = HardwareProfile(
+        name=info.model,
+        gpus=(),
+        host_ram_bytes=int(psutil.virtual_memory().total),
+        host_read_bandwidth=read,
+        h2d_pinned=math.nan,
+        h2d_pageable=math.nan,
+        d2h_pinned=math.nan,
+        cpu_expert_throughput=throughput,
+        cpu_flops=cpu_flops or 1e11,
+        cpu_cores=info.usable_cores,
+        source=source,
+        provenance=provenance,
+    )
+    if measured:
+        gpus = tuple(g for g, _ in measured)
+        bus = {k: statistics.median(b[k] for _, b in measured) for k in _GPU_SIDE[1:]}
+        label = f"{len(gpus)}x {gpus[0].name}" if len(gpus) > 1 else gpus[0].name
+        prof = replace(
+            prof, name=f"{label} + {info.model}", gpus=gpus, **bus,
+            provenance=provenance | dict.fromkeys(_GPU_SIDE, "measured"),
+        )  # fmt: skip
+    elif base is not None:
+        tag = f"preset:{preset}" if isinstance(preset, str) else f"preset:{base.name}"
+        prof = with_preset_gpus(prof, base, tag)
+        prof = replace(prof, source=source + f"; no CUDA here: GPU, bus and sync figures from {tag}")
+    else:
+        prof = replace(
+            prof,
+            name=f"no GPU + {info.model}",
+            source=source + "; no CUDA here: no GPU or bus figures (pick a preset to plan with a GPU)",
+            provenance=provenance | dict.fromkeys(_GPU_SIDE, "absent") | {"sync_s": "default"},
+        )
+    run.done_weight = 1.0
+    run.report(f"done in {time.perf_counter() - run.t0:.1f} s")
+    return prof
+
+
+_GPU_SIDE = ("gpus", "h2d_pinned", "h2d_pageable", "d2h_pinned", "sync_s")
+
+
+def _prefill_flops(run: _Run, experts, hidden: int, ffn: int, tokens: int = 32) -> float:
+    """bf16 FLOP/s of a ``tokens``-token pass over the packed bf16 experts (0 when none)."""
+    if not experts:
+        return 0.0
+    x = torch.randn(tokens, hidden).to(experts[0][0].act_dtype)
+
+    def one_pass() -> None:
+        for p1, p2 in experts:
+            h = p1(x)
+            p2(F.silu(h[:, :ffn]) * h[:, ffn:])
+
+    one_pass()
+    t = _repeat(run, one_pass, run.share["prefill"], min_reps=2)
+    return 2 * tokens * 3 * hidden * ffn * len(experts) / t
+
+
+def with_preset_gpus(
+    measured: HardwareProfile, base: HardwareProfile | str, tag: str = ""
+) -> HardwareProfile:
+    """A measured CPU-side profile with the GPUs, bus and sync figures of a preset (what-if)."""
+    if isinstance(base, str):
+        tag = tag or f"preset:{base}"
+        base = load_preset(base)
+    tag = tag or f"preset:{base.name}"
+    label = " + ".join(dict.fromkeys(g.name for g in base.gpus)) or "no GPU"
+    return replace(
+        measured,
+        name=f"{label} + {measured.name.split(' + ')[-1]}",
+        gpus=base.gpus,
+        h2d_pinned=base.h2d_pinned,
+        h2d_pageable=base.h2d_pageable,
+        d2h_pinned=base.d2h_pinned,
+        sync_s=base.sync_s,
+        provenance=dict(measured.provenance) | dict.fromkeys(_GPU_SIDE, tag),
+    )
