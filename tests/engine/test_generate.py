@@ -182,3 +182,18 @@ def test_chat_prompt_ids(gen, model):
     assert ids[0] == model[2].token_to_id("<|im_start|>")
     result = gen.generate(ids, max_new_tokens=4, sampling=GREEDY, ignore_eos=True)
     assert result.tokens == reference_tokens(model[0], ids, 4)
+
+
+def test_abandoned_stream_frees_the_generator(gen, model):
+    stream = gen.stream(PROMPT, max_new_tokens=20, sampling=GREEDY, ignore_eos=True)
+    events = iter(stream)
+    first = [next(events).token_id for _ in range(3)]
+    with pytest.raises(WorkbenchError, match="already generating"):
+        gen.generate(PROMPT, max_new_tokens=2)
+    stream.close()
+    assert stream.result is None
+    # The cache still holds the abandoned run's prefix, so the continuation reuses it.
+    ids = gen.encode(PROMPT) + first
+    result = gen.generate(ids, max_new_tokens=5, sampling=GREEDY, ignore_eos=True)
+    assert result.timings.reused_tokens == len(ids) - 1
+    assert result.tokens == reference_tokens(model[0], ids, 5)

@@ -169,6 +169,10 @@ class GenerationStream:
     def __iter__(self) -> Iterator[TokenEvent]:
         self.result = yield from self._run
 
+    def close(self) -> None:
+        """Abandon the generation after a partial iteration (frees the generator for the next one)."""
+        self._run.close()
+
 
 class Generator:
     """Generates text with one Engine (one sequence at a time; the engine's KV cache is its state).
@@ -240,6 +244,8 @@ class Generator:
         stop = [s for s in stop if s]
         if stop and self.tokenizer is None:
             raise WorkbenchError("stop strings need a tokenizer")
+        if self._busy.locked():
+            raise WorkbenchError("this generator is already generating; cancel it or wait")
         self._cancel.clear()
         run = self._run(ids, max_new_tokens, sampling or SamplingParams(), stop, ignore_eos, cancel,
                         skip_special_tokens)
