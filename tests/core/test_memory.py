@@ -144,3 +144,24 @@ def test_kv_follows_attn_tier_and_stream_cache():
     assert est.total("gpu:7") == 0
     j = est.to_json()
     assert j["tiers"]["gpu:0"]["stream_cache"] == 6000 and j["ctx"] == 10
+
+
+@pytest.mark.parametrize(
+    ("model_type", "tokens_per_layer", "values_per_token"),
+    [
+        ("llama4_text", (16, 16, 16, 100), 2 * 2 * 8),  # chunked layers keep 16 tokens, NoPE layer all
+        ("gpt_oss", (8, 100), 2 * 2 * 8),  # sliding window 8 on even layers
+        ("deepseek_v3", (100, 100, 100), 16 + 8),  # MLA latent + rope key
+        ("qwen3_moe", (100,) * 4, 2 * 2 * 8),
+    ],
+)
+def test_kv_cache_of_real_inventories(model_type, tokens_per_layer, values_per_token, tiny_model_dir, tiny_gguf):
+    from workbench.core.readers import open_model
+
+    for path in (tiny_model_dir(model_type), tiny_gguf(model_type, "Q8_0")):
+        inv = open_model(path)
+        est = estimate_memory(inv, placement_cpu_moe(inv), ctx=100, kv_dtype="f16")
+        assert est.tiers["gpu:0"].kv_cache == sum(tokens_per_layer) * values_per_token * 2
+        experts = sum(inv.units[k].nbytes for k in inv.expert_keys())
+        assert est.tiers["cpu"].weights["expert"] == experts
+        assert est.tiers["gpu:0"].weights_total + experts == inv.total_bytes
