@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from workbench.core.errors import WorkbenchError
 from workbench.core.hardware import GpuProfile, HardwareProfile
 from workbench.core.hardware import preset as load_preset
+from workbench.engine import cpu_formats
 from workbench.telemetry.host import cpu_info
 from workbench.telemetry.nvml import default_nvml
 
@@ -107,92 +108,23 @@ def _repeat(
 
 
 @dataclass(frozen=True)
-class _Packed:
-    """A packed weight ``[N, K]``: call it on ``x [T, K]`` to get ``[T, N]``."""
-
-    run: Callable[[torch.Tensor], torch.Tensor]
-    nbytes: int  # bytes the kernel reads per call (weights + scales)
-    act_dtype: torch.dtype
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.run(x)
-
-
-@dataclass(frozen=True)
 class CalibrationFormat:
-    """How calibration packs a bf16 weight ``[N, K]`` into one CPU format, and which shapes it takes."""
+    """How calibration packs a bf16 weight ``[N, K]`` into one CPU format (``pack(w)`` returns a
+    callable ``[T, K] -> [T, N]`` with ``.nbytes`` and ``.act_dtype``) and which shapes it takes."""
 
     name: str
-    pack: Callable[[torch.Tensor], Any]  # -> callable with .nbytes and .act_dtype
-    supports: Callable[[int, int], bool] = lambda n, k: True
-
-
-def _nbytes(*ts: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
-def _plain(dtype: torch.dtype) -> Callable[[torch.Tensor], _Packed]:
-    def pack(w: torch.Tensor) -> _Packed:
-        w = w.to(dtype).contiguous()
-        return _Packed(lambda x: F.linear(x, w), _nbytes(w), dtype)
-
-    return pack
-
-
-def _int8(w: torch.Tensor) -> _Packed:
-    scale = w.float().abs().amax(dim=1).clamp_min(1e-8) / 127.0  # [N]
-    q = torch.round(w.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    s = scale.to(torch.bfloat16)
-    return _Packed(lambda x: torch.ops.aten._weight_int8pack_mm(x, q, s), _nbytes(q, s), torch.bfloat16)
-
-
-def _int4(w: torch.Tensor, group: int = 32) -> _Packed:
-    n, k = w.shape
-    g = w.float().reshape(n, k // group, group)
-    lo, hi = g.amin(dim=2), g.amax(dim=2)
-    scale = ((hi - lo) / 15.0).clamp_min(1e-8)  # [N, K/group]
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).reshape(n, k)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    sz = torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return _Packed(
-        lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz),
-        _nbytes(packed, sz),
-        torch.bfloat16,
-    )
-
-
-# The formats calibration can measure on its own; extend by adding a row. When the engine's
-# workbench.engine.cpu_formats offers FORMATS and pack(w, fmt), its kernels are measured instead.
-FALLBACK_FORMATS: dict[str, tuple[Callable[[], bool], Callable, Callable[[int, int], bool]]] = {
-    "bf16": (lambda: True, _plain(torch.bfloat16), lambda n, k: True),
-    "f32": (lambda: True, _plain(torch.float32), lambda n, k: True),
-    "int8": (lambda: hasattr(torch.ops.aten, "_weight_int8pack_mm"), _int8, lambda n, k: True),
-    "int4": (
-        lambda: (
-            hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-            and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
-        ),
-        _int4,
-        lambda n, k: n % 16 == 0 and k % 32 == 0,
-    ),
-}
+    pack: Callable[[torch.Tensor], Any]
+    supports: Callable[[int, int], bool]
 
 
 def format_table() -> dict[str, CalibrationFormat]:
-    """The CPU weight formats to measure: the engine's own (``cpu_formats.FORMATS``) when that module
-    provides them, else :data:`FALLBACK_FORMATS` that this torch build supports."""
-    try:
-        from workbench.engine import cpu_formats as engine_formats
-    except ImportError:
-        engine_formats = None
-    names = getattr(engine_formats, "FORMATS", None)
-    pack = getattr(engine_formats, "pack", None)
-    if names and callable(pack):
-        return {str(n): CalibrationFormat(str(n), lambda w, n=n: pack(w, n)) for n in names}
+    """The CPU weight formats to measure: exactly the engine's (``cpu_formats.available_formats()``),
+    so a format added there is calibrated with no change here."""
     return {
-        name: CalibrationFormat(name, packer, supports)
-        for name, (available, packer, supports) in FALLBACK_FORMATS.items()
-        if available()
+        name: CalibrationFormat(
+            name, lambda w, f=name: cpu_formats.pack(w, f), lambda n, k, f=name: cpu_formats.supports(f, n, k)
+        )
+        for name in cpu_formats.available_formats()
     }
 
 
@@ -429,7 +361,14 @@ def calibrate(
             continue
         try:
             bps, per_expert, experts = _cpu_expert(run, step, fmt.pack, hidden, expert_ffn, weight_bytes)
-        except (RuntimeError, ValueError, NotImplementedError) as e:  # a kernel this CPU lacks
+        except CalibrationCancelled:
+            raise
+        except (
+            WorkbenchError,
+            RuntimeError,
+            ValueError,
+            NotImplementedError,
+        ) as e:  # a kernel this CPU lacks
             run.finish(step, f"CPU {name}: skipped ({e})")
             continue
         throughput[name] = bps
