@@ -5,7 +5,8 @@
 #   OUT=/path scripts/bench_device.sh STAGE...
 #
 # Stages: build (llama-bench for sm_90, skipped if .llamacpp/bin/llama-bench exists), s1 (write S1
-# skewed; llama-bench at the budget, all on GPU, all experts in RAM), cpu (CPU expert formats),
+# skewed; llama-bench --n-cpu-moe 16 (the 12 GiB budget), 24 and all on GPU), s1more (-ot
+# variants and --n-cpu-moe 14/15/17), cpu (CPU expert formats),
 # uniform (S1 reskewed to uniform routing; llama-bench), q8, q4 (S1 as Q8_0 / Q4_K; llama-bench),
 # pack (llama-bench binary as $OUT/llama-bench.tar.xz to carry to the next machine).
 # BENCH_TIME_S (default 540) bounds the whole script: llama-bench configurations that would start
@@ -22,7 +23,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site"
 if [ -d .llamacpp/whl ] && ! python3 -c "import gguf" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .llamacpp/whl/*.whl
 fi
-models=/dev/shm/wb
+models="${BENCH_MODELS:-/dev/shm/wb}"
+layers="${BENCH_LAYERS:+--layers $BENCH_LAYERS}"  # dry runs: fewer layers
 mkdir -p "$models"
 wb() { python3 -m workbench -v bench "$@" 2>>"$OUT/device.log"; }
 lbench() {  # label json args...
@@ -45,38 +47,41 @@ wait_build() {
     [ -x .llamacpp/bin/llama-bench ] || { log "no llama-bench"; return 1; }
 }
 stage_s1() {
-    log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 --coverage 0.5 | tee -a "$OUT/device.log"
+    log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5 | tee -a "$OUT/device.log"
     wait_build || return
     [ -f "$OUT/llama-bench.tar.xz" ] || stage_pack
-    lbench "S1 bf16 skewed" llamacpp_s1_skew.json --model "$models/s1.gguf" --around 16 --all-gpu
-    lbench "S1 bf16 skewed, all experts in RAM" llamacpp_s1_skew_cpu.json --model "$models/s1.gguf" --n-cpu-moe 24
+    lbench "S1 bf16 skewed" llamacpp_s1_skew.json --model "$models/s1.gguf" --n-cpu-moe 16,24 --all-gpu
+}
+stage_s1more() {  # finer placements around the budget (S1 file from stage s1)
+    wait_build || return
+    lbench "S1 bf16 skewed, around the budget" llamacpp_s1_skew_more.json --model "$models/s1.gguf" --n-cpu-moe 15,17,14 --ot-around 16
 }
 stage_cpu() {
     log "CPU formats"; wb cpu-formats --shape s1 --threads 16 --experts 128 --json "$OUT/cpu_formats.json" | tee -a "$OUT/device.log"
 }
 stage_uniform() {
-    [ -f "$models/s1.gguf" ] || { log "writing S1 uniform"; wb write -o "$models/s1.gguf" --shape s1 --uniform; }
+    [ -f "$models/s1.gguf" ] || { log "writing S1 uniform"; wb write -o "$models/s1.gguf" --shape s1 $layers --uniform; }
     wb reskew "$models/s1.gguf" --uniform | tee -a "$OUT/device.log"
     wait_build || return
     lbench "S1 bf16 uniform" llamacpp_s1_uniform.json --model "$models/s1.gguf" --n-cpu-moe 16,24
 }
 stage_q8() {
     rm -f "$models"/s1.gguf
-    log "writing S1 Q8_0"; wb write -o "$models/s1_q8.gguf" --shape s1 --weights q8_0 | tee -a "$OUT/device.log"
+    log "writing S1 Q8_0"; wb write -o "$models/s1_q8.gguf" --shape s1 $layers --weights q8_0 | tee -a "$OUT/device.log"
     wait_build || return
     lbench "S1 Q8_0 skewed" llamacpp_s1_q8.json --model "$models/s1_q8.gguf" --n-cpu-moe 7,8,9 --all-gpu
     rm -f "$models"/s1_q8.gguf
 }
 stage_q4() {
     rm -f "$models"/s1.gguf
-    log "writing S1 Q4_K"; wb write -o "$models/s1_q4.gguf" --shape s1 --weights q4_k | tee -a "$OUT/device.log"
+    log "writing S1 Q4_K"; wb write -o "$models/s1_q4.gguf" --shape s1 $layers --weights q4_k | tee -a "$OUT/device.log"
     wait_build || return
     lbench "S1 Q4_K skewed" llamacpp_s1_q4.json --model "$models/s1_q4.gguf" --n-cpu-moe 0,2 --all-gpu
     rm -f "$models"/s1_q4.gguf
 }
 stage_pack() {
     [ -x .llamacpp/bin/llama-bench ] || return
-    tar -C .llamacpp -cf - bin COMMIT | xz -T0 -6 >"$OUT/llama-bench.tar.xz"
+    tar -C .llamacpp -cf - bin COMMIT | xz -T4 -3 >"$OUT/llama-bench.tar.xz"
     local size; size=$(stat -c %s "$OUT/llama-bench.tar.xz")
     log "packed llama-bench: $size bytes"
     if [ "$size" -gt 16000000 ]; then rm -f "$OUT/llama-bench.tar.xz"; log "too large to bring back"; fi

@@ -46,11 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ll.add_argument("--binary", default=".llamacpp/bin/llama-bench", help="llama-bench executable")
     ll.add_argument("--model", required=True, help="GGUF file")
     ll.add_argument("--budget", default="12GiB", help="GPU memory budget (12GiB)")
-    ll.add_argument("--n-cpu-moe", default="", metavar="LIST",
-                    help="comma-separated --n-cpu-moe values to run (default: around the budget)")
-    ll.add_argument("--around", type=int, default=16, help="--n-cpu-moe value near the budget (16)")
+    ll.add_argument("--n-cpu-moe", default="16", metavar="LIST",
+                    help="comma-separated --n-cpu-moe values to run (16: the 12 GiB budget on S1)")
+    ll.add_argument("--ot-around", type=int, default=None, metavar="N",
+                    help="also run -ot variants between --n-cpu-moe N-1 and N")
     ll.add_argument("--all-gpu", action="store_true", help="also run everything on the GPU")
-    ll.add_argument("--no-ot", action="store_true", help="skip the -ot variants")
     ll.add_argument("-p", "--prompt", type=int, default=512)
     ll.add_argument("-n", "--gen", type=int, default=128)
     ll.add_argument("-r", "--repeats", type=int, default=3)
@@ -125,10 +125,12 @@ def _llamacpp(args) -> int:
     if not Path(args.binary).is_file():
         raise WorkbenchError(f"no llama-bench at {args.binary}: build it with scripts/build_llamacpp.sh")
     budget = parse_size(args.budget)
-    if args.n_cpu_moe:
-        configs = [lb.n_cpu_moe(int(n)) for n in args.n_cpu_moe.split(",")]
-    else:
-        configs = lb.budget_configs(99, args.around) if not args.no_ot else [lb.n_cpu_moe(args.around)]
+    try:
+        configs = [lb.n_cpu_moe(int(n)) for n in args.n_cpu_moe.split(",") if n.strip()]
+    except ValueError as e:
+        raise WorkbenchError(f"--n-cpu-moe takes comma-separated integers, not {args.n_cpu_moe!r}") from e
+    if args.ot_around is not None:
+        configs += lb.ot_variants(args.ot_around)
     if args.all_gpu:
         configs.insert(1, lb.all_gpu())
     deadline = None if args.time_limit is None else time.monotonic() + args.time_limit

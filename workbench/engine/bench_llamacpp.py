@@ -48,19 +48,18 @@ def layers_regex(layers: list[int]) -> str:
     return "(" + "|".join(str(i) for i in layers) + ")"
 
 
-def budget_configs(n_layers: int, around: int) -> list[LlamaConfig]:
-    """``--n-cpu-moe`` near ``around`` plus ``-ot`` variants that offload whole layers but one and
-    part of the next (finer than ``--n-cpu-moe``), for finding the best fit under a budget."""
-    out = [n_cpu_moe(n) for n in (around, around - 1, around + 1, around - 2) if 0 <= n <= n_layers]
+def ot_variants(around: int) -> list[LlamaConfig]:
+    """``-ot`` placements finer than ``--n-cpu-moe``: the routed experts of layers
+    ``0..around-2`` in RAM plus the up+down (or only the down) experts of layer ``around-1``."""
     full = list(range(around - 1))
-    if full:
-        part = around - 1
-        base = rf"blk\.{layers_regex(full)}\.ffn_.*_exps=CPU"
-        out.append(override(f"-ot {len(full)} layers + up/down of layer {part}",
-                            f"{base};blk\\.{part}\\.ffn_(up|down)_exps=CPU"))
-        out.append(override(f"-ot {len(full)} layers + down of layer {part}",
-                            f"{base};blk\\.{part}\\.ffn_down_exps=CPU"))
-    return out
+    if not full:
+        return []
+    part = around - 1
+    base = rf"blk\.{layers_regex(full)}\.ffn_.*_exps=CPU"
+    return [
+        override(f"-ot {len(full)} layers + up/down of layer {part}", f"{base};blk\\.{part}\\.ffn_(up|down)_exps=CPU"),
+        override(f"-ot {len(full)} layers + down of layer {part}", f"{base};blk\\.{part}\\.ffn_down_exps=CPU"),
+    ]
 
 
 @dataclass
