@@ -172,7 +172,8 @@ class Engine:
         experts = self._build_experts(loader, placement, layer)
         return MoeBlock(a, layer, router, experts, shared, shared_router, self.counts)
 
-    def _build_experts(self, loader: _Loader, placement: Placement, layer: int) -> LayerExperts:
+    def _build_experts(self, loader: _Loader, placement: Placement, layer: int,
+                       source: LayerExperts | None = None) -> LayerExperts:
         a = self.args
         tiers = []
         for e in range(a.n_experts):
@@ -189,8 +190,11 @@ class Engine:
         for e, tier in enumerate(tiers):
             key = UnitKey(layer, "expert", e)
             loader.begin(key, units[key].nbytes if key in units else 0)
-            w = self._fw.expert(layer, e)
-            lx.put(e, tier, rows[tier], w["w13"], w["w2"])
+            if source is not None:  # moving between tiers: copy from where the expert is now
+                lx.put(e, tier, rows[tier], *source.weights(e))
+            else:
+                w = self._fw.expert(layer, e)
+                lx.put(e, tier, rows[tier], w["w13"], w["w2"])
             rows[tier] += 1
         lx.finish()
         return lx
@@ -259,9 +263,10 @@ class Engine:
     # -- placement -------------------------------------------------------------------------------
 
     def apply_placement(self, placement: Placement, progress: Progress | None = None, cancel=None) -> None:
-        """Move routed experts between tiers; only layers whose expert assignments changed reload.
-
-        The new placement is checked first (PlacementError leaves the engine as it was).
+        """Move routed experts between tiers without reloading the model: each layer whose expert
+        assignments changed gets new tier stacks filled from the old ones (not from the file), one
+        layer at a time. The new placement is checked first (PlacementError leaves the engine as it
+        was).
         """
         vram = torch.cuda.mem_get_info(self.device)[0] + self.memory_report()["gpu:0"] \
             if self.device.type == "cuda" else None
@@ -276,10 +281,10 @@ class Engine:
         with self._lock:
             for layer in changed:
                 block = self.layers[layer].ffn
-                block.experts = None
-                self.experts.pop(layer, None)
+                old = self.experts.pop(layer)
+                block.experts = self._build_experts(loader, placement, layer, source=old)
+                del old
                 gc.collect()
-                block.experts = self._build_experts(loader, placement, layer)
             self.placement = placement.copy()
 
     # -- memory ----------------------------------------------------------------------------------

@@ -100,12 +100,25 @@ class LayerExperts:
             self.cache_w2 = torch.empty((n, *shape2), dtype=self.dtype, device=self.device)
             self.cache_expert = [-1] * n
 
-    def put(self, expert: int, tier: int, row: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Copy expert ``expert``'s canonical weights into row ``row`` of ``tier``'s stack."""
-        self.w13[tier][row].copy_(w13)
+    def put(self, expert: int, tier: int, row: int, w13: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+            w2: torch.Tensor) -> None:
+        """Copy expert ``expert``'s weights into row ``row`` of ``tier``'s stack: ``w13 [2I, H]`` or its
+        halves ``(gate [I, H], up [I, H])``, ``w2 [H, I]`` (any dtype/device; converted on copy)."""
+        dst = self.w13[tier][row]
+        if isinstance(w13, tuple):
+            half = dst.shape[0] // 2
+            dst[:half].copy_(w13[0])
+            dst[half:].copy_(w13[1])
+        else:
+            dst.copy_(w13)
         self.w2[tier][row].copy_(w2)
         self.tier[expert] = tier
         self.local[expert] = row
+
+    def weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``expert``'s stacked rows ``(w13 [2I, H], w2 [H, I])`` where they live now."""
+        tier, row = int(self.tier[expert]), int(self.local[expert])
+        return self.w13[tier][row], self.w2[tier][row]
 
     def finish(self) -> None:
         self.local_dev = torch.as_tensor(self.local, device=self.device)

@@ -241,23 +241,25 @@ class FamilyWeights:
             t = _unpermute_rows(t, heads)
         return t
 
-    def expert(self, layer: int, e: int) -> dict[str, torch.Tensor]:
-        """Expert ``e`` of ``layer``: ``{"w13": [2I, H], "w2": [H, I]}`` (CPU; a new tensor for w13)."""
+    def expert(self, layer: int, e: int) -> dict:
+        """Expert ``e`` of ``layer``: ``{"w13": (gate [I, H], up [I, H]), "w2": [H, I]}`` (CPU views of
+        the file where the layout allows, dequantized float32 for quantized GGUF)."""
         if self.gguf:
             g = self.reader.tensor(f"blk.{layer}.ffn_gate_exps.weight", e)
             u = self.reader.tensor(f"blk.{layer}.ffn_up_exps.weight", e)
             d = self.reader.tensor(f"blk.{layer}.ffn_down_exps.weight", e)
-            return {"w13": torch.cat([g, u]), "w2": d}
+            return {"w13": (g, u), "w2": d}
         m = f"{self.prefix}layers.{layer}.{self.mlp}.experts."
         if self.reader.has(m + "gate_up_proj"):
             gu = self.reader.tensor(m + "gate_up_proj", e)
             d = self.reader.tensor(m + "down_proj", e)
             if self.args.family == "llama4":  # stored [H, 2I] and [I, H]: x @ W
-                return {"w13": gu.t().contiguous(), "w2": d.t()}
-            return {"w13": gu, "w2": d}
+                gu, d = gu.t(), d.t()
+            half = gu.shape[0] // 2
+            return {"w13": (gu[:half], gu[half:]), "w2": d}
         names = ("w1", "w3", "w2") if self.args.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         g, u, d = (self.reader.tensor(f"{m}{e}.{n}.weight") for n in names)
-        return {"w13": torch.cat([g, u]), "w2": d}
+        return {"w13": (g, u), "w2": d}
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
