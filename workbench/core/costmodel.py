@@ -233,9 +233,12 @@ class CostModel:
         gpus = self.profile.gpus
         return gpus[min(index, len(gpus) - 1)]
 
-    def _expert_bw(self, index: int) -> float:
+    def expert_bandwidth(self, index: int) -> float:
+        """Bytes/s of expert weights a batch-1 expert matmul reads on the GPU (``expert_bandwidth``
+        when the profile has it, else the memory bandwidth)."""
         g = self._gpu(index)
-        return g.expert_bandwidth or g.mem_bandwidth
+        eb = g.expert_bandwidth
+        return eb if eb is not None and math.isfinite(eb) and eb > 0 else g.mem_bandwidth
 
     # -- prediction ------------------------------------------------------------------------------
 
@@ -331,7 +334,7 @@ class CostModel:
             mask = on_gpu & (grid == g)
             tier = f"gpu:{int(g)}"
             lane = gpu_lanes.setdefault(tier, np.zeros(L))
-            lane += (load * mask).sum(axis=1) / self._expert_bw(int(g))
+            lane += (load * mask).sum(axis=1) / self.expert_bandwidth(int(g))
         with np.errstate(invalid="ignore", divide="ignore"):
             gpu_share = np.where(self.moe_layer, (p * on_gpu).sum(axis=1) / np.where(sel_total > 0, sel_total, 1), np.nan)
 
@@ -346,7 +349,7 @@ class CostModel:
             miss_bytes = (load * (1 - hits) * stream).sum(axis=1)
             fetches = (p * (1 - hits) * stream).sum(axis=1)
             g0 = self._gpu(0)
-            stream_compute = (load * stream).sum(axis=1) / self._expert_bw(0)
+            stream_compute = (load * stream).sum(axis=1) / self.expert_bandwidth(0)
             bus = miss_bytes / self.profile.h2d_pinned + stream_compute + fetches * eng.launches_stream * g0.launch_s
             gpu_lanes.setdefault("gpu:0", np.zeros(L))
             gpu_lanes["gpu:0"] += stream_compute
@@ -383,7 +386,7 @@ class CostModel:
         present = self.present[rows, order]
         load = (self.p_sel * self.expert_bytes)[rows, order] * present
         zeros = np.zeros((L, 1))
-        g_cum = np.hstack([zeros, np.cumsum(load / self._expert_bw(0), axis=1)])
+        g_cum = np.hstack([zeros, np.cumsum(load / self.expert_bandwidth(0), axis=1)])
         c_gain = np.hstack([zeros, np.cumsum(load / self.expert_cpu_rate[rows, order], axis=1)])
         b_cum = np.hstack([zeros, np.cumsum(self.expert_bytes[rows, order] * present, axis=1)])
         n_present = present.sum(axis=1)
@@ -442,7 +445,7 @@ class CostModel:
         for g in np.unique(grid[(grid >= 0) & present]):
             gp = self._gpu(int(g))
             mask = (grid == g) & present
-            read = (b * used * mask).sum(axis=1) / self._expert_bw(int(g))
+            read = (b * used * mask).sum(axis=1) / self.expert_bandwidth(int(g))
             comp = (flops * mask).sum(axis=1) / gp.bf16_flops
             lanes.setdefault(f"gpu:{int(g)}", np.zeros(L))
             lanes[f"gpu:{int(g)}"] += np.maximum(read, comp) + self.engine.launches_moe * gp.launch_s
