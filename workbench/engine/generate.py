@@ -178,7 +178,9 @@ class Generator:
     """Generates text with one Engine (one sequence at a time; the engine's KV cache is its state).
 
     ``tokenizer`` may be None for id-only use (prompts as ids, empty texts). ``eos_ids`` defaults to
-    ``default_eos_ids(engine.inventory, tokenizer)``.
+    ``default_eos_ids(engine.inventory, tokenizer)``. The generator remembers which ids sit in the
+    engine's KV cache; whoever runs ``engine.forward`` directly in between must call
+    ``reset_cache()`` so that the next prompt is prefilled in full.
     """
 
     def __init__(self, engine, tokenizer: Tokenizer | None = None, eos_ids: Iterable[int] | None = None,
