@@ -36,6 +36,7 @@ def model(tmp_path_factory):
     torch.set_num_threads(1)
     folder = tmp_path_factory.mktemp("qwen3_moe_tok")
     model = build_tiny_chat_model(folder)
+    (folder / "generation_config.json").write_text('{"eos_token_id": [7, 322], "do_sample": false}')
     return model, folder, load_tokenizer(folder)
 
 
@@ -97,7 +98,10 @@ def test_eos_stops_and_is_kept_in_tokens_only(gen, engine, model):
 
 def test_default_eos_ids_come_from_config_and_tokenizer(engine, model):
     tok = model[2]
-    assert tok.token_to_id("<|im_end|>") in default_eos_ids(engine.inventory, tok)
+    im_end = tok.token_to_id("<|im_end|>")
+    assert im_end == 322  # config.json's eos_token_id
+    assert default_eos_ids(engine.inventory, tok) == [7, 322]  # + generation_config.json's list
+    assert Generator(engine, tok).eos_ids == {7, 322}
 
 
 def test_stop_string_across_token_boundaries(gen, model):

@@ -26,6 +26,7 @@ def model(tmp_path_factory):
     (folder / "chat_template.jinja").write_text(CHATML)
     # The GGUF writer copies the template from tokenizer_config.json into tokenizer.chat_template.
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20, "top_p": 0.9}))
     return hf, folder, load_tokenizer(folder)
 
 
@@ -120,3 +121,21 @@ def test_user_errors_are_one_clear_line(model, capsys, argv, message):
     assert main(["generate", str(folder), "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("workbench generate: ") and message in err and "Traceback" not in err
+
+
+def test_sampling_flags_override_the_generation_config(model):
+    from workbench.cli import _build_parser
+    from workbench.commands.generate import _sampling
+    from workbench.core.readers import open_model
+
+    inv = open_model(model[1])
+
+    def params(*flags):
+        argv = ["generate", str(model[1]), *flags]
+        return _sampling(_build_parser(argv).parse_args(argv), inv)
+
+    p = params()
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.is_greedy) == (0.6, 20, 0.9, 0.05, 1.0, False)
+    p = params("--temperature", "1.2", "--top-k", "0", "--min-p", "0", "--repeat-penalty", "1.1", "--seed", "3")
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.seed) == (1.2, 0, 0.9, 0.0, 1.1, 3)
+    assert params("--greedy").is_greedy
