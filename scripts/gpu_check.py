@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -62,11 +63,15 @@ FIELDS = [
 
 def smi(query: str, kind: str = "gpu") -> list[str] | None:
     """One nvidia-smi column (a line per GPU or per process), or None if the field is unknown."""
-    r = subprocess.run(
-        ["nvidia-smi", f"--query-{kind}={query}", "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-    )
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", f"--query-{kind}={query}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
     if r.returncode != 0:
         return None
     return [line.strip() for line in r.stdout.strip().splitlines()]
@@ -200,7 +205,8 @@ def main() -> int:
     hold = [
         torch.empty(1 << 30, dtype=torch.uint8, device=f"cuda:{i}") for i in range(torch.cuda.device_count())
     ]
-    torch.cuda.synchronize()
+    if hold:
+        torch.cuda.synchronize()
     time.sleep(0.5)
     snaps = nvml.gpus()
     per_field = {name: smi(name) for _, name, *_ in FIELDS}
@@ -210,9 +216,16 @@ def main() -> int:
         rows, f = compare(g, values)
         lines += rows
         failed += f
-    failed += check_processes(nvml, lines)
-    pcie_under_load(nvml, lines)
-    sampler_run(nvml, lines)
+    for name, step in (
+        ("processes", check_processes),
+        ("PCIe under load", pcie_under_load),
+        ("sampler", sampler_run),
+    ):
+        try:  # one broken section must not hide the others' results
+            failed += step(nvml, lines) or 0
+        except Exception as e:
+            lines.append(f"{name}: FAILED with {type(e).__name__}: {e}")
+            failed += 1
     del hold
     torch.cuda.empty_cache()
     print("\n".join(lines), flush=True)
@@ -221,12 +234,19 @@ def main() -> int:
     from workbench.engine.calibrate import calibrate
 
     t = time.perf_counter()
-    prof = calibrate(
-        args.hidden,
-        args.ffn,
-        budget_s=args.budget,
-        progress=lambda f, m: print(f"[{f * 100:3.0f}%] {m}", flush=True),
-    )
+    try:
+        prof = calibrate(
+            args.hidden,
+            args.ffn,
+            budget_s=args.budget,
+            progress=lambda f, m: print(f"[{f * 100:3.0f}%] {m}", flush=True),
+        )
+    except Exception as e:  # keep the CPU figures if the GPU part breaks
+        traceback.print_exc()
+        lines.append(f"calibration with CUDA FAILED: {type(e).__name__}: {e}; retrying CPU only")
+        print(lines[-1], flush=True)
+        failed += 1
+        prof = calibrate(args.hidden, args.ffn, budget_s=args.budget, use_cuda=False)
     wall = time.perf_counter() - t
     text = format_profile(prof)
     lines += ["", f"calibration ({wall:.1f} s wall):", text, f"problems: {prof.problems() or 'none'}"]
