@@ -177,6 +177,6 @@ def test_accelerate_device_map_covers_every_parameter_once(family, tiny_model_di
 def test_accelerate_refuses_gguf_and_unknown_target(tiny_gguf):
     inv = open_model(tiny_gguf("qwen3_moe"))
     with pytest.raises(WorkbenchError, match="Hugging Face folder"):
-        export("accelerate", inv, Placement())
+        export(inv, Placement(), "accelerate")
     with pytest.raises(WorkbenchError, match="unknown export target"):
-        export("vllm", inv, Placement())
+        export(inv, Placement(), "vllm")

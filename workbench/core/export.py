@@ -44,8 +44,14 @@ class Export:
     notes: list[str] = field(default_factory=list)
     approximation: Placement | None = None
 
+    def __str__(self) -> str:
+        """The text with the notes as ``#`` comments and the extra files listed."""
+        lines = [f"# {n}" for n in self.notes]
+        lines += [f"# writes {name} beside it" for name in self.files]
+        return "\n".join([*lines, self.text])
 
-def export(target: str, inventory: Inventory, placement: Placement, cost=None, stats=None,
+
+def export(inventory: Inventory, placement: Placement, target: str, cost=None, stats=None,
            name: str = "placement") -> Export:
     """Translate ``placement`` for ``target`` (one of ``TARGETS``). ``cost``: a CostModel to predict
     the approximation's speed; ``stats``: ExpertStats (KTransformers' frequency file keeps them as
