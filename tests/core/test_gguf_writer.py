@@ -13,6 +13,7 @@ import pytest
 from tests.tiny_models import FAMILY_CONFIGS
 from workbench.core.gguf_writer import write_gguf
 from workbench.core.naming import hf_role
+from workbench.core.readers import open_model
 
 
 def _hf_tensors(folder) -> dict[str, np.ndarray]:
@@ -228,3 +229,33 @@ def test_tokenizer_written_like_llama_cpp(tiny_model_dir, tmp_path):
               if k.startswith("tokenizer.")}
     text = "It is a truth universally acknowledged<|im_end|> that a man"
     assert from_gguf(out, fields).encode(text, add_special_tokens=False) == tok.encode(text).ids
+
+
+@pytest.mark.parametrize(("tensor_type", "rel"), [("Q4_K", 0.12), ("Q5_K", 0.06), ("Q6_K", 0.03)])
+def test_k_quants(tensor_type, rel, tiny_model_dir, tiny_gguf):
+    """K-quant blocks (256 values) need 256-wide rows: a tiny model of hidden size 256."""
+    dims = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256)
+    folder = tiny_model_dir("qwen3_moe", **dims)
+    reader, gg = _gguf_tensors(tiny_gguf("qwen3_moe", tensor_type, **dims))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_up_exps.weight"] == types["blk.0.ffn_down_exps.weight"] == tensor_type
+    assert types["blk.0.attn_output.weight"] == "F16"  # rows of 32 values
+    hf = _hf_tensors(folder)
+    for e in range(8):
+        want = hf[f"model.layers.0.mlp.experts.{e}.up_proj.weight"]
+        got = gg["blk.0.ffn_up_exps.weight"][e]
+        assert np.abs(got - want).mean() / np.abs(want).mean() < rel
+        assert np.abs(got - want).max() < 0.6 * np.abs(want).max()
+    inv = open_model(tiny_gguf("qwen3_moe", tensor_type, **dims))
+    assert inv.params_total == open_model(folder).params_total
+    assert inv.total_bytes == sum(int(t.n_bytes) for t in reader.tensors)
+
+
+def test_kquant_layout_of_known_block():
+    """A ramp decodes within a quantization step, so every value sits where ggml reads it."""
+    from workbench.core.kquants import quantize_k
+
+    x = np.linspace(-1, 1, 512, dtype=np.float32).reshape(1, 512)  # 2 blocks; any misplaced value is far off
+    for t, atol in (("Q4_K", 0.04), ("Q5_K", 0.02), ("Q6_K", 0.02)):  # half a step (mins clamped to <= 0)
+        y = gguf.quants.dequantize(quantize_k(x, t), gguf.GGMLQuantizationType[t])
+        np.testing.assert_allclose(y, x, atol=atol, err_msg=t)

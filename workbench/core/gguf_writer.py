@@ -35,7 +35,7 @@ engine meet the layout real GGUF files have. What it reproduces from llama.cpp's
   * dense MLP layers of MoE models (Qwen ``mlp_only_layers`` / ``decoder_sparse_step``) are written
     as ``blk.{l}.ffn_{gate,up,down}.weight``; llama.cpp itself has no such layers for qwen2moe and
     qwen3moe (its converter would fail on them), the workbench reads them.
-- types: 1-D tensors, norms and routers (``ffn_gate_inp``, ``ffn_gate_inp_shexp``) stay F32 as in
+- types (K-quants encoded by ``kquants.py``, the others by ``gguf.quants``): 1-D tensors, norms and routers (``ffn_gate_inp``, ``ffn_gate_inp_shexp``) stay F32 as in
   the converter; other tensors get ``tensor_type`` (experts ``expert_type`` when given); a tensor
   whose rows do not fill whole blocks of that type falls back to F16, as llama.cpp does.
 - tokenizer (``tokenizer.json`` with a BPE model): ``tokenizer.ggml.model = gpt2``, ``.pre``,
@@ -57,6 +57,7 @@ import gguf
 import numpy as np
 
 from .errors import ModelFormatError
+from .kquants import quantize_k
 from .naming import hf_role
 from .readers.gguf_config import LLAMA4_CHUNK_KEY, LLAMA4_DEFAULT_CHUNK
 from .readers.hf_config import family_of, text_config
@@ -70,7 +71,7 @@ ARCH_OF_FAMILY = {
     "llama4": "llama4", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss",
 }
 ARCH_OF_DENSE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 _FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K": 15,
               "Q5_K": 17, "Q6_K": 18, "BF16": 32, "MXFP4": 38}
 _KEEP_F32 = re.compile(r".*(_norm\.weight|ffn_gate_inp\.weight|ffn_gate_inp_shexp\.weight|exp_probs_b\.bias|"
@@ -149,7 +150,7 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, ttype: str
         log.info("%s: rows of %d do not fill %s blocks, written as F16", name, data.shape[-1], ttype)
         writer.add_tensor(name, data.astype(np.float16))
         return
-    raw = gguf.quants.quantize(data, qtype)
+    raw = quantize_k(data, ttype) if ttype in ("Q4_K", "Q5_K", "Q6_K") else gguf.quants.quantize(data, qtype)
     writer.add_tensor(name, raw, raw_dtype=qtype)
 
 

@@ -1,0 +1,88 @@
+"""Q4_K, Q5_K and Q6_K encoders in numpy (gguf-py only decodes K-quants).
+
+Blocks of 256 values (ggml's ``QK_K``), laid out byte for byte as ggml's ``block_q4_K``,
+``block_q5_K`` and ``block_q6_K``. Scales are chosen from each sub-block's range (no search for
+the error-optimal scale as llama.cpp's ``make_qkx2_quants`` does): the files are valid and
+dequantize within a quantization step, which is what test models need.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+QK_K = 256
+
+
+def quantize_k(data: np.ndarray, ttype: str) -> np.ndarray:
+    """Encode float ``data`` (last axis a multiple of 256) as ``ttype``; returns uint8 bytes of shape
+    ``data.shape[:-1] + (bytes per row,)``, as ``gguf.quants.quantize`` does for other types."""
+    x = np.asarray(data, dtype=np.float32)
+    if x.shape[-1] % QK_K:
+        raise ValueError(f"{ttype} needs rows that are a multiple of {QK_K} values, got {x.shape[-1]}")
+    blocks = x.reshape(-1, QK_K)
+    encode = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}[ttype]
+    out = encode(blocks)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // QK_K * out.shape[-1])
+
+
+def _f16(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float16 bytes and the float32 value they hold."""
+    h = v.astype(np.float16)
+    return h.view(np.uint8).reshape(*v.shape, 2), h.astype(np.float32)
+
+
+def _scales_mins(blocks: np.ndarray, qmax: int):
+    """Affine 6-bit scales and mins per 32-value sub-block: x ~ d*sc*q - dmin*m, q in [0, qmax]."""
+    sub = blocks.reshape(-1, 8, 32)
+    lo = np.minimum(sub.min(axis=2), 0.0)
+    hi = sub.max(axis=2)
+    scale = (hi - lo) / qmax  # [n, 8]
+    mins = -lo
+    d_bytes, d = _f16(scale.max(axis=1) / 63)
+    m_bytes, dmin = _f16(mins.max(axis=1) / 63)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[:, None] > 0, np.rint(scale / d[:, None]), 0).clip(0, 63).astype(np.uint8)
+        m = np.where(dmin[:, None] > 0, np.rint(mins / dmin[:, None]), 0).clip(0, 63).astype(np.uint8)
+        step = d[:, None] * sc
+        offset = dmin[:, None] * m
+        q = np.where(step[..., None] > 0, np.rint((sub + offset[..., None]) / step[..., None]), 0)
+    q = q.clip(0, qmax).astype(np.uint8)  # [n, 8, 32]
+    packed = np.zeros((blocks.shape[0], 12), np.uint8)
+    packed[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    packed[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    return d_bytes, m_bytes, packed, q
+
+
+def _q4_k(blocks: np.ndarray) -> np.ndarray:
+    d, dmin, scales, q = _scales_mins(blocks, 15)
+    q = q.reshape(-1, 4, 2, 32)  # chunks of 64: sub-block 2c in low nibbles, 2c+1 in high nibbles
+    qs = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(-1, 128)
+    return np.concatenate([d, dmin, scales, qs], axis=1)
+
+
+def _q5_k(blocks: np.ndarray) -> np.ndarray:
+    d, dmin, scales, q = _scales_mins(blocks, 31)
+    low, high = q & 0xF, q >> 4  # [n, 8, 32]
+    qh = np.zeros((blocks.shape[0], 32), np.uint8)
+    for s in range(8):
+        qh |= high[:, s, :] << s
+    low = low.reshape(-1, 4, 2, 32)
+    qs = (low[:, :, 0, :] | (low[:, :, 1, :] << 4)).reshape(-1, 128)
+    return np.concatenate([d, dmin, scales, qh, qs], axis=1)
+
+
+def _q6_k(blocks: np.ndarray) -> np.ndarray:
+    sub = blocks.reshape(-1, 16, 16)
+    scale = np.abs(sub).max(axis=2) / 31  # [n, 16]
+    d_bytes, d = _f16(scale.max(axis=1) / 127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[:, None] > 0, np.rint(scale / d[:, None]), 0).clip(0, 127).astype(np.int8)
+        step = d[:, None] * sc
+        q = np.where(step[..., None] > 0, np.rint(sub / step[..., None]), 0)
+    q = (q.clip(-32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # halves of 128: y[l + 32k]
+    ql = np.empty((blocks.shape[0], 2, 64), np.uint8)
+    ql[:, :, 0:32] = (q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4)
+    ql[:, :, 32:64] = (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)
+    qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d_bytes], axis=1)
