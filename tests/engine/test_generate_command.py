@@ -73,6 +73,7 @@ def test_placement_flags_give_the_same_tokens(model, capsys, flags):
 
 
 def test_placement_from_a_project_file(model, capsys, tmp_path):
+    from workbench.core.project import save_project
     from workbench.core.readers import open_model
 
     hf, folder, _ = model
@@ -80,7 +81,7 @@ def test_placement_from_a_project_file(model, capsys, tmp_path):
     placement = Placement(stream_slots=2)
     placement.move(inv.expert_keys()[::2], CPU_STREAM)
     project = tmp_path / "project.json"
-    project.write_text(json.dumps({"schema_version": 1, "placement": placement.to_json()}))
+    save_project(project, inv, placement)
     out = run_json(capsys, folder, "--placement", project, "--prompt-ids", "9,8,7", "--max-new", 8, "--greedy",
                    "--ignore-eos")
     assert out["tokens"] == reference_tokens(hf, [9, 8, 7], 8)
@@ -112,7 +113,7 @@ def test_eos_and_stop_string_end_generation(model, capsys):
     (["--prompt-ids", ",".join(["5"] * 10), "--ctx", "8"], "prompt has 10 tokens but the context holds 8"),
     ([], "give a prompt"),
     (["--prompt-ids", "a,b"], "comma-separated integers"),
-    (["--prompt-ids", "1", "--placement", "/nonexistent/project.json"], "does not exist"),
+    (["--prompt-ids", "1", "--placement", "/nonexistent/project.json"], "no project file"),
     (["--prompt-ids", "1", "--n-cpu-moe", "-1"], "layer count"),
     (["--prompt-ids", "1", "--temperature", "-1"], "temperature"),
 ])

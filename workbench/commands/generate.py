@@ -19,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-from workbench.core.errors import ProjectFileError, WorkbenchError
+from workbench.core.errors import WorkbenchError
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def _placement(args, inventory):
     from workbench.core.placement import CPU_COMPUTE, CPU_STREAM, Placement
 
     if args.placement:
-        placement = load_placement(Path(args.placement))
+        placement = load_placement(Path(args.placement), inventory)
     elif args.cpu_moe or args.n_cpu_moe is not None:
         if args.n_cpu_moe is not None and args.n_cpu_moe < 0:
             raise WorkbenchError(f"--n-cpu-moe takes a layer count >= 0, not {args.n_cpu_moe}")
@@ -212,36 +212,15 @@ def _placement(args, inventory):
     return placement
 
 
-def load_placement(path: Path):
-    """The placement in a project file (``{"placement": {...}, ...}``) or a bare placement JSON."""
-    from workbench.core.placement import Placement
+def load_placement(path: Path, inventory=None):
+    """The placement saved in a project file; warns when the project was made for another model."""
+    from workbench.core.project import load_project
 
-    try:
-        from workbench.core import project
-    except ImportError:
-        project = None
-    loader = getattr(project, "load_project", None) if project is not None else None
-    if loader is not None:
-        try:
-            loaded = loader(path)
-        except TypeError:  # a loader that wants more than the path: read the file here instead
-            loaded = None
-        placement = getattr(loaded, "placement", None)
-        if isinstance(placement, Placement):
-            return placement
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ProjectFileError(f"{path} does not exist") from None
-    except (OSError, ValueError) as e:
-        raise ProjectFileError(f"{path} is not a readable JSON project file ({e})") from None
-    obj = data.get("placement", data) if isinstance(data, dict) else None
-    if not isinstance(obj, dict) or not ({"default", "assign"} & set(obj)):
-        raise ProjectFileError(f"{path} holds no placement")
-    try:
-        return Placement.from_json(obj)
-    except (KeyError, ValueError, TypeError) as e:
-        raise ProjectFileError(f"{path}: the placement is malformed ({e})") from None
+    project = load_project(path)
+    if inventory is not None and project.fingerprint and project.fingerprint != inventory.fingerprint:
+        log.warning("%s was made for %s, a different model than %s; using its placement anyway",
+                    path, project.model_path, inventory.path)
+    return project.placement
 
 
 def _device(choice: str, torch):
