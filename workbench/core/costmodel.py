@@ -148,7 +148,7 @@ class Prediction:
             for c in self.decode_layers:
                 lines.append(f"{c.layer:>5} {c.pre * 1e6:8.1f} {c.gpu * 1e6:8.1f} {c.cpu * 1e6:8.1f} "
                              f"{c.bus * 1e6:8.1f} {c.sync * 1e6:8.1f} {c.total * 1e6:9.1f} {c.bound:>5} "
-                             f"{100 * c.gpu_share:8.1f}%")
+                             + ("        -" if math.isnan(c.gpu_share) else f"{100 * c.gpu_share:8.1f}%"))
         return "\n".join(lines)
 
 
