@@ -329,7 +329,8 @@ def _pre_tokenizer_name(tok: dict) -> str:
 
 def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, c: dict) -> None:
     path = hf_dir / "tokenizer.json"
-    if not path.is_file():
+    if not path.is_file():  # no vocabulary, but the special ids of config.json still matter
+        gguf.SpecialVocab(hf_dir, load_merges=False).add_to_gguf(w, quiet=True)
         return
     tok = json.loads(path.read_text())
     model = tok.get("model") or {}

@@ -141,5 +141,7 @@ def config_from_gguf(meta: dict, tensors: dict[str, TensorInfo]) -> dict:
                     original_max_position_embeddings=int(get("rope.scaling.original_context_length", 4096)),
                     beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
                     beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)))
+        if model_type == "gpt_oss":
+            rope["truncate"] = False  # gpt-oss's YaRN keeps fractional correction dims
     c["rope_parameters"] = rope
     return c
