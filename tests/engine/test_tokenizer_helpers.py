@@ -6,7 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. It's 12:45 and we've got 3.14159 reasons.",
@@ -73,7 +83,9 @@ def build_sentencepiece_tokenizer(vocab_size: int = 500) -> tuple[Tokenizer, lis
         scores.append(-float(merge_rank[piece]) if piece in merge_rank else -1e6 - len(names))
     vocab = {name: i for i, name in enumerate(names)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    # Llama-2's tokenizer.json: the space prefix comes from the normalizer, which runs on every
+    # stretch of text between special tokens.
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )

@@ -15,7 +15,7 @@ import json
 import logging
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from workbench.core.errors import ModelFormatError, WorkbenchError
@@ -347,9 +347,11 @@ def _sentencepiece_bpe(fields: dict, tokens: list[str], types: list[int]) -> Bac
                      fuse_unk=True, byte_fallback=True)
     backend = BackendTokenizer(bpe)
     add_prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if add_prefix else "never", split=False
-    )
+    # As llama.cpp (and Llama-2/Mixtral's tokenizer.json): every stretch of text between special
+    # tokens gets one "▁" in front, even when it already starts with spaces ("<s>Hi" -> "<s>", "▁Hi";
+    # "  hi" -> "▁▁▁hi"). A normalizer does exactly that, since it runs on each stretch.
+    steps = [normalizers.Prepend("▁")] if add_prefix else []
+    backend.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_prefix:
         steps.append(decoders.Strip(" ", 1, 0))
