@@ -54,8 +54,16 @@ _HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 _HF_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
+_HF_EXPERT_FAST = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(?:gate_proj|up_proj|down_proj|w1|w2|w3)\.(?:weight|weight_scale_inv)"
+)
+
+
 def hf_role(name: str) -> TensorRole | None:
     """The unit of a Hugging Face tensor name, or None when no rule knows the name."""
+    if m := _HF_EXPERT_FAST.fullmatch(name):  # most tensors of a big MoE: skip the general rules
+        return TensorRole(int(m.group(1)), "expert", int(m.group(2)))
     if name in ("lm_head.weight", "language_model.lm_head.weight"):
         return TensorRole(None, "lm_head")
     rest = name
