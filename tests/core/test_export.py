@@ -121,6 +121,7 @@ def test_second_gpu_and_streams():
     assert r'-ot "blk\.(0)\.ffn_(down|gate_up)_exps\.weight=CPU"' in out.text or "--n-cpu-moe 1" in out.text
     assert r'blk\.(3)\.ffn_(down|gate_up)_exps\.weight=CUDA1' in out.text
     assert any("does not stream" in n for n in out.notes)
+    assert out.text.startswith("-ngl 99 -ts 1,0 ")
     _check_overrides(inv, out.text, out.approximation or p)
 
 
@@ -180,3 +181,26 @@ def test_accelerate_refuses_gguf_and_unknown_target(tiny_gguf):
         export(inv, Placement(), "accelerate")
     with pytest.raises(WorkbenchError, match="unknown export target"):
         export(inv, Placement(), "vllm")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+def test_ot_patterns_from_a_hf_folder_match_the_converted_gguf(family, tiny_model_dir, tiny_gguf):
+    """A project on the Hugging Face folder exports patterns for llama.cpp's converter names: checked
+    against the GGUF written from that very folder."""
+    hf = open_model(tiny_model_dir(family))
+    gg = open_model(tiny_gguf(family))
+    moe = list(hf.spec.moe_layers)
+    p = Placement()
+    for layer in moe[::2]:
+        p.move(hf.expert_keys(layer), CPU_COMPUTE)
+    out = export_llama_cpp(hf, p)
+    cpu_layers = set(moe[::2])
+    want = {ref.tensor.name for layer in cpu_layers for k in gg.expert_keys(layer) for ref in gg.units[k].tensors}
+    got = set()
+    for pattern, buf in llama_cpp_overrides(out.text):
+        assert buf == "CPU"
+        got |= {n for n in gg.tensors if pattern.search(n)}
+    if "--n-cpu-moe" in out.text:
+        assert cpu_layers == {moe[0]}
+    else:
+        assert got == want

@@ -180,6 +180,11 @@ def export_llama_cpp(inventory: Inventory, placement: Placement, cost=None) -> E
     for g, layers in sorted(gpu_layers.items()):
         if g > 0:
             args.append(f'-ot "{_expert_pattern(inventory, layers)}=CUDA{g}"')
+    n_gpus = 1 + max([g for g in gpu_layers] + [gpu_index(t) for t in placement.tiers() if is_gpu(t)])
+    if n_gpus > 1:
+        args.insert(1, "-ts " + ",".join(["1"] + ["0"] * (n_gpus - 1)))
+        notes.append("-ts 1,0... keeps every layer on CUDA0 as the placement does; only the overridden "
+                     "tensors go to the other GPUs")
     others: dict[str, list[str]] = {}
     for key, unit in sorted(inventory.units.items()):
         if key.kind == "expert":
