@@ -111,3 +111,25 @@ def test_plan_and_export_import_neither_torch_nor_qt(tiny_gguf, tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_export_relinks_a_moved_model(tiny_gguf, tmp_path, capsys):
+    import shutil
+
+    model = tmp_path / "m.gguf"
+    shutil.copy(tiny_gguf("qwen3_moe"), model)
+    proj = tmp_path / "p.json"
+    assert main(["plan", str(model), "--strategy", "cpu-moe", "--vram", "2G", "-o", str(proj)]) == 0
+    moved = tmp_path / "moved.gguf"
+    model.rename(moved)
+    capsys.readouterr()
+    assert main(["export", str(proj), "--to", "llama.cpp"]) == 2
+    err = capsys.readouterr().err
+    assert "moved or deleted" in err and "--relink" in err
+    assert main(["export", str(proj), "--to", "llama.cpp", "--relink", str(moved)]) == 0
+    assert "--n-cpu-moe" in capsys.readouterr().out
+    assert main(["export", str(proj), "--to", "llama.cpp"]) == 0  # saved: no relink needed any more
+    shutil.copy(tiny_gguf("mixtral"), moved)
+    capsys.readouterr()
+    assert main(["export", str(proj), "--to", "llama.cpp"]) == 2
+    assert "changed since the project was saved" in capsys.readouterr().err

@@ -13,18 +13,27 @@ from pathlib import Path
 from workbench.core.costmodel import CostModel
 from workbench.core.errors import WorkbenchError
 from workbench.core.export import TARGETS, export
-from workbench.core.project import load_project, open_project_model
+from workbench.core.project import load_project, open_project_model, relink
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("project", help="project file (from `workbench plan -o` or the GUI)")
     parser.add_argument("--to", required=True, choices=TARGETS, help="target engine")
     parser.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of printing")
+    parser.add_argument("--relink", metavar="MODEL", help="the project's model moved: point the project at "
+                        "MODEL (and save it) before exporting")
+    parser.add_argument("--accept-changed", action="store_true",
+                        help="with --relink: accept a model whose headers differ from the saved fingerprint")
 
 
 def run(args) -> int:
     project = load_project(args.project)
-    inv = open_project_model(project)
+    if args.relink:
+        inv = relink(project, args.relink, accept_changed=args.accept_changed)
+        project.save(args.project)
+        print(f"# relinked {args.project} to {inv.path}")
+    else:
+        inv = open_project_model(project)
     cost = None
     if project.hardware is not None and project.hardware.gpus:
         try:

@@ -245,16 +245,16 @@ def open_project_model(project: Project) -> Inventory:
             if project.fingerprint and inv.fingerprint != project.fingerprint:
                 raise ProjectFileError(
                     f"the model at {candidate} changed since the project was saved (its headers differ); "
-                    "relink the project to accept it (`workbench relink` / File > Relink model, or "
-                    "project.relink(inventory_path, accept_changed=True)), which checks the placement "
-                    "against the new model")
+                    f"to keep the placement for it, relink: `workbench export PROJECT --relink {candidate} "
+                    "--accept-changed --to ...` (or relink(project, path, accept_changed=True)), which "
+                    "checks the placement against the new model")
             if candidate != project.model_path:
                 log.info("model found at %s (moved with the project)", candidate)
                 project.model_path = candidate
             return inv
     raise ProjectFileError(
-        f"the model {project.model_path} was moved or deleted; relink the project to its new location "
-        "(File > Relink model, or relink(project, NEW_PATH))")
+        f"the model {project.model_path} was moved or deleted; relink the project to its new location: "
+        "`workbench export PROJECT --relink NEW_PATH --to ...` (or relink(project, NEW_PATH))")
 
 
 def relink(project: Project, new_path: str | Path, accept_changed: bool = False) -> Inventory:
@@ -271,7 +271,7 @@ def relink(project: Project, new_path: str | Path, accept_changed: bool = False)
         if not accept_changed:
             raise ProjectFileError(
                 f"{new_path} is not the model this project was made for (its headers differ); "
-                "relink with accept_changed=True to use it anyway")
+                "accept it explicitly (--accept-changed, or accept_changed=True) to use it anyway")
         problems = validate(project.placement, inv)
         if problems:
             raise ProjectFileError(f"the project's placement does not fit {new_path}: {'; '.join(problems)}")
