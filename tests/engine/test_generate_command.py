@@ -140,3 +140,15 @@ def test_sampling_flags_override_the_generation_config(model):
     p = params("--temperature", "1.2", "--top-k", "0", "--min-p", "0", "--repeat-penalty", "1.1", "--seed", "3")
     assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.seed) == (1.2, 0, 0.9, 0.0, 1.1, 3)
     assert params("--greedy").is_greedy
+
+
+def test_load_progress_line(capsys):
+    from workbench.commands.generate import _load_progress
+
+    progress = _load_progress()
+    progress(0, 2048, "(None, 'embed', None)")
+    progress(1024, 2048, "skipped: too soon")
+    progress(2048, 2048, "lm_head")
+    err = capsys.readouterr().err
+    assert "loading   0.0% (0 B of 2.0 KiB)" in err and "100.0%" in err and "too soon" not in err
+    assert err.endswith("\n")

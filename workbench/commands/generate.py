@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         raise WorkbenchError(f"the prompt has {len(prompt_ids)} tokens but the context holds {ctx}; "
                              "shorten the prompt or raise --ctx")
 
-    engine = Engine.load(inventory, placement, device=device, dtype=dtype, max_context=ctx)
+    engine = Engine.load(inventory, placement, device=device, dtype=dtype, max_context=ctx,
+                         progress=_load_progress() if sys.stderr.isatty() else None)
     try:
         gen = Generator(engine, tokenizer)
         result = _generate(gen, prompt_ids, args, sampling)
@@ -102,6 +103,27 @@ def run(args: argparse.Namespace) -> int:
               f"time to first token {t.ttft_s * 1000:.0f} ms; prefill {t.prefill_tokens_per_s:.1f} tok/s; "
               f"decode {t.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def _load_progress():
+    """A progress callback that redraws one stderr line at most every 0.2 s while loading."""
+    import time
+
+    from workbench.core.fmt import bytes2human
+
+    last = [0.0]
+
+    def progress(done: int, total: int, what: str) -> None:
+        now = time.monotonic()
+        if now - last[0] < 0.2 and done < total:
+            return
+        last[0] = now
+        pct = 100.0 * done / total if total else 100.0
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\rloading {pct:5.1f}% ({bytes2human(done)} of {bytes2human(total)}) {what:<24}{end}")
+        sys.stderr.flush()
+
+    return progress
 
 
 def _generate(gen, prompt_ids: list[int], args, sampling):
