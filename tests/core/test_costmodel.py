@@ -224,3 +224,21 @@ def test_layer_curves_agree_with_predict():
             assert curves[layer, k] == pytest.approx(pred.decode_layers[layer].total, rel=1e-12)
         gpu_experts = sum(inv.units[key].nbytes for key in inv.expert_keys() if p.get(key) == ON_GPU0)
         assert nbytes[list(inv.spec.moe_layers), k].sum() == gpu_experts
+
+
+def test_prefill_choices_follow_the_engine_shape():
+    inv = synth_inventory(1, 8, hidden=1024, expert_ffn=512, top_k=2)
+    hw = h200_profile()
+    p = Placement(stream_slots=1)
+    p.move(inv.expert_keys()[:4], CPU_STREAM)
+    p.move(inv.expert_keys()[4:], CPU_COMPUTE)
+    free = CostModel(inv, hw).predict(p, prompt_tokens=512).prefill_layers[0]
+    fixed = CostModel(inv, hw, engine=EngineShape(prefill_fetch_compute=False, prefill_cpu_stream=False))
+    today = fixed.predict(p, prompt_tokens=512).prefill_layers[0]
+    # the engine of today: compute experts on the CPU, streamed ones over the bus, whatever is cheaper
+    eb = inv.units[inv.expert_keys()[0]].nbytes
+    used = 1 - (1 - 0.25) ** 512
+    assert today.bus == pytest.approx(4 * (eb * used / hw.h2d_pinned + 2 * inv.units[inv.expert_keys()[0]].n_params
+                                          * 0.25 * 512 / hw.gpus[0].bf16_flops))
+    assert today.cpu > 0
+    assert max(free.cpu, free.bus) <= max(today.cpu, today.bus) + 1e-12

@@ -61,6 +61,11 @@ class EngineShape:
     """per streamed expert fetched: the copy and its compute."""
     launches_head: int = 3
     """final norm, lm_head, sampling."""
+    prefill_fetch_compute: bool = True
+    """Prefill may copy a CPU-compute expert that many tokens pick to the GPU (pageable copy) when
+    that is cheaper than computing it on the CPU."""
+    prefill_cpu_stream: bool = True
+    """Prefill may compute a streamed expert that few tokens pick on the CPU instead of fetching it."""
 
 
 @dataclass
@@ -455,7 +460,12 @@ class CostModel:
         on_cpu = np.maximum(b * used / self.expert_cpu_rate, flops / prof.cpu_flops)
         h2d = np.where(grid == TIER_CPU_STREAM, prof.h2d_pinned, prof.h2d_pageable)
         fetch = b * used / h2d + flops / g0.bf16_flops
+        stream = grid == TIER_CPU_STREAM
         choose_cpu = on_cpu <= fetch
+        if not self.engine.prefill_fetch_compute:
+            choose_cpu |= ~stream
+        if not self.engine.prefill_cpu_stream:
+            choose_cpu &= ~stream
         cpu += (on_cpu * host * choose_cpu).sum(axis=1)
         bus = (fetch * host * ~choose_cpu).sum(axis=1)
         sync += np.where(host.any(axis=1), prof.sync_s, 0.0)
