@@ -217,3 +217,12 @@ def test_abandoned_stream_frees_the_generator(gen, model):
     result = gen.generate(ids, max_new_tokens=5, sampling=GREEDY, ignore_eos=True)
     assert result.timings.reused_tokens == len(ids) - 1
     assert result.tokens == expected(model, gen.engine, gen, ids, 5)
+
+
+def test_direct_engine_use_in_between_invalidates_the_cached_prefix(gen, engine, model):
+    first = gen.generate(PROMPT, max_new_tokens=6, sampling=GREEDY, ignore_eos=True)
+    greedy_tokens(engine, [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], 4)  # e.g. a routing profile run
+    ids = gen.encode(PROMPT) + first.tokens
+    again = gen.generate(ids, max_new_tokens=6, sampling=GREEDY, ignore_eos=True)
+    assert again.timings.reused_tokens == 0
+    assert again.tokens == expected(model, engine, gen, ids, 6)

@@ -179,8 +179,8 @@ class Generator:
 
     ``tokenizer`` may be None for id-only use (prompts as ids, empty texts). ``eos_ids`` defaults to
     ``default_eos_ids(engine.inventory, tokenizer)``. The generator remembers which ids sit in the
-    engine's KV cache; whoever runs ``engine.forward`` directly in between must call
-    ``reset_cache()`` so that the next prompt is prefilled in full.
+    engine's KV cache; when something else ran ``engine.forward`` in between (routing profiles),
+    it notices from the cache tensors' version counter and prefills the next prompt in full.
     """
 
     def __init__(self, engine, tokenizer: Tokenizer | None = None, eos_ids: Iterable[int] | None = None,
@@ -192,6 +192,7 @@ class Generator:
         self.eos_ids = set(int(i) for i in eos_ids)
         self.prefill_chunk = max(1, int(prefill_chunk))
         self._cached: list[int] = []  # ids whose K/V sit at cache positions 0..len-1
+        self._cache_seen: tuple | None = None  # the KV cache's identity and version after our last write
         self._cancel = threading.Event()
         self._busy = threading.Lock()
 
@@ -204,6 +205,12 @@ class Generator:
     def reset_cache(self) -> None:
         """Forget the cached prefix (the next prompt is prefilled in full)."""
         self._cached = []
+
+    def _cache_state(self) -> tuple | None:
+        """(identity, in-place write count) of the first layer's key cache; None if not visible."""
+        caches = getattr(self.engine, "caches", None)
+        k = getattr(caches[0], "k", None) if caches else None
+        return (id(k), k._version) if isinstance(k, torch.Tensor) else None
 
     @property
     def cached_tokens(self) -> int:
@@ -281,6 +288,7 @@ class Generator:
             self._cached = []  # the cache may hold a partly written step
             raise
         finally:
+            self._cache_seen = self._cache_state()
             self._cancel.clear()
             self._busy.release()
 
@@ -288,6 +296,9 @@ class Generator:
         engine = self.engine
         t0 = time.perf_counter()
         timings = Timings(prompt_tokens=len(ids))
+        if self._cached and self._cache_state() != self._cache_seen:
+            log.info("the KV cache was written outside this generator; prefilling the whole prompt")
+            self._cached = []
         reuse = min(_common_prefix(self._cached, ids), len(ids) - 1)
         timings.reused_tokens = reuse
         self._cached = self._cached[:reuse]
