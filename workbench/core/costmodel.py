@@ -21,7 +21,8 @@ probability ``min(1, top_k * share[l, e])``.
 Prefill of ``P`` tokens runs in chunks of ``memory.PREFILL_CHUNK``: GPU work is the larger of weight
 reads and GEMM FLOPs (plus causal attention FLOPs); a CPU expert that ``n`` tokens pick is either
 computed on the CPU (weights read once, FLOPs at the CPU's GEMM rate) or copied to the GPU for the
-chunk (pinned copies for streamed experts, pageable for CPU-compute ones), whichever is cheaper.
+chunk (pinned copies for streamed experts, pageable for CPU-compute ones), whichever is cheaper
+(``EngineShape`` can turn either choice off to model an engine that does not make it).
 
 Every rate comes from the HardwareProfile (calibrated by ``workbench calibrate`` or a preset); the
 engine's kernel counts are in ``EngineShape``.

@@ -301,8 +301,10 @@ class Planner:
         base = self._base()
         order = self._hottest_order()
         notes: list[str] = []
-        if self.cpu_code == TIER_CPU_STREAM:
+        if self.cpu_code == TIER_CPU_STREAM:  # the curves model CPU compute: compare the others only
             candidates = {}
+            notes.append("streaming: the curve search models CPU compute, so balanced picks the best of "
+                         "frequency, uniform and n-cpu-moe")
         else:
             t, b = cm.layer_curves(base, order, self.prompt_tokens, self.kv_dtype)
             k = _lagrangian(t, b, total_room)
