@@ -226,3 +226,11 @@ def test_direct_engine_use_in_between_invalidates_the_cached_prefix(gen, engine,
     again = gen.generate(ids, max_new_tokens=6, sampling=GREEDY, ignore_eos=True)
     assert again.timings.reused_tokens == 0
     assert again.tokens == expected(model, engine, gen, ids, 6)
+
+
+def test_chunked_prefill_gives_the_same_tokens(engine, model):
+    gen = Generator(engine, model[2], prefill_chunk=3)
+    ids = gen.encode(PROMPT)
+    assert len(ids) > 6
+    result = gen.generate(ids, max_new_tokens=8, sampling=GREEDY, ignore_eos=True)
+    assert result.tokens == expected(model, engine, gen, ids, 8)
