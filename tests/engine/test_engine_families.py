@@ -35,6 +35,11 @@ FAMILIES = {
     # floor_scale 4 so that attention temperature tuning changes the NoPE layer from position 3 on;
     # the 20-token prompt crosses the 16-token attention chunk.
     "llama4_text": {"floor_scale": 4},
+    # group-limited greedy routing: 6 experts in 2 groups, only the best group's experts chosen
+    "deepseek_v2": {"n_group": 2, "topk_group": 1, "topk_method": "group_limited_greedy"},
+    "deepseek_v3": {},
+    # sliding window of 8 on even layers, attention sinks, clamped SwiGLU with biases, YaRN RoPE
+    "gpt_oss": {},
 }
 
 

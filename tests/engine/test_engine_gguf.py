@@ -43,7 +43,8 @@ def check(engine: Engine, model) -> None:
         assert tokens == reference_tokens(model, PROMPT, N_NEW)
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama4_text"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama4_text",
+                                        "deepseek_v2", "deepseek_v3", "gpt_oss"])
 def test_f32_gguf_matches_transformers_on_the_original(model_type, tiny_gguf, tiny_hf_model):
     inv = open_inventory(tiny_gguf(model_type, "F32"))
     assert inv.format == "gguf"
@@ -81,6 +82,38 @@ def test_quantized_gguf_matches_transformers_on_dequantized_weights(model_type, 
         engine = Engine.load(inv, placements(inv)[name], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
         check(engine, ref)
         engine.close()
+
+
+def test_mxfp4_gpt_oss_matches_transformers_on_gguf_dequantized_experts(tiny_model_dir, tiny_hf_model, tmp_path):
+    """gpt-oss experts in MXFP4: the reference carries gguf-py's dequantization of the file's expert
+    stacks (read with gguf's own reader), put back into transformers' interleaved layout by hand."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from workbench.core.gguf_writer import write_gguf
+
+    sizes = {"hidden_size": 64, "intermediate_size": 64}
+    path = write_gguf(tiny_model_dir("gpt_oss", **sizes), tmp_path / "gpt-oss.gguf", "F32", expert_type="MXFP4")[0]
+    reader = gguf.GGUFReader(path)
+    experts = [t for t in reader.tensors if "_exps." in t.name]
+    assert {t.tensor_type.name for t in experts if t.name.endswith("weight")} == {"MXFP4"}
+    stacks = {t.name: torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+              for t in experts}
+    ref = copy.deepcopy(tiny_hf_model("gpt_oss", **sizes))
+    with torch.no_grad():
+        for layer, block in enumerate(ref.model.layers):
+            g, u, d = (stacks[f"blk.{layer}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down"))
+            block.mlp.experts.gate_up_proj[:, :, ::2] = g.transpose(1, 2)  # [E, I, H] -> [E, H, I]
+            block.mlp.experts.gate_up_proj[:, :, 1::2] = u.transpose(1, 2)
+            block.mlp.experts.down_proj[:] = d.transpose(1, 2)  # [E, H, I] -> [E, I, H]
+            gb, ub, db = (stacks[f"blk.{layer}.ffn_{p}_exps.bias"] for p in ("gate", "up", "down"))
+            block.mlp.experts.gate_up_proj_bias[:, ::2] = gb
+            block.mlp.experts.gate_up_proj_bias[:, 1::2] = ub
+            block.mlp.experts.down_proj_bias[:] = db
+    inv = open_inventory(path)
+    engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
+    check(engine, ref)
+    engine.close()
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16", "BF16"])

@@ -119,7 +119,7 @@ def test_memory_report_counts_what_each_tier_holds(qwen3):
 @pytest.fixture
 def no_allocation(monkeypatch):
     """Fail the test if the engine allocates any weight."""
-    def place(self, t):
+    def place(self, t, dtype=None):
         raise AssertionError("allocated a weight although the placement was refused")
     monkeypatch.setattr(engine_module._Loader, "place", place)
 
@@ -174,10 +174,10 @@ def test_out_of_memory_while_loading_frees_everything_and_names_the_unit(qwen3, 
     placed: list[weakref.ref] = []
     real_place = engine_module._Loader.place
 
-    def place(self, t):
+    def place(self, t, dtype=None):
         if len(placed) == 11:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
-        out = real_place(self, t)
+        out = real_place(self, t, dtype)
         placed.append(weakref.ref(out))
         return out
 

@@ -49,7 +49,8 @@ def check_placement(inventory: Inventory, args: ModelArgs, placement: Placement,
         log.warning("the engine runs attention, router, shared experts, dense layers, embeddings and lm_head "
                     "on the accelerator; %d such units the placement puts on the CPU are loaded on the accelerator", len(kept))
     acc += len(streamed_layers) * max(1, placement.stream_slots) * expert_params * dtype_bytes
-    kv = sum(2 * args.n_kv_heads * args.head_dim for _ in range(args.n_layers)) * max_context * dtype_bytes
+    per_token = (args.mla["kv_lora_rank"] + args.mla["rope"]) if args.mla else 2 * args.n_kv_heads * args.head_dim
+    kv = args.n_layers * per_token * max_context * dtype_bytes
     acc += kv
     if vram_budget is not None and acc > vram_budget:
         raise PlacementError(

@@ -29,6 +29,7 @@ from workbench.core.units import UnitKey
 from .budget import check_placement
 from .experts import COMPUTE, RESIDENT, STREAM, LayerExperts
 from .families import FamilyWeights, ModelArgs
+from .mla import LatentCache, MlaAttention
 from .model import Attention, DenseMlp, KVCache, Layer, Rope, rms_norm
 from .moe import MoeBlock
 from .weights import WeightReader
@@ -37,6 +38,10 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int, str], None]
 """``progress(done_bytes, total_bytes, what)`` while loading."""
+
+
+_ATTN_ROLES = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm", "sinks")
+_MLA_ROLES = ("q", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b", "o", "o_bias")
 
 
 class LoadCancelled(WorkbenchError):
@@ -64,9 +69,9 @@ class _Loader:
         if self.progress is not None:
             self.progress(self.done, self.total, str(key))
 
-    def place(self, t: torch.Tensor) -> torch.Tensor:
+    def place(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The one allocation function for accelerator weights (tests inject failures here)."""
-        return t.to(device=self.device, dtype=self.dtype)
+        return t.to(device=self.device, dtype=dtype or self.dtype)
 
 
 class Engine:
@@ -140,10 +145,14 @@ class Engine:
         self.experts: dict[int, LayerExperts] = {}
         for layer in range(a.n_layers):
             loader.begin(UnitKey(layer, "attn"), nbytes.get(UnitKey(layer, "attn"), 0))
-            w = {role: place(fw.get(role, layer)) for role in
-                 ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm")
-                 if fw.has(role, layer)}
-            cache = KVCache(self.max_context, a.n_kv_heads, a.head_dim, dev, self.dtype)
+            roles = _MLA_ROLES if a.mla else _ATTN_ROLES
+            w = {role: place(fw.get(role, layer)) for role in roles if fw.has(role, layer)}
+            if a.mla:
+                cache = LatentCache(self.max_context, a.mla["kv_lora_rank"], a.mla["rope"], dev, self.dtype)
+                attn = MlaAttention(a, layer, w, cache)
+            else:
+                cache = KVCache(self.max_context, a.n_kv_heads, a.head_dim, dev, self.dtype)
+                attn = Attention(a, layer, w, cache)
             self.caches.append(cache)
             loader.begin(UnitKey(layer, "norm"), nbytes.get(UnitKey(layer, "norm"), 0))
             attn_norm, ffn_norm = place(fw.get("attn_norm", layer)), place(fw.get("ffn_norm", layer))
@@ -152,7 +161,7 @@ class Engine:
             else:
                 loader.begin(UnitKey(layer, "dense_mlp"), nbytes.get(UnitKey(layer, "dense_mlp"), 0))
                 ffn = DenseMlp(*(place(fw.get(r, layer)) for r in ("mlp_gate", "mlp_up", "mlp_down")))
-            self.layers.append(Layer(Attention(a, layer, w, cache), attn_norm, ffn_norm, ffn, a.rms_eps))
+            self.layers.append(Layer(attn, attn_norm, ffn_norm, ffn, a.rms_eps))
         loader.begin(UnitKey(None, "norm"), nbytes.get(UnitKey(None, "norm"), 0))
         self.norm = place(fw.get("norm"))
         loader.begin(UnitKey(None, "lm_head"), nbytes.get(UnitKey(None, "lm_head"), 0))
@@ -162,7 +171,10 @@ class Engine:
         a, fw, place = self.args, self._fw, loader.place
         nbytes = {k: u.nbytes for k, u in self.inventory.units.items() if k.layer == layer}
         loader.begin(UnitKey(layer, "router"), nbytes.get(UnitKey(layer, "router"), 0))
-        router = place(fw.get("router", layer))
+        f32 = torch.float32 if a.family.startswith("deepseek") else None  # DeepSeek routes in float32
+        router = place(fw.get("router", layer), f32)
+        router_bias = place(fw.get("router_bias", layer)) if fw.has("router_bias", layer) else None
+        score_bias = place(fw.get("score_bias", layer), torch.float32) if fw.has("score_bias", layer) else None
         shared = shared_router = None
         if fw.has("shared_gate", layer):
             loader.begin(UnitKey(layer, "shared"), nbytes.get(UnitKey(layer, "shared"), 0))
@@ -170,7 +182,7 @@ class Engine:
             if fw.has("shared_router", layer):
                 shared_router = place(fw.get("shared_router", layer))
         experts = self._build_experts(loader, placement, layer)
-        return MoeBlock(a, layer, router, experts, shared, shared_router, self.counts)
+        return MoeBlock(a, layer, router, experts, shared, shared_router, self.counts, router_bias, score_bias)
 
     def _build_experts(self, loader: _Loader, placement: Placement, layer: int,
                        source: LayerExperts | None = None) -> LayerExperts:
@@ -179,7 +191,9 @@ class Engine:
         for e in range(a.n_experts):
             asg = placement.get(UnitKey(layer, "expert", e))
             tiers.append(RESIDENT if is_gpu(asg.tier) else STREAM if asg.mode == "stream" else COMPUTE)
-        lx = LayerExperts(layer, a.n_experts, self.device, self.dtype, self._worker, placement.stream_slots)
+        act = ("clamped_swiglu", *a.swiglu) if a.expert_act == "clamped_swiglu" else ("silu",)
+        lx = LayerExperts(layer, a.n_experts, self.device, self.dtype, self._worker, placement.stream_slots,
+                          act, a.expert_bias)
         shape13, shape2 = (2 * a.expert_ffn, a.hidden), (a.hidden, a.expert_ffn)
         self.experts[layer] = lx  # reachable for _free() if a later allocation fails
         loader.unit = UnitKey(layer, "expert", 0)
@@ -194,7 +208,8 @@ class Engine:
                 lx.put(e, tier, rows[tier], *source.weights(e))
             else:
                 w = self._fw.expert(layer, e)
-                lx.put(e, tier, rows[tier], w["w13"], w["w2"])
+                b = self._fw.expert_biases(layer, e) or {}
+                lx.put(e, tier, rows[tier], w["w13"], w["w2"], b.get("b13"), b.get("b2"))
             rows[tier] += 1
         lx.finish()
         return lx
@@ -313,7 +328,7 @@ class Engine:
             if isinstance(ffn, DenseMlp):
                 acc += add(ffn.gate) + add(ffn.up) + add(ffn.down)
             else:
-                acc += add(ffn.router) + add(ffn.shared_router)
+                acc += add(ffn.router) + add(ffn.shared_router) + add(ffn.router_bias) + add(ffn.score_bias)
                 if ffn.shared is not None:
                     acc += add(ffn.shared.gate) + add(ffn.shared.up) + add(ffn.shared.down)
                 n = ffn.experts.nbytes

@@ -27,14 +27,26 @@ GATHER_MAX_ROWS = 16
 """Up to this many (token, expert) pairs the resident tier gathers weights instead of grouping."""
 
 
-def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of one expert: ``x [n, H]``, ``w13 [2I, H]``, ``w2 [H, I]`` -> ``[n, H]``."""
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+def activate(h: torch.Tensor, act: tuple) -> torch.Tensor:
+    """``h [n, 2I]`` (gate then up) -> ``[n, I]``. ``act``: ``("silu",)`` for SwiGLU or
+    ``("clamped_swiglu", alpha, limit)`` (gpt-oss: clamped gate/up, ``(up + 1) * gate * sigmoid(alpha gate)``)."""
+    gate, up = h.chunk(2, dim=-1)
+    if act[0] == "silu":
+        return F.silu(gate) * up
+    alpha, limit = act[1], act[2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13=None, b2=None, act=("silu",)) -> torch.Tensor:
+    """One expert: ``x [n, H]``, ``w13 [2I, H]``, ``w2 [H, I]`` (optional biases ``[2I]``, ``[H]``) -> ``[n, H]``."""
+    return F.linear(activate(F.linear(x, w13, b13), act), w2, b2)
 
 
 def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-            scale_input: bool) -> torch.Tensor:
+            scale_input: bool, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+            act: tuple = ("silu",)) -> torch.Tensor:
     """Expert outputs for pairs ``(x[i], rows[i])``, weighted by ``scale [n]``; ``rows`` index ``w13``.
 
     ``x [n, H]`` -> ``[n, H]``. Small ``n``: one gather + batched matmul, no host sync. Larger ``n``:
@@ -46,8 +58,11 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
         x = x * scale
     if n <= GATHER_MAX_ROWS:
         h = torch.bmm(w13[rows], x[:, :, None])[:, :, 0]  # [n, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        out = torch.bmm(w2[rows], (F.silu(gate) * up)[:, :, None])[:, :, 0]  # [n, H]
+        if b13 is not None:
+            h = h + b13[rows]
+        out = torch.bmm(w2[rows], activate(h, act)[:, :, None])[:, :, 0]  # [n, H]
+        if b2 is not None:
+            out = out + b2[rows]
     else:
         order = torch.argsort(rows, stable=True)
         counts = torch.bincount(rows, minlength=w13.shape[0]).tolist()
@@ -56,7 +71,8 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
         start = 0
         for r, c in enumerate(counts):
             if c:
-                parts.append(expert_ffn(xs[start:start + c], w13[r], w2[r]))
+                parts.append(expert_ffn(xs[start:start + c], w13[r], w2[r], None if b13 is None else b13[r],
+                                        None if b2 is None else b2[r], act))
                 start += c
         out = torch.empty_like(x)
         out[order] = torch.cat(parts)
@@ -67,7 +83,7 @@ class LayerExperts:
     """Routed experts of one layer. Build with ``add`` per expert then ``finish``."""
 
     def __init__(self, layer: int, n_experts: int, device: torch.device, dtype: torch.dtype,
-                 worker: Executor | None, slots: int = 0):
+                 worker: Executor | None, slots: int = 0, act: tuple = ("silu",), bias: bool = False):
         self.layer = layer
         self.n_experts = n_experts
         self.device = device
@@ -79,8 +95,13 @@ class LayerExperts:
         self._pending: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {0: [], 1: [], 2: []}
         self.w13: list[torch.Tensor | None] = [None, None, None]  # per tier, stacked
         self.w2: list[torch.Tensor | None] = [None, None, None]
+        self.b13: list[torch.Tensor | None] = [None, None, None]  # gpt-oss expert biases [n, 2I], [n, H]
+        self.b2: list[torch.Tensor | None] = [None, None, None]
+        self.act, self.bias = act, bias
         self.cache_w13: torch.Tensor | None = None
         self.cache_w2: torch.Tensor | None = None
+        self.cache_b13: torch.Tensor | None = None
+        self.cache_b2: torch.Tensor | None = None
         self.cache_expert: list[int] = []
         self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> cache slot, oldest first
         self.hits = 0
@@ -94,31 +115,38 @@ class LayerExperts:
         pin = tier == STREAM and self.device.type == "cuda"
         self.w13[tier] = torch.empty((count, *shape13), dtype=self.dtype, device=dev, pin_memory=pin)
         self.w2[tier] = torch.empty((count, *shape2), dtype=self.dtype, device=dev, pin_memory=pin)
+        if self.bias:
+            self.b13[tier] = torch.empty((count, shape13[0]), dtype=self.dtype, device=dev, pin_memory=pin)
+            self.b2[tier] = torch.empty((count, shape2[0]), dtype=self.dtype, device=dev, pin_memory=pin)
         if tier == STREAM and count:
             n = max(1, self.slots)
             self.cache_w13 = torch.empty((n, *shape13), dtype=self.dtype, device=self.device)
             self.cache_w2 = torch.empty((n, *shape2), dtype=self.dtype, device=self.device)
+            if self.bias:
+                self.cache_b13 = torch.empty((n, shape13[0]), dtype=self.dtype, device=self.device)
+                self.cache_b2 = torch.empty((n, shape2[0]), dtype=self.dtype, device=self.device)
             self.cache_expert = [-1] * n
 
     def put(self, expert: int, tier: int, row: int, w13: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-            w2: torch.Tensor) -> None:
+            w2: torch.Tensor, b13=None, b2=None) -> None:
         """Copy expert ``expert``'s weights into row ``row`` of ``tier``'s stack: ``w13 [2I, H]`` or its
-        halves ``(gate [I, H], up [I, H])``, ``w2 [H, I]`` (any dtype/device; converted on copy)."""
-        dst = self.w13[tier][row]
-        if isinstance(w13, tuple):
-            half = dst.shape[0] // 2
-            dst[:half].copy_(w13[0])
-            dst[half:].copy_(w13[1])
-        else:
-            dst.copy_(w13)
+        halves ``(gate [I, H], up [I, H])``, ``w2 [H, I]``, and with expert biases ``b13 [2I]`` (or its
+        halves) and ``b2 [H]`` (any dtype/device; converted on copy)."""
+        _copy_halves(self.w13[tier][row], w13)
         self.w2[tier][row].copy_(w2)
+        if self.bias:
+            _copy_halves(self.b13[tier][row], b13)
+            self.b2[tier][row].copy_(b2)
         self.tier[expert] = tier
         self.local[expert] = row
 
-    def weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert ``expert``'s stacked rows ``(w13 [2I, H], w2 [H, I])`` where they live now."""
+    def weights(self, expert: int) -> tuple:
+        """Expert ``expert``'s rows ``(w13 [2I, H], w2 [H, I], b13, b2)`` where they live now
+        (biases None unless the family has them)."""
         tier, row = int(self.tier[expert]), int(self.local[expert])
-        return self.w13[tier][row], self.w2[tier][row]
+        if not self.bias:
+            return self.w13[tier][row], self.w2[tier][row], None, None
+        return self.w13[tier][row], self.w2[tier][row], self.b13[tier][row], self.b2[tier][row]
 
     def finish(self) -> None:
         self.local_dev = torch.as_tensor(self.local, device=self.device)
@@ -129,14 +157,14 @@ class LayerExperts:
         """Bytes allocated per place: ``{"accelerator": ..., "cpu": ...}``."""
         acc = cpu = 0
         for tier in (RESIDENT, COMPUTE, STREAM):
-            for t in (self.w13[tier], self.w2[tier]):
+            for t in (self.w13[tier], self.w2[tier], self.b13[tier], self.b2[tier]):
                 if t is not None:
                     n = t.numel() * t.element_size()
                     if tier == RESIDENT:
                         acc += n
                     else:
                         cpu += n
-        for t in (self.cache_w13, self.cache_w2):
+        for t in (self.cache_w13, self.cache_w2, self.cache_b13, self.cache_b2):
             if t is not None:
                 acc += t.numel() * t.element_size()
         return {"accelerator": acc, "cpu": cpu}
@@ -151,7 +179,8 @@ class LayerExperts:
         if self.all_resident:
             rows = self.local_dev[ids.reshape(-1)]
             out = torch.zeros_like(x)
-            return out.index_add_(0, token, grouped(x[token], rows, flat_w, self.w13[0], self.w2[0], scale_input))
+            return out.index_add_(0, token, grouped(x[token], rows, flat_w, self.w13[0], self.w2[0], scale_input,
+                                                    self.b13[0], self.b2[0], self.act))
         ids_host = ids.reshape(-1).cpu().numpy()  # the one host sync per hybrid layer
         tiers = self.tier[ids_host]
         future = None
@@ -161,7 +190,8 @@ class LayerExperts:
             x_cpu = x[token[sel]].to("cpu", non_blocking=False)
             w_cpu = flat_w[sel].to("cpu")
             rows_cpu = torch.as_tensor(self.local[ids_host[cpu_sel]])
-            args = (x_cpu, rows_cpu, w_cpu, self.w13[COMPUTE], self.w2[COMPUTE], scale_input)
+            args = (x_cpu, rows_cpu, w_cpu, self.w13[COMPUTE], self.w2[COMPUTE], scale_input,
+                    self.b13[COMPUTE], self.b2[COMPUTE], self.act)
             future = self.worker.submit(grouped, *args) if self.worker is not None else None
             cpu_now = None if future is not None else grouped(*args)
         out = torch.zeros_like(x)
@@ -170,7 +200,7 @@ class LayerExperts:
             sel = torch.as_tensor(res_sel, device=x.device)
             rows = torch.as_tensor(self.local[ids_host[res_sel]], device=x.device)
             out.index_add_(0, token[sel], grouped(x[token[sel]], rows, flat_w[sel], self.w13[0], self.w2[0],
-                                                  scale_input))
+                                                  scale_input, self.b13[0], self.b2[0], self.act))
         str_sel = np.nonzero(tiers == STREAM)[0]
         if str_sel.size:
             self._run_streamed(x, token, flat_w, ids_host, str_sel, out, scale_input)
@@ -190,7 +220,7 @@ class LayerExperts:
             rows = torch.as_tensor([slot_of[e] for e in ids_host[pick].tolist()], device=x.device)
             p = torch.as_tensor(pick, device=x.device)
             out.index_add_(0, token[p], grouped(x[token[p]], rows, flat_w[p], self.cache_w13, self.cache_w2,
-                                                scale_input))
+                                                scale_input, self.cache_b13, self.cache_b2, self.act))
 
     def _fetch(self, expert: int, keep: set[int]) -> int:
         """Cache slot holding ``expert``, copying it in (evicting the least recently used) if needed."""
@@ -208,6 +238,19 @@ class LayerExperts:
         row = int(self.local[expert])
         self.cache_w13[slot].copy_(self.w13[STREAM][row], non_blocking=True)
         self.cache_w2[slot].copy_(self.w2[STREAM][row], non_blocking=True)
+        if self.bias:
+            self.cache_b13[slot].copy_(self.b13[STREAM][row], non_blocking=True)
+            self.cache_b2[slot].copy_(self.b2[STREAM][row], non_blocking=True)
         self.cache_expert[slot] = expert
         self.lru[expert] = slot
         return slot
+
+
+def _copy_halves(dst: torch.Tensor, src) -> None:
+    """Copy ``src`` (a tensor, or its two halves along axis 0) into ``dst``."""
+    if isinstance(src, tuple):
+        half = dst.shape[0] // 2
+        dst[:half].copy_(src[0])
+        dst[half:].copy_(src[1])
+    else:
+        dst.copy_(src)

@@ -11,6 +11,7 @@ o ``[H, nH*hd]``, router ``[E, H]``, expert ``w13 [2I, H]`` (gate rows then up r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -19,17 +20,19 @@ from workbench.core.errors import ModelFormatError
 
 from .weights import WeightReader
 
-SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama4")
+SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama4", "deepseek_v2", "deepseek_v3", "gpt_oss")
 
 
 @dataclass
 class RopeArgs:
     """Rotary embedding: ``kind`` default|linear|llama3|yarn; ``interleaved`` rotates (x[2i], x[2i+1])
-    pairs (Llama 4, llama.cpp "normal" rope) instead of the two halves (NeoX, most HF models)."""
+    pairs (Llama 4, DeepSeek, llama.cpp "normal" rope) instead of the two halves (NeoX, most HF
+    models); ``pairs_out_as_halves`` writes the rotated even then odd values (DeepSeek V3 in HF)."""
 
     theta: float = 10000.0
     kind: str = "default"
     interleaved: bool = False
+    pairs_out_as_halves: bool = False
     params: dict = field(default_factory=dict)
 
 
@@ -54,7 +57,18 @@ class ModelArgs:
     dense_ffn: int
     shared_ffn: int = 0
     norm_topk_prob: bool = True
-    router: str = "softmax_topk"  # softmax_topk | sigmoid_topk_scale_input (llama4)
+    router: str = "softmax_topk"  # | sigmoid_topk_scale_input (llama4) | sigmoid_group_bias (deepseek_v3)
+    # | topk_softmax (gpt_oss: softmax over the top-k logits)
+    n_group: int = 1  # DeepSeek group-limited routing: experts in n_group groups, topk_group kept
+    topk_group: int = 1
+    group_limited: bool = False  # deepseek_v2 topk_method == "group_limited_greedy"
+    routed_scaling: float = 1.0
+    router_bias: bool = False
+    expert_act: str = "silu"  # | "clamped_swiglu" (gpt_oss, with swiglu = (alpha, limit))
+    swiglu: tuple[float, float] = (1.702, 7.0)
+    expert_bias: bool = False
+    sinks: bool = False
+    mla: dict | None = None  # q_lora_rank, kv_lora_rank, nope, rope, v, scale (DeepSeek MLA)
     shared_gate: bool = False  # qwen2_moe: sigmoid(shared_expert_gate(x)) * shared(x)
     qk_norm: str | None = None  # None | "head" (per head, RMS) | "full" (whole projection) | "l2"
     clip_qkv: float | None = None
@@ -126,6 +140,20 @@ class ModelArgs:
                 norm_topk_prob=bool(c.get("norm_topk_prob", False)), qk_norm="full",
                 clip_qkv=c.get("clip_qkv"), qkv_bias=bias, o_bias=bias,
             )
+        if family in ("deepseek_v2", "deepseek_v3"):
+            return cls._deepseek(family, c, common, n_exp)
+        if family == "gpt_oss":
+            types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                             for i in range(n_layers)]
+            window = c.get("sliding_window")
+            return cls(
+                **{**common, "window": tuple(window if t == "sliding_attention" else None for t in types)},
+                moe_layers=tuple(range(n_layers)), n_experts=n_exp, top_k=int(c["num_experts_per_tok"]),
+                expert_ffn=int(c["intermediate_size"]), dense_ffn=0, router="topk_softmax", router_bias=True,
+                expert_act="clamped_swiglu", expert_bias=True, sinks=True,
+                swiglu=(float(c.get("swiglu_alpha", 1.702)), float(c.get("swiglu_limit", 7.0))),
+                qkv_bias=bool(c.get("attention_bias", True)), o_bias=bool(c.get("attention_bias", True)),
+            )
         # llama4 (text part)
         moe = c.get("moe_layers")
         if moe is None:
@@ -150,12 +178,42 @@ class ModelArgs:
             temperature_tuning=tuning,
         )
 
+    @classmethod
+    def _deepseek(cls, family: str, c: dict, common: dict, n_exp: int) -> ModelArgs:
+        n_layers = common["n_layers"]
+        first_dense = int(c.get("first_k_dense_replace") or 0)
+        nope, rope_dim, v = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"]), int(c["v_head_dim"])
+        scale = (nope + rope_dim) ** -0.5
+        rp = common["rope"].params
+        if common["rope"].kind != "default" and rp.get("mscale_all_dim"):
+            m = 0.1 * float(rp["mscale_all_dim"]) * math.log(float(rp["factor"])) + 1.0 \
+                if float(rp["factor"]) > 1 else 1.0
+            scale *= m * m
+        v3 = family == "deepseek_v3"
+        common["rope"].interleaved = not v3 or bool(c.get("rope_interleave", True))
+        common["rope"].pairs_out_as_halves = v3 and common["rope"].interleaved
+        mla = {"q_lora_rank": c.get("q_lora_rank"), "kv_lora_rank": int(c["kv_lora_rank"]), "nope": nope,
+               "rope": rope_dim, "v": v, "scale": scale}
+        return cls(
+            **{**common, "head_dim": rope_dim, "n_kv_heads": common["n_heads"]},
+            moe_layers=tuple(range(first_dense, n_layers)), n_experts=n_exp, top_k=int(c["num_experts_per_tok"]),
+            expert_ffn=int(c["moe_intermediate_size"]), dense_ffn=int(c["intermediate_size"]),
+            shared_ffn=int(c["moe_intermediate_size"]) * int(c.get("n_shared_experts") or 0),
+            router="sigmoid_group_bias" if v3 else "softmax_topk",
+            norm_topk_prob=bool(c.get("norm_topk_prob", True)) if v3 else False,
+            n_group=int(c.get("n_group") or 1), topk_group=int(c.get("topk_group") or 1),
+            group_limited=not v3 and c.get("topk_method") == "group_limited_greedy",
+            routed_scaling=float(c.get("routed_scaling_factor") or 1.0), mla=mla,
+        )
+
 
 # -- where each weight lives ---------------------------------------------------------------------
 
 _HF_ATTN = {"q": "q_proj.weight", "k": "k_proj.weight", "v": "v_proj.weight", "o": "o_proj.weight",
             "q_bias": "q_proj.bias", "k_bias": "k_proj.bias", "v_bias": "v_proj.bias", "o_bias": "o_proj.bias",
-            "q_norm": "q_norm.weight", "k_norm": "k_norm.weight", "sinks": "sinks"}
+            "q_norm": "q_norm.weight", "k_norm": "k_norm.weight", "sinks": "sinks",
+            "q_a": "q_a_proj.weight", "q_a_norm": "q_a_layernorm.weight", "q_b": "q_b_proj.weight",
+            "kv_a": "kv_a_proj_with_mqa.weight", "kv_a_norm": "kv_a_layernorm.weight", "kv_b": "kv_b_proj.weight"}
 _GGUF_LAYER = {"q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
                "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
                "o_bias": "attn_output.bias", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
@@ -163,7 +221,10 @@ _GGUF_LAYER = {"q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight",
                "router": "ffn_gate_inp.weight", "router_bias": "ffn_gate_inp.bias",
                "shared_gate": "ffn_gate_shexp.weight", "shared_up": "ffn_up_shexp.weight",
                "shared_down": "ffn_down_shexp.weight", "shared_router": "ffn_gate_inp_shexp.weight",
-               "mlp_gate": "ffn_gate.weight", "mlp_up": "ffn_up.weight", "mlp_down": "ffn_down.weight"}
+               "mlp_gate": "ffn_gate.weight", "mlp_up": "ffn_up.weight", "mlp_down": "ffn_down.weight",
+               "score_bias": "exp_probs_b.bias", "q_a": "attn_q_a.weight", "q_a_norm": "attn_q_a_norm.weight",
+               "q_b": "attn_q_b.weight", "kv_a": "attn_kv_a_mqa.weight", "kv_a_norm": "attn_kv_a_norm.weight",
+               "kv_b": "attn_kv_b.weight"}
 _GGUF_MODEL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
 _GGUF_ARCH_PERMUTES_QK = {"mixtral"}  # llama.cpp's llama converter permutes Q/K rows for its rope
 
@@ -202,12 +263,16 @@ class FamilyWeights:
         if role == "ffn_norm":
             return lp + "post_attention_layernorm.weight"
         m = lp + self.mlp + "."
-        if role == "router":
-            return m + ("router.weight" if a.family == "llama4" else "gate.weight")
+        if role in ("router", "router_bias"):
+            suffix = "weight" if role == "router" else "bias"
+            return m + (f"router.{suffix}" if a.family in ("llama4", "gpt_oss") else f"gate.{suffix}")
+        if role == "score_bias":
+            return m + "gate.e_score_correction_bias"
         if role.startswith("shared_"):
             if role == "shared_router":
                 return m + "shared_expert_gate.weight"
-            return m + f"shared_expert.{role[7:]}_proj.weight"
+            shared = "shared_experts" if a.family.startswith("deepseek") else "shared_expert"
+            return m + f"{shared}.{role[7:]}_proj.weight"
         if role.startswith("mlp_"):
             return m + f"{role[4:]}_proj.weight"
         raise KeyError(role)
@@ -215,18 +280,26 @@ class FamilyWeights:
     def name(self, role: str, layer: int | None = None) -> str:
         """File tensor name of ``role`` (``"q"``, ``"router"``, ``"embed"``...) in ``layer``."""
         if self.gguf:
-            return _GGUF_MODEL[role] if layer is None else f"blk.{layer}." + _GGUF_LAYER[role]
+            if layer is None:
+                return _GGUF_MODEL[role]
+            if role == "ffn_norm" and self.args.family == "gpt_oss":
+                return f"blk.{layer}.post_attention_norm.weight"
+            return f"blk.{layer}." + _GGUF_LAYER[role]
         return self._hf_name(role, layer)
 
     # -- tensors ---------------------------------------------------------------------------------
 
     def has(self, role: str, layer: int | None = None) -> bool:
+        if role == "kv_b" and self.gguf:
+            return self.reader.has(f"blk.{layer}.attn_k_b.weight") or self.reader.has(self.name(role, layer))
         return self.reader.has(self.name(role, layer))
 
     def get(self, role: str, layer: int | None = None) -> torch.Tensor:
         """Tensor of ``role`` in canonical layout (a zero-copy file view when no transform applies)."""
         if role == "lm_head" and not self.has("lm_head"):
             role = "embed"  # tied embeddings
+        if role == "kv_b" and self.gguf and self.reader.has(f"blk.{layer}.attn_k_b.weight"):
+            return self._kv_b_from_halves(layer)
         t = self.reader.tensor(self.name(role, layer))
         if self.gguf:
             t = self._undo_gguf(role, t)
@@ -241,6 +314,25 @@ class FamilyWeights:
             t = _unpermute_rows(t, heads)
         return t
 
+    def _kv_b_from_halves(self, layer: int) -> torch.Tensor:
+        """llama.cpp splits MLA's ``kv_b [nH*(nope+v), kv_lora]`` into ``attn_k_b [nH, kv_lora, nope]``
+        and ``attn_v_b [nH, v, kv_lora]``; put it back together."""
+        k_b = self.reader.tensor(f"blk.{layer}.attn_k_b.weight")
+        v_b = self.reader.tensor(f"blk.{layer}.attn_v_b.weight")
+        kv = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [nH, nope+v, kv_lora]
+        return kv.reshape(-1, kv.shape[-1])
+
+    def expert_biases(self, layer: int, e: int) -> dict | None:
+        """gpt-oss expert biases ``{"b13": (gate [I], up [I]), "b2": [H]}``, or None."""
+        if not self.args.expert_bias:
+            return None
+        if self.gguf:
+            g, u, d = (self.reader.tensor(f"blk.{layer}.ffn_{p}_exps.bias", e) for p in ("gate", "up", "down"))
+            return {"b13": (g, u), "b2": d}
+        m = f"{self.prefix}layers.{layer}.{self.mlp}.experts."
+        b = self.reader.tensor(m + "gate_up_proj_bias", e)
+        return {"b13": (b[::2], b[1::2]), "b2": self.reader.tensor(m + "down_proj_bias", e)}
+
     def expert(self, layer: int, e: int) -> dict:
         """Expert ``e`` of ``layer``: ``{"w13": (gate [I, H], up [I, H]), "w2": [H, I]}`` (CPU views of
         the file where the layout allows, dequantized float32 for quantized GGUF)."""
@@ -253,6 +345,8 @@ class FamilyWeights:
         if self.reader.has(m + "gate_up_proj"):
             gu = self.reader.tensor(m + "gate_up_proj", e)
             d = self.reader.tensor(m + "down_proj", e)
+            if self.args.family == "gpt_oss":  # [H, 2I] with gate/up interleaved, [I, H]
+                return {"w13": (gu[:, ::2].t(), gu[:, 1::2].t()), "w2": d.t()}
             if self.args.family == "llama4":  # stored [H, 2I] and [I, H]: x @ W
                 gu, d = gu.t(), d.t()
             half = gu.shape[0] // 2

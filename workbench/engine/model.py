@@ -84,7 +84,11 @@ class Rope:
         inv, scale = rope_inv_freq(rope, head_dim, max_position)
         freqs = torch.arange(max_context, dtype=torch.float32)[:, None] * inv[None, :]  # [S, hd/2]
         self.interleaved = rope.interleaved
-        if self.interleaved:
+        self.halves_out = rope.pairs_out_as_halves
+        if self.halves_out:
+            self.cos = (freqs.cos() * scale).to(device)  # [S, hd/2]
+            self.sin = (freqs.sin() * scale).to(device)
+        elif self.interleaved:
             self.cis = (torch.polar(torch.ones_like(freqs), freqs) * scale).to(device)  # complex [S, hd/2]
         else:
             emb = torch.cat([freqs, freqs], dim=-1)
@@ -93,6 +97,10 @@ class Rope:
 
     def apply(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, n, hd]`` for positions ``pos [T]``."""
+        if self.halves_out:
+            cos, sin = self.cos[pos][:, None, :].to(x.dtype), self.sin[pos][:, None, :].to(x.dtype)
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         if self.interleaved:
             xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
             return torch.view_as_real(xc * self.cis[pos][:, None, :]).flatten(-2).type_as(x)
@@ -135,6 +143,22 @@ def attention_mask(pos: torch.Tensor, end: int, window: int | None, chunk: int |
     return mask
 
 
+def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                         sinks: torch.Tensor) -> torch.Tensor:
+    """gpt-oss attention: each head's softmax has one extra learned logit (``sinks [nH]``) that takes
+    probability mass and is dropped. ``q [T, nH, hd]``, ``k``/``v [S, nKV, hd]`` -> ``[T, nH, hd]``."""
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1).transpose(0, 1)  # [nH, S, hd]
+    v = v.repeat_interleave(rep, dim=1).transpose(0, 1)
+    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # [nH, T, S]
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    sink = sinks.reshape(-1, 1, 1).expand(-1, scores.shape[1], 1).to(scores.dtype)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1].to(v.dtype)
+    return torch.matmul(probs, v).transpose(0, 1)  # [T, nH, hd]
+
+
 class Attention:
     """One layer's self-attention. ``w`` holds canonical tensors already on the accelerator."""
 
@@ -173,6 +197,9 @@ class Attention:
             q = (q * scales[:, None, None]).to(q.dtype)
         keys, values = self.cache.update(start, k, v)  # [S', nKV, hd]
         mask = attention_mask(pos, start + T, self.window, self.chunk)
+        if "sinks" in w:
+            out = attention_with_sinks(q, keys, values, mask, self.scale, w["sinks"])
+            return F.linear(out.reshape(T, -1), w["o"], w.get("o_bias"))
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
             attn_mask=mask[None, None], scale=self.scale, enable_gqa=a.n_heads != a.n_kv_heads,

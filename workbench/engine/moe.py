@@ -10,22 +10,55 @@ from .families import ModelArgs
 from .model import DenseMlp
 
 
-def route(args: ModelArgs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route(args: ModelArgs, logits: torch.Tensor, score_bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits ``[T, E]`` -> selected experts ``[T, k]`` (int64) and their weights ``[T, k]``.
 
-    ``softmax_topk``: softmax over all experts in float32, top-k, renormalised when
-    ``norm_topk_prob`` (Mixtral always). ``sigmoid_topk_scale_input`` (Llama 4): top-k of the raw
-    logits, weight = sigmoid(logit); the weight scales the expert's input, not its output.
+    ``softmax_topk``: softmax over all experts in float32, top-k (DeepSeek V2: within the best
+    groups), renormalised when ``norm_topk_prob`` (Mixtral always). ``sigmoid_topk_scale_input``
+    (Llama 4): top-k of the raw logits, weight = sigmoid(logit), applied to the expert's input.
+    ``sigmoid_group_bias`` (DeepSeek V3): sigmoid scores; choice by score + ``score_bias`` within the
+    ``topk_group`` best groups (sum of each group's top-2); weights = the plain scores. ``topk_softmax``
+    (gpt-oss): top-k logits, softmax over them. DeepSeek weights are finally scaled by
+    ``routed_scaling``.
     """
     k = args.top_k
     if args.router == "sigmoid_topk_scale_input":
         top, ids = torch.topk(logits, k, dim=-1)
         return ids, torch.sigmoid(top.float()).to(logits.dtype)
+    if args.router == "topk_softmax":
+        top, ids = torch.topk(logits, k, dim=-1)
+        return ids, torch.softmax(top, dim=-1)
+    if args.router == "sigmoid_group_bias":
+        scores = logits.sigmoid()
+        choice = scores + score_bias if score_bias is not None else scores
+        choice = _keep_best_groups(choice, args, lambda g: g.topk(2, dim=-1)[0].sum(dim=-1), float("-inf"))
+        ids = torch.topk(choice, k, dim=-1, sorted=False)[1]
+        top = scores.gather(1, ids)
+        if args.norm_topk_prob:
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, top * args.routed_scaling
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    if args.group_limited:
+        probs = _keep_best_groups(probs, args, lambda g: g.max(dim=-1).values, 0.0)
     top, ids = torch.topk(probs, k, dim=-1)
     if args.norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
+    if args.routed_scaling != 1.0:
+        top = top * args.routed_scaling
     return ids, top.to(logits.dtype)
+
+
+def _keep_best_groups(scores: torch.Tensor, args: ModelArgs, group_score, fill: float) -> torch.Tensor:
+    """``scores [T, E]`` with ``fill`` outside the ``topk_group`` best of ``n_group`` expert groups;
+    ``group_score`` reduces the ``[T, G, E/G]`` view to ``[T, G]``."""
+    T, E = scores.shape
+    G = args.n_group
+    if G <= 1:
+        return scores
+    best = torch.topk(group_score(scores.view(T, G, E // G)), args.topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros(T, G, dtype=torch.bool, device=scores.device).scatter_(1, best, True)
+    return scores.masked_fill(~keep[:, :, None].expand(T, G, E // G).reshape(T, E), fill)
 
 
 class MoeBlock:
@@ -33,18 +66,24 @@ class MoeBlock:
     ``experts`` (any mix of tiers). Adds the selected experts to ``counts[layer]`` on the device."""
 
     def __init__(self, args: ModelArgs, layer: int, router: torch.Tensor, experts: LayerExperts,
-                 shared: DenseMlp | None, shared_router: torch.Tensor | None, counts: torch.Tensor):
+                 shared: DenseMlp | None, shared_router: torch.Tensor | None, counts: torch.Tensor,
+                 router_bias: torch.Tensor | None = None, score_bias: torch.Tensor | None = None):
         self.args = args
         self.layer = layer
         self.router = router
+        self.router_bias = router_bias
+        self.score_bias = score_bias
         self.experts = experts
         self.shared = shared
         self.shared_router = shared_router
         self.counts = counts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.router)  # [T, E]
-        ids, weights = route(self.args, logits)
+        if self.args.family.startswith("deepseek"):  # DeepSeek routes in float32
+            logits = F.linear(x.float(), self.router.float())  # [T, E]
+        else:
+            logits = F.linear(x, self.router, self.router_bias)
+        ids, weights = route(self.args, logits, self.score_bias)
         self.counts[self.layer].index_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1)))
         out = self.experts(x, ids, weights, scale_input=self.args.router == "sigmoid_topk_scale_input")
         if self.shared is not None:
