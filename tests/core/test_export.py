@@ -31,12 +31,21 @@ def _gpu_expert_bytes(inv, p):
     return sum(inv.units[k].nbytes for k in inv.expert_keys() if p.get(k).tier.startswith("gpu"))
 
 
-def _random_placement(inv, seed, share=0.5):
+def _random_placement(inv, seed, share=0.5, others=False):
+    """Experts on the CPU with probability ``share``; with ``others``, some experts on gpu:1 and some
+    non-expert units (attention, shared experts, lm_head) on the CPU or gpu:1 too."""
     rng = np.random.default_rng(seed)
     p = Placement()
     for key in inv.expert_keys():
-        if rng.random() < share:
+        r = rng.random()
+        if r < share:
             p.set(key, CPU_COMPUTE)
+        elif others and r < share + 0.2:
+            p.set(key, Assignment("gpu:1"))
+    if others:
+        for key in inv.units:
+            if key.kind in ("attn", "shared", "lm_head", "dense_mlp") and rng.random() < 0.3:
+                p.set(key, CPU_COMPUTE if rng.random() < 0.5 else Assignment("gpu:1"))
     return p
 
 
@@ -62,19 +71,21 @@ def _check_overrides(inv, args, approx):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ot_patterns_select_exactly_the_intended_gguf_tensors(family, tiny_gguf):
     inv = open_model(tiny_gguf(family))
-    for seed in range(3):
-        p = _random_placement(inv, seed)
+    for seed in range(6):
+        p = _random_placement(inv, seed, others=seed >= 3)
         p.set(UnitKey(None, "lm_head"), CPU_COMPUTE) if UnitKey(None, "lm_head") in inv.units else None
         out = export_llama_cpp(inv, p)
         approx = out.approximation or p
         claimed = _check_overrides(inv, out.text, approx)
-        want_cpu = {ref.tensor.name for k, u in inv.units.items()
-                    if approx.get(k).tier == "cpu" and k.kind != "embed" for ref in u.tensors}
+        want = {ref.tensor.name for k, u in inv.units.items()
+                if approx.get(k).tier != "gpu:0" and k.kind != "embed" for ref in u.tensors}
         if "--n-cpu-moe" in out.text:
             n = int(out.text.split("--n-cpu-moe ")[1].split()[0])
-            assert approx == placement_n_cpu_moe(inv, n) or p.get(UnitKey(None, "lm_head")).tier == "cpu"
-            want_cpu -= {ref.tensor.name for k in inv.expert_keys() for ref in inv.units[k].tensors}
-        assert claimed == want_cpu
+            shaped = placement_n_cpu_moe(inv, n)
+            assert all(approx.get(k) == shaped.get(k) for k in inv.expert_keys())
+            want -= {ref.tensor.name for k in inv.expert_keys() if approx.get(k).tier == "cpu"
+                     for ref in inv.units[k].tensors}
+        assert claimed == want
         assert _gpu_expert_bytes(inv, approx) <= _gpu_expert_bytes(inv, p)
 
 

@@ -59,6 +59,7 @@ def test_coverage_entropy_gini():
     s = ExpertStats(2, 4, 1)
     s.add(np.array([[5, 3, 1, 1], [1, 1, 1, 1]]))
     assert np.allclose(s.coverage(0), [0.5, 0.8, 0.9, 1.0])
+    assert np.allclose(s.coverage_curves(), [s.coverage(0), s.coverage(1)])
     assert s.experts_for_coverage(0, 0.5) == 1
     assert s.experts_for_coverage(0, 0.75) == 2
     assert s.experts_for_coverage(1, 0.5) == 2

@@ -125,6 +125,11 @@ class ExpertStats:
         f = np.sort(self.frequencies(recent)[layer])[::-1]
         return np.cumsum(f)
 
+    def coverage_curves(self, recent: bool = False) -> np.ndarray:
+        """Coverage curves of every layer, ``[layers, experts]`` (row ``l`` is ``coverage(l)``)."""
+        f = -np.sort(-self.frequencies(recent), axis=1)
+        return np.cumsum(f, axis=1)
+
     def experts_for_coverage(self, layer: int, share: float, recent: bool = False) -> int:
         """How many of layer ``layer``'s hottest experts serve at least ``share`` (0..1) of its picks."""
         cov = self.coverage(layer, recent)
