@@ -58,6 +58,18 @@ FAMILY_CONFIGS: dict[str, dict] = {
 }
 """HF ``model_type`` -> config overrides. Llama 4's text model type is ``llama4_text``."""
 
+DENSE_CONFIGS: dict[str, dict] = {
+    "llama": dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=96, max_position_embeddings=256, tie_word_embeddings=True,
+    ),
+    "qwen3": dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=96, max_position_embeddings=256,
+    ),
+}
+"""Dense models (no experts) the readers handle too; ``build_hf_model`` builds these as well."""
+
 
 def build_hf_model(model_type: str, out_dir: Path, seed: int = 0, **overrides):
     """Build a random-init fp32 transformers model of ``model_type``, save it to ``out_dir``.
@@ -68,7 +80,7 @@ def build_hf_model(model_type: str, out_dir: Path, seed: int = 0, **overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    kwargs = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **FAMILY_CONFIGS[model_type], **overrides}
+    kwargs = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **(FAMILY_CONFIGS.get(model_type) or DENSE_CONFIGS[model_type]), **overrides}
     config = AutoConfig.for_model(model_type, **kwargs)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init leaves some tensors at exact constants (norms at 1, biases at 0); perturb them so

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiny_models import FAMILY_CONFIGS
+from tests.tiny_models import DENSE_CONFIGS, FAMILY_CONFIGS
 from workbench.core.readers import open_model
 
 
-@pytest.mark.parametrize("model_type", list(FAMILY_CONFIGS))
+@pytest.mark.parametrize("model_type", [*FAMILY_CONFIGS, *DENSE_CONFIGS])
 def test_config_from_gguf_rebuilds_the_model(model_type, tiny_hf_model, tiny_gguf):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

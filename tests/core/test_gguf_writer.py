@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from tests.tiny_models import FAMILY_CONFIGS
+from tests.tiny_models import DENSE_CONFIGS, FAMILY_CONFIGS
 from workbench.core.gguf_writer import write_gguf
 from workbench.core.naming import hf_role
 from workbench.core.readers import open_model
@@ -125,10 +125,11 @@ def _check_roundtrip(model_type: str, hf: dict[str, np.ndarray], gg: dict[str, n
 
 
 ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
-        "llama4_text": "llama4", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
+        "llama4_text": "llama4", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss",
+        "llama": "llama", "qwen3": "qwen3"}
 
 
-@pytest.mark.parametrize("model_type", list(FAMILY_CONFIGS))
+@pytest.mark.parametrize("model_type", [*FAMILY_CONFIGS, *DENSE_CONFIGS])
 def test_f32_roundtrip_undoes_llama_cpp_transforms(model_type, tiny_model_dir, tiny_gguf):
     folder = tiny_model_dir(model_type)
     config = json.loads((folder / "config.json").read_text())
@@ -259,3 +260,9 @@ def test_kquant_layout_of_known_block():
     for t, atol in (("Q4_K", 0.04), ("Q5_K", 0.02), ("Q6_K", 0.02)):  # half a step (mins clamped to <= 0)
         y = gguf.quants.dequantize(quantize_k(x, t), gguf.GGMLQuantizationType[t])
         np.testing.assert_allclose(y, x, atol=atol, err_msg=t)
+
+
+def test_biases_stay_f32(tiny_gguf):
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tiny_gguf("gpt_oss", "Q8_0"))).tensors}
+    assert types["blk.0.ffn_gate_exps.bias"] == types["blk.0.attn_q.bias"] == types["blk.0.ffn_gate_inp.bias"] == "F32"
+    assert types["blk.0.ffn_gate_exps.weight"] == "Q8_0"

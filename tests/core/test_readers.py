@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.tiny_models import FAMILY_CONFIGS
+from tests.tiny_models import DENSE_CONFIGS, FAMILY_CONFIGS
 from workbench.core.readers import open_model
 from workbench.core.readers.gguf import GGUFStringArray, read_gguf_header
 from workbench.core.units import UnitKey
 
-MODEL_TYPES = list(FAMILY_CONFIGS)
+MODEL_TYPES = [*FAMILY_CONFIGS, *DENSE_CONFIGS]
 
 
 def _file_param_count(model) -> int:
@@ -60,7 +60,9 @@ def test_hf_folder_matches_transformers(model_type, tiny_model_dir, tiny_hf_mode
     cfg = model.config
     s = inv.spec
     assert s.n_layers == cfg.num_hidden_layers and s.hidden_size == cfg.hidden_size
-    assert s.n_experts_active == cfg.num_experts_per_tok
+    assert s.n_experts_active == getattr(cfg, "num_experts_per_tok", 0)
+    if model_type in DENSE_CONFIGS:
+        assert inv.family == "dense" and not s.is_moe and s.dense_layers == tuple(range(s.n_layers))
     if model_type == "qwen2_moe":
         assert s.moe_layers == (1, 3) and s.n_shared_experts == 1 and s.shared_ffn == 24
     if model_type == "qwen3_moe":
@@ -105,7 +107,8 @@ def test_gguf_matches_gguf_py_and_hf(model_type, tensor_type, tiny_gguf, tiny_mo
         assert got == pytest.approx(want) if isinstance(want, float) else got == want, name
     if tensor_type == "Q8_0":
         assert "Q8_0" in inv.dtype_mix()
-        assert any(t.dtype == "Q8_0" for k in inv.expert_keys() for t in (r.tensor for r in inv.units[k].tensors))
+        assert all(r.tensor.dtype == "Q8_0" for k in inv.expert_keys() for r in inv.units[k].tensors
+                   if r.tensor.shape[-1] % 32 == 0 and r.tensor.name.endswith(".weight"))
     _check_units(inv)
 
 

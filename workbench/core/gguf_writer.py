@@ -35,8 +35,9 @@ engine meet the layout real GGUF files have. What it reproduces from llama.cpp's
   * dense MLP layers of MoE models (Qwen ``mlp_only_layers`` / ``decoder_sparse_step``) are written
     as ``blk.{l}.ffn_{gate,up,down}.weight``; llama.cpp itself has no such layers for qwen2moe and
     qwen3moe (its converter would fail on them), the workbench reads them.
-- types (K-quants encoded by ``kquants.py``, the others by ``gguf.quants``): 1-D tensors, norms and routers (``ffn_gate_inp``, ``ffn_gate_inp_shexp``) stay F32 as in
-  the converter; other tensors get ``tensor_type`` (experts ``expert_type`` when given); a tensor
+- types (K-quants encoded by ``kquants.py``, the others by ``gguf.quants``): 1-D tensors, biases
+  (every name not ending in ``.weight``), norms and routers (``ffn_gate_inp``, ``ffn_gate_inp_shexp``)
+  stay F32 as in the converter; other tensors get ``tensor_type`` (experts ``expert_type`` when given); a tensor
   whose rows do not fill whole blocks of that type falls back to F16, as llama.cpp does.
 - tokenizer (``tokenizer.json`` with a BPE model): ``tokenizer.ggml.model = gpt2``, ``.pre``,
   ``.tokens``, ``.token_type``, ``.merges``, special token ids and ``chat_template`` (gguf-py's
@@ -138,7 +139,7 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, ttype: str
         writer.add_tensor(name, data)
         return
     data = np.ascontiguousarray(data, dtype=np.float32)
-    if data.ndim <= 1 or _KEEP_F32.match(name) or ttype == "F32":
+    if data.ndim <= 1 or _KEEP_F32.match(name) or not name.endswith(".weight") or ttype == "F32":
         writer.add_tensor(name, data)
         return
     if ttype == "F16":
