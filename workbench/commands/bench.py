@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ll.add_argument("--ot-around", type=int, default=None, metavar="N",
                     help="also run -ot variants between --n-cpu-moe N-1 and N")
     ll.add_argument("--all-gpu", action="store_true", help="also run everything on the GPU")
+    ll.add_argument("--llama-args", default="", metavar="ARGS",
+                    help="extra llama-bench arguments for every configuration, e.g. '-lm none'")
     ll.add_argument("-p", "--prompt", type=int, default=512)
     ll.add_argument("-n", "--gen", type=int, default=128)
     ll.add_argument("-r", "--repeats", type=int, default=3)
@@ -135,7 +137,8 @@ def _llamacpp(args) -> int:
         configs.insert(1, lb.all_gpu())
     deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     results = lb.run_configs(args.binary, args.model, configs, deadline=deadline, prompt=args.prompt,
-                             gen=args.gen, repeats=args.repeats, threads=args.threads)
+                             gen=args.gen, repeats=args.repeats, threads=args.threads,
+                             extra=tuple(args.llama_args.split()))
     rows = []
     for r in results:
         fits = None if r.peak_gpu_bytes is None else r.peak_gpu_bytes <= budget
