@@ -180,3 +180,24 @@ def test_stream_decoder_does_not_stall_on_invalid_bytes(byte_level):
     deltas = [stream.push(i) for i in [tok.token_to_id("a")] + [lone_continuation] * 6]
     assert deltas[0] == "a" and deltas[1:4] == ["", "", ""]
     assert "".join(deltas) + stream.flush() == "a" + "\ufffd" * 6
+
+
+@pytest.mark.parametrize("flags", [{}, {"add_bos_token": False}, {"add_bos_token": True, "add_eos_token": True},
+                                   {"add_eos_token": True}])
+@pytest.mark.parametrize("post_processor", [True, False])
+def test_bos_eos_flags_of_tokenizer_config_like_transformers(sentencepiece, tmp_path, flags, post_processor):
+    from tokenizers import Tokenizer as Backend
+    from transformers import AutoTokenizer
+
+    hf, _, _ = sentencepiece
+    hf = Backend.from_str(hf.to_str())
+    if not post_processor:
+        hf.post_processor = None
+    hf.save(str(tmp_path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", **flags}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    reference = AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = load_tokenizer(tmp_path)
+    for text in SAMPLES[:3]:
+        assert ours.encode(text) == reference(text)["input_ids"], (flags, text)

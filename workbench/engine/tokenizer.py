@@ -212,6 +212,8 @@ def from_pretrained_dir(folder: str | Path) -> Tokenizer:
         text = _token_text(config.get(name)) or _token_text(special_map.get(name))
         if text is not None:
             special[name] = text
+    # BOS/EOS come from tokenizer.json's post-processor alone: transformers (5.x) ignores
+    # tokenizer_config.json's add_bos_token / add_eos_token for a tokenizer.json too.
     eos_ids = []
     if special.get("eos_token") is not None and backend.token_to_id(special["eos_token"]) is not None:
         eos_ids.append(backend.token_to_id(special["eos_token"]))
@@ -370,9 +372,15 @@ def _add_special_tokens(backend: BackendTokenizer, tokens: list[str], types: lis
         backend.add_tokens(user)
 
 
-def _set_post_processor(backend: BackendTokenizer, bos: str | None, eos: str | None) -> None:
-    if bos is None and eos is None:
+def _set_post_processor(backend: BackendTokenizer, bos: str | None, eos: str | None, force: bool = False) -> None:
+    """Add ``bos``/``eos`` (token texts, None for none) around encoded text; with neither, leave the
+    post-processor alone unless ``force`` (then nothing is added)."""
+    if bos is None and eos is None and not force:
         return
+    for name, text in (("BOS", bos), ("EOS", eos)):
+        if text is not None and backend.token_to_id(text) is None:
+            log.warning("the %s token %r is not in the vocabulary; not adding it", name, text)
+            bos, eos = (None, eos) if name == "BOS" else (bos, None)
     single = " ".join(x for x in (f"{bos}:0" if bos else "", "$A:0", f"{eos}:0" if eos else "") if x)
     pair = " ".join(x for x in (f"{bos}:0" if bos else "", "$A:0", f"{eos}:0" if eos else "",
                                 f"{bos}:1" if bos else "", "$B:1", f"{eos}:1" if eos else "") if x)
