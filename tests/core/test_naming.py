@@ -129,6 +129,7 @@ def test_assign_units_errors_name_the_tensor():
 def test_layers_past_the_model_are_skipped():
     name = "model.layers.3.mlp.experts.0.up_proj.weight"  # DeepSeek-V3's MTP layer sits at index n_layers
     mtp = "model.layers.3.eh_proj.weight"
-    tensors = {n: _t(n, (8, 16)) for n in (name, mtp)}
+    vision = "vision_model.model.layers.0.mlp.fc1.weight"  # Llama 4 Scout's vision tower
+    tensors = {n: _t(n, (8, 16)) for n in (name, mtp, vision, "multi_modal_projector.linear_1.weight")}
     units, skipped = assign_units(tensors, "safetensors", n_layers=3, n_experts=4)
-    assert units == {} and skipped == [name, mtp]
+    assert units == {} and skipped == list(tensors)

@@ -153,3 +153,26 @@ def test_gguf_header_only_offsets(tiny_gguf):
     t = tensors["blk.1.ffn_up_exps.weight"]
     assert t.shape == (6, 16, 32) and t.nbytes == 6 * 16 * 32 * 4
     assert meta["general.architecture"] == "qwen2moe" and meta["qwen2moe.expert_count"] == 6
+
+
+def test_llama4_multimodal_checkpoint_reads_its_text_model(tmp_path, tiny_model_dir):
+    """Llama 4 Scout ships as Llama4ForConditionalGeneration: the text model under language_model.*,
+    plus a vision tower that text inference (and this inventory) leaves out."""
+    import torch
+    from transformers import AutoConfig, Llama4ForConditionalGeneration
+
+    from workbench.core.gguf_writer import write_gguf
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    config = AutoConfig.for_model("llama4", text_config=FAMILY_CONFIGS["llama4_text"], vision_config=vision)
+    torch.manual_seed(0)
+    Llama4ForConditionalGeneration(config).save_pretrained(tmp_path / "mm")
+    inv, text_only = open_model(tmp_path / "mm"), open_model(tiny_model_dir("llama4_text"))
+    assert inv.family == "llama4" and inv.spec == text_only.spec
+    assert inv.params_total == text_only.params_total and inv.total_bytes == text_only.total_bytes
+    assert all(n.startswith(("vision_model.", "multi_modal_projector.")) for n in inv.metadata["workbench.skipped_tensors"])
+    _check_units(inv)
+    gg = open_model(write_gguf(tmp_path / "mm", tmp_path / "mm.gguf")[0])
+    assert gg.spec == text_only.spec and "output.weight" in gg.tensors
+    assert gg.params_total == text_only.params_total

@@ -59,7 +59,7 @@ import numpy as np
 
 from .errors import ModelFormatError
 from .kquants import quantize_k
-from .naming import hf_role
+from .naming import hf_role, is_non_text
 from .readers.gguf_config import LLAMA4_CHUNK_KEY, LLAMA4_DEFAULT_CHUNK
 from .readers.hf_config import family_of, text_config
 from .readers.safetensors import read_safetensors_folder
@@ -177,6 +177,8 @@ def _convert_tensors(arch: str, family: str, c: dict, tensors: dict[str, TensorI
 
     for name in sorted(tensors):
         role = hf_role(name)
+        if role is None and is_non_text(name):
+            continue  # vision tower and projector: llama.cpp writes them to a separate mmproj file
         if role is None:
             raise ModelFormatError(f"tensor {name!r} belongs to no unit")
         if role.layer is not None and role.layer >= n_layers:

@@ -122,6 +122,13 @@ def gguf_role(name: str) -> TensorRole | None:
     return None
 
 
+_NOT_LANGUAGE = re.compile(r"(?:model\.)?(?:vision_model|vision_tower|multi_modal_projector|audio_tower)\.")
+
+
+def is_non_text(name: str) -> bool:
+    """True for the vision tower / projector tensors of a multimodal HF checkpoint."""
+    return bool(_NOT_LANGUAGE.match(name))
+
 _ANY_LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")
 
 
@@ -129,8 +136,9 @@ def assign_units(
     tensors: dict[str, TensorInfo], fmt: str, n_layers: int, n_experts: int
 ) -> tuple[dict[UnitKey, Unit], list[str]]:
     """Share every tensor out to its unit. Returns ``(units, skipped)``: ``skipped`` names the tensors
-    of layers at or past ``n_layers`` (DeepSeek's multi-token-prediction layer), which inference
-    does not use; the caller drops them. A name no rule knows, or a stacked tensor whose axis 0 is
+    that text inference does not use, which the caller drops: layers at or past ``n_layers``
+    (DeepSeek's multi-token-prediction layer) and the vision tower / projector of a multimodal
+    checkpoint. A name no rule knows, or a stacked tensor whose axis 0 is
     not ``n_experts``, is a ModelFormatError naming the tensor."""
     role_of = hf_role if fmt == "safetensors" else gguf_role
     units: dict[UnitKey, Unit] = {}
@@ -144,6 +152,9 @@ def assign_units(
 
     for name, info in tensors.items():
         role = role_of(name)
+        if role is None and _NOT_LANGUAGE.match(name):
+            skipped.append(name)  # vision tower / projector of a multimodal checkpoint (Llama 4)
+            continue
         if role is None and (m := _ANY_LAYER.search(name)) and int(m.group(1)) >= n_layers:
             skipped.append(name)  # e.g. DeepSeek-V3's MTP layer: enorm, hnorm, eh_proj, shared_head
             continue
