@@ -190,3 +190,57 @@ def test_gguf_chat_template(tmp_path):
     template = load_chat_template(path, from_gguf(path, fields).special_tokens, gguf_fields=fields)
     text = template.render(CHATS[0])
     assert text.endswith("<|im_start|>assistant\n") and "café" in text
+
+
+# Shaped like Qwen3's template: reversed scan with a namespace, string methods, reasoning content,
+# tool responses, an ``enable_thinking`` switch passed as an extra variable.
+QWEN3_LIKE = """{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == "user" or message.role == "system" %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index and reasoning_content %}
+            {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {{- '<|im_start|>user\\n<tool_response>\\n' + content + '\\n</tool_response><|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+
+@pytest.mark.parametrize("thinking", [None, True, False])
+def test_qwen3_shaped_template_like_transformers(hf_tokenizer, thinking):
+    chat = [{"role": "system", "content": "sys"}, {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "<think>\nhmm\n</think>\n\na1"},
+            {"role": "user", "content": "q2"},
+            {"role": "assistant", "content": "a2", "reasoning": "because"},
+            {"role": "tool", "content": "42"}]
+    extra = {} if thinking is None else {"enable_thinking": thinking}
+    expected = hf_tokenizer.apply_chat_template(chat, chat_template=QWEN3_LIKE, tokenize=False,
+                                                add_generation_prompt=True, **extra)
+    assert ChatTemplate(QWEN3_LIKE, SPECIAL).render(chat, **extra) == expected
+    assert "<think>\nbecause\n</think>" in expected
