@@ -146,6 +146,14 @@ def to_text(inv: Inventory, est: MemoryEstimate, placement_name: str) -> str:
         rows.append([name, bytes2human(t.weights_total), bytes2human(t.kv_cache), bytes2human(t.stream_cache),
                      bytes2human(t.overhead), bytes2human(t.total)])
     out.append(_table(rows))
+    if placement_name == "all on gpu:0" and s.is_moe:
+        alt = estimate_memory(inv, placement_cpu_moe(inv), ctx=est.ctx, kv_dtype=est.kv_dtype)
+        out.append(f"with --cpu-moe: gpu:0 {bytes2human(alt.total('gpu:0'))}, cpu {bytes2human(alt.total('cpu'))}")
+    if est.ctx > s.max_context:
+        out.append(f"note: context {est.ctx} is longer than the model's {s.max_context}")
+    skipped = inv.metadata.get("workbench.skipped_tensors") or []
+    if skipped:
+        out.append(f"note: {len(skipped)} tensors not used for text generation are left out (e.g. {skipped[0]})")
     out.append("overhead (CUDA context, activation buffers, host baseline) is an approximation")
     return "\n".join(out)
 
