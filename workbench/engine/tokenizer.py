@@ -64,7 +64,7 @@ _IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3"}
 # Texts of end-of-generation tokens llama.cpp recognises beyond the declared EOS (chat turn ends).
 EOG_TEXTS = {
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
-    "<|return|>", "<|call|>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<|eot|>",
+    "<|return|>", "<|call|>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<|eot|>", "<|eom|>",
 }
 
 
