@@ -176,3 +176,37 @@ def test_llama4_multimodal_checkpoint_reads_its_text_model(tmp_path, tiny_model_
     gg = open_model(write_gguf(tmp_path / "mm", tmp_path / "mm.gguf")[0])
     assert gg.spec == text_only.spec and "output.weight" in gg.tensors
     assert gg.params_total == text_only.params_total
+
+
+def test_every_metadata_value_type(tmp_path):
+    import gguf
+
+    path = tmp_path / "kv.gguf"
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    values = {
+        "t.u8": (7, gguf.GGUFValueType.UINT8), "t.i8": (-7, gguf.GGUFValueType.INT8),
+        "t.u16": (700, gguf.GGUFValueType.UINT16), "t.i16": (-700, gguf.GGUFValueType.INT16),
+        "t.u32": (70000, gguf.GGUFValueType.UINT32), "t.i32": (-70000, gguf.GGUFValueType.INT32),
+        "t.u64": (1 << 40, gguf.GGUFValueType.UINT64), "t.i64": (-(1 << 40), gguf.GGUFValueType.INT64),
+        "t.f32": (0.5, gguf.GGUFValueType.FLOAT32), "t.f64": (0.25, gguf.GGUFValueType.FLOAT64),
+        "t.bool": (True, gguf.GGUFValueType.BOOL), "t.str": ("héllo", gguf.GGUFValueType.STRING),
+    }
+    for key, (value, vtype) in values.items():
+        w.add_key_value(key, value, vtype)
+    w.add_array("t.ints", list(range(100_000)))
+    w.add_array("t.floats", [0.5, 1.5])
+    w.add_array("t.bools", [True, False, True])
+    w.add_array("t.strs", [f"s{i}" for i in range(1000)])
+    w.add_array("t.nested", [[1, 2], [3, 4, 5]])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    meta, tensors = read_gguf_header(path)
+    assert tensors == {}
+    for key, (value, _) in values.items():
+        assert meta[key] == value, key
+    assert meta["t.ints"] == list(range(100_000)) and meta["t.floats"] == [0.5, 1.5]
+    assert meta["t.bools"] == [True, False, True] and meta["t.nested"] == [[1, 2], [3, 4, 5]]
+    strs = meta["t.strs"]
+    assert isinstance(strs, GGUFStringArray) and len(strs) == 1000 and strs[999] == "s999" and list(strs)[:2] == ["s0", "s1"]

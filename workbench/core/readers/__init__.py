@@ -68,7 +68,7 @@ def read_gguf_model(path: Path) -> Inventory:
     """Inventory of a GGUF file (or split set): metadata, a synthesised HF config, tensor infos.
 
     ``metadata`` holds every key/value; arrays of strings (tokens, merges) are ``GGUFStringArray``
-    objects that decode on first access, long numeric arrays are numpy arrays.
+    objects (sequences) that decode on first access; numeric arrays are lists.
     """
     meta, tensors, files = read_gguf(Path(path))
     config = config_from_gguf(meta, tensors)

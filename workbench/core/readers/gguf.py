@@ -4,7 +4,7 @@ Layout (little endian): ``b"GGUF"``, ``u32 version`` (2 or 3), ``u64 n_tensors``
 key/values, the tensor infos (name, ``u32 n_dims``, ``u64 ne[n_dims]`` innermost first, ``u32
 type``, ``u64 offset``), padding to ``general.alignment`` (32), then the data. Arrays of strings
 (the tokenizer's tokens and merges) are skipped by walking their lengths and kept as a lazy
-``GGUFStringArray`` that decodes on first use. Every count and length is checked against the file
+``GGUFStringArray`` that decodes on first use; numeric arrays become lists. Every count and length is checked against the file
 size before anything is allocated.
 """
 
@@ -34,8 +34,6 @@ _STRING, _ARRAY = 8, 9
 MAX_COUNT = 1 << 24
 """No GGUF has more tensors or keys than this; a larger count is corruption."""
 MAX_DIMS = 8
-SHORT_ARRAY = 4096
-"""Numeric arrays up to this length become lists; longer ones stay numpy arrays."""
 
 
 class GGUFStringArray(Sequence):
@@ -108,9 +106,9 @@ class _Cursor:
             if etype in _NUMPY:
                 size = _SCALARS[etype][1]
                 self.need(count * size, f"array {key} of {count} values")
-                arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.pos).copy()
+                arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.pos)
                 self.pos += count * size
-                return arr.tolist() if count <= SHORT_ARRAY else arr
+                return arr.tolist()
             if etype == _STRING:
                 self.need(count * 8, f"array {key} of {count} strings")
                 start = self.pos
@@ -124,6 +122,9 @@ class _Cursor:
                 self.pos = pos
                 lazy = GGUFStringArray(self.path, start, count)
                 return lazy.materialize() if count <= 64 else lazy
+            if etype == _ARRAY:  # arrays of arrays: rare, small
+                self.need(count * 12, f"array {key} of {count} arrays")
+                return [self.value(_ARRAY, key) for _ in range(count)]
             raise ModelFormatError(f"{self.path.name}: array {key} has unsupported element type {etype}")
         raise ModelFormatError(f"{self.path.name}: key {key} has unknown value type {vtype}")
 
