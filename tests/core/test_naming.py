@@ -84,6 +84,8 @@ GGUF_TABLE = [
     ("blk.5.ffn_gate_up_exps.weight", R(5, "expert", stacked=True)),
     ("blk.5.ffn_gate.weight", R(5, "dense_mlp")),
     ("blk.5.ffn_down.weight", R(5, "dense_mlp")),
+    ("blk.5.ffn_gate.3.weight", R(5, "expert", 3)),  # Mixtral GGUFs of 2023, one tensor per expert
+    ("blk.5.ffn_down.0.weight", R(5, "expert", 0)),
     ("blk.5.mystery.weight", None),
     ("mystery.weight", None),
 ]

@@ -104,6 +104,7 @@ _GGUF_LAYER_RULES: list[tuple[re.Pattern, str, bool]] = [
     (re.compile(r"attn_norm|ffn_norm|post_attention_norm|post_ffw_norm|layer_output_norm"), "norm", False),
     (re.compile(r"attn_\w+"), "attn", False),
 ]
+_GGUF_LEGACY_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(?:gate|up|down)\.(\d+)\.weight")
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias|scale))?")
 
 
@@ -114,6 +115,8 @@ def gguf_role(name: str) -> TensorRole | None:
         return TensorRole(None, _GGUF_GLOBAL[base])
     m = _GGUF_LAYER.fullmatch(name)
     if not m:
+        if em := _GGUF_LEGACY_EXPERT.fullmatch(name):  # Mixtral GGUFs of 2023: one tensor per expert
+            return TensorRole(int(em.group(1)), "expert", int(em.group(2)))
         return None
     layer, stem = int(m.group(1)), m.group(2)
     for pattern, kind, stacked in _GGUF_LAYER_RULES:
