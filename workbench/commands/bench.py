@@ -73,14 +73,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e = sub.add_parser("run", help="run our engine over placements")
     e.add_argument("--model", required=True, help="GGUF file (a synthetic one: `workbench bench write`)")
     e.add_argument("--budget", default="12GiB")
-    e.add_argument("--strategies", default="n-cpu-moe,frequency",
+    e.add_argument("--strategies", default="n-cpu-moe,frequency,balanced",
                    help="comma-separated placement strategies of the planner")
     e.add_argument("--all-gpu", action="store_true", help="also run everything on the GPU")
     e.add_argument("-p", "--prompt", type=int, default=512)
     e.add_argument("-n", "--gen", type=int, default=128)
     e.add_argument("-r", "--repeats", type=int, default=3)
     e.add_argument("--device", default="cuda", help="cuda or cpu (cpu: every tier on the CPU)")
-    e.add_argument("--cpu-format", default="bf16", help="CPU expert format (bf16 keeps the file's precision)")
+    e.add_argument("--dtype", default="bf16", choices=("bf16", "f32"), help="compute dtype (bf16)")
+    e.add_argument("--profile", default="bench-h200",
+                   help="hardware profile for predictions: preset name or calibration JSON (bench-h200)")
     e.add_argument("--json", metavar="FILE")
 
 

@@ -86,6 +86,8 @@ SHAPES: dict[str, SynthShape] = {
     # attention instead of MLA, every layer MoE
     "deepseek-v2-lite-like": SynthShape("deepseek-v2-lite-like", "qwen2moe", 27, 2048, 16, 16, 128, 64, 6,
                                         1408, 102400, shared_ffn=2816, rope_base=1e4),
+    # a few MB, for tests and quick checks of the whole pipeline
+    "tiny": SynthShape("tiny", "qwen3moe", 2, 256, 4, 2, 64, 20, 4, 256, 1000, qk_norm=True),
 }
 
 

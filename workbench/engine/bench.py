@@ -6,14 +6,33 @@ llama.cpp runs are in :mod:`workbench.engine.bench_llamacpp`; memory sampling in
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from workbench.core import synth
+from workbench.core.costmodel import CostModel
 from workbench.core.errors import WorkbenchError
+from workbench.core.fmt import parse_size
+from workbench.core.hardware import HardwareProfile, preset
+from workbench.core.placement import (
+    TIER_CPU_COMPUTE,
+    TIER_CPU_STREAM,
+    Budget,
+    Placement,
+    expert_grid,
+    is_gpu,
+)
+from workbench.core.planner import Planner
+from workbench.core.readers import open_model
+from workbench.core.stats import ExpertStats
 from workbench.engine import cpu_formats as cf
+from workbench.engine.bench_measure import PeakSampler, markdown_table
 
 log = logging.getLogger(__name__)
 
@@ -60,5 +79,231 @@ def cpu_format_table(hidden: int, inter: int, formats: list[str], *, n_experts: 
     return rows
 
 
+@dataclass
+class EngineRun:
+    """One placement run by our engine. Times in seconds, rates in tokens/s (medians over repeats,
+    with every repeat kept), memory in bytes; ``coverage``: measured share of each layer's
+    selections served by its top 10% experts."""
+
+    label: str
+    strategy: str
+    ok: bool = False
+    error: str = ""
+    prefill_tps: float | None = None
+    decode_tps: float | None = None
+    ttft_s: float | None = None
+    prefill_samples: list[float] = field(default_factory=list)
+    decode_samples: list[float] = field(default_factory=list)
+    ttft_samples: list[float] = field(default_factory=list)
+    peak_gpu_bytes: float | None = None
+    peak_torch_bytes: float | None = None
+    peak_host_bytes: float | None = None
+    predicted_decode_tps: float | None = None
+    predicted_prefill_tps: float | None = None
+    roofline_decode_tps: float | None = None
+    roofline: dict = field(default_factory=dict)
+    coverage: list[float] = field(default_factory=list)
+    load_s: float = 0.0
+
+    @property
+    def roofline_fraction(self) -> float | None:
+        if not self.decode_tps or not self.roofline_decode_tps:
+            return None
+        return self.decode_tps / self.roofline_decode_tps
+
+    @property
+    def prediction_error(self) -> float | None:
+        """(predicted - measured) / measured decode tokens/s."""
+        if not self.decode_tps or not self.predicted_decode_tps:
+            return None
+        return (self.predicted_decode_tps - self.decode_tps) / self.decode_tps
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d["roofline_fraction"] = self.roofline_fraction
+        d["prediction_error"] = self.prediction_error
+        return d
+
+
+def roofline(cost: CostModel, placement: Placement, profile: HardwareProfile) -> dict:
+    """Decode roofline of a placement: the bytes each device must read per token (routed experts
+    weighted by the cost model's selection probabilities; the embedding's one row ignored) over its
+    bandwidth, devices working in parallel. Returns bytes and seconds per device and ``tps``."""
+    inv = cost.inv
+    grid = expert_grid(placement, cost.n_layers, cost.n_experts)
+    per_tok = cost.p_sel * cost.expert_bytes  # expected bytes of each expert per token
+    gpu_b = float(per_tok[grid >= 0].sum())
+    cpu_b = float(per_tok[grid == TIER_CPU_COMPUTE].sum())
+    bus_b = float(per_tok[grid == TIER_CPU_STREAM].sum())  # upper bound: every pick fetched
+    for key, unit in inv.units.items():
+        if key.kind in ("expert", "embed"):
+            continue
+        if is_gpu(placement.get(key).tier):
+            gpu_b += unit.nbytes
+        else:
+            cpu_b += unit.nbytes
+    g = profile.gpus[0]
+    times = {"gpu": gpu_b / g.mem_bandwidth, "cpu": cpu_b / profile.host_read_bandwidth,
+             "bus": bus_b / profile.h2d_pinned}
+    t = max(times.values())
+    return {"gpu_bytes": gpu_b, "cpu_bytes": cpu_b, "bus_bytes": bus_b, "seconds": times,
+            "tps": 1.0 / t if t > 0 else None, "bound": max(times, key=times.get)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_engine(engine, *, prompt: int, gen: int, repeats: int, seed: int = 0) -> dict:
+    """Prefill ``prompt`` random tokens, then decode ``gen`` random tokens one by one (like
+    llama-bench: each step reads its logits back), ``repeats`` times after a warm-up.
+    Returns per-repeat prefill and decode tokens/s and time to first token (s)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, dev = engine.vocab_size, engine.device
+    ids = torch.randint(0, vocab, (prompt,), generator=g)
+    steps = torch.randint(0, vocab, (gen,), generator=g)
+    engine.forward(ids[: min(prompt, 32)], 0)
+    for i in range(min(gen, 4)):
+        engine.forward(steps[i: i + 1], min(prompt, 32) + i).argmax().item()
+    engine.reset_routing_counts()
+    out = {"prefill": [], "decode": [], "ttft": []}
+    for _ in range(repeats):
+        _sync(dev)
+        t0 = time.perf_counter()
+        first = engine.forward(ids, 0)[-1].argmax().item()
+        t1 = time.perf_counter()
+        del first
+        for i in range(gen):
+            engine.forward(steps[i: i + 1], prompt + i)[-1].argmax().item()
+        _sync(dev)
+        t2 = time.perf_counter()
+        out["ttft"].append(t1 - t0)
+        out["prefill"].append(prompt / (t1 - t0))
+        out["decode"].append(gen / (t2 - t1))
+    return out
+
+
+def run_placement(inv, placement: Placement, label: str, strategy: str, *, device: str, dtype: torch.dtype,
+                  prompt: int, gen: int, repeats: int, vram_budget: int | None) -> tuple[EngineRun, np.ndarray]:
+    """Load ``placement``, measure it, close the engine. Returns the run and its routing counts."""
+    from workbench.engine import Engine
+
+    run = EngineRun(label, strategy)
+    counts = np.zeros((inv.spec.n_layers, max(1, inv.spec.n_experts)), np.int64)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    with PeakSampler() as sampler:
+        engine = None
+        try:
+            t0 = time.perf_counter()
+            engine = Engine.load(inv, placement, device=dev, dtype=dtype, max_context=prompt + gen,
+                                 vram_budget=vram_budget)
+            run.load_s = time.perf_counter() - t0
+            m = measure_engine(engine, prompt=prompt, gen=gen, repeats=repeats)
+            counts = engine.routing_counts()
+            run.prefill_samples, run.decode_samples, run.ttft_samples = m["prefill"], m["decode"], m["ttft"]
+            run.prefill_tps = float(np.median(m["prefill"]))
+            run.decode_tps = float(np.median(m["decode"]))
+            run.ttft_s = float(np.median(m["ttft"]))
+            run.ok = True
+        except WorkbenchError as e:
+            run.error = str(e)
+        finally:
+            if engine is not None:
+                engine.close()
+    pk = sampler.peaks
+    run.peak_gpu_bytes, run.peak_host_bytes = pk.gpu, pk.host_rss
+    if dev.type == "cuda":
+        run.peak_torch_bytes = float(torch.cuda.max_memory_allocated(dev))
+    if counts.any():
+        run.coverage = [float(c) for c in synth.coverage(counts)]
+    return run, counts
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A hardware profile from a JSON file (``workbench calibrate`` output) or a preset name."""
+    p = Path(name_or_path)
+    if p.suffix == ".json" and p.is_file():
+        return HardwareProfile.from_json(json.loads(p.read_text()))
+    return preset(name_or_path)
+
+
+def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, profile: HardwareProfile,
+                   device: str = "cuda", dtype: torch.dtype = torch.bfloat16, prompt: int = 512,
+                   gen: int = 128, repeats: int = 3, all_gpu: bool = False) -> list[EngineRun]:
+    """Plan each strategy under the budget and run it. Routing statistics for the frequency-based
+    planners come from the runs before them (put ``n-cpu-moe`` first): measured, not assumed."""
+    inv = open_model(model)
+    spec = inv.spec
+    stats = ExpertStats(spec.n_layers, max(1, spec.n_experts), max(1, spec.n_experts_active))
+    budget = Budget((budget_bytes,))
+    runs = []
+    todo = [("all-gpu", None)] if all_gpu else []
+    todo += [(s, budget) for s in strategies]
+    for strategy, b in todo:
+        cost = CostModel(inv, profile, stats if stats.tokens > 0 else None)
+        planner = Planner(cost, b or Budget((2**62,)), ctx=prompt + gen, prompt_tokens=prompt)
+        try:
+            plan = planner.plan(strategy)
+        except WorkbenchError as e:
+            runs.append(EngineRun(strategy, strategy, error=str(e)))
+            continue
+        label = strategy + (f" {plan.n_cpu_moe}" if plan.n_cpu_moe is not None else "")
+        run, counts = run_placement(inv, plan.placement, label, strategy, device=device, dtype=dtype,
+                                    prompt=prompt, gen=gen, repeats=repeats,
+                                    vram_budget=budget_bytes if b is not None else None)
+        run.predicted_decode_tps = plan.prediction.decode_tps
+        run.predicted_prefill_tps = plan.prediction.prefill_tps
+        rf = roofline(cost, plan.placement, profile)
+        run.roofline, run.roofline_decode_tps = rf, rf["tps"]
+        if counts.any():
+            stats.add(counts)
+        runs.append(run)
+        log.info("%s: decode %s tok/s (predicted %s)", label, run.decode_tps, run.predicted_decode_tps)
+    return runs
+
+
+RUN_COLUMNS = [("placement", "label"), ("peak GPU GiB", "peak_gpu_gib"), ("fits", "fits"),
+               ("prefill tok/s", "prefill_tps"), ("TTFT s", "ttft_s"), ("decode tok/s", "decode_tps"),
+               ("predicted decode", "predicted_decode_tps"), ("error %", "prediction_error_pct"),
+               ("roofline decode", "roofline_decode_tps"), ("of roofline", "roofline_pct"),
+               ("peak host GiB", "peak_host_gib"), ("top-10% coverage", "coverage_mean"), ("error", "error")]
+
+
+def _gib(b: float | None) -> float | None:
+    return None if b is None else b / 2**30
+
+
+def run_rows(runs: list[EngineRun], budget_bytes: int) -> list[dict]:
+    """Table rows (GiB, percent) for :data:`RUN_COLUMNS`."""
+    rows = []
+    for r in runs:
+        d = r.to_json()
+        d["peak_gpu_gib"], d["peak_host_gib"] = _gib(r.peak_gpu_bytes), _gib(r.peak_host_bytes)
+        d["fits"] = None if r.peak_gpu_bytes is None or r.strategy == "all-gpu" else r.peak_gpu_bytes <= budget_bytes
+        d["prediction_error_pct"] = None if r.prediction_error is None else 100 * r.prediction_error
+        d["roofline_pct"] = None if r.roofline_fraction is None else 100 * r.roofline_fraction
+        d["coverage_mean"] = float(np.mean(r.coverage)) if r.coverage else None
+        rows.append(d)
+    return rows
+
+
 def run_command(args) -> int:
-    raise WorkbenchError("`workbench bench run` needs the engine's fast path; not wired yet")
+    """``workbench bench run``: our engine over strategies; markdown table, optional JSON."""
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise WorkbenchError("no CUDA GPU here: use --device cpu (every tier on the CPU)")
+    budget = parse_size(args.budget)
+    dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
+    runs = run_strategies(args.model, [s for s in args.strategies.split(",") if s], budget_bytes=budget,
+                          profile=load_profile(args.profile), device=device, dtype=dtype, prompt=args.prompt,
+                          gen=args.gen, repeats=args.repeats, all_gpu=args.all_gpu)
+    rows = run_rows(runs, budget)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "budget_bytes": budget, "device": device,
+                                               "runs": rows}, indent=1, default=str))
+    print(markdown_table(rows, RUN_COLUMNS))
+    return 0 if all(r.ok for r in runs) else 1

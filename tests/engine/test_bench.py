@@ -1,0 +1,114 @@
+"""The benchmark runner end to end on CPU with a tiny synthetic model."""
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from workbench.cli import main
+from workbench.core import synth
+from workbench.core.hardware import preset
+from workbench.engine import bench, bench_llamacpp
+from workbench.engine.bench_measure import PeakSampler, markdown_table
+
+TINY = synth.shape("tiny")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "tiny.gguf"
+    synth.write_gguf(path, TINY, coverage_target=0.5)
+    return path
+
+
+def test_strategies_run_end_to_end_on_cpu(model):
+    torch.set_num_threads(1)
+    runs = bench.run_strategies(str(model), ["n-cpu-moe", "frequency"], budget_bytes=521 * 2**20,
+                                profile=preset("bench-h200"), device="cpu", dtype=torch.float32,
+                                prompt=16, gen=4, repeats=2, all_gpu=True)
+    assert [r.strategy for r in runs] == ["all-gpu", "n-cpu-moe", "frequency"]
+    for r in runs:
+        assert r.ok, r.error
+        assert len(r.decode_samples) == 2 and r.decode_tps > 0 and r.prefill_tps > 0 and 0 < r.ttft_s
+        assert r.predicted_decode_tps > 0 and r.roofline_decode_tps > 0 and r.roofline_fraction > 0
+        assert r.peak_host_bytes > 0
+        # routing measured by the engine follows the file's design (top 10% serve ~50%)
+        assert np.mean(r.coverage) == pytest.approx(0.5, abs=0.2)
+    nmoe = runs[1]
+    assert nmoe.label.startswith("n-cpu-moe ") and nmoe.roofline["cpu_bytes"] > 0
+    # the frequency plan saw the n-cpu-moe run's routing counts: it keeps hot experts off the CPU
+    assert runs[2].roofline["cpu_bytes"] < nmoe.roofline["cpu_bytes"]
+
+
+def test_cli_writes_json_and_table(model, tmp_path, capsys):
+    out = tmp_path / "run.json"
+    rc = main(["bench", "run", "--model", str(model), "--device", "cpu", "--dtype", "f32", "--budget", "521MiB",
+               "--strategies", "n-cpu-moe", "-p", "8", "-n", "2", "-r", "1", "--json", str(out)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert d["runs"][0]["decode_tps"] > 0 and d["runs"][0]["prediction_error"] is not None
+    assert "| placement |" in capsys.readouterr().out
+
+
+def test_run_reports_a_placement_that_does_not_fit(model):
+    runs = bench.run_strategies(str(model), ["n-cpu-moe"], budget_bytes=10 * 2**20, profile=preset("bench-h200"),
+                                device="cpu", dtype=torch.float32, prompt=8, gen=2, repeats=1)
+    assert not runs[0].ok and "budget" in runs[0].error
+
+
+def test_write_and_cpu_formats_commands(tmp_path, capsys):
+    out = tmp_path / "m.gguf"
+    assert main(["bench", "write", "-o", str(out), "--shape", "tiny", "--layers", "1"]) == 0
+    assert out.stat().st_size > 0 and "top 10% experts serve" in capsys.readouterr().out
+    assert main(["bench", "reskew", str(out), "--uniform"]) == 0
+    js = tmp_path / "cf.json"
+    assert main(["bench", "cpu-formats", "--shape", "tiny", "--formats", "int8,bf16", "--experts", "2", "--threads", "1",
+                 "--json", str(js)]) == 0
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["format"] for r in rows] == ["int8", "int8", "bf16", "bf16"] and all(r["gbps"] > 0 for r in rows)
+
+
+def test_peak_sampler_sees_host_memory_grow():
+    with PeakSampler(interval=0.005) as s:
+        base = s.peaks.host_rss
+        a = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
+        s.sample()
+        del a
+    assert s.peaks.host_rss >= base + 48 * 2**20 and s.peaks.samples >= 2
+
+
+def test_ot_variants_match_the_intended_tensors():
+    names = [t.name for t in synth.tensor_list(synth.shape("s1"))]
+    for cfg, expect in zip(bench_llamacpp.ot_variants(16), ({"up", "down"}, {"down"})):
+        pats = [p.split("=")[0] for p in cfg.args[cfg.args.index("-ot") + 1].split(";")]
+        hit = [n for n in names if any(re.search(p, n) for p in pats)]
+        full = {n for n in hit if int(n.split(".")[1]) < 15}
+        assert len(full) == 15 * 3 and all("_exps" in n for n in hit)
+        part = {n.split(".")[2].split("_")[1] for n in hit if n.startswith("blk.15.")}
+        assert part == expect
+        assert not any(n.startswith(("blk.16.", "blk.1.ffn_gate_inp")) for n in hit)
+
+
+def test_markdown_and_llama_output_parsing():
+    t = markdown_table([{"a": 1.23456, "b": None, "c": 12345.6}], [("A", "a"), ("B", "b"), ("C", "c")])
+    assert t.splitlines()[2] == "| 1.23 | – | 12,345.6 |"
+    raw = 'load log\n[{"n_prompt": 512, "n_gen": 0, "avg_ts": 200.0}]\n'
+    assert bench_llamacpp.parse_output(raw)[0]["avg_ts"] == 200.0
+
+
+LLAMA_BENCH = Path(os.environ.get("WORKBENCH_LLAMA_BENCH", ".llamacpp/bin-cpu/llama-bench"))
+
+
+@pytest.mark.skipif(not LLAMA_BENCH.is_file() and not shutil.which(str(LLAMA_BENCH)),
+                    reason="no llama-bench build (scripts/build_llamacpp.sh cpu)")
+def test_llama_bench_runs_our_file(model):
+    cfgs = [bench_llamacpp.n_cpu_moe(1), *bench_llamacpp.ot_variants(2)]
+    res = bench_llamacpp.run_configs(LLAMA_BENCH, model, cfgs, prompt=16, gen=4, repeats=1, threads=1)
+    for r in res:
+        assert r.ok, r.error
+        assert r.prefill_tps > 0 and r.decode_tps > 0 and r.peak_host_bytes > 0
