@@ -132,3 +132,14 @@ def test_broken_presets_file_is_reported(tmp_path):
     path.write_text(json.dumps(d))
     with pytest.raises(HardwareProfileError, match="schema_version"):
         load_presets(path)
+
+
+def test_measured_h200_profile_file_agrees_with_the_preset():
+    measured = HardwareProfile.load(PRESETS_PATH.with_name("bench-h200-calibrated.json"))
+    assert measured.provenance["gpus"] == "measured" and "torch 2.11" in measured.source
+    bench = preset("bench-h200")
+    g, m = bench.gpus[0], measured.gpus[0]
+    assert g.vram_bytes == m.vram_bytes and g.pcie_gen == m.pcie_gen == 5
+    for a, b in ((g.launch_s, m.launch_s), (g.expert_bandwidth, m.expert_bandwidth), (g.bf16_flops, m.bf16_flops)):
+        assert a == pytest.approx(b, rel=0.01)
+    assert bench.h2d_pinned == pytest.approx(measured.h2d_pinned, rel=0.02)  # BENCH.md and calibrate agree

@@ -294,8 +294,15 @@ class Presets:
         m = self._entry(self.machines, key, "machine")
         p = dict(m["profile"])
         g = self.gpu(m["gpu"])
-        if "gpu_mem_bandwidth" in p:
-            g = replace(g, mem_bandwidth=float(p.pop("gpu_mem_bandwidth")))
+        # "gpu_<field>" keys override the GPU preset with this machine's own figures
+        over = {k[4:]: p.pop(k) for k in list(p) if k.startswith("gpu_")}
+        g = replace(
+            g,
+            **{
+                k: int(v) if k in ("vram_bytes", "pcie_gen", "pcie_width") else float(v)
+                for k, v in over.items()
+            },
+        )
         prof = HardwareProfile(
             name=m["name"],
             gpus=(g,) * int(m.get("n_gpus", 1)),
