@@ -110,3 +110,12 @@ def test_series_rejects_unknown_fields():
         s.series("bogus", gpu=0)
     with pytest.raises(ValueError):
         Sampler(rate_hz=0)
+
+
+def test_pcie_counters_can_be_skipped():
+    lib = make_nvml([FakeGpu()])
+    s = Sampler(nvml=Nvml(lib), processes=False, pcie_throughput=False)
+    sample = s.sample_once()
+    assert np.isnan(sample.gpus[0].pcie_rx) and sample.gpus[0].memory_used == 3 << 30
+    assert "nvmlDeviceGetPcieThroughput" not in lib.state["calls"] and s.last_sample_s > 0
+    assert Sampler(nvml=Nvml(lib), processes=False).sample_once().gpus[0].pcie_rx == 1000 * 1024

@@ -374,10 +374,12 @@ class Nvml:
                 return i
         return None
 
-    def gpu(self, index: int, processes: bool = True) -> GpuSnapshot:
+    def gpu(self, index: int, processes: bool = True, pcie_throughput: bool = True) -> GpuSnapshot:
         """A snapshot of GPU ``index``; every field NA (and ``lost``) when the GPU does not answer.
 
-        Costs about 40 ms per GPU: NVML samples PCIe throughput over 20 ms per direction.
+        ``processes``: list the processes holding memory on it. ``pcie_throughput``: read the PCIe
+        RX/TX counters, which costs about 40 ms per GPU (NVML samples 20 ms per direction); without
+        it ``pcie_rx``/``pcie_tx`` are NA and a snapshot takes about a millisecond.
         """
         h = self._handle(index)
         if h is None:
@@ -422,18 +424,22 @@ class Nvml:
             pcie_width_max=st.pcie_width_max,
             pcie_rx=_scaled(
                 q("nvmlDeviceGetPcieThroughput", h, self._const("NVML_PCIE_UTIL_RX_BYTES", 1)), 1024
-            ),
+            )
+            if pcie_throughput
+            else NA,
             pcie_tx=_scaled(
                 q("nvmlDeviceGetPcieThroughput", h, self._const("NVML_PCIE_UTIL_TX_BYTES", 0)), 1024
-            ),
+            )
+            if pcie_throughput
+            else NA,
             processes=self._processes(h) if processes else (),
             lost=index in self._lost,
         )
         return snap
 
-    def gpus(self, processes: bool = True) -> list[GpuSnapshot]:
+    def gpus(self, processes: bool = True, pcie_throughput: bool = True) -> list[GpuSnapshot]:
         """Snapshots of every GPU NVML sees (empty without a driver)."""
-        return [self.gpu(i, processes=processes) for i in range(self.device_count())]
+        return [self.gpu(i, processes, pcie_throughput) for i in range(self.device_count())]
 
     def _processes(self, h: Any) -> tuple[GpuProcess, ...]:
         found: dict[int, GpuProcess] = {}

@@ -98,7 +98,9 @@ class Sampler:
 
     ``capacity``: rows kept per series (default: 10 minutes at ``rate_hz``). ``nvml`` / ``host``:
     where samples come from (defaults: the process-wide NVML and a :class:`HostMonitor`).
-    ``processes``: also list the processes on each GPU (names via psutil).
+    ``processes``: also list the processes on each GPU (names via psutil). ``pcie_throughput``: read
+    the PCIe RX/TX counters (about 40 ms per GPU per sample; turn off for fast rates or many GPUs).
+    ``last_sample_s``: how long the latest sample took (s).
     The number of GPUs is fixed when the sampler is made; GPU fields are those of
     :class:`~workbench.telemetry.nvml.GpuSnapshot` (bytes, %, °C, W, MHz, bytes/s), host fields those
     of :class:`~workbench.telemetry.host.HostSnapshot` (bytes, %).
@@ -111,6 +113,7 @@ class Sampler:
         nvml: Nvml | None = None,
         host: HostMonitor | None = None,
         processes: bool = True,
+        pcie_throughput: bool = True,
     ):
         if not rate_hz > 0:
             raise ValueError(f"sampling rate must be positive, got {rate_hz!r} Hz")
@@ -118,6 +121,8 @@ class Sampler:
         self.nvml = nvml or default_nvml()
         self.host = host or HostMonitor()
         self.processes = processes
+        self.pcie_throughput = pcie_throughput
+        self.last_sample_s = 0.0
         self.n_gpus = self.nvml.device_count()
         columns = [f"host.{f}" for f in HOST_FIELDS]
         columns += [f"gpu{i}.{f}" for i in range(self.n_gpus) for f in GPU_FIELDS]
@@ -202,6 +207,7 @@ class Sampler:
     def sample_once(self) -> Sample:
         """Take one sample now (on the calling thread), store it and notify subscribers."""
         failed = False
+        began = time.perf_counter()
         try:
             host = self.host.snapshot()
         except Exception as e:
@@ -210,7 +216,7 @@ class Sampler:
         gpus = []
         for i in range(self.n_gpus):
             try:
-                gpus.append(self.nvml.gpu(i, processes=self.processes))
+                gpus.append(self.nvml.gpu(i, self.processes, self.pcie_throughput))
             except Exception as e:  # the NVML layer should not raise; be safe anyway
                 log.warning("GPU %d sample failed: %s", i, e)
                 gpus.append(GpuSnapshot(index=i, lost=True))
@@ -230,6 +236,7 @@ class Sampler:
             self._latest = sample
             subscribers = list(self._subscribers)
         self.errors += failed
+        self.last_sample_s = time.perf_counter() - began
         for cb in subscribers:
             try:
                 cb(sample)
