@@ -127,3 +127,15 @@ def test_cli_json_and_output_file(tmp_path, capsys):
     assert HardwareProfile.load(out).to_json() == printed
     assert main(["calibrate", "--hidden", "0"]) == 2
     assert "out of range" in capsys.readouterr().err
+
+
+def test_cli_takes_the_expert_shape_from_a_model(tiny_model_dir, capsys):
+    from workbench.core.readers import open_model
+
+    path = tiny_model_dir("qwen3_moe")
+    spec = open_model(path).spec
+    rc = main(["calibrate", "--model", str(path), "--json", "--budget", "0.5", "--formats", "bf16", "--cpu-only"])
+    assert rc == 0
+    prof = json.loads(capsys.readouterr().out)
+    assert f"expert {spec.hidden_size} x {spec.expert_ffn}" in prof["source"]
+    assert main(["calibrate", "--model", str(path / "missing")]) == 2
