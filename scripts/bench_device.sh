@@ -8,7 +8,10 @@
 # skewed; llama-bench --n-cpu-moe 16 (the 12 GiB budget), 24 and all on GPU), s1more (-ot
 # variants and --n-cpu-moe 14/15/17), cpu (CPU expert formats),
 # uniform (S1 reskewed to uniform routing; llama-bench), q8, q4 (S1 as Q8_0 / Q4_K; llama-bench),
-# pack (llama-bench binary as $OUT/llama-bench.tar.xz to carry to the next machine).
+# nommap (llama-bench -lm none: weights read into buffers, not mmap'd), engine (our engine:
+# `workbench bench run` with n-cpu-moe, frequency, balanced and all-GPU), pack (llama-bench binary
+# as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it).
+# At most 8 files come back per call: choose the stages of one call accordingly.
 # BENCH_TIME_S (default 540) bounds the whole script: llama-bench configurations that would start
 # too late are skipped and reported as such.
 set -uo pipefail
@@ -37,7 +40,12 @@ lbench() {  # label json args...
 build_pid=""
 
 stage_build() {
-    if [ -x .llamacpp/bin/llama-bench ]; then log "llama-bench present"; return; fi
+    if [ ! -x .llamacpp/bin/llama-bench ] && ls .llamacpp/pack/llama-bench.tar.xz.part-* >/dev/null 2>&1; then
+        cat .llamacpp/pack/llama-bench.tar.xz.part-* | xz -d | tar -C .llamacpp -xf - && log "llama-bench unpacked"
+    fi
+    if [ -x .llamacpp/bin/llama-bench ] && .llamacpp/bin/llama-bench --help >/dev/null 2>&1; then
+        log "llama-bench present"; return
+    fi
     log "building llama-bench in the background"
     scripts/build_llamacpp.sh build >"$OUT/build.log" 2>&1 &
     build_pid=$!
@@ -49,7 +57,6 @@ wait_build() {
 stage_s1() {
     log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5 | tee -a "$OUT/device.log"
     wait_build || return
-    [ -f "$OUT/llama-bench.tar.xz" ] || stage_pack
     lbench "S1 bf16 skewed" llamacpp_s1_skew.json --model "$models/s1.gguf" --n-cpu-moe 16,24 --all-gpu
 }
 stage_s1more() {  # finer placements around the budget (S1 file from stage s1)
@@ -79,12 +86,24 @@ stage_q4() {
     lbench "S1 Q4_K skewed" llamacpp_s1_q4.json --model "$models/s1_q4.gguf" --n-cpu-moe 0,2 --all-gpu
     rm -f "$models"/s1_q4.gguf
 }
-stage_pack() {
+stage_pack() {  # the binary in parts of < 16 MB (files from $OUT come back up to 16 MiB each)
     [ -x .llamacpp/bin/llama-bench ] || return
-    tar -C .llamacpp -cf - bin COMMIT | xz -T4 -3 >"$OUT/llama-bench.tar.xz"
-    local size; size=$(stat -c %s "$OUT/llama-bench.tar.xz")
-    log "packed llama-bench: $size bytes"
-    if [ "$size" -gt 16000000 ]; then rm -f "$OUT/llama-bench.tar.xz"; log "too large to bring back"; fi
+    tar -C .llamacpp -cf - bin COMMIT | xz -T4 -6 | split -b 15000000 -d - "$OUT/llama-bench.tar.xz.part-"
+    log "packed llama-bench: $(cat "$OUT"/llama-bench.tar.xz.part-* | wc -c) bytes in $(ls "$OUT"/llama-bench.tar.xz.part-* | wc -l) parts"
+    log "next time: copy them to .llamacpp/pack/ and carry .llamacpp/pack instead of building"
+}
+stage_nommap() {  # llama.cpp reading the model into (pinned) buffers instead of mmap: its faster mode
+    [ -f "$models/s1.gguf" ] || { log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; }
+    wait_build || return
+    lbench "S1 bf16 skewed, -lm none" llamacpp_s1_skew_nommap.json --model "$models/s1.gguf" \
+        --n-cpu-moe 16,24,17 --all-gpu "--llama-args=-lm none"
+}
+stage_engine() {  # our engine on the same file under the same budget
+    [ -f "$models/s1.gguf" ] || { log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; }
+    local tl=$(( $(left) - 20 ))
+    log "our engine ($tl s left)"
+    wb run --model "$models/s1.gguf" --budget 12GiB --strategies n-cpu-moe,frequency,balanced --all-gpu \
+        --time-limit "$tl" --json "$OUT/engine_s1_skew.json" | tee -a "$OUT/device.log"
 }
 
 {

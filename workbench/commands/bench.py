@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--dtype", default="bf16", choices=("bf16", "f32"), help="compute dtype (bf16)")
     e.add_argument("--profile", default="bench-h200",
                    help="hardware profile for predictions: preset name or calibration JSON (bench-h200)")
+    e.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="skip placements that would start later than S seconds from now")
     e.add_argument("--json", metavar="FILE")
 
 

@@ -233,9 +233,12 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 
 def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, profile: HardwareProfile,
                    device: str = "cuda", dtype: torch.dtype = torch.bfloat16, prompt: int = 512,
-                   gen: int = 128, repeats: int = 3, all_gpu: bool = False) -> list[EngineRun]:
+                   gen: int = 128, repeats: int = 3, all_gpu: bool = False,
+                   time_limit: float | None = None) -> list[EngineRun]:
     """Plan each strategy under the budget and run it. Routing statistics for the frequency-based
-    planners come from the runs before them (put ``n-cpu-moe`` first): measured, not assumed."""
+    planners come from the runs before them (put ``n-cpu-moe`` first): measured, not assumed.
+    ``time_limit`` (s): strategies that would start later are reported as skipped."""
+    deadline = None if time_limit is None else time.monotonic() + time_limit
     inv = open_model(model)
     spec = inv.spec
     stats = ExpertStats(spec.n_layers, max(1, spec.n_experts), max(1, spec.n_experts_active))
@@ -244,6 +247,9 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
     todo = [("all-gpu", None)] if all_gpu else []
     todo += [(s, budget) for s in strategies]
     for strategy, b in todo:
+        if deadline is not None and time.monotonic() > deadline:
+            runs.append(EngineRun(strategy, strategy, error="skipped: out of time"))
+            continue
         cost = CostModel(inv, profile, stats if stats.tokens > 0 else None)
         planner = Planner(cost, b or Budget((2**62,)), ctx=prompt + gen, prompt_tokens=prompt)
         try:
@@ -300,7 +306,8 @@ def run_command(args) -> int:
     dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
     runs = run_strategies(args.model, [s for s in args.strategies.split(",") if s], budget_bytes=budget,
                           profile=load_profile(args.profile), device=device, dtype=dtype, prompt=args.prompt,
-                          gen=args.gen, repeats=args.repeats, all_gpu=args.all_gpu)
+                          gen=args.gen, repeats=args.repeats, all_gpu=args.all_gpu,
+                          time_limit=args.time_limit)
     rows = run_rows(runs, budget)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "budget_bytes": budget, "device": device,
