@@ -136,8 +136,7 @@ def run(args: argparse.Namespace) -> int:
         raise WorkbenchError(f"--interval must be positive, got {args.interval}")
     cpu = cpu_info()
     monitor = HostMonitor()
-    if args.watch:
-        time.sleep(min(args.interval, 0.2))  # let psutil see some CPU time before the first line
+    time.sleep(0.2)  # CPU load is measured between two readings: give the first one some time
     n = 0
     try:
         while True:

@@ -158,8 +158,10 @@ def pinned_bytes() -> float:
 
 @dataclass(frozen=True)
 class HostSnapshot:
-    """Host memory and load at one moment (bytes; ``cpu_percent`` 0-100 over all logical cores since
-    the previous snapshot; ``ram_limit``: the container's memory limit, NA without one)."""
+    """Host memory and load at one moment, in bytes. ``ram_used`` is ``ram_total - ram_available``
+    (what other programs and this one hold, caches excluded); ``ram_limit``: the container's memory
+    limit, NA without one; ``cpu_percent``: 0-100 over all logical cores since the previous snapshot;
+    ``pinned_bytes``: page-locked memory the engine reports (NA when it reports none)."""
 
     ram_total: float
     ram_used: float
