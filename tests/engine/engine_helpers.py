@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 from pathlib import Path
@@ -14,7 +15,9 @@ from workbench.core.placement import CPU_COMPUTE, CPU_STREAM, ON_GPU0, Placement
 TEST_DEVICE = os.environ.get("WORKBENCH_TEST_DEVICE", "cpu")
 """Accelerator the engine tests use: ``cpu`` in CI, ``cuda`` on a GPU machine."""
 
-TEST_DTYPE = torch.float32 if TEST_DEVICE == "cpu" else torch.bfloat16
+TEST_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}[
+    os.environ.get("WORKBENCH_TEST_DTYPE", "float32" if TEST_DEVICE == "cpu" else "bfloat16")]
+"""float32 on the CPU, bfloat16 on CUDA; ``WORKBENCH_TEST_DTYPE`` overrides."""
 LOGITS_RTOL = 1e-4 if TEST_DTYPE == torch.float32 else 1e-2
 
 
@@ -29,6 +32,16 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max |got - ref| / max |ref|."""
     got, ref = got.float().cpu(), ref.float().cpu()
     return float((got - ref).abs().max() / ref.abs().max())
+
+
+def logits_tolerance(model, ids: list[int], ref: torch.Tensor) -> float:
+    """Allowed ``rel_err`` of the engine's logits against ``ref`` (the fp32 reference): 1e-4 in fp32.
+    In bf16, 1e-2, or 1.5x the error transformers itself makes in bf16 on the same prompt, which is
+    larger when a router near-tie flips an expert choice (2.6% for the tiny qwen3_moe)."""
+    if TEST_DTYPE == torch.float32:
+        return LOGITS_RTOL
+    own = rel_err(reference_logits(copy.deepcopy(model).to(TEST_DTYPE), ids), ref)
+    return max(LOGITS_RTOL, 1.5 * own)
 
 
 def reference_logits(model, ids: list[int]) -> torch.Tensor:

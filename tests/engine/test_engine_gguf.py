@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from tests.engine.engine_helpers import (
-    LOGITS_RTOL,
     TEST_DEVICE,
     TEST_DTYPE,
     greedy_tokens,
+    logits_tolerance,
     open_inventory,
     placements,
     reference_logits,
@@ -37,7 +37,8 @@ QUANT_SIZES = {"hidden_size": 64, "moe_intermediate_size": 32, "intermediate_siz
 
 
 def check(engine: Engine, model) -> None:
-    assert rel_err(engine.forward(torch.tensor(PROMPT), 0), reference_logits(model, PROMPT)) < LOGITS_RTOL
+    ref = reference_logits(model, PROMPT)
+    assert rel_err(engine.forward(torch.tensor(PROMPT), 0), ref) < logits_tolerance(model, PROMPT, ref)
     tokens = greedy_tokens(engine, PROMPT, N_NEW)
     if TEST_DTYPE == torch.float32:
         assert tokens == reference_tokens(model, PROMPT, N_NEW)

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from tests.engine.engine_helpers import (
-    LOGITS_RTOL,
     TEST_DEVICE,
     TEST_DTYPE,
     greedy_tokens,
@@ -36,7 +35,8 @@ def qwen3(tiny_model_dir, tiny_hf_model):
 
 def load(inv, placement=None, **kw):
     kw.setdefault("max_context", 64)
-    return Engine.load(inv, placement, device=TEST_DEVICE, dtype=TEST_DTYPE, **kw)
+    kw.setdefault("dtype", TEST_DTYPE)
+    return Engine.load(inv, placement, device=TEST_DEVICE, **kw)
 
 
 # -- routing statistics --------------------------------------------------------------------------
@@ -46,7 +46,7 @@ def test_routing_counts_equal_transformers_router_choices(qwen3):
     with torch.no_grad():
         out = model(torch.tensor([PROMPT]), output_router_logits=True)
     cfg = model.config
-    engine = load(inv, placements(inv)["mixed"])
+    engine = load(inv, placements(inv)["mixed"], dtype=torch.float32)  # exact choices need float32
     engine.forward(torch.tensor(PROMPT), 0)
     counts = engine.routing_counts()
     assert counts.dtype == np.int64 and counts.shape == (cfg.num_hidden_layers, cfg.num_experts)
@@ -81,7 +81,7 @@ def test_routing_counts_export_as_expert_stats(qwen3):
 def test_apply_placement_moves_experts_and_keeps_results(qwen3):
     model, inv = qwen3
     ref = reference_logits(model, PROMPT)
-    engine = load(inv)
+    engine = load(inv, dtype=torch.float32)  # the same tokens on every tier needs float32
     tokens = greedy_tokens(engine, PROMPT, 8)
     resident = engine.memory_report()
     assert resident["cpu"] == 0
@@ -90,7 +90,7 @@ def test_apply_placement_moves_experts_and_keeps_results(qwen3):
     assert engine.placement == mixed
     moved = engine.memory_report()
     assert moved["cpu"] > 0 and moved["gpu:0"] < resident["gpu:0"]
-    assert rel_err(engine.forward(torch.tensor(PROMPT), 0), ref) < LOGITS_RTOL
+    assert rel_err(engine.forward(torch.tensor(PROMPT), 0), ref) < 1e-4
     assert greedy_tokens(engine, PROMPT, 8) == tokens
     engine.apply_placement(Placement())
     assert engine.memory_report() == resident
@@ -157,12 +157,18 @@ def test_placement_over_the_vram_budget_is_refused_with_the_numbers(qwen3, no_al
 
 def test_moving_experts_to_the_cpu_makes_a_placement_fit(qwen3):
     _, inv = qwen3
-    with pytest.raises(PlacementError):
-        load(inv, vram_budget=200_000)
     p = Placement()
     p.move(inv.expert_keys(), CPU_COMPUTE)
-    engine = load(inv, p, vram_budget=200_000)
-    assert engine.memory_report()["gpu:0"] <= 200_000
+    engine = load(inv, p)
+    small = engine.predicted["accelerator"]
+    engine.close()
+    engine = load(inv)
+    budget = (small + engine.predicted["accelerator"]) // 2
+    engine.close()
+    with pytest.raises(PlacementError):
+        load(inv, vram_budget=budget)
+    engine = load(inv, p, vram_budget=budget)
+    assert engine.memory_report()["gpu:0"] <= budget
     engine.close()
 
 
