@@ -158,3 +158,50 @@ def test_not_a_model_file(tmp_path):
     p = tmp_path / "notes.txt"
     p.write_text("hello")
     _assert_clean_error(_inspect(p), "neither")
+
+
+# -- fuzzing: any corruption is a ModelFormatError, never another exception -------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_gguf_header(tmp_path, tiny_gguf, data):
+    from workbench.core.readers.gguf import read_gguf_header
+
+    raw = bytearray(tiny_gguf("qwen3_moe", "Q8_0").read_bytes())
+    cut = data.draw(st.integers(0, len(raw)))
+    edits = data.draw(st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 255)), max_size=6))
+    for pos, value in edits:
+        raw[pos] = value
+    path = tmp_path / "f.gguf"
+    path.write_bytes(bytes(raw[:cut]))
+    try:
+        read_gguf_header(path)
+    except ModelFormatError:
+        pass
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_configs(tiny_model_dir, tiny_gguf, data):
+    from workbench.core.readers.gguf import read_gguf
+    from workbench.core.readers.gguf_config import config_from_gguf
+    from workbench.core.readers.hf_config import spec_from_config
+
+    model_type = data.draw(st.sampled_from(["qwen2_moe", "deepseek_v3", "llama4_text", "gpt_oss"]))
+    config = json.loads((tiny_model_dir(model_type) / "config.json").read_text())
+    meta, tensors, _ = read_gguf(tiny_gguf(model_type, "F32"))
+    junk = st.sampled_from([None, "x", [], {}, -1, 0, 1.5, True, [1, 2]])
+    for _ in range(3):
+        config[data.draw(st.sampled_from(sorted(config)))] = data.draw(junk)
+        meta[data.draw(st.sampled_from(sorted(meta)))] = data.draw(junk)
+    for build in (lambda: spec_from_config(config), lambda: spec_from_config(config_from_gguf(meta, tensors))):
+        try:
+            build()
+        except ModelFormatError:
+            pass

@@ -34,22 +34,30 @@ def _max_int(v) -> int:
 
 
 def config_from_gguf(meta: dict, tensors: dict[str, TensorInfo]) -> dict:
-    """An HF ``config.json``-like dict for a GGUF file's metadata and tensors."""
+    """An HF ``config.json``-like dict for a GGUF file's metadata and tensors. Missing or ill-typed
+    keys are a ModelFormatError."""
     arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHES:
+    if not isinstance(arch, str) or arch not in GGUF_ARCHES:
         raise ModelFormatError(
             f"unknown GGUF architecture {arch!r}: supported are {', '.join(GGUF_ARCHES)}"
         )
+    try:
+        return _config(meta, tensors, arch)
+    except ModelFormatError:
+        raise
+    except (TypeError, ValueError, KeyError, ZeroDivisionError, AttributeError, OverflowError) as e:
+        raise ModelFormatError(f"GGUF metadata of this {arch} model has a missing or invalid value ({e})") from None
 
+
+def _config(meta: dict, tensors: dict[str, TensorInfo], arch: str) -> dict:
     def get(key: str, default=None):
         return meta.get(f"{arch}.{key}", default)
 
-    try:
-        n_layers = int(get("block_count"))
-        hidden = int(get("embedding_length"))
-        n_heads = _max_int(get("attention.head_count"))
-    except TypeError:
-        raise ModelFormatError(f"GGUF ({arch}) lacks block_count, embedding_length or attention.head_count") from None
+    if get("block_count") is None or get("embedding_length") is None or get("attention.head_count") is None:
+        raise ModelFormatError(f"GGUF ({arch}) lacks block_count, embedding_length or attention.head_count")
+    n_layers = int(get("block_count"))
+    hidden = int(get("embedding_length"))
+    n_heads = _max_int(get("attention.head_count"))
     n_kv = _max_int(get("attention.head_count_kv", n_heads))
     n_experts = int(get("expert_count", 0) or 0)
     model_type = GGUF_ARCHES[arch]

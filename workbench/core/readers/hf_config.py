@@ -32,6 +32,8 @@ def text_config(config: dict) -> dict:
 def family_of(config: dict) -> str:
     """Workbench family of an HF config; an unknown ``model_type`` is a ModelFormatError naming it."""
     model_type = text_config(config).get("model_type")
+    if not isinstance(model_type, str):
+        model_type = repr(model_type)
     if model_type in MODEL_TYPES:
         return MODEL_TYPES[model_type]
     if model_type in DENSE_MODEL_TYPES:
@@ -84,17 +86,33 @@ def _layer_window(c: dict, n_layers: int) -> tuple[int | None, ...]:
     return (None,) * n_layers
 
 
+_BAD_VALUE = (TypeError, ValueError, KeyError, ZeroDivisionError, AttributeError, OverflowError)
+
+
 def spec_from_config(config: dict) -> ModelSpec:
-    """The ModelSpec of an HF config dict (every family of ``MODEL_TYPES`` and the dense types)."""
+    """The ModelSpec of an HF config dict (every family of ``MODEL_TYPES`` and the dense types).
+    Missing or ill-typed values are a ModelFormatError."""
     family = family_of(config)
-    c = text_config(config)
     try:
-        n_layers = int(c["num_hidden_layers"])
-        hidden = int(c["hidden_size"])
-        n_heads = int(c["num_attention_heads"])
-        vocab = int(c["vocab_size"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelFormatError(f"config.json lacks a usable {e} entry") from None
+        spec = _spec(config, family)
+    except ModelFormatError:
+        raise
+    except _BAD_VALUE as e:
+        raise ModelFormatError(f"config.json of this {family} model has a missing or invalid value ({e})") from None
+    for name in ("n_layers", "hidden_size", "vocab_size", "n_heads", "n_kv_heads", "head_dim"):
+        if not 0 < getattr(spec, name) < 1 << 24:
+            raise ModelFormatError(f"config.json gives {name} = {getattr(spec, name)}, which no model has")
+    if spec.is_moe and not 0 < spec.n_experts_active <= spec.n_experts:
+        raise ModelFormatError(f"config.json: {spec.n_experts_active} active experts of {spec.n_experts}")
+    return spec
+
+
+def _spec(config: dict, family: str) -> ModelSpec:
+    c = text_config(config)
+    n_layers = int(c["num_hidden_layers"])
+    hidden = int(c["hidden_size"])
+    n_heads = int(c["num_attention_heads"])
+    vocab = int(c["vocab_size"])
     n_kv = int(_first(c, "num_key_value_heads", default=n_heads))
     head_dim = int(_first(c, "head_dim", default=hidden // n_heads))
     n_experts = int(_first(c, "num_experts", "num_local_experts", "n_routed_experts", default=0))
