@@ -243,6 +243,8 @@ class Engine:
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise WorkbenchError(f"token ids must be in 0..{self.vocab_size - 1}")
         with self._lock:
+            if not hasattr(self, "layers"):
+                raise WorkbenchError("the engine was closed")
             ids = ids.to(self.device)
             pos = torch.arange(start_pos, start_pos + T, device=self.device)
             x = F.embedding(ids, self.embed)
