@@ -122,6 +122,8 @@ def test_sharded_safetensors_equal_single(tiny_model_dir, tiny_hf_model, tmp_pat
     assert {n: (t.shape, t.dtype) for n, t in sharded.tensors.items()} == {
         n: (t.shape, t.dtype) for n, t in single.tensors.items()}
     assert sharded.fingerprint == single.fingerprint
+    for entry in ("model.safetensors.index.json", "config.json", sorted(tmp_path.glob("*.safetensors"))[1].name):
+        assert open_model(tmp_path / entry).fingerprint == single.fingerprint  # any file of the folder opens it
 
 
 def test_split_gguf_equal_single(tiny_model_dir, tmp_path):

@@ -34,7 +34,7 @@ def open_model(path: str | Path) -> Inventory:
         raise ModelFormatError(f"{path} does not exist")
     if path.is_dir():
         return read_hf_folder(path)
-    if path.name == "config.json":
+    if path.name == "config.json" or path.name.endswith(".safetensors.index.json"):
         return read_hf_folder(path.parent)
     if path.suffix.lower() == ".gguf":
         return read_gguf_model(path)
