@@ -60,14 +60,15 @@ def case(request, tiny_model_dir, tiny_hf_model):
 
 def assert_greedy_like_reference(case: Case, tokens: list[int]) -> None:
     """fp32: the tokens equal transformers'. bf16: every chosen token is transformers' top token or
-    within a near-tie of it (checked by running transformers on the engine's own continuation)."""
+    within twice the logit tolerance of it (checked by running transformers on the engine's own
+    continuation), since a near-tie may go the other way in bf16."""
     if TEST_DTYPE == torch.float32:
         assert tokens == case.tokens
         return
     ref = reference_logits(case.model, PROMPT + tokens)[len(PROMPT) - 1:-1]  # [N_NEW, V]
     chosen = ref.gather(1, torch.tensor(tokens)[:, None])[:, 0]
     gap = (ref.max(dim=1).values - chosen) / ref.abs().max()
-    assert float(gap.max()) < 2e-2, f"token chosen {float(gap.max()):.3f} below the reference's best"
+    assert float(gap.max()) < 2 * case.tolerance, f"a token {float(gap.max()):.3f} below the reference's best"
 
 
 @pytest.mark.parametrize("placement", ["resident", "compute", "stream", "mixed"])
