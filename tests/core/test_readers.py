@@ -212,3 +212,28 @@ def test_every_metadata_value_type(tmp_path):
     assert meta["t.bools"] == [True, False, True] and meta["t.nested"] == [[1, 2], [3, 4, 5]]
     strs = meta["t.strs"]
     assert isinstance(strs, GGUFStringArray) and len(strs) == 1000 and strs[999] == "s999" and list(strs)[:2] == ["s0", "s1"]
+
+
+def test_mxfp4_safetensors_count_parameters(tmp_path, tiny_model_dir):
+    """gpt-oss checkpoints store experts as MXFP4 bytes (``*_blocks`` U8 [E, R, G, 16] + ``*_scales``
+    U8 [E, R, G]): parameters are counted from the blocks (32 per block), not from the bytes."""
+    from safetensors.numpy import load_file, save_file
+
+    src = tiny_model_dir("gpt_oss", intermediate_size=32)  # whole blocks of 32 on both projections
+    tensors = load_file(src / "model.safetensors")
+    rng = np.random.default_rng(0)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k, r = tensors.pop(name).shape  # [E, in, out] -> blocks over the input dimension
+        tensors[name + "_blocks"] = rng.integers(0, 256, (e, r, k // 32, 16), dtype=np.uint8)
+        tensors[name + "_scales"] = rng.integers(118, 130, (e, r, k // 32), dtype=np.uint8)
+    folder = tmp_path / "mxfp4"
+    folder.mkdir()
+    (folder / "config.json").write_text((src / "config.json").read_text())
+    save_file(tensors, folder / "model.safetensors")
+    inv, ref = open_model(folder), open_model(src)
+    assert inv.params_total == ref.params_total
+    expert_bytes = [sum(i.units[k].nbytes for k in i.expert_keys()) for i in (inv, ref)]
+    assert expert_bytes[0] < 0.3 * expert_bytes[1]  # 4.25 bits instead of 32 (biases stay F32)
+    for key in inv.expert_keys():
+        assert inv.units[key].n_params == ref.units[key].n_params
+    _check_units(inv)

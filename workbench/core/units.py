@@ -59,6 +59,9 @@ class TensorInfo:
     GGUF tensor it is the reverse of ggml's ``ne``. ``dtype`` is the file's type name
     (safetensors: ``BF16``, ``F32``...; GGUF: ``F16``, ``Q8_0``, ``Q4_K``, ``MXFP4``...).
     ``offset`` is the absolute byte offset of the data in ``file``; ``nbytes`` its exact size.
+    ``params``, when set, overrides the parameter count the shape implies: packed weights stored
+    as bytes (safetensors MXFP4 ``*_blocks``: 32 parameters per 16-byte block) and scale
+    tensors (``*_scales``, ``weight_scale_inv``: 0 parameters).
     """
 
     name: str
@@ -67,9 +70,12 @@ class TensorInfo:
     nbytes: int
     file: Path
     offset: int
+    params: int | None = None
 
     @property
     def n_params(self) -> int:
+        if self.params is not None:
+            return self.params
         n = 1
         for d in self.shape:
             n *= d

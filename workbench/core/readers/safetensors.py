@@ -79,8 +79,21 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
                 f"{path.name} is truncated: tensor {name!r} ends at byte {data_start + end}, "
                 f"the file has {size}"
             )
-        out[name] = TensorInfo(name, shape, dtype, end - begin, path, data_start + begin)
+        out[name] = TensorInfo(name, shape, dtype, end - begin, path, data_start + begin, _packed_params(name, dtype, shape))
     return out
+
+
+def _packed_params(name: str, dtype: str, shape: tuple[int, ...]) -> int | None:
+    """Parameters of tensors whose shape does not count them: MXFP4 blocks (U8, 16 bytes = 32 values
+    per block, gpt-oss) hold 2 per byte; block scales (``*_scales``, FP8 ``weight_scale_inv``) none."""
+    if name.endswith("_blocks") and dtype == "U8" and shape and shape[-1] == 16:
+        n = 32
+        for d in shape[:-1]:
+            n *= d
+        return n
+    if (name.endswith("_scales") and dtype in ("U8", "F8_E8M0")) or name.endswith(("weight_scale_inv", ".weight_scale")):
+        return 0
+    return None
 
 
 def safetensors_files(folder: Path) -> list[Path]:
