@@ -64,7 +64,7 @@ stage_s1more() {  # finer placements around the budget (S1 file from stage s1)
     lbench "S1 bf16 skewed, around the budget" llamacpp_s1_skew_more.json --model "$models/s1.gguf" --n-cpu-moe 15,17,14 --ot-around 16
 }
 stage_cpu() {
-    log "CPU formats"; wb cpu-formats --shape s1 --threads 16 --experts 128 --json "$OUT/cpu_formats.json" | tee -a "$OUT/device.log"
+    log "CPU formats"; wb cpu-formats --shape s1 --threads 16 --experts 128 --pool 1,2,4,8 --json "$OUT/cpu_formats.json" | tee -a "$OUT/device.log"
 }
 stage_uniform() {
     [ -f "$models/s1.gguf" ] || { log "writing S1 uniform"; wb write -o "$models/s1.gguf" --shape s1 $layers --uniform; }

@@ -67,10 +67,12 @@ def test_write_and_cpu_formats_commands(tmp_path, capsys):
     assert out.stat().st_size > 0 and "top 10% experts serve" in capsys.readouterr().out
     assert main(["bench", "reskew", str(out), "--uniform"]) == 0
     js = tmp_path / "cf.json"
-    assert main(["bench", "cpu-formats", "--shape", "tiny", "--formats", "int8,bf16", "--experts", "2", "--threads", "1",
-                 "--json", str(js)]) == 0
+    assert main(["bench", "cpu-formats", "--shape", "tiny", "--formats", "int8,bf16", "--experts", "8",
+                 "--threads", "2", "--pool", "1,2", "--json", str(js)]) == 0
     rows = json.loads(js.read_text())["rows"]
-    assert [r["format"] for r in rows] == ["int8", "int8", "bf16", "bf16"] and all(r["gbps"] > 0 for r in rows)
+    assert [r["format"] for r in rows] == ["int8"] * 4 + ["bf16"] * 4 and all(r["gbps"] > 0 for r in rows)
+    assert rows[3]["matrix"] == "4 experts, 2 x 1 threads"
+    assert torch.get_num_threads() == 2
 
 
 def test_peak_sampler_sees_host_memory_grow():

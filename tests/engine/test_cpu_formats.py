@@ -141,3 +141,21 @@ def test_throughput_reports_bytes_and_time():
     r = ce.throughput("int8", 64, 128, n_mats=4, repeats=2)
     assert r["bytes_per_matrix"] == 64 * 128 + 64 * 2
     assert r["us_per_matrix"] > 0 and r["gbps"] > 0 and len(r["spread_us"]) == 2
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_expert_pool_equals_the_weighted_sum(workers):
+    g = torch.Generator().manual_seed(8)
+    h, i = 64, 32
+    experts = [ce.ExpertFFN.from_float(*(torch.randn(s, generator=g) * 0.1 for s in ((i, h), (i, h), (h, i))), "int8")
+               for _ in range(5)]
+    x = torch.randn(1, h, generator=g)
+    w = torch.rand(5, generator=g)
+    ref = sum(w[j] * experts[j](x).float() for j in range(5))
+    before = torch.get_num_threads()
+    with ce.ExpertPool(workers, 1) as pool:
+        torch.testing.assert_close(pool(experts, x, w), ref, rtol=1e-5, atol=1e-6)
+        assert pool([], x).abs().sum() == 0
+    assert torch.get_num_threads() == before
+    with pytest.raises(WorkbenchError, match="at least one worker"):
+        ce.ExpertPool(0)

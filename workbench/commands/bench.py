@@ -68,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     c.add_argument("--experts", type=int, default=128, help="distinct experts cycled through (128)")
     c.add_argument("--tokens", type=int, default=1)
+    c.add_argument("--pool", default="", metavar="LIST",
+                   help="also time a layer's selected experts with ExpertPool workers, e.g. 1,2,4,8")
     c.add_argument("--json", metavar="FILE")
 
     e = sub.add_parser("run", help="run our engine over placements")
@@ -174,8 +176,12 @@ def _cpu_formats(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     s = synth.shape(args.shape, args.layers)
+    try:
+        pool = tuple(int(w) for w in args.pool.split(",") if w.strip())
+    except ValueError as e:
+        raise WorkbenchError(f"--pool takes comma-separated worker counts, not {args.pool!r}") from e
     rows = cpu_format_table(s.hidden, s.expert_ffn, args.formats.split(","), n_experts=args.experts,
-                            tokens=args.tokens)
+                            tokens=args.tokens, selected=s.n_active, pool_workers=pool)
     _write_json(args.json, {"shape": s.name, "threads": torch.get_num_threads(), "rows": rows})
     print(markdown_table(rows, [("format", "format"), ("matrix", "matrix"), ("µs", "us_per_matrix"),
                                 ("GB/s of weight bytes", "gbps"), ("bf16-equivalent GB/s", "bf16_equiv_gbps")]))

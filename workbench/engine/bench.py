@@ -63,9 +63,43 @@ def expert_throughput(fmt: str, hidden: int, inter: int, *, n_experts: int = 64,
             "spread_us": [r * 1e6 for r in runs]}
 
 
+def layer_throughput(fmt: str, hidden: int, inter: int, *, selected: int = 8, workers: int = 1,
+                     threads_per_worker: int | None = None, n_experts: int = 64, repeats: int = 3,
+                     seed: int = 0) -> dict:
+    """Time one token through ``selected`` CPU experts of a layer with an :class:`ExpertPool`
+    (``workers`` experts at once), cycling through ``n_experts`` so RAM feeds them. Returns µs per
+    layer-token and GB/s of expert weight bytes."""
+    g = torch.Generator().manual_seed(seed)
+    gate, up = (torch.randn(inter, hidden, generator=g) * 0.02 for _ in range(2))
+    down = torch.randn(hidden, inter, generator=g) * 0.02
+    experts = [cf.ExpertFFN.from_float(gate.roll(i, 1), up.roll(i, 1), down.roll(i, 1), fmt)
+               for i in range(n_experts)]
+    pool = cf.ExpertPool(workers, threads_per_worker)
+    x = torch.randn(1, hidden, generator=g)
+    w = torch.full((selected,), 1.0 / selected)
+    groups = [experts[i:i + selected] for i in range(0, n_experts - selected + 1, selected)]
+    try:
+        pool(groups[0], x, w)
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for grp in groups:
+                pool(grp, x, w)
+            runs.append((time.perf_counter() - t0) / len(groups))
+    finally:
+        pool.close()
+    t = float(np.median(runs))
+    nbytes = selected * experts[0].nbytes
+    return {"format": fmt, "matrix": f"{selected} experts, {workers} x {pool.threads} threads",
+            "tokens": 1, "threads": workers * pool.threads, "us_per_matrix": t * 1e6,
+            "bytes_per_matrix": nbytes, "gbps": nbytes / t / 1e9,
+            "bf16_equiv_gbps": selected * 3 * hidden * inter * 2 / t / 1e9, "spread_us": [r * 1e6 for r in runs]}
+
+
 def cpu_format_table(hidden: int, inter: int, formats: list[str], *, n_experts: int = 128,
-                     tokens: int = 1) -> list[dict]:
-    """Per format: the fused gate_up matrix [2I, H] alone and the whole expert, batch ``tokens``."""
+                     tokens: int = 1, selected: int = 8, pool_workers: tuple[int, ...] = ()) -> list[dict]:
+    """Per format: the fused gate_up matrix [2I, H] alone, the whole expert (batch ``tokens``), and
+    for each count in ``pool_workers`` a layer's ``selected`` experts through an ExpertPool."""
     rows = []
     for fmt in formats:
         if fmt not in cf.available_formats(2 * inter, hidden):
@@ -75,6 +109,11 @@ def cpu_format_table(hidden: int, inter: int, formats: list[str], *, n_experts: 
         r["matrix"] = f"gate_up [{2 * inter}, {hidden}]"
         rows.append(r)
         rows.append(expert_throughput(fmt, hidden, inter, n_experts=n_experts, tokens=tokens))
+        threads = torch.get_num_threads()
+        for workers in pool_workers:
+            if workers <= threads and threads % workers == 0:
+                rows.append(layer_throughput(fmt, hidden, inter, selected=selected, workers=workers,
+                                             threads_per_worker=threads // workers, n_experts=n_experts))
         log.info("%s: %.1f GB/s", fmt, r["gbps"])
     return rows
 

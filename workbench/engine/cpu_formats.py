@@ -275,3 +275,63 @@ def throughput(fmt: str, n: int, k: int, *, n_mats: int = 64, tokens: int = 1, r
         "gbps": mats[0].nbytes / t / 1e9, "bf16_equiv_gbps": n * k * 2 / t / 1e9,
         "spread_us": [r * 1e6 for r in runs],
     }
+
+
+class ExpertPool:
+    """Computes a token's selected CPU experts of one layer, several at a time.
+
+    With 16 threads on one GEMV, a small matrix pays the thread fork/join of every op (a whole S1
+    expert costs ~2x what its bytes say). The pool runs ``workers`` experts at once, each on its own
+    thread, and sets PyTorch's intra-op thread count (global to the process) to
+    ``threads_per_worker`` while it is open, so each op wakes fewer threads and each thread reads
+    more bytes. ``close()`` restores the previous count. ``workers=1`` is the plain loop.
+    """
+
+    def __init__(self, workers: int = 1, threads_per_worker: int | None = None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        if workers < 1:
+            raise WorkbenchError(f"an expert pool needs at least one worker, not {workers}")
+        self.workers = workers
+        self._saved = torch.get_num_threads()
+        self.threads = threads_per_worker or max(1, self._saved // workers)
+        torch.set_num_threads(self.threads)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="cpu-expert") if workers > 1 else None
+
+    @staticmethod
+    def _run(experts: list[ExpertFFN], x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        out = None
+        for i, e in enumerate(experts):
+            y = e(x).float()
+            if weights is not None:
+                y = y * weights[i]
+            out = y if out is None else out + y
+        return out
+
+    def __call__(self, experts: list[ExpertFFN], x: torch.Tensor,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``sum_i weights[i] * experts[i](x)``: ``x`` [M, H], ``weights`` [n] (None: all 1) ->
+        [M, H] float32."""
+        if not experts:
+            return torch.zeros(x.shape, dtype=torch.float32)
+        if self._pool is None or len(experts) == 1:
+            return self._run(experts, x, weights)
+        chunks = [list(range(i, len(experts), self.workers)) for i in range(min(self.workers, len(experts)))]
+        futs = [self._pool.submit(self._run, [experts[j] for j in c], x,
+                                  None if weights is None else weights[c]) for c in chunks]
+        out = futs[0].result()
+        for f in futs[1:]:
+            out = out + f.result()
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        torch.set_num_threads(self._saved)
+
+    def __enter__(self) -> ExpertPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
