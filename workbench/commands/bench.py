@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e = sub.add_parser("run", help="run our engine over placements")
     e.add_argument("--model", required=True, help="GGUF file (a synthetic one: `workbench bench write`)")
     e.add_argument("--budget", default="12GiB")
+    e.add_argument("--margin", default="0", metavar="SIZE",
+                   help="VRAM the planner keeps free under the budget (the budget check itself uses the "
+                        "measured NVML peak against --budget)")
     e.add_argument("--strategies", default="n-cpu-moe,frequency,balanced",
                    help="comma-separated placement strategies of the planner")
     e.add_argument("--all-gpu", action="store_true", help="also run everything on the GPU")

@@ -273,15 +273,17 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, profile: HardwareProfile,
                    device: str = "cuda", dtype: torch.dtype = torch.bfloat16, prompt: int = 512,
                    gen: int = 128, repeats: int = 3, all_gpu: bool = False,
-                   time_limit: float | None = None) -> list[EngineRun]:
+                   time_limit: float | None = None, margin_bytes: int = 0) -> list[EngineRun]:
     """Plan each strategy under the budget and run it. Routing statistics for the frequency-based
     planners come from the runs before them (put ``n-cpu-moe`` first): measured, not assumed.
-    ``time_limit`` (s): strategies that would start later are reported as skipped."""
+    ``time_limit`` (s): strategies that would start later are reported as skipped. ``margin_bytes``:
+    VRAM the planner leaves free under ``budget_bytes`` (what the engine and CUDA add beyond the
+    planner's estimate); the runs are still judged against ``budget_bytes``."""
     deadline = None if time_limit is None else time.monotonic() + time_limit
     inv = open_model(model)
     spec = inv.spec
     stats = ExpertStats(spec.n_layers, max(1, spec.n_experts), max(1, spec.n_experts_active))
-    budget = Budget((budget_bytes,))
+    budget = Budget((budget_bytes,), margin=margin_bytes)
     runs = []
     todo = [("all-gpu", None)] if all_gpu else []
     todo += [(s, budget) for s in strategies]
@@ -346,7 +348,7 @@ def run_command(args) -> int:
     runs = run_strategies(args.model, [s for s in args.strategies.split(",") if s], budget_bytes=budget,
                           profile=load_profile(args.profile), device=device, dtype=dtype, prompt=args.prompt,
                           gen=args.gen, repeats=args.repeats, all_gpu=args.all_gpu,
-                          time_limit=args.time_limit)
+                          time_limit=args.time_limit, margin_bytes=parse_size(args.margin))
     rows = run_rows(runs, budget)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "budget_bytes": budget, "device": device,
