@@ -247,3 +247,30 @@ def test_prompt_longer_than_the_context_is_a_clear_error(qwen3):
     with pytest.raises(WorkbenchError, match="token ids"):
         engine.forward(torch.tensor([1, 500]), 0)
     engine.close()
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu" or TEST_DTYPE != torch.float32, reason="zero-copy needs the file's dtype and device")
+def test_weights_in_the_files_dtype_are_views_of_the_mapped_file(qwen3):
+    """fp32 safetensors on a CPU accelerator: non-expert weights are the mmap'd file pages, not copies."""
+    _, inv = qwen3
+    engine = load(inv)
+    (mapping,) = engine._reader._maps.values()
+    start = mapping.ctypes.data
+    for t in (engine.embed, engine.norm, engine.layers[0].attn.w["q"]):
+        assert start <= t.data_ptr() < start + mapping.nbytes
+    engine.close()
+
+
+def test_truncated_weights_file_is_a_clear_error(qwen3, tmp_path):
+    import shutil
+
+    from workbench.core.errors import ModelFormatError
+
+    _, inv = qwen3
+    folder = tmp_path / "cut"
+    shutil.copytree(inv.path, folder)
+    cut = open_inventory(folder)
+    weights = next(folder.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelFormatError, match="truncated"):
+        load(cut)

@@ -123,11 +123,14 @@ class Engine:
                 f"out of memory on {device} while loading {loader.unit}; freed everything loaded so far "
                 f"(try a placement with fewer units on the accelerator or a shorter context): {str(exc)[:160]}"
             )
-        except LoadCancelled as exc:
+        except WorkbenchError as exc:  # cancelled, or a file that does not hold what its header says
             failure = exc
+        except BaseException:
+            self._free()
+            raise
         if failure is not None:  # outside the except block: no traceback keeps tensors alive
             self._free()
-            raise failure
+            raise failure.with_traceback(None)
         self.placement = placement.copy()
         log.info("loaded %s on %s: %s", inventory.path.name, device, self.memory_report())
         return self
