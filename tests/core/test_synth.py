@@ -80,6 +80,22 @@ def _route_shape(path, s, layer, n_tokens=4000):
     return np.bincount(top.ravel(), minlength=s.n_experts)
 
 
+def test_per_layer_coverage(tmp_path):
+    big = replace(TINY, n_experts=40, n_active=4)
+    path = tmp_path / "m.gguf"
+    info = synth.write_gguf(path, big, coverage_target=[0.7, None])
+    assert info.betas[0] > 0 and info.betas[1] == 0
+    assert synth.coverage(_route_shape(path, big, 0)) == pytest.approx(0.7, abs=0.06)
+    assert synth.coverage(_route_shape(path, big, 1)) < 0.2
+    meta = GGUFReader(path).fields
+    assert meta["workbench.synth.coverage_targets"].contents() == pytest.approx([0.7, -1.0])
+    synth.rewrite_routers(path, coverage_target=[None, 0.5])
+    assert GGUFReader(path).fields["workbench.synth.coverage_targets"].contents() == pytest.approx([-1.0, 0.5])
+    assert synth.coverage(_route_shape(path, big, 1)) == pytest.approx(0.5, abs=0.06)
+    with pytest.raises(WorkbenchError, match="per-layer coverages"):
+        synth.write_gguf(path, big, coverage_target=[0.5])
+
+
 def test_coverage_and_calibration():
     assert synth.coverage(np.array([[10, 0, 0, 0, 0, 0, 0, 0, 0, 10]]))[0] == pytest.approx(0.5)
     assert synth.coverage(np.ones(10)) == pytest.approx(0.1)

@@ -31,15 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w = sub.add_parser("write", help="write a synthetic model as GGUF")
     w.add_argument("-o", "--output", required=True, help="GGUF file to write")
     _shape_args(w)
-    w.add_argument("--coverage", type=float, default=0.5,
-                   help="share of each layer's selections served by its top 10%% experts (0.5)")
+    w.add_argument("--coverage", default="0.5", metavar="C[,C...]",
+                   help="share of each layer's selections served by its top 10%% experts (0.5), "
+                        "or one value per layer")
     w.add_argument("--uniform", action="store_true", help="uniform routing (no skew)")
     w.add_argument("--weights", default="bf16", choices=synth.WEIGHT_TYPES, help="weight format (bf16)")
     w.add_argument("--seed", type=int, default=0)
 
     r = sub.add_parser("reskew", help="give a synthetic file new router weights in place")
     r.add_argument("path")
-    r.add_argument("--coverage", type=float, default=0.5)
+    r.add_argument("--coverage", default="0.5", metavar="C[,C...]")
     r.add_argument("--uniform", action="store_true")
 
     ll = sub.add_parser("llamacpp", help="run llama-bench over placements")
@@ -108,8 +109,8 @@ def run(args: argparse.Namespace) -> int:
     if cmd == "write":
         return _write(args)
     if cmd == "reskew":
-        beta = synth.rewrite_routers(args.path, coverage_target=None if args.uniform else args.coverage)
-        print(f"{args.path}: routers rewritten (beta {beta:.3f})")
+        betas = synth.rewrite_routers(args.path, coverage_target=None if args.uniform else _coverage(args.coverage))
+        print(f"{args.path}: routers rewritten (beta {min(betas):.3f}..{max(betas):.3f})")
         return 0
     if cmd == "llamacpp":
         return _llamacpp(args)
@@ -120,9 +121,20 @@ def run(args: argparse.Namespace) -> int:
     return bench.run_command(args)
 
 
+def _coverage(text: str) -> float | list[float]:
+    try:
+        vals = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise WorkbenchError(f"--coverage takes a number or comma-separated numbers, not {text!r}") from e
+    if not vals:
+        raise WorkbenchError("--coverage needs a value")
+    return vals[0] if len(vals) == 1 else vals
+
+
 def _write(args) -> int:
     s = synth.shape(args.shape, args.layers)
-    info = synth.write_gguf(args.output, s, coverage_target=None if args.uniform else args.coverage,
+    cov = None if args.uniform else _coverage(args.coverage)
+    info = synth.write_gguf(args.output, s, coverage_target=cov,
                             wtype=args.weights, seed=args.seed)
     skew = "uniform" if info.coverage_target is None else f"top 10% experts serve {info.design_coverage:.0%}"
     print(f"wrote {info.path}: {s.name}, {s.n_layers} layers, {info.wtype}, {bytes2human(info.nbytes)} "

@@ -12,7 +12,8 @@ Routing skew is built into the router weights. Every token embedding is ``alpha*
 ``(beta*z[rank]/m)*u + g_e`` with ``g_e`` random and orthogonal to ``u``, so the router logits are
 ``beta*z[rank_l(e)] + N(0, 1)`` per token: ``z`` decays with an expert's rank (a different random
 ranking per layer), and ``beta`` is calibrated so that the top ``hot_fraction`` of a layer's
-experts serve ``coverage`` of its selections. ``coverage=None`` gives uniform routing (beta = 0).
+experts serve ``coverage`` of its selections. ``coverage=None`` gives uniform routing (beta = 0);
+a list gives each layer its own coverage (None entries: uniform layers).
 Branch outputs (attention output and expert down projections) are kept small so the residual
 stream keeps its component along ``u`` through all layers.
 """
@@ -146,6 +147,35 @@ def calibrate_beta(target: float, n_experts: int, n_active: int, hot_fraction: f
         else:
             hi = mid
     return 0.5 * (lo + hi)
+
+
+def layer_betas(s: SynthShape, coverage_target) -> np.ndarray:
+    """[L] bias scales for ``coverage_target``: None, one coverage for every layer, or one per layer."""
+    if coverage_target is None or np.isscalar(coverage_target):
+        targets = [coverage_target] * s.n_layers
+    else:
+        targets = list(coverage_target)
+        if len(targets) != s.n_layers:
+            raise WorkbenchError(f"{len(targets)} per-layer coverages given for {s.n_layers} layers")
+    cache: dict[float, float] = {}
+    out = np.zeros(s.n_layers)
+    for layer, t in enumerate(targets):
+        if t is None:
+            continue
+        if t not in cache:
+            cache[t] = calibrate_beta(float(t), s.n_experts, s.n_active)
+        out[layer] = cache[t]
+    return out
+
+
+def _targets_meta(s: SynthShape, coverage_target) -> tuple[float, list[float]]:
+    """(mean target or -1 for uniform, per-layer targets with -1 for uniform layers)."""
+    if coverage_target is None or np.isscalar(coverage_target):
+        per = [-1.0 if coverage_target is None else float(coverage_target)] * s.n_layers
+    else:
+        per = [-1.0 if t is None else float(t) for t in coverage_target]
+    set_ = [t for t in per if t >= 0]
+    return (float(np.mean(set_)) if set_ else -1.0), per
 
 
 def expert_ranks(n_layers: int, n_experts: int, seed: int) -> np.ndarray:
@@ -330,8 +360,8 @@ class SynthInfo:
     path: Path
     shape: SynthShape
     wtype: str
-    coverage_target: float | None
-    beta: float
+    coverage_target: float | list | None
+    betas: list[float]
     nbytes: int
     seconds: float
     design_coverage: float = 0.0
@@ -344,7 +374,7 @@ def _gguf_type(gtype: str):
     return {"f32": Q.F32, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k": Q.Q4_K}[gtype]
 
 
-def _add_metadata(w, s: SynthShape, wtype: str, coverage_target: float | None, seed: int) -> None:
+def _add_metadata(w, s: SynthShape, wtype: str, coverage_target, seed: int) -> None:
     a = s.arch
     w.add_name(f"workbench synthetic {s.name} {wtype}")
     w.add_uint32(f"{a}.block_count", s.n_layers)
@@ -368,23 +398,25 @@ def _add_metadata(w, s: SynthShape, wtype: str, coverage_target: float | None, s
     w.add_string("tokenizer.ggml.model", "none")
     w.add_string("workbench.synth.shape", s.name)
     w.add_string("workbench.synth.weights", wtype)
-    w.add_float32("workbench.synth.coverage_target", -1.0 if coverage_target is None else coverage_target)
+    mean, per = _targets_meta(s, coverage_target)
+    w.add_float32("workbench.synth.coverage_target", mean)
+    w.add_array("workbench.synth.coverage_targets", per)
     w.add_uint32("workbench.synth.seed", seed)
 
 
-def write_gguf(path: str | Path, s: SynthShape, *, coverage_target: float | None = 0.5,
+def write_gguf(path: str | Path, s: SynthShape, *, coverage_target: float | list | None = 0.5,
                wtype: str = "bf16", seed: int = 0) -> SynthInfo:
     """Write a synthetic model to ``path`` (GGUF, llama.cpp names) and return what was written.
 
     ``coverage_target``: share of each layer's selections served by its top 10% experts (0.5 for
-    S1), or None for uniform routing. ``wtype``: format of the 2-D weights (the token embedding stays
+    S1), a list of one per layer, or None for uniform routing. ``wtype``: format of the 2-D weights (the token embedding stays
     bf16, norms and routers f32). RAM use stays under ~0.5 GB whatever the model size.
     """
     from gguf import GGUFWriter
 
     t0 = time.perf_counter()
     tensors = tensor_list(s, wtype)
-    beta = 0.0 if coverage_target is None else calibrate_beta(coverage_target, s.n_experts, s.n_active)
+    betas = layer_betas(s, coverage_target)
     path = Path(path)
     w = GGUFWriter(path, s.arch)
     _add_metadata(w, s, wtype, coverage_target, seed)
@@ -406,23 +438,27 @@ def write_gguf(path: str | Path, s: SynthShape, *, coverage_target: float | None
                 rows = slice(r, min(s.vocab, r + step))
                 f.write(f32_to_bf16(_embed_rows(s, seed, rows, noise)).tobytes())
         elif t.kind == "router":
-            f.write(router_weights(s, t.layer, beta, seed).tobytes())
+            f.write(router_weights(s, t.layer, betas[t.layer], seed).tobytes())
         elif t.kind == "ones":
             f.write(np.ones(t.shape, np.float32).tobytes())
         else:
             f.write((np.random.default_rng([seed, 17]).standard_normal(t.shape) * t.std).astype(np.float32).tobytes())
         f.write(b"\0" * (-t.nbytes % align))
     w.close()
-    info = SynthInfo(path, s, wtype, coverage_target, beta, path.stat().st_size, time.perf_counter() - t0)
-    info.design_coverage = simulate_coverage(beta, s.n_experts, s.n_active, seed=1)
+    info = SynthInfo(path, s, wtype, coverage_target, [float(b) for b in betas], path.stat().st_size,
+                     time.perf_counter() - t0)
+    sim = {b: simulate_coverage(b, s.n_experts, s.n_active, seed=1) for b in set(info.betas)}
+    info.design_coverage = float(np.mean([sim[b] for b in info.betas]))
     log.info("wrote %s: %.1f GB in %.1f s", path, info.nbytes / 1e9, info.seconds)
     return info
 
 
-def rewrite_routers(path: str | Path, *, coverage_target: float | None, seed: int | None = None) -> float:
+def rewrite_routers(path: str | Path, *, coverage_target: float | list | None,
+                    seed: int | None = None) -> list[float]:
     """Give an existing synthetic file new router weights in place (e.g. skewed -> uniform).
 
-    Returns the new ``beta``. Only the ``ffn_gate_inp`` tensors (a few MB) are written.
+    Returns the new per-layer ``beta``. Only the ``ffn_gate_inp`` tensors (a few MB) and the
+    coverage metadata are written.
     """
     from gguf import GGUFReader
 
@@ -440,12 +476,17 @@ def rewrite_routers(path: str | Path, *, coverage_target: float | None, seed: in
                 hidden=int(_val(f"{a}.embedding_length")), n_experts=int(_val(f"{a}.expert_count")),
                 n_active=int(_val(f"{a}.expert_used_count")))
     seed = int(_val("workbench.synth.seed")) if seed is None else seed
-    beta = 0.0 if coverage_target is None else calibrate_beta(coverage_target, s.n_experts, s.n_active)
+    betas = layer_betas(s, coverage_target)
     for t in r.tensors:
         if t.name.endswith("ffn_gate_inp.weight"):
             layer = int(t.name.split(".")[1])
-            t.data[...] = router_weights(s, layer, beta, seed).reshape(t.data.shape)
+            t.data[...] = router_weights(s, layer, betas[layer], seed).reshape(t.data.shape)
+    mean, per = _targets_meta(s, coverage_target)
     cov = fields["workbench.synth.coverage_target"]
-    cov.parts[cov.data[0]][...] = -1.0 if coverage_target is None else coverage_target
+    cov.parts[cov.data[0]][...] = mean
+    if "workbench.synth.coverage_targets" in fields:
+        arr = fields["workbench.synth.coverage_targets"]
+        for i, idx in enumerate(arr.data):
+            arr.parts[idx][...] = per[i]
     r.data.flush()
-    return beta
+    return [float(b) for b in betas]
