@@ -274,3 +274,37 @@ def test_truncated_weights_file_is_a_clear_error(qwen3, tmp_path):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(ModelFormatError, match="truncated"):
         load(cut)
+
+
+def test_out_of_memory_while_moving_experts_keeps_a_working_engine(qwen3, monkeypatch):
+    """apply_placement runs out of memory at the second layer: the first layer's experts moved, the
+    others stayed, ``placement`` says so, and the engine still computes the reference logits."""
+    from workbench.engine import experts as experts_module
+
+    model, inv = qwen3
+    ref = reference_logits(model, PROMPT)
+    engine = load(inv, dtype=torch.float32)
+    target = Placement()
+    target.move(inv.expert_keys(), CPU_COMPUTE)
+    real_alloc = experts_module.LayerExperts.alloc_tier
+    layers_seen = set()
+
+    def alloc_tier(self, tier, count, shape13, shape2):
+        layers_seen.add(self.layer)
+        if len(layers_seen) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real_alloc(self, tier, count, shape13, shape2)
+
+    monkeypatch.setattr(experts_module.LayerExperts, "alloc_tier", alloc_tier)
+    with pytest.raises(AcceleratorMemoryError, match="layers 0 moved"):
+        engine.apply_placement(target)
+    monkeypatch.undo()
+    first, *rest = sorted({k.layer for k in inv.expert_keys()})
+    assert all(engine.placement.get(k) == CPU_COMPUTE for k in inv.expert_keys(first))
+    assert all(engine.placement.get(k).tier == "gpu:0" for layer in rest for k in inv.expert_keys(layer))
+    assert 0 < engine.memory_report()["cpu"] < sum(inv.units[k].n_params for k in inv.expert_keys()) * 4
+    assert rel_err(engine.forward(torch.tensor(PROMPT), 0), ref) < 1e-4
+    engine.apply_placement(target)
+    assert engine.placement == target
+    assert rel_err(engine.forward(torch.tensor(PROMPT), 0), ref) < 1e-4
+    engine.close()

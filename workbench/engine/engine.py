@@ -286,7 +286,8 @@ class Engine:
         """Move routed experts between tiers without reloading the model: each layer whose expert
         assignments changed gets new tier stacks filled from the old ones (not from the file), one
         layer at a time. The new placement is checked first (PlacementError leaves the engine as it
-        was).
+        was). Out of memory (AcceleratorMemoryError) or cancel (LoadCancelled) midway stops after the
+        layers already moved; ``self.placement`` then says where every expert really is.
         """
         vram = torch.cuda.mem_get_info(self.device)[0] + self.memory_report()["gpu:0"] \
             if self.device.type == "cuda" else None
@@ -298,14 +299,36 @@ class Engine:
                           for e in range(self.args.n_experts))]
         total = sum(self.inventory.units[k].nbytes for layer in changed for k in self.inventory.expert_keys(layer))
         loader = _Loader(self.device, self.dtype, total, progress, cancel)
+        done: list[int] = []
+        failure = None
         with self._lock:
             for layer in changed:
                 block = self.layers[layer].ffn
-                old = self.experts.pop(layer)
-                block.experts = self._build_experts(loader, placement, layer, source=old)
-                del old
+                try:
+                    block.experts = self._build_experts(loader, placement, layer, source=block.experts)
+                except torch.OutOfMemoryError:
+                    failure = AcceleratorMemoryError(
+                        f"out of memory on {self.device} while moving {loader.unit}; layers "
+                        f"{', '.join(map(str, done)) or 'none'} moved, the others kept their experts where they were")
+                except WorkbenchError as exc:
+                    failure = exc
+                if failure is not None:
+                    self.experts[layer] = block.experts  # the old stacks, still in use
+                    break
+                done.append(layer)
                 gc.collect()
-            self.placement = placement.copy()
+            moved = self.placement.copy()
+            for layer in done:
+                for key in self.inventory.expert_keys(layer):
+                    moved.set(key, placement.get(key))
+            if len(done) == len(changed):
+                moved.stream_slots = placement.stream_slots
+            self.placement = moved
+        if failure is not None:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise failure.with_traceback(None)
 
     # -- memory ----------------------------------------------------------------------------------
 
