@@ -308,3 +308,12 @@ def test_out_of_memory_while_moving_experts_keeps_a_working_engine(qwen3, monkey
     assert engine.placement == target
     assert rel_err(engine.forward(torch.tensor(PROMPT), 0), ref) < 1e-4
     engine.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_clear_error(qwen3):
+    _, inv = qwen3
+    with pytest.raises(WorkbenchError, match="CUDA is not available"):
+        Engine.load(inv, device="cuda")
+    with pytest.raises(WorkbenchError, match="unknown device"):
+        Engine.load(inv, device="gpu7")

@@ -94,7 +94,13 @@ class Engine:
         Raises PlacementError before allocating anything when the placement does not fit, and
         AcceleratorMemoryError / LoadCancelled after freeing what was loaded.
         """
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise WorkbenchError(f"unknown device {device!r}: use 'cpu' or 'cuda' (or 'cuda:N')") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise WorkbenchError("CUDA is not available (no NVIDIA GPU, or this PyTorch was built without CUDA); "
+                                 "use device 'cpu'")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         placement = placement if placement is not None else Placement()
