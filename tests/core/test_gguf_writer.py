@@ -266,3 +266,36 @@ def test_biases_stay_f32(tiny_gguf):
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tiny_gguf("gpt_oss", "Q8_0"))).tensors}
     assert types["blk.0.ffn_gate_exps.bias"] == types["blk.0.attn_q.bias"] == types["blk.0.ffn_gate_inp.bias"] == "F32"
     assert types["blk.0.ffn_gate_exps.weight"] == "Q8_0"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_fused_hf_experts_convert_like_per_expert_ones(model_type, tiny_model_dir, tiny_gguf, tmp_path):
+    """A checkpoint saved with fused experts ([E, 2I, H] gate first, [E, H, I]) gives the same GGUF."""
+    import re
+
+    from safetensors.numpy import load_file, save_file
+
+    src = tiny_model_dir(model_type)
+    tensors = load_file(src / "model.safetensors")
+    per_expert = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe))\.experts\.(\d+)\.(\w+)\.weight")
+    groups: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name in [n for n in tensors if per_expert.fullmatch(n)]:
+        prefix, e, proj = per_expert.fullmatch(name).groups()
+        groups.setdefault((prefix, {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(proj, proj)), {})[int(e)] = tensors.pop(name)
+    for prefix in {p for p, _ in groups}:
+        stack = {proj: np.stack([w[e] for e in sorted(w)]) for (p, proj), w in groups.items() if p == prefix}
+        fused = prefix.replace("block_sparse_moe", "mlp")  # transformers 5 names Mixtral's MoE block mlp
+        if fused != prefix:
+            tensors[f"{fused}.gate.weight"] = tensors.pop(f"{prefix}.gate.weight")
+        tensors[f"{fused}.experts.gate_up_proj"] = np.concatenate([stack["gate_proj"], stack["up_proj"]], axis=1)
+        tensors[f"{fused}.experts.down_proj"] = stack["down_proj"]
+    folder = tmp_path / "fused"
+    folder.mkdir()
+    (folder / "config.json").write_text((src / "config.json").read_text())
+    save_file(tensors, folder / "model.safetensors")
+    _, want = _gguf_tensors(tiny_gguf(model_type, "F32"))
+    _, got = _gguf_tensors(write_gguf(folder, tmp_path / "fused.gguf")[0])
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert open_model(folder).params_total == open_model(src).params_total

@@ -47,6 +47,7 @@ HF_TABLE = [
     ("model.layers.3.mlp.experts.down_proj_blocks", R(3, "expert", stacked=True)),  # gpt-oss MXFP4
     ("model.layers.3.mlp.experts.down_proj_scales", R(3, "expert", stacked=True)),
     ("model.layers.3.feed_forward.experts.down_proj", R(3, "expert", stacked=True)),
+    ("model.layers.3.block_sparse_moe.experts.gate_up_proj", R(3, "expert", stacked=True)),
     ("language_model.model.layers.3.feed_forward.experts.gate_up_proj", R(3, "expert", stacked=True)),
     # dense MLPs
     ("model.layers.0.mlp.gate_proj.weight", R(0, "dense_mlp")),

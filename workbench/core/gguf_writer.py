@@ -31,6 +31,8 @@ engine meet the layout real GGUF files have. What it reproduces from llama.cpp's
     de-interleaved (gate = even rows, up = odd rows), likewise ``gate_up_proj_bias`` [E, 2I];
     ``down_proj`` [E, I, H] is transposed; ``self_attn.sinks`` becomes ``attn_sinks.weight``;
     ``post_attention_layernorm`` is named ``post_attention_norm``.
+  * fused ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I] of other families (as
+    transformers 5 holds Qwen/OLMoE/DeepSeek/Mixtral experts in memory) are split (gate first) as is.
   * tied embeddings: no ``output.weight`` (llama.cpp then reads ``token_embd``).
   * dense MLP layers of MoE models (Qwen ``mlp_only_layers`` / ``decoder_sparse_step``) are written
     as ``blk.{l}.ffn_{gate,up,down}.weight``; llama.cpp itself has no such layers for qwen2moe and
@@ -219,6 +221,10 @@ def _convert_tensors(arch: str, family: str, c: dict, tensors: dict[str, TensorI
         yield f"blk.{layer}.ffn_{proj}_exps.weight", np.stack([by_expert[e] for e in range(n_experts)])
 
 
+_IN_OUT_FUSED = ("llama4", "gpt_oss")
+"""Families whose fused expert tensors are [E, in, out] (used as x @ W); the others store [E, out, in]."""
+
+
 def _fused_experts(family: str, layer: int, name: str, data: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
     """llama4 / gpt-oss fused expert tensors -> llama.cpp's gate/up/down stacks."""
     base = f"blk.{layer}.ffn_{{}}_exps.{{}}"
@@ -229,8 +235,8 @@ def _fused_experts(family: str, layer: int, name: str, data: np.ndarray) -> Iter
         yield base.format("up", "bias"), np.ascontiguousarray(data[:, 1::2])
     elif name.endswith("down_proj_bias"):
         yield base.format("down", "bias"), data
-    elif name.endswith("gate_up_proj"):  # [E, H, 2I] -> [E, 2I, H]
-        t = data.transpose(0, 2, 1)
+    elif name.endswith("gate_up_proj"):  # llama4 / gpt-oss: [E, H, 2I] -> [E, 2I, H]; others [E, 2I, H]
+        t = data.transpose(0, 2, 1) if family in _IN_OUT_FUSED else data
         if family == "gpt_oss":
             gate, up = t[:, ::2, :], t[:, 1::2, :]
         else:
@@ -238,8 +244,9 @@ def _fused_experts(family: str, layer: int, name: str, data: np.ndarray) -> Iter
             gate, up = t[:, :half, :], t[:, half:, :]
         yield base.format("gate", "weight"), np.ascontiguousarray(gate)
         yield base.format("up", "weight"), np.ascontiguousarray(up)
-    elif name.endswith("down_proj"):  # [E, I, H] -> [E, H, I]
-        yield base.format("down", "weight"), np.ascontiguousarray(data.transpose(0, 2, 1))
+    elif name.endswith("down_proj"):  # llama4 / gpt-oss: [E, I, H] -> [E, H, I]; others [E, H, I]
+        yield base.format("down", "weight"), np.ascontiguousarray(
+            data.transpose(0, 2, 1) if family in _IN_OUT_FUSED else data)
     else:
         raise ModelFormatError(f"tensor {name!r}: unknown fused expert layout")
 

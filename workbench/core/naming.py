@@ -47,7 +47,7 @@ _HF_EXPERT = re.compile(
     r"(?:gate_proj|up_proj|down_proj|w1|w2|w3)\.(?:weight|bias|weight_scale_inv)"
 )
 _HF_STACKED = re.compile(
-    r"(?:mlp|feed_forward)\.experts\.(?:gate_up_proj|gate_proj|up_proj|down_proj)"
+    r"(?:mlp|block_sparse_moe|feed_forward)\.experts\.(?:gate_up_proj|gate_proj|up_proj|down_proj)"
     r"(?:_bias|_blocks|_scales)?(?:\.weight)?"
 )
 _HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
