@@ -10,7 +10,7 @@ from workbench.core import synth
 from workbench.core.errors import WorkbenchError
 
 TINY = replace(synth.shape("s1", 2), hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=20,
-               n_active=4, expert_ffn=256, vocab=1000)
+               n_active=2, expert_ffn=256, vocab=1000)
 
 
 def _tensors(path):
@@ -23,7 +23,7 @@ def test_file_has_llama_cpp_layout(tmp_path, wtype):
     r = GGUFReader(info.path)
     fields = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
     assert fields["general.architecture"] == "qwen3moe"
-    assert fields["qwen3moe.expert_count"] == 20 and fields["qwen3moe.expert_used_count"] == 4
+    assert fields["qwen3moe.expert_count"] == 20 and fields["qwen3moe.expert_used_count"] == 2
     assert fields["qwen3moe.expert_feed_forward_length"] == 256
     assert fields["tokenizer.ggml.model"] == "none" and fields["qwen3moe.vocab_size"] == 1000
     t = {x.name: x for x in r.tensors}
@@ -103,6 +103,8 @@ def test_coverage_and_calibration():
     assert synth.simulate_coverage(b, 128, 8, seed=3) == pytest.approx(0.5, abs=0.03)
     with pytest.raises(WorkbenchError, match="coverage"):
         synth.calibrate_beta(1.5, 128, 8)
+    with pytest.raises(WorkbenchError, match=r"\[0.\d+, 0.50\)"):
+        synth.calibrate_beta(0.6, 20, 4)  # 2 hot experts can serve at most 2 of 4 picks
 
 
 def test_shapes_and_bad_names():
@@ -125,7 +127,7 @@ def test_other_architectures_write(tmp_path):
     for name, arch in (("mixtral-8x7b", "llama"), ("deepseek-v2-lite-like", "qwen2moe")):
         s = replace(synth.shape(name, 1), hidden=256, n_heads=4, n_kv_heads=2, head_dim=64,
                     expert_ffn=256, vocab=500, shared_ffn=256 if arch == "qwen2moe" else 0)
-        info = synth.write_gguf(tmp_path / f"{name}.gguf", s)
+        info = synth.write_gguf(tmp_path / f"{name}.gguf", s, coverage_target=0.4 if arch == "llama" else 0.5)
         t = _tensors(info.path)
         assert "blk.0.ffn_gate_exps.weight" in t
         assert ("blk.0.ffn_up_shexp.weight" in t) == (arch == "qwen2moe")

@@ -88,7 +88,7 @@ SHAPES: dict[str, SynthShape] = {
     "deepseek-v2-lite-like": SynthShape("deepseek-v2-lite-like", "qwen2moe", 27, 2048, 16, 16, 128, 64, 6,
                                         1408, 102400, shared_ffn=2816, rope_base=1e4),
     # a few MB, for tests and quick checks of the whole pipeline
-    "tiny": SynthShape("tiny", "qwen3moe", 2, 256, 4, 2, 64, 20, 4, 256, 1000, qk_norm=True),
+    "tiny": SynthShape("tiny", "qwen3moe", 2, 256, 4, 2, 64, 20, 2, 256, 1000, qk_norm=True),
 }
 
 
@@ -137,8 +137,11 @@ def simulate_coverage(beta: float, n_experts: int, n_active: int, *, hot_fractio
 def calibrate_beta(target: float, n_experts: int, n_active: int, hot_fraction: float = 0.1) -> float:
     """The bias scale ``beta`` whose simulated coverage is ``target`` (bisection)."""
     floor = simulate_coverage(0.0, n_experts, n_active, hot_fraction=hot_fraction)
-    if not floor - 1e-9 <= target < 1.0:
-        raise WorkbenchError(f"routing coverage must be in [{floor:.2f}, 1) for this shape, not {target}")
+    n_hot = max(1, int(round(hot_fraction * n_experts)))
+    ceil = min(1.0, n_hot / n_active)  # a token picks at most n_hot of its n_active experts among the hot
+    if not floor - 1e-9 <= target < ceil:
+        raise WorkbenchError(f"routing coverage must be in [{floor:.2f}, {ceil:.2f}) for {n_experts} experts "
+                             f"with {n_active} active, not {target}")
     lo, hi = 0.0, 32.0
     for _ in range(40):
         mid = 0.5 * (lo + hi)
