@@ -75,3 +75,10 @@ def test_imports_neither_torch_nor_qt(tiny_gguf, tiny_model_dir):
 def test_bad_arguments(tiny_model_dir):
     proc = _run(tiny_model_dir("olmoe"), "--ctx", 0)
     assert proc.returncode == 2 and proc.stderr.strip() == "workbench inspect: --ctx must be at least 1, got 0"
+
+
+def test_output_cut_short_by_a_pipe(tiny_gguf):
+    """`workbench inspect ... | head -1` ends quietly."""
+    proc = subprocess.run(f"'{sys.executable}' -m workbench inspect '{tiny_gguf('qwen2_moe', 'F32')}' | head -1",
+                          shell=True, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.count("\n") == 1 and proc.stderr == ""

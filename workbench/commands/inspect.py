@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from workbench.core.errors import WorkbenchError
@@ -178,9 +179,10 @@ def run(args) -> int:
     inv = open_model(args.path)
     placement, name = _placement(inv, args)
     est = estimate_memory(inv, placement, ctx=args.ctx, kv_dtype=args.kv_dtype)
-    if args.json:
-        json.dump(to_json(inv, est, name), sys.stdout)
-        sys.stdout.write("\n")
-    else:
-        print(to_text(inv, est, name))
+    text = json.dumps(to_json(inv, est, name)) if args.json else to_text(inv, est, name)
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `workbench inspect ... | head`: the reader left, nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
