@@ -78,7 +78,7 @@ def test_bad_arguments(tiny_model_dir):
 
 
 def test_output_cut_short_by_a_pipe(tiny_gguf):
-    """`workbench inspect ... | head -1` ends quietly."""
-    proc = subprocess.run(f"'{sys.executable}' -m workbench inspect '{tiny_gguf('qwen2_moe', 'F32')}' | head -1",
-                          shell=True, capture_output=True, text=True, timeout=60)
-    assert proc.stdout.count("\n") == 1 and proc.stderr == ""
+    """`workbench inspect ... | head` ends quietly: here the reader is gone before anything is written."""
+    cmd = f"set -o pipefail; '{sys.executable}' -m workbench inspect '{tiny_gguf('qwen2_moe', 'F32')}' | true"
+    proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == ""
