@@ -60,11 +60,13 @@ def _layer_rows(inv: Inventory) -> list[dict]:
     for key, unit in inv.units.items():
         if key.layer is None:
             continue
-        row = rows.setdefault(key.layer, {"layer": key.layer, "experts": 0, "expert_bytes": [], "bytes": 0})
+        row = rows.setdefault(key.layer, {"layer": key.layer, "experts": 0, "expert_bytes": [], "bytes": 0,
+                                          "expert_types": set()})
         row["bytes"] += unit.nbytes
         if key.kind == "expert":
             row["experts"] += 1
             row["expert_bytes"].append(unit.nbytes)
+            row["expert_types"] |= {r.tensor.dtype for r in unit.tensors if r.tensor.name.endswith("weight")} or unit.dtypes
         else:
             row[key.kind] = row.get(key.kind, 0) + unit.nbytes
     return [rows[i] for i in sorted(rows)]
@@ -130,13 +132,14 @@ def to_text(inv: Inventory, est: MemoryEstimate, placement_name: str) -> str:
     out.append(f"storage     {mix}")
     out.append(f"parameters  {params2human(inv.params_total)} total, {params2human(params_active(inv))} active per token")
     out.append("")
-    rows = [["layer", "type", "attn", "router", "shared", "experts", "per expert", "dense mlp", "norm", "total"]]
+    rows = [["layer", "type", "attn", "router", "shared", "experts", "per expert", "expert type", "dense mlp",
+             "norm", "total"]]
     for r in _layer_rows(inv):
         eb = r["expert_bytes"]
         rows.append([str(r["layer"]), "moe" if r["experts"] else "dense", bytes2human(r.get("attn", 0)),
                      bytes2human(r.get("router", 0)), bytes2human(r.get("shared", 0)), str(r["experts"]),
-                     bytes2human(max(eb)) if eb else "-", bytes2human(r.get("dense_mlp", 0)),
-                     bytes2human(r.get("norm", 0)), bytes2human(r["bytes"])])
+                     bytes2human(max(eb)) if eb else "-", "+".join(sorted(r["expert_types"])) or "-",
+                     bytes2human(r.get("dense_mlp", 0)), bytes2human(r.get("norm", 0)), bytes2human(r["bytes"])])
     model_wide = {k.kind: inv.units[k].nbytes for k in inv.units if k.layer is None}
     out.append(_table(rows))
     out.append("model-wide  " + ", ".join(f"{k} {bytes2human(b)}" for k, b in model_wide.items()))
