@@ -159,3 +159,30 @@ def test_expert_pool_equals_the_weighted_sum(workers):
     assert torch.get_num_threads() == before
     with pytest.raises(WorkbenchError, match="at least one worker"):
         ce.ExpertPool(0)
+
+
+@pytest.mark.parametrize("scale_input", [False, True])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_cpu_experts_match_the_engines_grouped(scale_input, workers):
+    from workbench.engine.experts import grouped  # the engine's own reference path
+
+    g = torch.Generator().manual_seed(9)
+    e, h, i = 6, 64, 32
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, generator=g) * 0.1).to(torch.bfloat16)
+    with ce.ExpertPool(workers, 1) as pool:
+        cpu = ce.CpuExperts.from_stacked(w13, w2, "bf16", pool)
+        assert cpu.experts[2].gate_up.data.data_ptr() == w13[2].data_ptr()  # used in place
+        for n in (3, 40):  # decode-sized and prefill-sized
+            x = torch.randn(n, h, generator=g).to(torch.bfloat16)
+            rows = torch.randint(0, e, (n,), generator=g)
+            scale = torch.rand(n, generator=g)
+            ref = grouped(x.double(), rows, scale.double(), w13.double(), w2.double(), scale_input)
+            got = cpu(x, rows, scale, scale_input)
+            assert got.dtype == x.dtype and got.shape == (n, h)
+            assert _rel(got, ref) < 2e-2
+
+
+def test_cpu_experts_refuse_bad_shapes():
+    with pytest.raises(WorkbenchError, match="stacked experts"):
+        ce.CpuExperts.from_stacked(torch.zeros(2, 8, 4), torch.zeros(2, 4, 3))

@@ -308,20 +308,25 @@ class ExpertPool:
             out = y if out is None else out + y
         return out
 
+    def map(self, fn, items: list) -> list:
+        """``[fn(item) for item in items]``, spread over the workers (in order)."""
+        if self._pool is None or len(items) <= 1:
+            return [fn(it) for it in items]
+        return list(self._pool.map(fn, items))
+
     def __call__(self, experts: list[ExpertFFN], x: torch.Tensor,
                  weights: torch.Tensor | None = None) -> torch.Tensor:
         """``sum_i weights[i] * experts[i](x)``: ``x`` [M, H], ``weights`` [n] (None: all 1) ->
         [M, H] float32."""
         if not experts:
             return torch.zeros(x.shape, dtype=torch.float32)
-        if self._pool is None or len(experts) == 1:
-            return self._run(experts, x, weights)
-        chunks = [list(range(i, len(experts), self.workers)) for i in range(min(self.workers, len(experts)))]
-        futs = [self._pool.submit(self._run, [experts[j] for j in c], x,
-                                  None if weights is None else weights[c]) for c in chunks]
-        out = futs[0].result()
-        for f in futs[1:]:
-            out = out + f.result()
+        w = self.workers if self._pool is not None else 1
+        chunks = [list(range(i, len(experts), w)) for i in range(min(w, len(experts)))]
+        parts = self.map(lambda c: self._run([experts[j] for j in c], x, None if weights is None else weights[c]),
+                         chunks)
+        out = parts[0]
+        for p in parts[1:]:
+            out = out + p
         return out
 
     def close(self) -> None:
@@ -335,3 +340,47 @@ class ExpertPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class CpuExperts:
+    """A layer's CPU-computed experts in one format, called like the engine's ``grouped``.
+
+    ``self(x, rows, scale, scale_input)``: ``x`` [n, H] (one row per (token, expert) pair), ``rows``
+    [n] (index into this layer's CPU experts), ``scale`` [n] (routing weights) -> [n, H] in
+    ``x``'s dtype, each row the expert's output scaled (input scaled instead when
+    ``scale_input``). Pairs are grouped by expert, so each expert's weights are read once per call
+    whatever the number of tokens, with no copy of the weights (the engine's gather+bmm copies the
+    selected experts first); groups run in parallel on ``pool``. SiLU-gated experts without biases.
+    """
+
+    def __init__(self, experts: list[ExpertFFN], pool: ExpertPool | None = None):
+        self.experts = experts
+        self.pool = pool or ExpertPool(1)
+
+    @classmethod
+    def from_stacked(cls, w13: torch.Tensor, w2: torch.Tensor, fmt: str = "bf16",
+                     pool: ExpertPool | None = None) -> CpuExperts:
+        """From stacked weights ``w13`` [E, 2I, H] (gate rows first) and ``w2`` [E, H, I]; bf16
+        weights in ``bf16`` format are used in place, not copied."""
+        if w13.ndim != 3 or w2.ndim != 3 or w13.shape[0] != w2.shape[0] or w13.shape[1] != 2 * w2.shape[2]:
+            raise WorkbenchError(f"stacked experts need w13 [E, 2I, H] and w2 [E, H, I], got "
+                                 f"{tuple(w13.shape)} and {tuple(w2.shape)}")
+        return cls([ExpertFFN(pack(w13[e], fmt), pack(w2[e], fmt)) for e in range(w13.shape[0])], pool)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.experts)
+
+    def __call__(self, x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor,
+                 scale_input: bool) -> torch.Tensor:
+        rows_np = np.asarray(rows.reshape(-1).cpu().numpy(), dtype=np.int64)
+        s = scale.reshape(-1, 1).float()
+        xs = x.float() * s if scale_input else x
+        groups = [(int(r), np.nonzero(rows_np == r)[0]) for r in np.unique(rows_np)]
+        outs = self.pool.map(lambda g: self.experts[g[0]](xs[torch.from_numpy(g[1])]).float(), groups)
+        out = torch.empty((x.shape[0], x.shape[1]), dtype=torch.float32)
+        for (_, idx), y in zip(groups, outs):
+            out[torch.from_numpy(idx)] = y
+        if not scale_input:
+            out *= s
+        return out.to(x.dtype)
