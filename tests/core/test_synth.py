@@ -92,6 +92,8 @@ def test_per_layer_coverage(tmp_path):
     synth.rewrite_routers(path, coverage_target=[None, 0.5])
     assert GGUFReader(path).fields["workbench.synth.coverage_targets"].contents() == pytest.approx([-1.0, 0.5])
     assert synth.coverage(_route_shape(path, big, 1)) == pytest.approx(0.5, abs=0.06)
+    with pytest.raises(WorkbenchError, match="not a GGUF file"):
+        synth.rewrite_routers(__file__, coverage_target=None)
     with pytest.raises(WorkbenchError, match="per-layer coverages"):
         synth.write_gguf(path, big, coverage_target=[0.5])
 

@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="also run -ot variants between --n-cpu-moe N-1 and N")
     ll.add_argument("--all-gpu", action="store_true", help="also run everything on the GPU")
     ll.add_argument("--llama-args", default="", metavar="ARGS",
-                    help="extra llama-bench arguments for every configuration, e.g. '-lm none'")
+                    help="extra llama-bench arguments for every configuration; write it as "
+                         "--llama-args='-lm none' (with '=')")
     ll.add_argument("-p", "--prompt", type=int, default=512)
     ll.add_argument("-n", "--gen", type=int, default=128)
     ll.add_argument("-r", "--repeats", type=int, default=3)
@@ -106,6 +107,10 @@ def _write_json(path: str | None, data) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cmd = args.bench_command
+    for name in ("path", "model"):
+        p = getattr(args, name, None)
+        if p is not None and not Path(p).is_file():
+            raise WorkbenchError(f"no such file: {p}")
     if cmd == "write":
         return _write(args)
     if cmd == "reskew":

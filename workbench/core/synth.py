@@ -465,7 +465,10 @@ def rewrite_routers(path: str | Path, *, coverage_target: float | list | None,
     """
     from gguf import GGUFReader
 
-    r = GGUFReader(path, "r+")
+    try:
+        r = GGUFReader(path, "r+")
+    except (ValueError, OSError) as e:
+        raise WorkbenchError(f"{path} is not a GGUF file that can be rewritten: {e}") from e
     fields = {f.name: f for f in r.fields.values()}
     if "workbench.synth.shape" not in fields:
         raise WorkbenchError(f"{path} is not a synthetic workbench model")
