@@ -237,3 +237,14 @@ def test_mxfp4_safetensors_count_parameters(tmp_path, tiny_model_dir):
     for key in inv.expert_keys():
         assert inv.units[key].n_params == ref.units[key].n_params
     _check_units(inv)
+
+
+def test_folder_of_gguf_files(tmp_path, tiny_gguf, tiny_model_dir):
+    from workbench.core.errors import ModelFormatError
+    from workbench.core.gguf_writer import write_gguf
+
+    parts = write_gguf(tiny_model_dir("olmoe"), tmp_path / "m.gguf", split_max_tensors=8)
+    assert open_model(tmp_path).files == parts  # one model (a split set) in the folder: that one
+    (tmp_path / "other.gguf").write_bytes(tiny_gguf("olmoe", "Q8_0").read_bytes())
+    with pytest.raises(ModelFormatError, match="several GGUF models"):
+        open_model(tmp_path)

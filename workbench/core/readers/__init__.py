@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from pathlib import Path
 
 from ..errors import ModelFormatError
@@ -25,6 +26,9 @@ __all__ = ["open_model", "read_hf_folder", "read_gguf_model", "GGUFStringArray"]
 
 log = logging.getLogger(__name__)
 
+_SPLIT_PART = re.compile(r"-(?!00001)\d{5}-of-\d{5}\.gguf$")
+"""Parts 2..N of a split GGUF (part 1 stands for the set)."""
+
 
 def open_model(path: str | Path) -> Inventory:
     """The Inventory of the model at ``path`` (an HF folder or a GGUF file). User errors raise
@@ -33,6 +37,13 @@ def open_model(path: str | Path) -> Inventory:
     if not path.exists():
         raise ModelFormatError(f"{path} does not exist")
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(p for p in path.glob("*.gguf") if not _SPLIT_PART.search(p.name))
+            if len(ggufs) == 1:
+                return read_gguf_model(ggufs[0])
+            if len(ggufs) > 1:
+                names = ", ".join(p.name for p in ggufs[:5])
+                raise ModelFormatError(f"{path} holds several GGUF models ({names}): open one of the files")
         return read_hf_folder(path)
     if path.name == "config.json" or path.name.endswith(".safetensors.index.json"):
         return read_hf_folder(path.parent)
