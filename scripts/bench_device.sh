@@ -12,6 +12,7 @@
 # `workbench bench run` with n-cpu-moe, frequency, balanced and all-GPU), pack (llama-bench binary
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it).
 # At most 8 files come back per call: choose the stages of one call accordingly.
+# BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (128 / 3) and BENCH_MARGIN (0) tune the engine stage.
 # BENCH_TIME_S (default 540) bounds the whole script: llama-bench configurations that would start
 # too late are skipped and reported as such.
 set -uo pipefail
@@ -102,8 +103,9 @@ stage_engine() {  # our engine on the same file under the same budget
     [ -f "$models/s1.gguf" ] || { log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; }
     local tl=$(( $(left) - 20 ))
     log "our engine ($tl s left)"
-    wb run --model "$models/s1.gguf" --budget 12GiB --strategies n-cpu-moe,frequency,balanced --all-gpu \
-        --time-limit "$tl" --json "$OUT/engine_s1_skew.json" | tee -a "$OUT/device.log"
+    wb run --model "$models/s1.gguf" --budget 12GiB --margin "${BENCH_MARGIN:-0}" \
+        --strategies n-cpu-moe,frequency,balanced --all-gpu -n "${BENCH_ENGINE_GEN:-128}" \
+        -r "${BENCH_ENGINE_REPEATS:-3}" --time-limit "$tl" --json "$OUT/engine_s1_skew.json" | tee -a "$OUT/device.log"
 }
 
 {
