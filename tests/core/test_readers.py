@@ -248,3 +248,28 @@ def test_folder_of_gguf_files(tmp_path, tiny_gguf, tiny_model_dir):
     (tmp_path / "other.gguf").write_bytes(tiny_gguf("olmoe", "Q8_0").read_bytes())
     with pytest.raises(ModelFormatError, match="several GGUF models"):
         open_model(tmp_path)
+
+
+def test_config_variants_of_released_checkpoints():
+    """Config shapes as released (older transformers): Llama 4 without layer_types, Qwen2-MoE with a
+    sliding window it does not use, DeepSeek-V3 with moe_layer_freq."""
+    from workbench.core.readers.hf_config import spec_from_config
+
+    scout = {"model_type": "llama4", "text_config": {
+        "model_type": "llama4_text", "num_hidden_layers": 8, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100, "num_local_experts": 16,
+        "num_experts_per_tok": 1, "intermediate_size": 32, "intermediate_size_mlp": 64,
+        "interleave_moe_layer_step": 1, "attention_chunk_size": 8192, "no_rope_layers": []}}
+    s = spec_from_config(scout)
+    assert s.family == "llama4" and s.moe_layers == tuple(range(8))
+    assert s.layer_window == (8192, 8192, 8192, None) * 2
+    qwen2 = {"model_type": "qwen2_moe", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+             "vocab_size": 100, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+             "shared_expert_intermediate_size": 32, "sliding_window": 4096, "use_sliding_window": False}
+    assert spec_from_config(qwen2).layer_window == (None, None)
+    ds = {"model_type": "deepseek_v3", "num_hidden_layers": 6, "hidden_size": 64, "num_attention_heads": 4,
+          "vocab_size": 100, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+          "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_layer_freq": 2, "kv_lora_rank": 32,
+          "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16}
+    s = spec_from_config(ds)
+    assert s.moe_layers == (2, 4) and s.kv_values_per_token(0) == 40 and s.head_dim == 24

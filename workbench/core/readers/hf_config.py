@@ -80,6 +80,11 @@ def _layer_window(c: dict, n_layers: int) -> tuple[int | None, ...]:
             else:
                 out.append(None)
         return tuple(out)
+    if c.get("model_type") in ("llama4", "llama4_text") and c.get("attention_chunk_size"):
+        # configs written before layer_types: RoPE layers use chunked attention, every 4th is global
+        interval = int(c.get("no_rope_layer_interval") or 4)
+        rope = c.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n_layers)]
+        return tuple(int(c["attention_chunk_size"]) if rope[i] else None for i in range(n_layers))
     window = c.get("sliding_window")
     if window and c.get("use_sliding_window", True):
         return (int(window),) * n_layers
