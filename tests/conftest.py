@@ -3,7 +3,8 @@
 ``tiny_model_dir(model_type, **overrides) -> Path``
     A folder saved by ``save_pretrained`` holding a random-init fp32 transformers model of
     ``model_type`` (a key of ``tests.tiny_models.FAMILY_CONFIGS``: ``mixtral``, ``qwen2_moe``,
-    ``qwen3_moe``, ``olmoe``, ``llama4_text``, ``deepseek_v2``, ``deepseek_v3``, ``gpt_oss``), seed 0.
+    ``qwen3_moe``, ``olmoe``, ``llama4_text``, ``deepseek_v2``, ``deepseek_v3``, ``gpt_oss``) or of
+    ``tests.tiny_models.DENSE_CONFIGS`` (``llama`` with tied embeddings, ``qwen3``), seed 0.
     ``overrides`` change config values (e.g. ``hidden_size=256``); each distinct call is built once
     and cached for the session. Treat the folder as read-only.
 
