@@ -299,3 +299,21 @@ def test_fused_hf_experts_convert_like_per_expert_ones(model_type, tiny_model_di
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     assert open_model(folder).params_total == open_model(src).params_total
+
+
+def test_pre_tokenizer_names_match_the_engine_regexes():
+    """The ``tokenizer.ggml.pre`` we write names the split regexes the tokenizer.json uses, as the
+    engine's GGUF tokenizer reads them back."""
+    from workbench.core.gguf_writer import _pre_tokenizer_name
+    from workbench.engine.tokenizer import PRE_TOKENIZER_SPLITS
+
+    for name in ("llama-bpe", "qwen2", "gpt-4o", "deepseek-v3", "gpt-2"):
+        splits = PRE_TOKENIZER_SPLITS[name]
+        if name == "gpt-2":  # GPT-2 style: ByteLevel with its built-in regex, no Split
+            pre = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+        else:
+            pre = {"type": "Sequence", "pretokenizers": [
+                *({"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated"} for p in splits),
+                {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]}
+        got = _pre_tokenizer_name({"pre_tokenizer": pre})
+        assert PRE_TOKENIZER_SPLITS[got] == splits, (name, got)

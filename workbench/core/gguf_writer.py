@@ -327,14 +327,30 @@ def _add_deepseek(w: gguf.GGUFWriter, family: str, c: dict) -> None:
     w.add_rope_dimension_count(rope_dim)
 
 
+def _split_patterns(node) -> list[str]:
+    """The Split regexes of a tokenizer.json pre-tokenizer, in order."""
+    if isinstance(node, dict):
+        if node.get("type") == "Split":
+            pattern = node.get("pattern") or {}
+            return [pattern.get("Regex") or pattern.get("String") or ""]
+        return [p for child in node.get("pretokenizers") or [] for p in _split_patterns(child)]
+    return []
+
+
 def _pre_tokenizer_name(tok: dict) -> str:
-    """llama.cpp's ``tokenizer.ggml.pre`` for a tokenizer.json, from its split regex."""
-    text = json.dumps(tok.get("pre_tokenizer"))
-    if "\\\\p{N}{1,3}" in text and "(?i:'s" in text:
+    """llama.cpp's ``tokenizer.ggml.pre`` for a tokenizer.json, from its split regexes (llama.cpp
+    itself hashes the tokenization of a test text; the regexes tell the same vocabularies apart)."""
+    patterns = _split_patterns(tok.get("pre_tokenizer"))
+    text = "|".join(patterns)
+    if len(patterns) > 1 and "一-龥" in text:
+        return "deepseek-v3"
+    if r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]" in text:
+        return "gpt-4o"
+    if "(?i:'s" in text and r"\p{N}{1,3}" in text:
         return "llama-bpe"
-    if "(?i:'s" in text and "\\\\p{N}|" in text:
+    if "(?i:'s" in text and r"\p{N}|" in text:
         return "qwen2"
-    return "gpt-2" if "ByteLevel" in text else "default"
+    return "gpt-2"
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, c: dict) -> None:
