@@ -8,8 +8,9 @@
 # skewed; llama-bench --n-cpu-moe 16 (the 12 GiB budget), 24 and all on GPU), s1more (-ot
 # variants and --n-cpu-moe 14/15/17), cpu (CPU expert formats),
 # uniform (S1 reskewed to uniform routing; llama-bench), q8, q4 (S1 as Q8_0 / Q4_K; llama-bench),
-# nommap (llama-bench -lm none: weights read into buffers, not mmap'd), engine (our engine:
-# `workbench bench run` with n-cpu-moe, frequency, balanced and all-GPU), pack (llama-bench binary
+# nommap (llama-bench -lm none: weights read into buffers, not mmap'd), engine (`workbench bench
+# run`: llama.cpp -lm none at --n-cpu-moe 16 and all-GPU, then our n-cpu-moe, frequency, balanced
+# and all-GPU, with the ratios), pack (llama-bench binary
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it).
 # At most 8 files come back per call: choose the stages of one call accordingly.
 # BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (128 / 3) and BENCH_MARGIN (0) tune the engine stage.
@@ -99,13 +100,16 @@ stage_nommap() {  # llama.cpp reading the model into (pinned) buffers instead of
     lbench "S1 bf16 skewed, -lm none" llamacpp_s1_skew_nommap.json --model "$models/s1.gguf" \
         --n-cpu-moe 16,24,17 --all-gpu "--llama-args=-lm none"
 }
-stage_engine() {  # our engine on the same file under the same budget
+stage_engine() {  # llama.cpp (-lm none) then our engine on the same file, one command, side by side
     [ -f "$models/s1.gguf" ] || { log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; }
+    local side=()
+    wait_build && side=(--llama-bench .llamacpp/bin/llama-bench --llama-n-cpu-moe 16 "--llama-args=-lm none")
     local tl=$(( $(left) - 20 ))
-    log "our engine ($tl s left)"
+    log "side by side ($tl s left)"
     wb run --model "$models/s1.gguf" --budget 12GiB --margin "${BENCH_MARGIN:-0}" \
         --strategies n-cpu-moe,frequency,balanced --all-gpu -n "${BENCH_ENGINE_GEN:-128}" \
-        -r "${BENCH_ENGINE_REPEATS:-3}" --time-limit "$tl" --json "$OUT/engine_s1_skew.json" | tee -a "$OUT/device.log"
+        -r "${BENCH_ENGINE_REPEATS:-3}" --time-limit "$tl" "${side[@]}" \
+        --json "$OUT/engine_s1_skew.json" | tee -a "$OUT/device.log"
 }
 
 {

@@ -114,3 +114,32 @@ def test_llama_bench_runs_our_file(model):
     for r in res:
         assert r.ok, r.error
         assert r.prefill_tps > 0 and r.decode_tps > 0 and r.peak_host_bytes > 0
+
+
+def test_compare_picks_the_best_within_budget_on_both_sides():
+    gib = 2**30
+    ours = [bench.EngineRun("all-gpu", "all-gpu", ok=True, decode_tps=300.0, prefill_tps=5000.0, peak_gpu_bytes=30 * gib),
+            bench.EngineRun("n-cpu-moe 16", "n-cpu-moe", ok=True, decode_tps=40.0, prefill_tps=200.0,
+                            peak_gpu_bytes=11 * gib),
+            bench.EngineRun("frequency", "frequency", ok=True, decode_tps=90.0, prefill_tps=400.0,
+                            peak_gpu_bytes=13 * gib)]  # faster but over the budget: not counted
+    llama = [bench_llamacpp.LlamaResult("--n-cpu-moe 16", ["-ngl", "99", "--n-cpu-moe", "16"], ok=True,
+                                        decode_tps=45.0, prefill_tps=210.0, peak_gpu_bytes=11.6 * gib),
+             bench_llamacpp.LlamaResult("--n-cpu-moe 14", ["-ngl", "99", "--n-cpu-moe", "14"], ok=True,
+                                        decode_tps=62.0, prefill_tps=255.0, peak_gpu_bytes=13.9 * gib),
+             bench_llamacpp.LlamaResult("all on GPU", ["-ngl", "99"], ok=True, decode_tps=400.0,
+                                        prefill_tps=7000.0, peak_gpu_bytes=29.5 * gib)]
+    r = bench.compare(ours, llama, 12 * gib)
+    assert r["ours"] == "n-cpu-moe 16" and r["llama.cpp"] == "--n-cpu-moe 16"
+    assert r["decode_ratio"] == pytest.approx(40 / 45) and r["prefill_ratio"] == pytest.approx(200 / 210)
+    assert r["all_gpu_decode_ratio"] == pytest.approx(0.75)
+
+
+@pytest.mark.skipif(not LLAMA_BENCH.is_file(), reason="no llama-bench build (scripts/build_llamacpp.sh cpu)")
+def test_side_by_side_command(model, tmp_path):
+    out = tmp_path / "side.json"
+    assert main(["bench", "run", "--model", str(model), "--device", "cpu", "--dtype", "f32", "--budget", "521MiB",
+                 "--strategies", "n-cpu-moe", "-p", "8", "-n", "2", "-r", "1", "--llama-bench", str(LLAMA_BENCH),
+                 "--llama-n-cpu-moe", "1", "--threads", "1", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["llama_cpp"][0]["ok"] and d["runs"][0]["ok"]

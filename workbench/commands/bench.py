@@ -92,6 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="hardware profile for predictions: preset name or calibration JSON (bench-h200)")
     e.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="skip placements that would start later than S seconds from now")
+    e.add_argument("--llama-bench", metavar="PATH", default=None,
+                   help="also run llama.cpp's llama-bench on the same file first, side by side")
+    e.add_argument("--llama-n-cpu-moe", default="16", metavar="LIST",
+                   help="--n-cpu-moe values for llama.cpp (16)")
+    e.add_argument("--llama-args", default="", metavar="ARGS",
+                   help="extra llama-bench arguments; write --llama-args='-lm none'")
+    e.add_argument("--threads", type=int, default=16, help="CPU threads for llama.cpp (16)")
     e.add_argument("--json", metavar="FILE")
 
 

@@ -338,20 +338,70 @@ def run_rows(runs: list[EngineRun], budget_bytes: int) -> list[dict]:
     return rows
 
 
+def compare(runs: list[EngineRun], llama: list, budget_bytes: int) -> dict:
+    """Ratios of our best run within the budget to llama.cpp's best within the budget (decode and
+    prefill), and all-GPU decode against llama.cpp all-GPU, where both exist."""
+    from workbench.engine.bench_llamacpp import best_within
+
+    ours = [r for r in runs if r.ok and r.strategy != "all-gpu" and r.peak_gpu_bytes is not None
+            and r.peak_gpu_bytes <= budget_bytes]
+    best = max(ours, key=lambda r: r.decode_tps, default=None)
+    theirs = best_within([r for r in llama if "--n-cpu-moe" in r.args or "-ot" in r.args], budget_bytes)
+    out = {"ours": best.label if best else None, "llama.cpp": theirs.label if theirs else None}
+    if best and theirs:
+        out["decode_ratio"] = best.decode_tps / theirs.decode_tps
+        if best.prefill_tps and theirs.prefill_tps:
+            out["prefill_ratio"] = best.prefill_tps / theirs.prefill_tps
+    ours_all = next((r for r in runs if r.ok and r.strategy == "all-gpu"), None)
+    theirs_all = next((r for r in llama if r.ok and r.args == ["-ngl", "99"]), None)
+    if ours_all and theirs_all and theirs_all.decode_tps:
+        out["all_gpu_decode_ratio"] = ours_all.decode_tps / theirs_all.decode_tps
+    return out
+
+
 def run_command(args) -> int:
-    """``workbench bench run``: our engine over strategies; markdown table, optional JSON."""
+    """``workbench bench run``: llama.cpp (optional) then our engine over strategies on the same file;
+    markdown tables, the ratios, optional JSON."""
+    from workbench.engine import bench_llamacpp as lb
+
     device = args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise WorkbenchError("no CUDA GPU here: use --device cpu (every tier on the CPU)")
     budget = parse_size(args.budget)
     dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
+    deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
+    llama = []
+    if args.llama_bench:
+        if not Path(args.llama_bench).is_file():
+            raise WorkbenchError(f"no llama-bench at {args.llama_bench}: build it with scripts/build_llamacpp.sh")
+        try:
+            cfgs = [lb.n_cpu_moe(int(n)) for n in args.llama_n_cpu_moe.split(",") if n.strip()]
+        except ValueError as e:
+            raise WorkbenchError(f"--llama-n-cpu-moe takes integers, not {args.llama_n_cpu_moe!r}") from e
+        if args.all_gpu:
+            cfgs.append(lb.all_gpu())
+        llama = lb.run_configs(args.llama_bench, args.model, cfgs, deadline=deadline, prompt=args.prompt,
+                               gen=args.gen, repeats=args.repeats, threads=args.threads,
+                               extra=tuple(args.llama_args.split()))
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
     runs = run_strategies(args.model, [s for s in args.strategies.split(",") if s], budget_bytes=budget,
                           profile=load_profile(args.profile), device=device, dtype=dtype, prompt=args.prompt,
                           gen=args.gen, repeats=args.repeats, all_gpu=args.all_gpu,
-                          time_limit=args.time_limit, margin_bytes=parse_size(args.margin))
+                          time_limit=left, margin_bytes=parse_size(args.margin))
     rows = run_rows(runs, budget)
+    ratios = compare(runs, llama, budget) if llama else {}
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "budget_bytes": budget, "device": device,
-                                               "runs": rows}, indent=1, default=str))
+                                               "runs": rows, "llama_cpp": [r.to_json() for r in llama],
+                                               "ratios": ratios}, indent=1, default=str))
+    if llama:
+        lrows = [{**r.to_json(), "peak_gpu_gib": _gib(r.peak_gpu_bytes),
+                  "fits": None if r.peak_gpu_bytes is None else r.peak_gpu_bytes <= budget} for r in llama]
+        print(markdown_table(lrows, [("llama.cpp", "label"), ("peak GPU GiB", "peak_gpu_gib"), ("fits", "fits"),
+                                     ("prefill tok/s", "prefill_tps"), ("decode tok/s", "decode_tps"),
+                                     ("error", "error")]))
+        print()
     print(markdown_table(rows, RUN_COLUMNS))
+    if ratios:
+        print("\n" + ", ".join(f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}" for k, v in ratios.items()))
     return 0 if all(r.ok for r in runs) else 1
