@@ -183,3 +183,21 @@ def test_balanced_completes_layers_to_save_their_sync():
     assert bal.prediction.decode_tps > 1.1 * freq.prediction.decode_tps
     syncs = sum(c.sync > 0 for c in bal.prediction.decode_layers)
     assert syncs < sum(c.sync > 0 for c in freq.prediction.decode_layers)
+
+
+def test_safety_net_shrinks_a_plan_the_memory_estimate_rejects(monkeypatch):
+    """If the planner's byte counting ever disagrees with the memory estimate, the least valuable GPU
+    experts go back to RAM until the estimate fits (forced here by overstating the room)."""
+    inv = _inv()
+    fixed, experts = _fixed_and_experts(inv, 1024)
+    budget = Budget((int(fixed + 0.3 * experts),))
+    planner = Planner(CostModel(inv, desktop_profile(), _stats(inv, 4, 0.3)), budget, ctx=1024)
+    honest = planner.plan("frequency")
+    planner._room_cache = [int(0.6 * experts)]
+    plan = planner.plan("frequency")
+    assert fits(plan.placement, inv, budget, 1024)
+    assert any("went back to RAM" in n for n in plan.notes)
+    assert plan.prediction.memory.total("gpu:0") <= budget.gpu_bytes[0]
+    assert plan.prediction.decode_tps == pytest.approx(honest.prediction.decode_tps, rel=0.05)
+    with pytest.raises(PlacementError):
+        planner.plan("n-cpu-moe")  # layer-shaped plans have no per-expert value: refused, not shrunk
