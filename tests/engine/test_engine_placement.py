@@ -317,3 +317,43 @@ def test_cuda_without_a_gpu_is_a_clear_error(qwen3):
         Engine.load(inv, device="cuda")
     with pytest.raises(WorkbenchError, match="unknown device"):
         Engine.load(inv, device="gpu7")
+
+
+def test_cpu_format_f32_computes_exactly_what_the_stacks_compute(qwen3):
+    """The CPU tier through cpu_formats' kernels (f32) gives the reference logits and tokens."""
+    model, inv = qwen3
+    p = Placement()
+    p.move(inv.expert_keys(), CPU_COMPUTE)
+    engine = load(inv, p, dtype=torch.float32, cpu_format="f32")
+    assert all(lx.cpu_kernel is not None for lx in engine.experts.values())
+    assert rel_err(engine.forward(torch.tensor(PROMPT), 0), reference_logits(model, PROMPT)) < 1e-4
+    plain = load(inv, p, dtype=torch.float32)
+    assert greedy_tokens(engine, PROMPT, 8) == greedy_tokens(plain, PROMPT, 8)
+    assert engine.memory_report() == plain.memory_report()
+    engine.close()
+    plain.close()
+
+
+def test_cpu_format_int8_holds_a_quarter_of_the_bytes_and_moves_back(qwen3):
+    from workbench.engine.cpu_formats import available_formats
+
+    if "int8" not in available_formats():
+        pytest.skip("this PyTorch has no int8 weight-only CPU kernel")
+    model, inv = qwen3
+    ref = reference_logits(model, PROMPT)
+    p = Placement()
+    p.move(inv.expert_keys(), CPU_COMPUTE)
+    engine = load(inv, p, dtype=torch.float32, cpu_format="int8")
+    f32_bytes = sum(inv.units[k].n_params for k in inv.expert_keys()) * 4
+    assert f32_bytes / 4 <= engine.memory_report()["cpu"] < f32_bytes / 3  # int8 weights + bf16 scales
+    assert rel_err(engine.forward(torch.tensor(PROMPT), 0), ref) < 3e-2  # int8 rounding of expert weights
+    engine.apply_placement(Placement())
+    assert engine.memory_report()["cpu"] == 0
+    assert rel_err(engine.forward(torch.tensor(PROMPT), 0), ref) < 3e-2  # carries the int8 rounding
+    engine.close()
+
+
+def test_unknown_cpu_format_is_refused(qwen3):
+    _, inv = qwen3
+    with pytest.raises(WorkbenchError, match="not available"):
+        load(inv, cpu_format="fp3")

@@ -85,12 +85,15 @@ class Engine:
     @classmethod
     def load(cls, inventory: Inventory, placement: Placement | None = None, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32, max_context: int = 2048, progress: Progress | None = None,
-             cancel=None, vram_budget: int | None = None) -> Engine:
+             cancel=None, vram_budget: int | None = None, cpu_format: str | None = None,
+             cpu_workers: int = 1) -> Engine:
         """Load ``inventory`` under ``placement`` (default: everything on the accelerator).
 
         ``device`` is the accelerator. ``max_context`` sizes the static KV cache (tokens).
         ``vram_budget`` (bytes) defaults to the free memory of a CUDA device and to no limit on the
         CPU. ``cancel`` is a ``threading.Event`` or a callable returning True to stop.
+        ``cpu_format`` (``cpu_formats.FORMATS``: bf16, f32, int8, int4) computes the CPU tier's experts
+        with that weight format on ``cpu_workers`` threads; None keeps them in ``dtype``.
         Raises PlacementError before allocating anything when the placement does not fit, and
         AcceleratorMemoryError / LoadCancelled after freeing what was loaded.
         """
@@ -118,6 +121,14 @@ class Engine:
         self._lock = threading.RLock()
         self._reader = WeightReader(inventory)
         self._fw = FamilyWeights(self._reader, args)
+        self.cpu_format, self._pool = cpu_format, None
+        if cpu_format is not None:
+            from .cpu_formats import ExpertPool, available_formats
+
+            if cpu_format not in available_formats():
+                raise WorkbenchError(f"CPU weight format {cpu_format!r} is not available here; "
+                                     f"available: {', '.join(available_formats())}")
+            self._pool = ExpertPool(cpu_workers)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
         total = sum(u.nbytes for u in inventory.units.values())
         loader = _Loader(device, dtype, total, progress, cancel)
@@ -221,12 +232,31 @@ class Engine:
                 lx.put(e, tier, rows[tier], w["w13"], w["w2"], b.get("b13"), b.get("b2"))
             rows[tier] += 1
         lx.finish()
+        if self.cpu_format is not None and rows[COMPUTE]:
+            self._attach_cpu_kernel(lx)
         return lx
+
+    def _attach_cpu_kernel(self, lx: LayerExperts) -> None:
+        from .cpu_formats import CpuExperts, supports
+
+        a, fmt = self.args, self.cpu_format
+        if lx.bias or lx.act[0] != "silu":
+            log.warning("CPU format %s does not take %s experts (biases, clamped SwiGLU); layer %d computes "
+                        "them in %s", fmt, a.family, lx.layer, self.dtype)
+            return
+        if not (supports(fmt, 2 * a.expert_ffn, a.hidden) and supports(fmt, a.hidden, a.expert_ffn)):
+            log.warning("CPU format %s does not take experts of %d x %d; layer %d computes them in %s",
+                        fmt, a.hidden, a.expert_ffn, lx.layer, self.dtype)
+            return
+        lx.use_cpu_kernel(CpuExperts.from_stacked(lx.w13[COMPUTE], lx.w2[COMPUTE], fmt, self._pool))
 
     def _free(self) -> None:
         for name in ("layers", "experts", "caches", "embed", "norm", "lm_head", "rope", "counts"):
             self.__dict__.pop(name, None)
         self._worker.shutdown(wait=False)
+        if getattr(self, "_pool", None) is not None:
+            self._pool.close()
+            self._pool = None
         self._reader.close()
         gc.collect()
         if self.device.type == "cuda":

@@ -102,6 +102,7 @@ class LayerExperts:
         self.cache_w2: torch.Tensor | None = None
         self.cache_b13: torch.Tensor | None = None
         self.cache_b2: torch.Tensor | None = None
+        self.cpu_kernel = None  # optional CPU-format kernel for the compute tier (cpu_formats.CpuExperts)
         self.cache_expert: list[int] = []
         self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> cache slot, oldest first
         self.hits = 0
@@ -144,9 +145,18 @@ class LayerExperts:
         """Expert ``expert``'s rows ``(w13 [2I, H], w2 [H, I], b13, b2)`` where they live now
         (biases None unless the family has them)."""
         tier, row = int(self.tier[expert]), int(self.local[expert])
+        if tier == COMPUTE and self.cpu_kernel is not None:
+            ex = self.cpu_kernel.experts[row]
+            return ex.gate_up.dequantize(), ex.down.dequantize(), None, None
         if not self.bias:
             return self.w13[tier][row], self.w2[tier][row], None, None
         return self.w13[tier][row], self.w2[tier][row], self.b13[tier][row], self.b2[tier][row]
+
+    def use_cpu_kernel(self, kernel) -> None:
+        """Compute the CPU tier with ``kernel`` (called like ``grouped`` without the weights: ``kernel(x,
+        rows, scale, scale_input)``), which holds its own copy of the weights; the stacks are dropped."""
+        self.cpu_kernel = kernel
+        self.w13[COMPUTE] = self.w2[COMPUTE] = None
 
     def finish(self) -> None:
         self.local_dev = torch.as_tensor(self.local, device=self.device)
@@ -164,6 +174,8 @@ class LayerExperts:
                         acc += n
                     else:
                         cpu += n
+        if self.cpu_kernel is not None:
+            cpu += self.cpu_kernel.nbytes
         for t in (self.cache_w13, self.cache_w2, self.cache_b13, self.cache_b2):
             if t is not None:
                 acc += t.numel() * t.element_size()
@@ -190,10 +202,13 @@ class LayerExperts:
             x_cpu = x[token[sel]].to("cpu", non_blocking=False)
             w_cpu = flat_w[sel].to("cpu")
             rows_cpu = torch.as_tensor(self.local[ids_host[cpu_sel]])
-            args = (x_cpu, rows_cpu, w_cpu, self.w13[COMPUTE], self.w2[COMPUTE], scale_input,
-                    self.b13[COMPUTE], self.b2[COMPUTE], self.act)
-            future = self.worker.submit(grouped, *args) if self.worker is not None else None
-            cpu_now = None if future is not None else grouped(*args)
+            if self.cpu_kernel is not None:
+                fn, args = self.cpu_kernel, (x_cpu, rows_cpu, w_cpu, scale_input)
+            else:
+                fn, args = grouped, (x_cpu, rows_cpu, w_cpu, self.w13[COMPUTE], self.w2[COMPUTE], scale_input,
+                                     self.b13[COMPUTE], self.b2[COMPUTE], self.act)
+            future = self.worker.submit(fn, *args) if self.worker is not None else None
+            cpu_now = None if future is not None else fn(*args)
         out = torch.zeros_like(x)
         res_sel = np.nonzero(tiers == RESIDENT)[0]
         if res_sel.size:
