@@ -198,6 +198,8 @@ def export_llama_cpp(inventory: Inventory, placement: Placement, cost=None) -> E
     for buf, names in sorted(others.items()):
         args.append(f'-ot "^({"|".join(names)})$={buf}"')
     text = " ".join(args)
+    model = inventory.path if inventory.format == "gguf" else "MODEL.gguf (convert the folder with convert_hf_to_gguf.py)"
+    notes.append(f"use as: llama-server -m {model} {text}")
     return Export("llama.cpp", text, {}, notes, None if exact else approx)
 
 
@@ -256,6 +258,8 @@ def export_ktransformers(inventory: Inventory, placement: Placement, stats=None,
         f"d = json.load(open('{file_json}')); torch.save({{'logical_count': torch.tensor(d['logical_count'])}}, "
         f"'{file_pt}')\"",
     ]
+    notes.append("use as: python -m sglang.launch_server --model MODEL --kt-weight-path CPU_WEIGHTS "
+                 "--kt-method ... ARGUMENTS (KTransformers' kt-kernel SGLang integration), ARGUMENTS below")
     if len(per_layer) == 1:
         notes.append(f"equivalently --kt-num-gpu-experts {per_layer.pop()} (the same count in every MoE layer)")
     if any(grid[layer, e] > 0 for layer, e in zip(*np.nonzero(on_gpu))):
