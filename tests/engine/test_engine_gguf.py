@@ -1,4 +1,4 @@
-"""GGUF copies run like the safetensors originals.
+"""GGUF copies run like the safetensors originals; quantized weights dequantize like the reference.
 
 - F32 GGUF (llama.cpp names, stacked experts, Mixtral's permuted Q/K rows): the same logits and
   greedy tokens as transformers on the original, with experts on every tier.
@@ -6,6 +6,7 @@
   own GGUF loader dequantizes (gguf-py) from the same file.
 - K-quants (Q4_K, Q5_K, Q6_K; gguf-py cannot write them): one expert's slice, dequantized at load,
   equals gguf-py's dequantization of the whole stacked tensor at that expert.
+- gpt-oss MXFP4 (GGUF experts, and the ``*_blocks`` / ``*_scales`` of its safetensors checkpoints).
 """
 
 from __future__ import annotations
@@ -152,3 +153,35 @@ def test_expert_slice_dequantizes_like_gguf(qtype, tmp_path):
     for e in range(n_exp):
         got = reader.tensor("blk.0.ffn_up_exps.weight", e).float().numpy()
         np.testing.assert_array_equal(got, whole[e].astype(np.float32))
+
+
+def test_gpt_oss_mxfp4_safetensors_match_transformers_dequantization(tiny_model_dir, tiny_hf_model, tmp_path):
+    """gpt-oss checkpoints store experts as MXFP4 ``*_blocks`` / ``*_scales``: the engine dequantizes
+    them like transformers' ``convert_moe_packed_tensors`` does."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    sizes = {"hidden_size": 64, "intermediate_size": 64}
+    folder = tmp_path / "gpt-oss-mxfp4"
+    shutil.copytree(tiny_model_dir("gpt_oss", **sizes), folder)
+    ref = copy.deepcopy(tiny_hf_model("gpt_oss", **sizes))
+    tensors = load_file(folder / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for layer, block in enumerate(ref.model.layers):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        for name in ("gate_up_proj", "down_proj"):
+            rows, cols = tensors[prefix + name].shape[2], tensors[prefix + name].shape[1]  # [E, in, out]
+            n_exp = tensors[prefix + name].shape[0]
+            blocks = torch.randint(0, 256, (n_exp, rows, cols // 32, 16), dtype=torch.uint8, generator=gen)
+            scales = torch.randint(119, 123, (n_exp, rows, cols // 32), dtype=torch.uint8, generator=gen)
+            del tensors[prefix + name]
+            tensors[prefix + name + "_blocks"], tensors[prefix + name + "_scales"] = blocks, scales
+            with torch.no_grad():  # transformers' layout: [E, in, out]
+                getattr(block.mlp.experts, name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    inv = open_inventory(folder)
+    engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
+    check(engine, ref)
+    engine.close()

@@ -342,6 +342,11 @@ class FamilyWeights:
             d = self.reader.tensor(f"blk.{layer}.ffn_down_exps.weight", e)
             return {"w13": (g, u), "w2": d}
         m = f"{self.prefix}layers.{layer}.{self.mlp}.experts."
+        if self.reader.has(m + "gate_up_proj_blocks"):  # gpt-oss checkpoints: MXFP4 blocks + scales
+            gu = mxfp4_rows(self.reader.tensor(m + "gate_up_proj_blocks", e),
+                            self.reader.tensor(m + "gate_up_proj_scales", e))  # [2I, H], interleaved
+            d = mxfp4_rows(self.reader.tensor(m + "down_proj_blocks", e), self.reader.tensor(m + "down_proj_scales", e))
+            return {"w13": (gu[::2], gu[1::2]), "w2": d}
         if self.reader.has(m + "gate_up_proj"):
             gu = self.reader.tensor(m + "gate_up_proj", e)
             d = self.reader.tensor(m + "down_proj", e)
@@ -361,3 +366,19 @@ def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     shape = w.shape
     rest = shape[1:]
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *rest).transpose(1, 2).reshape(shape)
+
+
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OCP MXFP4 as gpt-oss checkpoints store it -> float32 ``[rows, G * 32]``.
+
+    ``blocks [rows, G, 16]`` (uint8, two e2m1 values a byte, low nibble first) and ``scales
+    [rows, G]`` (uint8 e8m0: the power of two ``scale - 127`` of each 32-value group).
+    """
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    b = blocks.to(torch.int64)
+    vals = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).flatten(-2)  # [rows, G, 32]
+    vals = torch.ldexp(vals, (scales.to(torch.int32) - 127)[..., None].float())
+    return vals.reshape(vals.shape[0], -1)
