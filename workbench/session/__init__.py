@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -35,6 +37,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MARGIN = 1 << 30
 """Bytes kept free on every device by default (1 GiB)."""
+
+MEASURE_GRAIN = 64 << 20
+"""Measured free memory is rounded down to this many bytes (64 MiB) so that budgets and predictions
+are not recomputed for every small fluctuation."""
 
 TIER_CPU_COMPUTE = 0
 TIER_CPU_STREAM = 1
@@ -150,6 +156,11 @@ class Session:
         self.chat = ChatState()
         self._prediction: Prediction | None = None
         self._unit_bytes: dict[UnitKey, int] = {}
+        self.live_stats: ExpertStats | None = None
+        self.live_view = True
+        self._chat_runtime = None
+        self.tps_times: deque[float] = deque(maxlen=4096)
+        self.tps_values: deque[float] = deque(maxlen=4096)
         self._lock = threading.Lock()
 
     # -- model -------------------------------------------------------------------------------
@@ -172,6 +183,7 @@ class Session:
         self._unit_bytes = {k: u.nbytes for k, u in inv.units.items()}
         self.placement = placement.copy() if placement is not None else services.default_placement(inv)
         self.stats = None
+        self.live_stats = None
         self.stats_source = ""
         self.chat = ChatState()
         self.project_path = None
@@ -311,9 +323,10 @@ class Session:
         nothing was counted yet."""
         rows = self.moe_layers
         out = np.full((len(rows), self.n_experts), np.nan, dtype=np.float32)
-        if self.stats is None or not rows:
+        stats = self.shown_stats()
+        if stats is None or not rows:
             return out
-        c = self.stats.counts[rows, : self.n_experts]
+        c = stats.counts[rows, : self.n_experts]
         total = c.sum(axis=1, keepdims=True)
         with np.errstate(invalid="ignore", divide="ignore"):
             share = np.where(total > 0, c / total * self.n_experts, np.nan)
@@ -332,9 +345,10 @@ class Session:
     def set_measured(self, measured: dict[str, tuple[int, int]]) -> None:
         """Memory as measured now: tier (``"gpu:0"``..., ``"cpu"``) -> (total, free) bytes, where
         free counts what every process uses (NVML free; psutil available for host RAM)."""
-        old = self.budgets()
-        self.measured = dict(measured)
-        if self.budgets() != old:
+        grain = MEASURE_GRAIN
+        rounded = {t: (int(total), int(free) // grain * grain) for t, (total, free) in measured.items()}
+        if rounded != self.measured:
+            self.measured = rounded
             self._budgets_changed()
 
     def detect_hardware(self, rate_hz: float = 10.0) -> None:
@@ -476,6 +490,10 @@ class Session:
             else:
                 self.close_engine()
                 self.engine = services.load_engine(self.inventory, placement, progress, cancel)
+                try:
+                    self.chat_runtime()  # tokenizer and template now, not at the first message
+                except WorkbenchError as e:
+                    log.info("no chat for this model: %s", e)
         except BaseException as e:
             self.events.engine_state.emit("error" if self.engine is None else "ready", str(e))
             raise
@@ -487,6 +505,13 @@ class Session:
         report = getattr(self.engine, "memory_report", None)
         return {k: int(v) for k, v in report().items()} if report else {}
 
+    def engine_placement_summary(self) -> str:
+        """One line: where the loaded engine runs and what it holds per tier."""
+        if self.engine is None:
+            return "not loaded"
+        held = ", ".join(f"{t} {bytes2human(b)}" for t, b in self.engine_bytes().items())
+        return f"{services.engine_device(self.engine)} · {held}"
+
     def close_engine(self) -> None:
         if self.engine is not None:
             close = getattr(self.engine, "close", None)
@@ -494,24 +519,115 @@ class Session:
                 close()
             self.engine = None
             self.engine_placement = None
+            self._chat_runtime = None
+            self.live_stats = None
             self.events.engine_state.emit("none", "")
 
     def read_live_counts(self) -> None:
-        """Pull routing counts from the engine into the grid (a few times per second)."""
-        if self.engine is not None:
-            self.set_counts(self.engine.routing_counts(), "live")
+        """Pull the engine's routing counts into ``live_stats`` (the grid shows them while the
+        model answers); the profiled stats the planner uses stay as they are."""
+        if self.engine is None or self.inventory is None:
+            return
+        counts = np.asarray(self.engine.routing_counts(), dtype=np.float64)
+        if self.live_stats is not None and np.array_equal(self.live_stats.counts, counts):
+            return
+        stats = ExpertStats.for_spec(self.inventory.spec)
+        stats.add(counts)
+        self.live_stats = stats
+        self.events.stats_changed.emit(self.stats)
+
+    def set_live_view(self, on: bool) -> None:
+        """Colour the grid by live routing (True) or by the profiled stats (False)."""
+        self.live_view = bool(on)
+        self.events.stats_changed.emit(self.stats)
+
+    def shown_stats(self) -> ExpertStats | None:
+        if self.live_view and self.live_stats is not None and self.live_stats.counts.any():
+            return self.live_stats
+        return self.stats
 
     def profile(self, prompts: list[str], progress=None, cancel: threading.Event | None = None) -> np.ndarray:
-        """Run ``prompts`` through the engine and return the routing counts they produce. Blocking."""
+        """Run ``prompts`` through the engine (prefill only) and return the routing counts
+        ``[n_layers, n_experts]`` they produce. Blocking; loads the engine if needed."""
         if self.engine is None:
             self.load_engine(progress, cancel)
-        return services.profile(self, prompts, progress, cancel)
+        runtime = self.chat_runtime()
+        try:
+            return services.profile(self.engine, runtime.tokenizer, prompts, progress, cancel)
+        finally:
+            runtime.generator.reset_cache()  # profiling overwrote the KV cache
 
     # -- chat --------------------------------------------------------------------------------
 
+    def chat_runtime(self):
+        """Tokenizer, chat template and Generator of the loaded engine (made once per engine)."""
+        from workbench.session.chat import ChatRuntime
+
+        if self.engine is None:
+            raise WorkbenchError("load the model first (Run ▸ Apply placement)")
+        if self._chat_runtime is None or self._chat_runtime.engine is not self.engine:
+            self._chat_runtime = ChatRuntime(self.engine, self.inventory)
+        return self._chat_runtime
+
+    def note_tokens_per_s(self, tps: float) -> None:
+        """Record a measured decode rate (tokens/s) for the performance plot (any thread)."""
+        with self._lock:
+            self.tps_times.append(time.monotonic())
+            self.tps_values.append(float(tps))
+
+    def tokens_per_s_series(self) -> tuple[np.ndarray, np.ndarray]:
+        """(monotonic seconds, tokens/s) measured while generating, oldest first."""
+        with self._lock:
+            return np.array(self.tps_times), np.array(self.tps_values)
+
+    def add_message(self, role: str, content: str) -> None:
+        self.chat.messages.append(ChatMessage(role, content))
+        self._chat_edited()
+
+    def edit_message(self, index: int, content: str) -> None:
+        """Change message ``index`` and drop every later one (edit and resend)."""
+        self.chat.messages[index] = ChatMessage(self.chat.messages[index].role, content)
+        del self.chat.messages[index + 1 :]
+        self._chat_edited()
+
+    def drop_last_reply(self) -> None:
+        """Remove the last assistant message (Regenerate)."""
+        if self.chat.messages and self.chat.messages[-1].role == "assistant":
+            self.chat.messages.pop()
+            self._chat_edited()
+
+    def finish_reply(self, message: ChatMessage) -> None:
+        """Append a reply made by :meth:`generate_reply` (GUI thread)."""
+        self.chat.messages.append(message)
+        self.chat.context_used = int(message.stats.get("context_used", 0))
+        self._chat_edited()
+        self.events.generation_finished.emit(message)
+
+    def set_chat_settings(self, system_prompt: str | None = None, sampling: dict | None = None,
+                          template_override: str | None = None) -> None:
+        if system_prompt is not None:
+            self.chat.system_prompt = system_prompt
+        if sampling:
+            self.chat.sampling.update(sampling)
+        if template_override is not None:
+            self.chat.template_override = template_override
+        self.dirty = self.inventory is not None
+        self._project_changed()
+
+    def clear_chat(self) -> None:
+        self.chat.messages.clear()
+        self.chat.context_used = 0
+        self._chat_edited()
+
+    def _chat_edited(self) -> None:
+        self.dirty = True
+        self.events.chat_changed.emit()
+        self._project_changed()
+
     def generate_reply(self, cancel: threading.Event) -> ChatMessage:
         """Answer the conversation's last user message. Blocking: run in a worker; emits
-        ``generation_token`` per piece of text from that thread."""
+        ``generation_token`` per piece of text from that thread. Returns the reply; the caller
+        appends it with :meth:`finish_reply` on the GUI thread."""
         from workbench.session import chat
 
         return chat.generate_reply(self, cancel)

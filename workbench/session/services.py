@@ -109,18 +109,23 @@ STRATEGIES = ("all-gpu", "cpu-moe", "n-cpu-moe", "uniform", "frequency", "balanc
 
 
 def plan(session, strategy: str) -> Placement:
+    """The planner's placement for ``strategy`` under the session's budgets (margin already taken
+    off), with its cost model; raises PlacementError when that strategy cannot fit."""
     planner = _optional("workbench.core.planner")
     if planner is None:
         raise WorkbenchError("the planner is not available in this build")
-    return planner.plan(
-        session.inventory,
-        strategy,
-        budgets=session.budgets(),
-        hardware=session.hardware,
-        stats=expert_stats(session),
-        ctx=session.ctx,
-        kv_dtype=session.kv_dtype,
-    )
+    from workbench.core.placement import Budget
+
+    model = cost_model(session)
+    if model is None:
+        raise WorkbenchError("planning needs a hardware profile with a GPU (Hardware menu)")
+    budgets = session.budgets()
+    gpus = [t for t in session.tiers() if t != "cpu"]
+    if any(t not in budgets for t in gpus):
+        raise WorkbenchError("the GPU memory is unknown: pick a hardware preset (Hardware menu)")
+    budget = Budget(tuple(budgets[t] for t in gpus), 0, budgets.get("cpu"))
+    result = planner.plan(strategy, model, budget, ctx=session.ctx, kv_dtype=session.kv_dtype)
+    return result.placement
 
 
 def save_project(session, path: Path) -> None:
@@ -188,8 +193,44 @@ def load_engine(inv: Inventory, placement: Placement, progress=None, cancel=None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     ctx = min(int(inv.spec.max_context or 4096), 8192)
+
+    def loading(done: int, total: int, what: str) -> None:
+        if progress is not None:
+            progress(done / total if total else 1.0, f"loading {what} ({done * 100 // max(total, 1)}%)")
+
     return engine_mod.Engine.load(inv, placement, device=device, dtype=dtype, max_context=ctx,
-                                  progress=progress, cancel=cancel)
+                                  progress=loading, cancel=cancel)
+
+
+def profile(engine, tokenizer, prompts: list[str], progress=None, cancel=None):
+    """Routing counts ``[n_layers, n_experts]`` (float64) of ``prompts`` run through ``engine``
+    (prefill only, each prompt from position 0)."""
+    import numpy as np
+    import torch
+
+    before = np.asarray(engine.routing_counts(), dtype=np.float64)
+    for i, text in enumerate(prompts):
+        if cancel is not None and cancel.is_set():
+            raise WorkbenchError("profiling cancelled")
+        ids = tokenizer.encode(text)[: engine.max_context]
+        with torch.inference_mode():
+            for start in range(0, len(ids), 512):
+                engine.forward(torch.tensor(ids[start : start + 512]), start)
+        if progress is not None:
+            progress((i + 1) / len(prompts), f"profiled {i + 1} of {len(prompts)} prompts")
+    return np.asarray(engine.routing_counts(), dtype=np.float64) - before
+
+
+def calibration_prompts() -> list[str]:
+    """The bundled calibration prompts (resources/prompts/calibration.json)."""
+    import json
+
+    path = Path(__file__).resolve().parents[2] / "resources" / "prompts" / "calibration.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise WorkbenchError(f"cannot read the calibration prompts {path}: {e}") from None
+    return [p["text"] for p in data.get("prompts", []) if p.get("text")]
 
 
 def engine_device(engine) -> str:

@@ -73,6 +73,7 @@ class ExpertsDock(QWidget):
         self.live = QCheckBox("follow routing live")
         self.live.setChecked(True)
         self.live.setToolTip("While the model answers, colour the grid by the engine's routing counts")
+        self.live.toggled.connect(session.set_live_view)
         top.addWidget(self.live)
 
         lay = QVBoxLayout(self)

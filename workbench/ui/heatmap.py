@@ -16,7 +16,7 @@ from PySide6.QtWidgets import QGraphicsRectItem, QToolTip
 from workbench.session import TIER_CPU_COMPUTE, TIER_CPU_STREAM, TIER_GPU0
 
 CELL_PX = 6
-"""Image pixels per cell side: a 1-pixel frame in the tier's colour around a 4x4 frequency core."""
+"""Fewest image pixels per cell side: a 1-pixel frame in the tier's colour around the frequency core."""
 
 FREQ_MAX = 3.0
 """Relative frequency (1 = an average expert of its layer) at the top of the colour scale."""
@@ -43,8 +43,13 @@ def _rgba(hex_colour: str) -> tuple[int, int, int, int]:
 FREQ_CMAP = pg.colormap.get("inferno")
 
 
+def cell_px(rows: int, cols: int) -> int:
+    """Image pixels per cell: 6 for big grids, more for small ones so the frame stays thin."""
+    return int(np.clip(np.ceil(480 / max(rows, cols, 1)), CELL_PX, 32))
+
+
 def render_cells(freq: np.ndarray, tiers: np.ndarray) -> np.ndarray:
-    """RGBA picture ``[R * CELL_PX, E * CELL_PX, 4]`` uint8 of the grid (row-major, row 0 on top).
+    """RGBA picture ``[R * s, E * s, 4]`` uint8 of the grid (row-major, row 0 on top), ``s = cell_px``.
 
     ``freq``: relative frequency ``[R, E]`` float (NaN = not counted); ``tiers``: tier codes ``[R, E]``.
     """
@@ -57,9 +62,10 @@ def render_cells(freq: np.ndarray, tiers: np.ndarray) -> np.ndarray:
     if known.any():
         scaled = np.sqrt(np.clip(freq[known] / FREQ_MAX, 0.0, 1.0))
         core[known] = FREQ_CMAP.map(scaled, mode="byte")
-    s = CELL_PX
+    s = cell_px(r, e)
     img = np.repeat(np.repeat(frame, s, axis=0), s, axis=1)
-    img.reshape(r, s, e, s, 4)[:, 1 : s - 1, :, 1 : s - 1, :] = core[:, None, :, None, :]
+    f = max(1, s // 8)  # frame width
+    img.reshape(r, s, e, s, 4)[:, f : s - f, :, f : s - f, :] = core[:, None, :, None, :]
     return img
 
 

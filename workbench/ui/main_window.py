@@ -23,10 +23,12 @@ from workbench.core.errors import WorkbenchError
 from workbench.session import Session, services
 
 from .bridge import connect_gui
+from .chat_dock import ChatDock
 from .experts_dock import ExpertsDock
 from .jobs import Job
 from .memory_dock import MemoryDock
 from .model_dock import ModelDock
+from .performance_dock import PerformanceDock
 
 log = logging.getLogger(__name__)
 MAX_RECENT = 10
@@ -42,7 +44,7 @@ class MainWindow(QMainWindow):
         self.resize(1560, 960)
 
         self.banner = QLabel("")
-        self.banner.setWordWrap(True)
+        self.banner.setWordWrap(False)
         self.banner.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
         self.banner.setStyleSheet("QLabel{background:#5a3d00;color:#ffe9b0;padding:4px 8px;}")
         bar = QToolBar("banner")
@@ -59,6 +61,13 @@ class MainWindow(QMainWindow):
         self.docks: dict[str, QDockWidget] = {}
         self._add_dock("Model", self.model_dock, Qt.DockWidgetArea.LeftDockWidgetArea)
         self._add_dock("Memory", self.memory_dock, Qt.DockWidgetArea.RightDockWidgetArea)
+        self.performance_dock = PerformanceDock(self.session)
+        self.chat_dock = ChatDock(self.session, self.generate, self.cancel_job)
+        self._add_dock("Chat", self.chat_dock, Qt.DockWidgetArea.RightDockWidgetArea)
+        self._add_dock("Performance", self.performance_dock, Qt.DockWidgetArea.BottomDockWidgetArea)
+        self.performance_dock.setMinimumHeight(170)
+        self.resizeDocks([self.docks["Memory"], self.docks["Chat"]], [300, 500], Qt.Orientation.Vertical)
+        self.resizeDocks([self.docks["Model"], self.docks["Memory"]], [420, 470], Qt.Orientation.Horizontal)
         self.model_dock.setMinimumWidth(380)
         self.memory_dock.setMinimumWidth(400)
 
@@ -77,6 +86,9 @@ class MainWindow(QMainWindow):
         self.progress.hide()
         self.cancel_button.hide()
 
+        self.live_timer = QTimer(self)
+        self.live_timer.setInterval(250)
+        self.live_timer.timeout.connect(self._live_tick)
         self._make_menus()
         ev = self.session.events
         connect_gui(ev.project_changed, self._on_project_changed, self)
@@ -100,6 +112,7 @@ class MainWindow(QMainWindow):
 
     def set_banner(self, text: str) -> None:
         self.banner.setText(text)
+        self.banner.setToolTip(text)
         self.banner_bar.setVisible(bool(text))
 
     def run_job(self, name: str, fn, on_done, cancellable: bool = True) -> Job | None:
@@ -240,8 +253,12 @@ class MainWindow(QMainWindow):
         if self.maybe_save():
             if self.job is not None:
                 self.job.cancel.set()
+            for timer in (getattr(self, "telemetry_timer", None), self.live_timer):
+                if timer is not None:
+                    timer.stop()
             self.session.close_engine()
             self.session.stop_telemetry()
+            self.session.events.disconnect()
             event.accept()
         else:
             event.ignore()
@@ -251,6 +268,84 @@ class MainWindow(QMainWindow):
         name = Path(path).name if path else (inv.path.name if inv is not None else "no model")
         self.setWindowTitle(f"{name}[*] — MoE Workbench")
         self.setWindowModified(dirty)
+
+    # -- engine jobs -------------------------------------------------------------------------------
+
+    def apply_placement(self, then=None, force: bool = False) -> Job | None:
+        """Load (or migrate) the engine to the current placement in a worker. A placement whose
+        estimate exceeds free RAM or VRAM asks first, saying by how much ("load anyway")."""
+        if self.session.inventory is None:
+            self.show_status("Open a model first", True)
+            return None
+        reason = self.session.load_guardrail()
+        if reason and not force and not self.confirm_load_anyway(reason):
+            self.show_status(f"Not loaded: {reason}", True)
+            return None
+
+        def done(_result):
+            self.show_status(f"Engine ready: {self.session.engine_placement_summary()}")
+            if then is not None:
+                then()
+
+        return self.run_job("Apply placement", lambda progress, cancel: self.session.load_engine(progress, cancel), done)
+
+    def confirm_load_anyway(self, reason: str) -> bool:
+        box = QMessageBox(QMessageBox.Icon.Warning, "The placement does not fit",
+                          f"Loading this placement would not fit:\n\n{reason}\n\nLoad anyway?", parent=self)
+        anyway = box.addButton("Load anyway", QMessageBox.ButtonRole.AcceptRole)
+        box.addButton(QMessageBox.StandardButton.Cancel)
+        box.exec()
+        return box.clickedButton() is anyway
+
+    def profile(self) -> Job | None:
+        """Run the calibration prompts through the engine and make their routing the stats."""
+        if self.session.inventory is None:
+            self.show_status("Open a model first", True)
+            return None
+        if self.session.engine is None:
+            return self.apply_placement(then=self.profile)
+        try:
+            prompts = services.calibration_prompts()
+        except WorkbenchError as e:
+            self.show_status(str(e), True)
+            return None
+
+        def done(counts):
+            self.session.set_counts(counts, "profiled")
+            self.show_status(f"Profiled routing on {len(prompts)} calibration prompts")
+
+        return self.run_job("Profile", lambda progress, cancel: self.session.profile(prompts, progress, cancel), done)
+
+    def generate(self) -> Job | None:
+        """Answer the conversation in a worker (loads the engine first if needed)."""
+        if self.session.inventory is None:
+            self.chat_dock.generation_failed("Open a model first")
+            return None
+        if self.session.engine is None:
+            job = self.apply_placement(then=self.generate)
+            if job is None:
+                self.chat_dock.generation_failed("The engine is not loaded (Run ▸ Apply placement)")
+            return job
+
+        def work(_progress, cancel):
+            return self.session.generate_reply(cancel)
+
+        def done(message):
+            self.session.finish_reply(message)
+            st = message.stats
+            self.show_status(f"Reply: {st.get('tokens', 0)} tokens at {st.get('decode_tps', 0):.1f} tok/s "
+                             f"({st.get('stop_reason', '?')})")
+
+        job = self.run_job("Generate", work, done)
+        if job is not None:
+            job.finished.connect(lambda _r, e: e is not None and self.chat_dock.generation_failed(str(e)))
+            self.live_timer.start()
+            job.finished.connect(lambda *_: (self.live_timer.stop(), self.session.read_live_counts()))
+        return job
+
+    def _live_tick(self) -> None:
+        if self.experts.live.isChecked():
+            self.session.read_live_counts()
 
     # -- hardware ----------------------------------------------------------------------------------
 
@@ -336,6 +431,11 @@ class MainWindow(QMainWindow):
         self.hardware_menu = mb.addMenu("&Hardware")
         self.hardware_menu.aboutToShow.connect(self._fill_hardware_menu)
         self.run_menu = mb.addMenu("&Run")
+        self.run_menu.addAction("&Apply placement (load the engine)", QKeySequence("Ctrl+L"), self.apply_placement)
+        self.run_menu.addAction("&Profile routing on the calibration prompts", QKeySequence("Ctrl+P"), self.profile)
+        self.run_menu.addAction("&Stop", QKeySequence("Esc"), self.cancel_job)
+        self.run_menu.addSeparator()
+        self.run_menu.addAction("&Unload the engine", self.session.close_engine)
         self.view_menu = mb.addMenu("&View")
         for dock in self.docks.values():
             self.view_menu.addAction(dock.toggleViewAction())

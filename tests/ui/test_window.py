@@ -1,0 +1,211 @@
+"""The window, offscreen: open a model, drag and drop experts between lanes, undo, budget refusal,
+save and reopen, chat streaming with Stop while the GUI thread keeps breathing."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from PySide6.QtCore import QPoint, QPointF, Qt, QTimer
+from PySide6.QtGui import QDragEnterEvent, QDragMoveEvent, QDropEvent
+from PySide6.QtWidgets import QApplication
+
+from tests.ui.synthetic import synthetic_inventory
+from workbench.core.placement import CPU_COMPUTE, ON_GPU0
+from workbench.core.units import UnitKey
+from workbench.ui.mime import UNITS_MIME, units_from_mime
+
+
+def open_model(window, qtbot, path):
+    window.open_path(path)
+    qtbot.waitUntil(lambda: window.session.inventory is not None and window.job is None, timeout=30000)
+
+
+def drop_on(lane, mime) -> tuple[bool, bool]:
+    """Drag ``mime`` into ``lane`` and drop it there, as Qt delivers a real drop; returns whether
+    the lane accepted the drag-move and the drop."""
+    pos = QPointF(lane.width() / 2, lane.height() / 2)
+    act = Qt.DropAction.MoveAction
+    enter = QDragEnterEvent(pos.toPoint(), act, mime, Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier)
+    QApplication.sendEvent(lane, enter)
+    move = QDragMoveEvent(pos.toPoint(), act, mime, Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier)
+    QApplication.sendEvent(lane, move)
+    drop = QDropEvent(pos, act, mime, Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier)
+    QApplication.sendEvent(lane, drop)
+    return move.isAccepted(), drop.isAccepted()
+
+
+def test_open_model_shows_layers_by_experts(window, qtbot, chat_model_dir):
+    open_model(window, qtbot, chat_model_dir)
+    s = window.session
+    grid = window.experts.grid
+    assert (grid.n_rows, grid.n_cols) == (len(s.moe_layers), s.inventory.spec.n_experts)
+    assert grid.n_rows >= 2 and grid.n_cols >= 4
+    assert grid.image.image is not None and grid.image.image.shape[:2] == (
+        grid.n_rows * (grid.image.image.shape[0] // grid.n_rows), grid.n_cols * (grid.image.image.shape[1] // grid.n_cols))
+    assert window.model_dock.tree.topLevelItemCount() == s.inventory.spec.n_layers + 3  # embed, layers, norm, head
+    assert set(window.memory_dock.maps) == {"gpu:0", "cpu"}
+    assert set(window.experts.lanes) == {"gpu:0", "cpu"}
+    assert window.banner_bar.isVisibleTo(window)  # no GPU on the test machine: the banner says why
+    assert "GPU" in window.banner.text()
+    tip = window.experts.cell_tooltip(0, 1)
+    assert f"layer {s.moe_layers[0]} · expert 1" in tip and "tier: gpu:0" in tip
+
+
+def test_drag_from_cpu_lane_to_gpu_lane_and_undo(window, qtbot, chat_model_dir):
+    open_model(window, qtbot, chat_model_dir)
+    s, experts = window.session, window.experts
+    layer = s.moe_layers[0]
+    assert experts.move(s.inventory.expert_keys(layer), CPU_COMPUTE)  # the whole row to the CPU lane
+    placement_before = s.placement.copy()
+    pred_before = s.prediction()
+    experts.grid.select_cells([(0, 3)])
+    mime = experts.grid.drag_mime()
+    keys, _ = units_from_mime(mime)
+    assert keys == [UnitKey(layer, "expert", 3)] and mime.hasFormat(UNITS_MIME)
+
+    accepted_move, accepted_drop = drop_on(experts.lanes["gpu:0"], mime)
+    assert accepted_move and accepted_drop
+    key = UnitKey(layer, "expert", 3)
+    assert s.placement.get(key) == ON_GPU0
+    assert s.tier_grid()[0, 3] != placement_before.get(key)
+    pred = s.prediction()
+    nbytes = s.unit_bytes(key)
+    assert pred.tier_total("gpu:0") == pred_before.tier_total("gpu:0") + nbytes
+    assert pred.decode_tps != pred_before.decode_tps
+    assert "Moved 1 experts to gpu:0" in window.status_label.text()
+
+    window.undo_stack.undo()
+    assert s.placement == placement_before
+    assert s.prediction().tier_total("gpu:0") == pred_before.tier_total("gpu:0")
+    assert s.prediction().decode_tps == pytest.approx(pred_before.decode_tps)
+    window.undo_stack.redo()
+    assert s.placement.get(key) == ON_GPU0
+
+
+def test_over_budget_drop_is_refused(window, qtbot, chat_model_dir):
+    open_model(window, qtbot, chat_model_dir)
+    s, experts = window.session, window.experts
+    assert experts.move(s.inventory.expert_keys(), CPU_COMPUTE)
+    one_expert = s.unit_bytes(s.inventory.expert_keys()[0])
+    s.set_margin(s.capacity("gpu:0") - s.prediction().tier_total("gpu:0") - one_expert // 2)
+    before = s.placement.copy()
+    depth = window.undo_stack.count()
+    experts.grid.select_rows([0])
+    accepted_move, _ = drop_on(experts.lanes["gpu:0"], experts.grid.drag_mime())
+    assert not accepted_move  # the lane shows the refusal while hovering
+    assert "over its budget" in experts.lanes["gpu:0"].toolTip()
+    assert s.placement == before and window.undo_stack.count() == depth
+    assert window.status_label.text().startswith("Refused:") and "GPU 0" in window.status_label.text()
+
+
+def test_big_grid_stays_fluid(window, qtbot):
+    """94 layers x 256 experts: redraw and the drag prediction take milliseconds, not seconds."""
+    s = window.session
+    s.set_model(synthetic_inventory(n_layers=94, n_experts=256, expert_bytes=3 * 2**20))
+    grid = window.experts.grid
+    assert (grid.n_rows, grid.n_cols) == (94, 256)
+    t0 = time.perf_counter()
+    window.experts.redraw()
+    redraw = time.perf_counter() - t0
+    grid.select_rows([10, 11, 12])
+    keys = window.experts.selected_keys()
+    t0 = time.perf_counter()
+    pred, reason = s.check_move(keys, CPU_COMPUTE)
+    hover = time.perf_counter() - t0
+    assert len(keys) == 768 and reason == ""
+    assert pred.tier_total("cpu") > s.prediction().tier_total("cpu")
+    assert redraw < 0.5 and hover < 0.25, (redraw, hover)
+
+
+def test_save_and_reopen_gives_the_same_project(window, qtbot, chat_model_dir, tmp_path):
+    pytest.importorskip("workbench.core.project")
+    open_model(window, qtbot, chat_model_dir)
+    s = window.session
+    window.experts.move(s.inventory.expert_keys(s.moe_layers[-1])[:3], CPU_COMPUTE)
+    counts = np.arange(s.inventory.spec.n_layers * s.n_experts, dtype=float).reshape(s.inventory.spec.n_layers, -1)
+    s.set_counts(counts)
+    s.set_chat_settings(system_prompt="Answer in one line.", sampling={"temperature": 0.3})
+    s.add_message("user", "Hello")
+    path = tmp_path / "project.json"
+    assert window.save_project(path)
+    assert not s.dirty
+    saved = (s.placement.copy(), s.stats.counts.copy(), s.chat.to_json(), s.hardware)
+
+    window.session.set_model(s.inventory)  # forget everything, then reopen the file
+    open_model(window, qtbot, path)
+    s = window.session
+    assert s.placement == saved[0]
+    assert np.array_equal(s.stats.counts, saved[1])
+    assert s.chat.to_json() == saved[2]
+    assert s.hardware == saved[3]
+    assert s.project_path == path and not s.dirty
+    assert str(path.resolve()) in window.recent_files()
+
+
+def test_chat_streams_stop_ends_it_and_the_gui_keeps_breathing(window, qtbot, chat_model_dir):
+    open_model(window, qtbot, chat_model_dir)
+    s = window.session
+    window.apply_placement()
+    qtbot.waitUntil(lambda: s.engine is not None and window.job is None, timeout=60000)
+    s.set_chat_settings(sampling={"temperature": 0.8, "max_new": 10_000, "seed": 1})
+
+    gaps, last = [], [time.perf_counter()]
+
+    def beat():
+        now = time.perf_counter()
+        gaps.append(now - last[0])
+        last[0] = now
+
+    heartbeat = QTimer()
+    heartbeat.setInterval(10)
+    heartbeat.timeout.connect(beat)
+    heartbeat.start()
+    chat = window.chat_dock
+    chat.input.setPlainText("Tell me about the weather in the village.")
+    chat.send()
+    qtbot.waitUntil(lambda: chat.busy and len(chat.streaming) > 20, timeout=30000)
+    qtbot.wait(1500)  # let it stream for a while
+    assert chat.busy
+    streamed = chat.streaming
+    qtbot.waitUntil(lambda: streamed.split()[0] in chat.transcript.toPlainText(), timeout=5000)  # in the pane
+    assert chat.stop_button.isEnabled()
+    qtbot.mouseClick(chat.stop_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: window.job is None and not chat.busy, timeout=10000)
+    heartbeat.stop()
+
+    reply = s.chat.messages[-1]
+    assert reply.role == "assistant" and reply.content.startswith(streamed)
+    assert reply.stats["stop_reason"] == "cancelled"
+    assert reply.stats["tokens"] > 1 and reply.stats["decode_tps"] > 0
+    assert f"of {s.engine.max_context}" in chat.live.text()
+    assert len(gaps) > 50
+    print(f"heartbeat: {len(gaps)} beats, longest gap {max(gaps) * 1000:.0f} ms")
+    assert max(gaps) < 0.1, f"GUI thread blocked {max(gaps) * 1000:.0f} ms"
+    assert s.live_stats is not None and s.live_stats.counts.sum() > 0  # the grid followed routing
+
+
+def test_guardrail_stops_a_load_that_does_not_fit(window, qtbot, chat_model_dir, monkeypatch):
+    open_model(window, qtbot, chat_model_dir)
+    s = window.session
+    s.set_margin(s.capacity("gpu:0"))  # nothing fits on the GPU
+    asked = []
+    monkeypatch.setattr(window, "confirm_load_anyway", lambda reason: asked.append(reason) or False)
+    assert window.apply_placement() is None
+    assert asked and "over its budget" in asked[0] and s.engine is None
+    assert window.status_label.text().startswith("Not loaded:")
+
+
+def test_recent_files_and_mime_rejects_other_models(window, qtbot, chat_model_dir):
+    open_model(window, qtbot, chat_model_dir)
+    assert window.recent_files()[0] == str(chat_model_dir.resolve())
+    from workbench.ui.mime import units_to_mime
+
+    foreign = units_to_mime([UnitKey(0, "expert", 0)], "another-model")
+    lane = window.experts.lanes["gpu:0"]
+    pos = QPoint(5, 5)
+    enter = QDragEnterEvent(pos, Qt.DropAction.MoveAction, foreign, Qt.MouseButton.LeftButton,
+                            Qt.KeyboardModifier.NoModifier)
+    QApplication.sendEvent(lane, enter)
+    assert not enter.isAccepted()
