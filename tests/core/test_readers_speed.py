@@ -139,3 +139,83 @@ def test_100gb_model_opens_in_under_2s(kind, tmp_path):
     assert out["total_bytes"] == data_bytes and out["n_experts"] == EXPERTS
     assert len(out["units"]) == len(inv.units)
     assert elapsed < 4.0, f"workbench inspect --json (with interpreter start): {elapsed:.2f} s"
+
+
+def _deepseek_v3_header(folder: Path) -> int:
+    """DeepSeek-V3 as released: FP8 weights with block scales, 3 dense layers, 58 MoE layers of 256
+    experts, and the multi-token-prediction layer 61. 92k tensors, 687 GB, a 13 MB header."""
+    L, E, H, I, FF, V = 61, 256, 7168, 2048, 18432, 129280  # noqa: E741
+    folder.mkdir()
+    config = dict(model_type="deepseek_v3", num_hidden_layers=L, hidden_size=H, intermediate_size=FF,
+                  moe_intermediate_size=I, num_attention_heads=128, num_key_value_heads=128, n_routed_experts=E,
+                  n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3, kv_lora_rank=512,
+                  q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=V,
+                  max_position_embeddings=163840, num_nextn_predict_layers=1)
+    (folder / "config.json").write_text(json.dumps(config))
+    header, offset = {}, 0
+
+    def add(name, shape, dtype="F8_E4M3"):
+        nonlocal offset
+        n = {"F8_E4M3": 1, "BF16": 2, "F32": 4}[dtype]
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+
+    def linear(name, rows, cols):
+        add(name + ".weight", (rows, cols))
+        add(name + ".weight_scale_inv", ((rows + 127) // 128, (cols + 127) // 128), "F32")
+
+    add("model.embed_tokens.weight", (V, H), "BF16")
+    for i in range(L + 1):
+        p = f"model.layers.{i}."
+        add(p + "input_layernorm.weight", (H,), "BF16")
+        add(p + "post_attention_layernorm.weight", (H,), "BF16")
+        linear(p + "self_attn.q_a_proj", 1536, H)
+        add(p + "self_attn.q_a_layernorm.weight", (1536,), "BF16")
+        linear(p + "self_attn.q_b_proj", 128 * 192, 1536)
+        linear(p + "self_attn.kv_a_proj_with_mqa", 576, H)
+        add(p + "self_attn.kv_a_layernorm.weight", (512,), "BF16")
+        linear(p + "self_attn.kv_b_proj", 128 * 256, 512)
+        linear(p + "self_attn.o_proj", H, 128 * 128)
+        if i < 3:
+            linear(p + "mlp.gate_proj", FF, H)
+            linear(p + "mlp.up_proj", FF, H)
+            linear(p + "mlp.down_proj", H, FF)
+            continue
+        add(p + "mlp.gate.weight", (E, H), "BF16")
+        add(p + "mlp.gate.e_score_correction_bias", (E,), "F32")
+        for e in [*range(E), "shared"]:
+            q = p + ("mlp.shared_experts." if e == "shared" else f"mlp.experts.{e}.")
+            linear(q + "gate_proj", I, H)
+            linear(q + "up_proj", I, H)
+            linear(q + "down_proj", H, I)
+        if i == L:
+            for name in ("enorm", "hnorm", "shared_head.norm"):
+                add(p + name + ".weight", (H,), "BF16")
+            add(p + "eh_proj.weight", (H, 2 * H), "BF16")
+            add(p + "shared_head.head.weight", (V, H), "BF16")
+    add("model.norm.weight", (H,), "BF16")
+    add("lm_head.weight", (V, H), "BF16")
+    raw = json.dumps(header).encode()
+    st = folder / "model.safetensors"
+    st.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    _sparse(st, 8 + len(raw) + offset)
+    return len(header)
+
+
+def test_deepseek_v3_as_released(tmp_path):
+    from workbench.commands.inspect import params_active
+
+    n_tensors = _deepseek_v3_header(tmp_path / "ds")
+    t0 = time.perf_counter()
+    inv = open_model(tmp_path / "ds")
+    elapsed = time.perf_counter() - t0
+    assert inv.family == "deepseek_v3" and inv.spec.moe_layers == tuple(range(3, 61))
+    assert round(inv.params_total / 1e9, 1) == 671.0  # scales are not parameters; the MTP layer is left out
+    assert round(params_active(inv) / 1e9, 1) == 37.6
+    skipped = inv.metadata["workbench.skipped_tensors"]
+    assert all(name.startswith("model.layers.61.") for name in skipped)
+    assert len(inv.tensors) + len(skipped) == n_tensors
+    # 7x the 100 GB case; the bound catches quadratic slips (one made this 16 s)
+    assert elapsed < 6.0, f"{n_tensors} tensors in {elapsed:.2f} s"

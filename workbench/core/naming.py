@@ -144,13 +144,13 @@ def assign_units(
     checkpoint. A name no rule knows, or a stacked tensor whose axis 0 is
     not ``n_experts``, is a ModelFormatError naming the tensor."""
     role_of = hf_role if fmt == "safetensors" else gguf_role
-    units: dict[UnitKey, Unit] = {}
+    by_tuple: dict[tuple, Unit] = {}  # UnitKeys are validated dataclasses: make each one once
     skipped: list[str] = []
 
-    def add(key: UnitKey, ref: TensorRef) -> None:
-        unit = units.get(key)
+    def add(layer: int | None, kind: str, expert: int | None, ref: TensorRef) -> None:
+        unit = by_tuple.get((layer, kind, expert))
         if unit is None:
-            unit = units[key] = Unit(key)
+            unit = by_tuple[(layer, kind, expert)] = Unit(UnitKey(layer, kind, expert))
         unit.tensors.append(ref)
 
     for name, info in tensors.items():
@@ -172,11 +172,11 @@ def assign_units(
                     f"tensor {name!r} of shape {list(info.shape)} should stack {n_experts} experts on axis 0"
                 )
             for e in range(n_experts):
-                add(UnitKey(role.layer, "expert", e), TensorRef(info, e))
+                add(role.layer, "expert", e, TensorRef(info, e))
         elif role.kind == "expert":
             if role.expert is None or role.expert >= n_experts:
                 raise ModelFormatError(f"tensor {name!r} names expert {role.expert}, the model has {n_experts}")
-            add(UnitKey(role.layer, "expert", role.expert), TensorRef(info))
+            add(role.layer, "expert", role.expert, TensorRef(info))
         else:
-            add(UnitKey(role.layer, role.kind), TensorRef(info))
-    return units, skipped
+            add(role.layer, role.kind, None, TensorRef(info))
+    return {unit.key: unit for unit in by_tuple.values()}, skipped

@@ -93,7 +93,8 @@ def _build(path, fmt, family, spec, config, tensors, files, meta) -> Inventory:
     if skipped:
         log.info("%d tensors of layers past %d left out (multi-token prediction): %s",
                  len(skipped), spec.n_layers, skipped[:3])
-        tensors = {n: t for n, t in tensors.items() if n not in set(skipped)}
+        dropped = set(skipped)
+        tensors = {n: t for n, t in tensors.items() if n not in dropped}
         meta = {**meta, "workbench.skipped_tensors": skipped}
     inv = Inventory(Path(path), fmt, family, spec, config, tensors, units, list(files), meta)
     inv.fingerprint = fingerprint(fmt, config, tensors)
@@ -105,7 +106,6 @@ def fingerprint(fmt: str, config: dict, tensors: dict[str, TensorInfo]) -> str:
     equal for the same checkpoint wherever it lives, different when any tensor changes."""
     h = hashlib.sha256(fmt.encode())
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
-    for name in sorted(tensors):
-        t = tensors[name]
-        h.update(f"{name}|{t.dtype}|{t.shape}|{t.nbytes}\n".encode())
+    lines = [f"{name}|{t.dtype}|{t.shape}|{t.nbytes}\n" for name in sorted(tensors) for t in (tensors[name],)]
+    h.update("".join(lines).encode())
     return h.hexdigest()[:32]

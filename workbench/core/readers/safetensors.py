@@ -8,6 +8,7 @@ the end of the header.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -58,17 +59,17 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape = entry["dtype"], tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
+            dtype, shape = entry["dtype"], tuple(entry["shape"])
+            begin, end = entry["data_offsets"]
+            numel = math.prod(shape)
+            if type(numel) is not int or type(begin) is not int or type(end) is not int:
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise ModelFormatError(f"{path.name}: malformed header entry for tensor {name!r}") from None
         if dtype not in DTYPE_BYTES:
             raise ModelFormatError(f"{path.name}: tensor {name!r} has unknown dtype {dtype!r}")
-        numel = 1
-        for d in shape:
-            if d < 0:
-                raise ModelFormatError(f"{path.name}: tensor {name!r} has a negative dimension")
-            numel *= d
+        if shape and min(shape) < 0:
+            raise ModelFormatError(f"{path.name}: tensor {name!r} has a negative dimension")
         if end - begin != numel * DTYPE_BYTES[dtype] or begin < 0:
             raise ModelFormatError(
                 f"{path.name}: tensor {name!r} {dtype}{list(shape)} spans {end - begin} bytes, "
@@ -86,6 +87,8 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
 def _packed_params(name: str, dtype: str, shape: tuple[int, ...]) -> int | None:
     """Parameters of tensors whose shape does not count them: MXFP4 blocks (U8, 16 bytes = 32 values
     per block, gpt-oss) hold 2 per byte; block scales (``*_scales``, FP8 ``weight_scale_inv``) none."""
+    if name.endswith("weight"):
+        return None
     if name.endswith("_blocks") and dtype == "U8" and shape and shape[-1] == 16:
         n = 32
         for d in shape[:-1]:
