@@ -209,3 +209,31 @@ def test_recent_files_and_mime_rejects_other_models(window, qtbot, chat_model_di
                             Qt.KeyboardModifier.NoModifier)
     QApplication.sendEvent(lane, enter)
     assert not enter.isAccepted()
+
+
+def test_export_dialog_writes_the_command_and_its_files(window, qtbot, chat_model_dir, tmp_path):
+    open_model(window, qtbot, chat_model_dir)
+    s = window.session
+    window.experts.move(s.inventory.expert_keys(s.moe_layers[0]), CPU_COMPUTE)
+    window.export_to("llama.cpp")
+    dialog = window.export_dialog
+    text = dialog.text.toPlainText()
+    assert "--n-cpu-moe 1" in text or "exps" in text, text
+    written = dialog.save_to(tmp_path / "llama.txt")
+    assert written[0].read_text().strip() == text.strip()
+    dialog.close()
+    window.export_to("ktransformers")
+    written = window.export_dialog.save_to(tmp_path / "kt.yaml")
+    assert all(p.is_file() and p.stat().st_size for p in written)
+    window.export_dialog.close()
+
+
+def test_planner_button_is_one_undoable_step(window, qtbot, chat_model_dir):
+    open_model(window, qtbot, chat_model_dir)
+    s = window.session
+    before = s.placement.copy()
+    qtbot.mouseClick(window.experts.plan_buttons["cpu-moe"], Qt.MouseButton.LeftButton)
+    assert all(s.placement.get(k).tier == "cpu" for k in s.inventory.expert_keys())
+    assert (s.tier_grid() == 0).all()
+    window.undo_stack.undo()
+    assert s.placement == before

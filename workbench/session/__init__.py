@@ -459,13 +459,18 @@ class Session:
 
     def apply_project(self, project, path: Path) -> None:
         """Make a loaded project (see :func:`services.load_project`) the session's state."""
-        inv, placement, hardware, stats, chat = project
+        inv, placement, hardware, stats, settings = project
         self.set_model(inv, placement)
         if hardware is not None:
             self.set_hardware(hardware, "from the project file")
         if stats is not None:
             self.set_stats(stats, "project")
-        self.chat = ChatState.from_json(chat or {})
+        self.ctx = int(settings.get("ctx", self.ctx))
+        self.kv_dtype = str(settings.get("kv_dtype", self.kv_dtype))
+        self.margin = int(settings.get("margin", self.margin))
+        self.events.settings_changed.emit()
+        self._budgets_changed()
+        self.chat = ChatState.from_json(settings.get("chat") or {})
         self.events.chat_changed.emit()
         self.project_path = Path(path)
         self.dirty = False

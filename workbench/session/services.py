@@ -144,21 +144,25 @@ def save_project(session, path: Path) -> None:
 
 
 def load_project(path: Path):
-    """Read a project file and its model (blocking). Returns what :meth:`Session.apply_project`
-    takes: (inventory, placement, hardware, counts, chat settings)."""
+    """Read a project file and open its model (blocking). Returns what
+    :meth:`Session.apply_project` takes: (inventory, placement, hardware, stats, settings)."""
     project = _optional("workbench.core.project")
     if project is None:
         raise WorkbenchError("project files are not available in this build")
     p = project.load_project(path)
-    inv = open_model(p.model_path)
-    return inv, p.placement, p.hardware, p.stats, (p.settings or {}).get("chat", {})
+    inv = project.open_project_model(p)
+    return inv, p.placement, p.hardware, p.stats, p.settings or {}
 
 
-def export(session, target: str) -> str:
+def export(session, target: str):
+    """``core.export.Export`` of the session's placement for ``target`` (llama.cpp, ktransformers,
+    accelerate), with the cost model's view of any approximation."""
     exp = _optional("workbench.core.export")
     if exp is None:
         raise WorkbenchError("exporters are not available in this build")
-    return exp.export(session.inventory, session.placement, target)
+    name = session.project_path.stem if session.project_path else "placement"
+    return exp.export(session.inventory, session.placement, target, cost=cost_model(session),
+                      stats=session.stats, name=name)
 
 
 # -- hardware -------------------------------------------------------------------------------------

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from PySide6.QtGui import QFontDatabase, QGuiApplication
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QFileDialog, QPlainTextEdit, QVBoxLayout
 
 
 class ExportDialog(QDialog):
-    def __init__(self, target: str, text: str, parent=None):
+    def __init__(self, target: str, export, parent=None):
         super().__init__(parent)
+        self.export = export
+        text = str(export)
         self.setWindowTitle(f"Export for {target}")
         self.resize(820, 480)
         self.text = QPlainTextEdit(text)
@@ -27,5 +31,15 @@ class ExportDialog(QDialog):
     def _save(self) -> None:
         path, _ = QFileDialog.getSaveFileName(self, "Save export")
         if path:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(self.text.toPlainText())
+            self.save_to(Path(path))
+
+    def save_to(self, path: Path) -> list[Path]:
+        """Write the export to ``path`` and its extra files (e.g. KTransformers' frequency file)
+        beside it; returns every path written."""
+        path.write_text(str(self.export) + "\n", encoding="utf-8")
+        written = [path]
+        for name, content in getattr(self.export, "files", {}).items():
+            extra = path.parent / name
+            extra.write_text(content, encoding="utf-8")
+            written.append(extra)
+        return written

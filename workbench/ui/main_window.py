@@ -243,11 +243,12 @@ class MainWindow(QMainWindow):
         from .export_dialog import ExportDialog
 
         try:
-            text = services.export(self.session, target)
+            result = services.export(self.session, target)
         except WorkbenchError as e:
             self.show_status(f"Export failed: {e}", True)
             return
-        ExportDialog(target, text, self).exec()
+        self.export_dialog = ExportDialog(target, result, self)
+        self.export_dialog.open()
 
     def closeEvent(self, event) -> None:
         if self.maybe_save():
