@@ -167,15 +167,16 @@ def test_ktransformers_frequency_file_reproduces_the_placement(seed, share, with
     assert "torch.save" in " ".join(out.notes)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
-def test_accelerate_device_map_covers_every_parameter_once(family, tiny_model_dir, tiny_hf_model):
-    inv = open_model(tiny_model_dir(family))
+@pytest.mark.parametrize("family, overrides", [("qwen3_moe", {}), ("mixtral", {}), ("deepseek_v3", {}),
+                                               ("gpt_oss", {}), ("olmoe", {"tie_word_embeddings": True})])
+def test_accelerate_device_map_covers_every_parameter_once(family, overrides, tiny_model_dir, tiny_hf_model):
+    inv = open_model(tiny_model_dir(family, **overrides))
     p = _random_placement(inv, 0, 0.6)
     if UnitKey(None, "lm_head") in inv.units:  # tied embeddings have none
         p.set(UnitKey(None, "lm_head"), CPU_COMPUTE)
     out = export_accelerate(inv, p)
     dmap = json.loads(out.text)
-    model = tiny_hf_model(family)
+    model = tiny_hf_model(family, **overrides)
     modules = {name for name, _ in model.named_modules()}
     assert set(dmap) <= modules, sorted(set(dmap) - modules)
     for name in model.state_dict():

@@ -321,6 +321,11 @@ def export_accelerate(inventory: Inventory, placement: Placement, cost=None) -> 
         device: int | str = gpu_index(tier) if is_gpu(tier) else "cpu"
         for ref in unit.tensors:
             dmap[_module(ref.tensor.name)] = device
+    if "lm_head" not in dmap:  # tied embeddings: the lm_head module shares the embedding's weight
+        embed = [_module(ref.tensor.name) for key, unit in inventory.units.items() if key.kind == "embed"
+                 for ref in unit.tensors]
+        if embed:
+            dmap["lm_head"] = dmap[embed[0]]
     # A module with its own parameters (gpt-oss attention sinks) covers its children: keep one key.
     for name in sorted(dmap, key=len):
         parent = name.rpartition(".")[0]
