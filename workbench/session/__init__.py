@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +31,9 @@ from workbench.core.placement import CPU, Assignment, Placement, gpu_index, is_g
 from workbench.core.stats import ExpertStats
 from workbench.core.units import UnitKey
 from workbench.session import services
+from workbench.session.chat import ChatMessage, ChatMixin, ChatState
+
+__all__ = ["ChatMessage", "ChatState", "Prediction", "Session", "SessionEvents", "code_assignment", "tier_code"]
 
 log = logging.getLogger(__name__)
 
@@ -78,44 +80,6 @@ class Prediction:
         return None if t is None else int(t.total)
 
 
-@dataclass
-class ChatMessage:
-    role: str  # "system" | "user" | "assistant"
-    content: str
-    stats: dict = field(default_factory=dict)  # ttft_s, prefill_tps, decode_tps, tokens, stop_reason
-
-
-@dataclass
-class ChatState:
-    """The conversation and its settings; saved with the project."""
-
-    messages: list[ChatMessage] = field(default_factory=list)
-    system_prompt: str = "You are a helpful assistant."
-    sampling: dict = field(
-        default_factory=lambda: {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.0,
-                                 "repeat_penalty": 1.1, "max_new": 256, "seed": None}
-    )
-    template_override: str = ""
-    context_used: int = 0
-
-    def to_json(self) -> dict:
-        return {
-            "messages": [{"role": m.role, "content": m.content, "stats": m.stats} for m in self.messages],
-            "system_prompt": self.system_prompt,
-            "sampling": dict(self.sampling),
-            "template_override": self.template_override,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict) -> ChatState:
-        c = cls()
-        c.messages = [ChatMessage(m["role"], m["content"], dict(m.get("stats", {}))) for m in d.get("messages", [])]
-        c.system_prompt = d.get("system_prompt", c.system_prompt)
-        c.sampling.update(d.get("sampling", {}))
-        c.template_override = d.get("template_override", "")
-        return c
-
-
 class SessionEvents(SignalGroup):
     model_opened = Signal(object)  # Inventory
     placement_changed = Signal(object)  # Placement
@@ -133,7 +97,7 @@ class SessionEvents(SignalGroup):
     message = Signal(str)  # a one-line status for the user
 
 
-class Session:
+class Session(ChatMixin):
     """Everything the workbench knows; see the module docstring."""
 
     def __init__(self) -> None:
@@ -561,78 +525,3 @@ class Session:
             return services.profile(self.engine, runtime.tokenizer, prompts, progress, cancel)
         finally:
             runtime.generator.reset_cache()  # profiling overwrote the KV cache
-
-    # -- chat --------------------------------------------------------------------------------
-
-    def chat_runtime(self):
-        """Tokenizer, chat template and Generator of the loaded engine (made once per engine)."""
-        from workbench.session.chat import ChatRuntime
-
-        if self.engine is None:
-            raise WorkbenchError("load the model first (Run ▸ Apply placement)")
-        if self._chat_runtime is None or self._chat_runtime.engine is not self.engine:
-            self._chat_runtime = ChatRuntime(self.engine, self.inventory)
-        return self._chat_runtime
-
-    def note_tokens_per_s(self, tps: float) -> None:
-        """Record a measured decode rate (tokens/s) for the performance plot (any thread)."""
-        with self._lock:
-            self.tps_times.append(time.monotonic())
-            self.tps_values.append(float(tps))
-
-    def tokens_per_s_series(self) -> tuple[np.ndarray, np.ndarray]:
-        """(monotonic seconds, tokens/s) measured while generating, oldest first."""
-        with self._lock:
-            return np.array(self.tps_times), np.array(self.tps_values)
-
-    def add_message(self, role: str, content: str) -> None:
-        self.chat.messages.append(ChatMessage(role, content))
-        self._chat_edited()
-
-    def edit_message(self, index: int, content: str) -> None:
-        """Change message ``index`` and drop every later one (edit and resend)."""
-        self.chat.messages[index] = ChatMessage(self.chat.messages[index].role, content)
-        del self.chat.messages[index + 1 :]
-        self._chat_edited()
-
-    def drop_last_reply(self) -> None:
-        """Remove the last assistant message (Regenerate)."""
-        if self.chat.messages and self.chat.messages[-1].role == "assistant":
-            self.chat.messages.pop()
-            self._chat_edited()
-
-    def finish_reply(self, message: ChatMessage) -> None:
-        """Append a reply made by :meth:`generate_reply` (GUI thread)."""
-        self.chat.messages.append(message)
-        self.chat.context_used = int(message.stats.get("context_used", 0))
-        self._chat_edited()
-        self.events.generation_finished.emit(message)
-
-    def set_chat_settings(self, system_prompt: str | None = None, sampling: dict | None = None,
-                          template_override: str | None = None) -> None:
-        if system_prompt is not None:
-            self.chat.system_prompt = system_prompt
-        if sampling:
-            self.chat.sampling.update(sampling)
-        if template_override is not None:
-            self.chat.template_override = template_override
-        self.dirty = self.inventory is not None
-        self._project_changed()
-
-    def clear_chat(self) -> None:
-        self.chat.messages.clear()
-        self.chat.context_used = 0
-        self._chat_edited()
-
-    def _chat_edited(self) -> None:
-        self.dirty = True
-        self.events.chat_changed.emit()
-        self._project_changed()
-
-    def generate_reply(self, cancel: threading.Event) -> ChatMessage:
-        """Answer the conversation's last user message. Blocking: run in a worker; emits
-        ``generation_token`` per piece of text from that thread. Returns the reply; the caller
-        appends it with :meth:`finish_reply` on the GUI thread."""
-        from workbench.session import chat
-
-        return chat.generate_reply(self, cancel)
