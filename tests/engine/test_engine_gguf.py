@@ -185,3 +185,58 @@ def test_gpt_oss_mxfp4_safetensors_match_transformers_dequantization(tiny_model_
     engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
     check(engine, ref)
     engine.close()
+
+
+def target(params: dict, name: str) -> torch.Tensor:
+    """The in-memory transformers parameter (or slice of the fused expert stacks) a file tensor fills."""
+    if name in params:
+        return params[name]
+    head, expert, proj, _ = name.rsplit(".", 3)  # ...mlp.experts.{e}.{gate,up,down}_proj.weight
+    e = int(expert)
+    if proj == "down_proj":
+        return params[f"{head}.down_proj"][e]
+    gate_up = params[f"{head}.gate_up_proj"][e]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if proj == "gate_proj" else gate_up[half:]
+
+
+def test_fp8_block_scaled_checkpoint_matches_transformers_dequantization(tiny_model_dir, tiny_hf_model, tmp_path):
+    """DeepSeek-V3 / Qwen3 FP8 checkpoints: e4m3 weights with ``weight_scale_inv`` per 16x16 block here
+    (128x128 in the real ones, partial blocks at the edges); the reference carries transformers'
+    own block dequantization of the same bytes."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    block = [16, 16]
+    folder = tmp_path / "deepseek-fp8"
+    shutil.copytree(tiny_model_dir("deepseek_v3"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": block,
+                                     "activation_scheme": "dynamic"}
+    (folder / "config.json").write_text(json.dumps(config))
+    ref = copy.deepcopy(tiny_hf_model("deepseek_v3"))
+    params = dict(ref.named_parameters())
+    tensors = load_file(folder / "model.safetensors")
+    for name in [n for n, t in tensors.items() if t.ndim == 2 and n.endswith(".weight")]:
+        if any(s in name for s in ("embed_tokens", "lm_head", "mlp.gate.weight")):
+            continue  # stay in high precision, as in the real checkpoints
+        w = tensors[name]
+        rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+        padded = torch.zeros(rows * block[0], cols * block[1])
+        padded[: w.shape[0], : w.shape[1]] = w
+        amax = padded.view(rows, block[0], cols, block[1]).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+        scale_inv = amax / 448.0
+        expanded = scale_inv.repeat_interleave(block[0], 0)[: w.shape[0]].repeat_interleave(block[1], 1)[:, : w.shape[1]]
+        q = (w / expanded).to(torch.float8_e4m3fn)
+        tensors[name], tensors[name[: -len("weight")] + "weight_scale_inv"] = q, scale_inv
+        with torch.no_grad():
+            target(params, name).copy_(_dequantize_fp8_weight(q, scale_inv, block, torch.float32))
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    inv = open_inventory(folder)
+    assert "F8_E4M3" in inv.dtype_mix()
+    engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
+    check(engine, ref)
+    engine.close()

@@ -300,12 +300,30 @@ class FamilyWeights:
             role = "embed"  # tied embeddings
         if role == "kv_b" and self.gguf and self.reader.has(f"blk.{layer}.attn_k_b.weight"):
             return self._kv_b_from_halves(layer)
-        t = self.reader.tensor(self.name(role, layer))
+        t = self._read(self.name(role, layer))
         if self.gguf:
             t = self._undo_gguf(role, t)
         if role == "shared_router":
             t = t.reshape(1, -1)
         return t
+
+    def _read(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """Tensor ``name`` (expert ``expert`` of a stacked one); FP8 weights with a block-scale
+        companion (``*.weight_scale_inv``, DeepSeek-V3 / Qwen3 FP8 checkpoints) come dequantized."""
+        t = self.reader.tensor(name, expert)
+        if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return t
+        scale_name = name.removesuffix(".weight") + ".weight_scale_inv" if name.endswith(".weight") \
+            else name + "_scale_inv"
+        if not self.reader.has(scale_name):
+            return t.float()
+        return fp8_block_dequantize(t, self.reader.tensor(scale_name, expert), self.fp8_block)
+
+    @property
+    def fp8_block(self) -> tuple[int, int]:
+        q = self.reader.inventory.config.get("quantization_config") or {}
+        rows, cols = q.get("weight_block_size") or (128, 128)
+        return int(rows), int(cols)
 
     def _undo_gguf(self, role: str, t: torch.Tensor) -> torch.Tensor:
         a = self.args
@@ -348,8 +366,8 @@ class FamilyWeights:
             d = mxfp4_rows(self.reader.tensor(m + "down_proj_blocks", e), self.reader.tensor(m + "down_proj_scales", e))
             return {"w13": (gu[::2], gu[1::2]), "w2": d}
         if self.reader.has(m + "gate_up_proj"):
-            gu = self.reader.tensor(m + "gate_up_proj", e)
-            d = self.reader.tensor(m + "down_proj", e)
+            gu = self._read(m + "gate_up_proj", e)
+            d = self._read(m + "down_proj", e)
             if self.args.family == "gpt_oss":  # [H, 2I] with gate/up interleaved, [I, H]
                 return {"w13": (gu[:, ::2].t(), gu[:, 1::2].t()), "w2": d.t()}
             if self.args.family == "llama4":  # stored [H, 2I] and [I, H]: x @ W
@@ -357,7 +375,7 @@ class FamilyWeights:
             half = gu.shape[0] // 2
             return {"w13": (gu[:half], gu[half:]), "w2": d}
         names = ("w1", "w3", "w2") if self.args.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-        g, u, d = (self.reader.tensor(f"{m}{e}.{n}.weight") for n in names)
+        g, u, d = (self._read(f"{m}{e}.{n}.weight") for n in names)
         return {"w13": (g, u), "w2": d}
 
 
@@ -382,3 +400,11 @@ def mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     vals = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).flatten(-2)  # [rows, G, 32]
     vals = torch.ldexp(vals, (scales.to(torch.int32) - 127)[..., None].float())
     return vals.reshape(vals.shape[0], -1)
+
+
+def fp8_block_dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``w [N, K]`` (FP8) times its per-block scales ``scale_inv [ceil(N/bn), ceil(K/bk)]`` -> float32."""
+    n, k = w.shape[-2:]
+    s = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :n, :]
+    s = s.repeat_interleave(block[1], dim=-1)[..., :k]
+    return w.float() * s

@@ -1,8 +1,8 @@
 """Tensors straight from the model files: zero-copy views of mmap'd safetensors / GGUF data.
 
 ``WeightReader.tensor(name)`` returns a CPU tensor that views the file's pages (``np.memmap`` in
-copy-on-write mode + ``torch.from_numpy``) for F32/F16/BF16 data, so nothing is allocated until the
-caller copies it to where it belongs. GGUF block-quantized types (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K...)
+copy-on-write mode + ``torch.from_numpy``) for F32/F16/BF16 (and FP8) data, so nothing is allocated
+until the caller copies it to where it belongs. GGUF block-quantized types (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K...)
 are dequantized to float32 with gguf-py's dequantizer, one tensor or one expert slice at a time, so
 peak host memory stays near the size of the unit being loaded.
 """
@@ -33,7 +33,10 @@ _PLAIN = {
     "I8": np.int8,
     "U8": np.uint8,
     "BOOL": np.bool_,
+    "F8_E4M3": np.uint8,  # viewed as torch.float8_e4m3fn / float8_e5m2
+    "F8_E5M2": np.uint8,
 }
+_TORCH_VIEW = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 class WeightReader:
@@ -85,7 +88,7 @@ class WeightReader:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 t = torch.from_numpy(arr)
-            return t.view(torch.bfloat16) if dtype == "BF16" else t
+            return t.view(_TORCH_VIEW[dtype]) if dtype in _TORCH_VIEW else t
         return _dequantize(data, dtype, shape, name)
 
     def close(self) -> None:
