@@ -265,3 +265,18 @@ def test_roofline_is_a_floor_under_the_prediction():
     cpu = cm.roofline(placement_cpu_moe(inv))["cpu"][0]
     assert cpu == pytest.approx(expected)
     assert "cpu" not in all_gpu
+
+
+def test_tied_embeddings_pay_the_output_projection():
+    from dataclasses import replace
+
+    inv = synth_inventory(2, 4, vocab=50000)
+    untied = CostModel(inv, h200_profile()).predict(Placement())
+    tied_inv = synth_inventory(2, 4, vocab=50000)
+    del tied_inv.units[UnitKey(None, "lm_head")]
+    del tied_inv.tensors["output.weight"]
+    tied_inv.spec = replace(tied_inv.spec, tie_word_embeddings=True)
+    cm = CostModel(tied_inv, h200_profile())
+    tied = cm.predict(Placement())
+    assert tied.decode_other_s == pytest.approx(untied.decode_other_s, rel=1e-6)
+    assert cm.roofline(Placement())["gpu:0"][0] == pytest.approx(CostModel(inv, h200_profile()).roofline(Placement())["gpu:0"][0])

@@ -143,6 +143,11 @@ class CostModel:
         self.p_sel = np.where(self.present, self.p_sel, 0.0)
         self.other_units = [(k, u.nbytes, u.n_params) for k, u in sorted(inventory.units.items())
                             if k.kind != "expert"]
+        embed = UnitKey(None, "embed")
+        self.tied_head = None
+        """Tied embeddings: (embed key, bytes) the output projection reads per token from the embedding."""
+        if UnitKey(None, "lm_head") not in inventory.units and embed in inventory.units:
+            self.tied_head = (embed, inventory.units[embed].nbytes)
 
     # -- rates -----------------------------------------------------------------------------------
 
@@ -203,7 +208,7 @@ class CostModel:
 
         for key, nbytes, _ in self.other_units:
             if key.kind == "embed":
-                nbytes = nbytes / max(1, self.inv.spec.vocab_size)
+                nbytes = nbytes / max(1, self.inv.spec.vocab_size) + (self.tied_head[1] if self.tied_head else 0)
             if key.kind == "attn":
                 nbytes += kv_cache_bytes(self.inv, key.layer, kv_tokens, kv_dtype)
             tier = placement.get(key).tier
@@ -251,6 +256,8 @@ class CostModel:
                 launches = eng.launches_head if key.kind == "lm_head" else 1
                 lane, t = self._unit_time(a.tier, nbytes, launches)
                 other += t
+                if key.kind == "embed" and self.tied_head is not None:  # the output projection
+                    other += self._unit_time(a.tier, self.tied_head[1], eng.launches_head)[1]
                 continue
             layer = key.layer
             if key.kind == "attn":
