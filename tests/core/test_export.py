@@ -219,3 +219,18 @@ def test_ot_patterns_from_a_hf_folder_match_the_converted_gguf(family, tiny_mode
         assert cpu_layers == {moe[0]}
     else:
         assert got == want
+
+
+def test_streamed_layers_and_an_all_cpu_default_export_exactly():
+    inv = synth_inventory(4, 4)
+    p = Placement(stream_slots=2)
+    p.move([k for k in inv.expert_keys() if k.layer < 2], CPU_STREAM)
+    out = export_llama_cpp(inv, p)
+    assert out.approximation is None and "--n-cpu-moe 2" in out.text
+    everything_cpu = Placement(default=CPU_COMPUTE)
+    out = export_llama_cpp(inv, everything_cpu)
+    assert "--n-cpu-moe 4" in out.text and out.approximation is None
+    for pattern, buf in llama_cpp_overrides(out.text):  # attention, norms, router, lm_head by exact name
+        assert buf == "CPU"
+        hits = {n for n in inv.tensors if pattern.search(n)}
+        assert "output.weight" in hits and "blk.0.attn_q.weight" in hits and "token_embd.weight" not in hits

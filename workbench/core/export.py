@@ -101,7 +101,10 @@ def layer_approximation(inventory: Inventory, placement: Placement) -> tuple[Pla
                 break
     new = grid.copy()
     for layer, g in choice.items():
-        new[layer, present[layer]] = g if g >= 0 else TIER_CPU_COMPUTE
+        if g >= 0:
+            new[layer, present[layer]] = g
+        else:  # experts already in RAM keep their mode; GPU ones come to RAM as CPU-compute
+            new[layer, present[layer] & (grid[layer] >= 0)] = TIER_CPU_COMPUTE
     approx = with_expert_grid(placement, new, inventory.expert_keys())
     return approx, choice
 
@@ -180,7 +183,7 @@ def export_llama_cpp(inventory: Inventory, placement: Placement, cost=None) -> E
     for g, layers in sorted(gpu_layers.items()):
         if g > 0:
             args.append(f'-ot "{_expert_pattern(inventory, layers)}=CUDA{g}"')
-    n_gpus = 1 + max([g for g in gpu_layers] + [gpu_index(t) for t in placement.tiers() if is_gpu(t)])
+    n_gpus = 1 + max([0, *gpu_layers, *(gpu_index(t) for t in placement.tiers() if is_gpu(t))])
     if n_gpus > 1:
         args.insert(1, "-ts " + ",".join(["1"] + ["0"] * (n_gpus - 1)))
         notes.append("-ts 1,0... keeps every layer on CUDA0 as the placement does; only the overridden "
