@@ -28,7 +28,8 @@ from workbench.core.units import UnitKey
 
 from .budget import check_placement
 from .experts import COMPUTE, RESIDENT, STREAM, LayerExperts
-from .families import FamilyWeights, ModelArgs
+from .families import ModelArgs
+from .layouts import FamilyWeights
 from .mla import LatentCache, MlaAttention
 from .model import Attention, DenseMlp, KVCache, Layer, Rope, rms_norm
 from .moe import MoeBlock
