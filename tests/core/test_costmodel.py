@@ -280,3 +280,14 @@ def test_tied_embeddings_pay_the_output_projection():
     tied = cm.predict(Placement())
     assert tied.decode_other_s == pytest.approx(untied.decode_other_s, rel=1e-6)
     assert cm.roofline(Placement())["gpu:0"][0] == pytest.approx(CostModel(inv, h200_profile()).roofline(Placement())["gpu:0"][0])
+
+
+def test_with_stats_equals_a_fresh_model():
+    inv = synth_inventory(3, 8, top_k=2)
+    stats = _skewed_stats(inv, seed=9)
+    base = CostModel(inv, desktop_profile())
+    p = placement_n_cpu_moe(inv, 2)
+    assert base.with_stats(stats).predict(p).to_json() == CostModel(inv, desktop_profile(), stats).predict(p).to_json()
+    assert base.predict(p).to_json() == CostModel(inv, desktop_profile()).predict(p).to_json()  # base unchanged
+    with pytest.raises(ValueError):
+        base.with_stats(ExpertStats(3, 9, 2))

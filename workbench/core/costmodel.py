@@ -30,6 +30,7 @@ engine's kernel counts are in ``EngineShape``.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -132,15 +133,7 @@ class CostModel:
         self.expert_keys.sort()
         self.moe_layer = self.present.any(axis=1)
         self.stats = stats
-        top_k = max(1, spec.n_experts_active)
-        if stats is not None:
-            if stats.shape != (L, E):
-                raise ValueError(f"expert stats of shape {stats.shape} do not fit this model ({L} x {E})")
-            self.p_sel = stats.selection_probs(recent, top_k)
-        else:
-            n = np.maximum(self.present.sum(axis=1, keepdims=True), 1)
-            self.p_sel = np.minimum(1.0, top_k / n) * np.ones((L, E))
-        self.p_sel = np.where(self.present, self.p_sel, 0.0)
+        self.p_sel = self._selection_probs(stats, recent)
         self.other_units = [(k, u.nbytes, u.n_params) for k, u in sorted(inventory.units.items())
                             if k.kind != "expert"]
         embed = UnitKey(None, "embed")
@@ -148,6 +141,26 @@ class CostModel:
         """Tied embeddings: (embed key, bytes) the output projection reads per token from the embedding."""
         if UnitKey(None, "lm_head") not in inventory.units and embed in inventory.units:
             self.tied_head = (embed, inventory.units[embed].nbytes)
+
+    def _selection_probs(self, stats: ExpertStats | None, recent: bool) -> np.ndarray:
+        """``[layers, experts]`` probability that a token selects each expert (uniform without stats)."""
+        L, E = self.n_layers, self.n_experts
+        top_k = max(1, self.inv.spec.n_experts_active)
+        if stats is not None:
+            if stats.shape != (L, E):
+                raise ValueError(f"expert stats of shape {stats.shape} do not fit this model ({L} x {E})")
+            p = stats.selection_probs(recent, top_k)
+        else:
+            n = np.maximum(self.present.sum(axis=1, keepdims=True), 1)
+            p = np.minimum(1.0, top_k / n) * np.ones((L, E))
+        return np.where(self.present, p, 0.0)
+
+    def with_stats(self, stats: ExpertStats | None, recent: bool = False) -> CostModel:
+        """The same model with other expert stats (milliseconds: live stats update it often)."""
+        other = copy.copy(self)
+        other.stats = stats
+        other.p_sel = self._selection_probs(stats, recent)
+        return other
 
     # -- rates -----------------------------------------------------------------------------------
 
