@@ -96,3 +96,27 @@ def test_prefill_in_pieces_equals_whole_prompt(case):
              engine.forward(torch.tensor(PROMPT[12:]), 12)]
     assert rel_err(torch.cat(parts), whole) < (1e-5 if TEST_DTYPE == torch.float32 else case.tolerance)
     engine.close()
+
+
+def test_llama4_multimodal_checkpoint_names(tiny_model_dir, tiny_hf_model, tmp_path):
+    """Llama 4 Scout/Maverick checkpoints nest the text model: ``language_model.model.layers...``,
+    ``language_model.lm_head.weight`` and a config with ``text_config``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model_dir("llama4_text", floor_scale=4)
+    folder = tmp_path / "llama4-multimodal"
+    folder.mkdir()
+    text = json.loads((src / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama4", "text_config": text,
+                                                    "architectures": ["Llama4ForConditionalGeneration"]}))
+    tensors = load_file(src / "model.safetensors")
+    save_file({"language_model." + k: v for k, v in tensors.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    inv = open_inventory(folder)
+    model = tiny_hf_model("llama4_text", floor_scale=4)
+    ref = reference_logits(model, PROMPT)
+    engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
+    assert rel_err(engine.forward(torch.tensor(PROMPT), 0), ref) < logits_tolerance(model, PROMPT, ref)
+    engine.close()
