@@ -201,3 +201,11 @@ def test_safety_net_shrinks_a_plan_the_memory_estimate_rejects(monkeypatch):
     assert plan.prediction.decode_tps == pytest.approx(honest.prediction.decode_tps, rel=0.05)
     with pytest.raises(PlacementError):
         planner.plan("n-cpu-moe")  # layer-shaped plans have no per-expert value: refused, not shrunk
+
+
+def test_all_gpu_does_not_reserve_a_stream_cache():
+    inv = _inv()
+    need = estimate_memory(inv, placement_all_gpu(inv), 1024).total("gpu:0")
+    planner = Planner(CostModel(inv, h200_profile()), Budget((need,)), ctx=1024, cpu_mode="stream", stream_slots=4)
+    plan = planner.plan("all-gpu")
+    assert plan.prediction.memory.total("gpu:0") == need

@@ -95,6 +95,7 @@ class Planner:
         self.bytes = cost.expert_bytes
         self.present = cost.present
         self._room_cache: list[int] | None = None
+        self._stream_cache = 0
 
     # -- entry point -----------------------------------------------------------------------------
 
@@ -137,6 +138,7 @@ class Planner:
             limit = self.budget.usable(gpu(i))
             if i == 0:
                 used = est.total(gpu(0))
+                self._stream_cache = est.tiers[gpu(0)].stream_cache if gpu(0) in est.tiers else 0
             elif self.keys:  # a GPU without units yet: what one expert there adds beyond its bytes
                 probe = base.copy()
                 probe.set(self.keys[0], code_assignment(i))
@@ -230,7 +232,8 @@ class Planner:
     # -- strategies --------------------------------------------------------------------------------
 
     def _all_gpu(self):
-        rooms = self._rooms()
+        rooms = list(self._rooms())
+        rooms[0] += self._stream_cache  # nothing is streamed when everything is on the GPU
         grid = self._fill(self._ranked(np.zeros((self.L, self.E))), rooms)
         missing = int(((grid < 0) & self.present).sum())
         if missing:
