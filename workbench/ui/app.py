@@ -25,6 +25,11 @@ def run(path: str | Path | None = None) -> int:
     """Open the window on ``path`` (model folder, .gguf or project .json) or on nothing."""
     app = make_app()
     win = MainWindow(Session())
+    screen = app.primaryScreen()
+    if screen is not None:
+        area = screen.availableGeometry()
+        win.resize(min(win.width(), area.width()), min(win.height(), area.height()))
+        win.move(area.topLeft())
     win.show()
     win.start_hardware()
     if path is not None:

@@ -48,7 +48,11 @@ class ExpertsDock(QWidget):
         self.lanes: dict[str, Lane] = {}
         self._lanes_box = QHBoxLayout()
         self.selection_label = QLabel("")
+        self.selection_label.setWordWrap(True)
+        self.selection_label.setMinimumWidth(10)
         self.legend = QLabel("")
+        self.legend.setWordWrap(True)
+        self.legend.setMinimumWidth(10)
         self.legend.setTextFormat(Qt.TextFormat.RichText)
 
         top = QHBoxLayout()
@@ -70,7 +74,7 @@ class ExpertsDock(QWidget):
         self.margin.setToolTip("Memory kept free on every device; budgets are free memory minus this")
         self.margin.valueChanged.connect(lambda v: self.session.set_margin(int(v * 2**30)))
         top.addWidget(self.margin)
-        self.live = QCheckBox("follow routing live")
+        self.live = QCheckBox("live routing")
         self.live.setChecked(True)
         self.live.setToolTip("While the model answers, colour the grid by the engine's routing counts")
         self.live.toggled.connect(session.set_live_view)
@@ -80,10 +84,8 @@ class ExpertsDock(QWidget):
         lay.setContentsMargins(2, 2, 2, 2)
         lay.addLayout(top)
         lay.addWidget(self.grid, 1)
-        info = QHBoxLayout()
-        info.addWidget(self.selection_label, 1)
-        info.addWidget(self.legend)
-        lay.addLayout(info)
+        lay.addWidget(self.legend)
+        lay.addWidget(self.selection_label)
         lay.addLayout(self._lanes_box)
         self._make_actions()
 
@@ -136,7 +138,8 @@ class ExpertsDock(QWidget):
             f"<span style='color:{tier_colour(c)}'>□</span>{code_assignment(c)}"
             for c in sorted({1, 0} | {2 + i for i in range(len(self.session.tiers()) - 1)})
         )
-        self.legend.setText(f"frequency (× average): {stops} &nbsp; frame = tier: {tiers}")
+        self.legend.setText(f"colour = routing frequency (× the layer's average): {stops} &nbsp;·&nbsp; "
+                            f"frame = tier: {tiers}")
 
     def cell_tooltip(self, row: int, expert: int) -> str:
         s = self.session

@@ -64,7 +64,7 @@ def render_cells(freq: np.ndarray, tiers: np.ndarray) -> np.ndarray:
         core[known] = FREQ_CMAP.map(scaled, mode="byte")
     s = cell_px(r, e)
     img = np.repeat(np.repeat(frame, s, axis=0), s, axis=1)
-    f = max(1, s // 8)  # frame width
+    f = max(1, s // 12)  # frame width
     img.reshape(r, s, e, s, 4)[:, f : s - f, :, f : s - f, :] = core[:, None, :, None, :]
     return img
 

@@ -65,11 +65,11 @@ class MainWindow(QMainWindow):
         self.chat_dock = ChatDock(self.session, self.generate, self.cancel_job)
         self._add_dock("Chat", self.chat_dock, Qt.DockWidgetArea.RightDockWidgetArea)
         self._add_dock("Performance", self.performance_dock, Qt.DockWidgetArea.BottomDockWidgetArea)
-        self.performance_dock.setMinimumHeight(170)
-        self.resizeDocks([self.docks["Memory"], self.docks["Chat"]], [300, 500], Qt.Orientation.Vertical)
-        self.resizeDocks([self.docks["Model"], self.docks["Memory"]], [420, 470], Qt.Orientation.Horizontal)
-        self.model_dock.setMinimumWidth(380)
-        self.memory_dock.setMinimumWidth(400)
+        self.performance_dock.setMinimumHeight(160)
+        QTimer.singleShot(0, self._initial_dock_sizes)
+        self.model_dock.setMinimumWidth(300)
+        self.memory_dock.setMinimumWidth(320)
+        self.chat_dock.setMinimumWidth(320)
 
         self.status_label = QLabel("")
         self.progress = QProgressBar()
@@ -94,6 +94,13 @@ class MainWindow(QMainWindow):
         connect_gui(ev.project_changed, self._on_project_changed, self)
         connect_gui(ev.message, lambda text: self.show_status(text), self)
         self._on_project_changed(None, False)
+
+    def _initial_dock_sizes(self) -> None:
+        h = self.height()
+        self.resizeDocks([self.docks["Memory"], self.docks["Chat"]], [int(h * 0.36), int(h * 0.4)],
+                         Qt.Orientation.Vertical)
+        self.resizeDocks([self.docks["Model"], self.docks["Memory"]], [340, 430], Qt.Orientation.Horizontal)
+        self.resizeDocks([self.docks["Performance"]], [int(h * 0.2)], Qt.Orientation.Vertical)
 
     def _add_dock(self, title: str, widget, area) -> QDockWidget:
         dock = QDockWidget(title, self)

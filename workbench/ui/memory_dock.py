@@ -47,7 +47,8 @@ class TierMap(QWidget):
         self.measured_used: int | None = None
         self.reason = ""
         self.title = tier
-        self.setMinimumHeight(3 * self.BAR_H + 30)
+        self.subtitle = ""
+        self.setMinimumHeight(3 * self.BAR_H + 46)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
 
     def update_from(self, session: Session, pred: Prediction) -> None:
@@ -67,9 +68,10 @@ class TierMap(QWidget):
             if i < len(session.hardware.gpus):
                 name += f" · {session.hardware.gpus[i].name}"
         budget = pred.budgets.get(self.tier)
-        self.title = (
-            f"{name} — predicted {bytes2human(predicted_total - others)}"
-            + (f" of budget {bytes2human(budget)}" if budget is not None else "")
+        self.title = name
+        self.subtitle = (
+            f"predicted {bytes2human(predicted_total - others)}"
+            + (f" · budget {bytes2human(budget)}" if budget is not None else "")
             + (f" · capacity {bytes2human(self.capacity)}" if session.capacity(self.tier) else " · capacity unknown")
         )
         self.setToolTip(self.reason or "\n".join(f"{lbl}: {bytes2human(b)}" for lbl, _, b in self.predicted))
@@ -81,8 +83,14 @@ class TierMap(QWidget):
         w = self.width() - 90
         over = bool(self.reason)
         p.setPen(QColor("#e05050") if over else self.palette().text().color())
+        font = p.font()
+        font.setBold(True)
+        p.setFont(font)
         p.drawText(QRectF(4, 0, self.width() - 8, 16), Qt.AlignmentFlag.AlignLeft, self.title)
-        y = 20
+        font.setBold(False)
+        p.setFont(font)
+        p.drawText(QRectF(4, 16, self.width() - 8, 16), Qt.AlignmentFlag.AlignLeft, self.subtitle)
+        y = 36
         for label, segs in (("predicted", self.predicted), ("measured", self._measured_segments())):
             p.setPen(self.palette().text().color())
             p.drawText(QRectF(4, y, 82, self.BAR_H), Qt.AlignmentFlag.AlignVCenter, label)
@@ -92,6 +100,9 @@ class TierMap(QWidget):
                 dx = w * nbytes / self.capacity if self.capacity else 0
                 p.fillRect(QRectF(x, y, min(dx, 88 + w - x), self.BAR_H), QColor(colour))
                 x += dx
+            if label == "measured" and self.measured_used is None:
+                p.setPen(QColor("#8a8a99"))
+                p.drawText(QRectF(94, y, w, self.BAR_H), Qt.AlignmentFlag.AlignVCenter, "not measured on this machine")
             if over and label == "predicted":
                 p.setPen(QPen(QColor("#e05050"), 2))
                 p.drawRect(QRectF(88, y, w, self.BAR_H))

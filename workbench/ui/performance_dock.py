@@ -70,7 +70,8 @@ class PerformanceDock(QWidget):
             self.tps_pred.setValue(pred.decode_tps)
             self.tps_pred.show()
             hw = self.session.hardware.name if self.session.hardware is not None else "?"
-            self.plots["tps"].setTitle(f"decode tokens/s · predicted {pred.decode_tps:.1f} (dashed) on {hw}")
+            self.plots["tps"].setTitle(f"decode tok/s · predicted {pred.decode_tps:.0f} (dashed)")
+            self.plots["tps"].titleLabel.setToolTip(f"prediction for {hw}")
 
     def _make_gpu_curves(self, n_gpus: int) -> None:
         self._made_gpu_curves = True
@@ -85,7 +86,7 @@ class PerformanceDock(QWidget):
             for key in ("vram", "pcie", "util"):
                 t = pg.TextItem("no GPU visible (NVML)", color="#ffb020", anchor=(0.5, 0.5))
                 self.plots[key].addItem(t)
-                t.setPos(0, 0)
+                t.setPos(-WINDOW_S / 2, 0)
                 self.no_gpu_text.append(t)
 
     def refresh(self) -> None:
