@@ -34,7 +34,7 @@ class ChatState:
     system_prompt: str = "You are a helpful assistant."
     sampling: dict = field(
         default_factory=lambda: {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.0,
-                                 "repeat_penalty": 1.1, "max_new": 256, "seed": None}
+                                 "repeat_penalty": 1.1, "max_new": 256, "seed": None, "ignore_eos": False}
     )
     template_override: str = ""
     context_used: int = 0
@@ -216,7 +216,7 @@ def generate_reply(session, cancel: threading.Event):
         session.events.generation_token.emit(delta, tps)
 
     result = runtime.generator.generate(ids, max_new_tokens=max_new, sampling=params, on_token=on_token,
-                                        cancel=cancel)
+                                        cancel=cancel, ignore_eos=bool(chat.sampling.get("ignore_eos", False)))
     t = result.timings
     stats = {
         "ttft_s": t.ttft_s,

@@ -11,6 +11,7 @@ import re
 from PySide6.QtCore import QTimer, QUrl
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
+    QCheckBox,
     QDoubleSpinBox,
     QFormLayout,
     QHBoxLayout,
@@ -130,6 +131,9 @@ class ChatDock(QWidget):
         for name, w in self.spins.items():
             w.valueChanged.connect(lambda v, n=name: session.set_chat_settings(sampling={n: v}))
         self.seed.editingFinished.connect(self._on_seed)
+        self.ignore_eos = QCheckBox("keep going past end-of-text")
+        self.ignore_eos.toggled.connect(lambda on: session.set_chat_settings(sampling={"ignore_eos": on}))
+        form.addRow("ignore EOS", self.ignore_eos)
         self.template = QPlainTextEdit()
         self.template.setPlaceholderText("empty: the model's own chat template")
         self.template.textChanged.connect(
@@ -174,6 +178,9 @@ class ChatDock(QWidget):
                 w.setValue(v)
                 w.blockSignals(False)
         self.seed.setText("" if chat.sampling.get("seed") is None else str(chat.sampling["seed"]))
+        self.ignore_eos.blockSignals(True)
+        self.ignore_eos.setChecked(bool(chat.sampling.get("ignore_eos", False)))
+        self.ignore_eos.blockSignals(False)
         self._dirty_render = True
         self._render_if_dirty()
 
