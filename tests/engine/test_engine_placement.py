@@ -357,3 +357,27 @@ def test_unknown_cpu_format_is_refused(qwen3):
     _, inv = qwen3
     with pytest.raises(WorkbenchError, match="not available"):
         load(inv, cpu_format="fp3")
+
+
+def test_memory_breakdown_by_component(qwen3):
+    """Per tier and unit kind: expert bytes where the placement puts them, the stream cache and KV cache
+    apart; the totals are memory_report's."""
+    _, inv = qwen3
+    dtype_bytes = torch.empty((), dtype=TEST_DTYPE).element_size()
+    p = placements(inv)["mixed"]
+    engine = load(inv, p)
+    parts = engine.memory_breakdown()
+    on_cpu = [k for k in inv.expert_keys() if p.get(k).tier == "cpu"]
+    assert parts["cpu"]["weights"]["expert"] == sum(inv.units[k].n_params for k in on_cpu) * dtype_bytes
+    assert parts["gpu:0"]["weights"]["expert"] == sum(
+        inv.units[k].n_params for k in inv.expert_keys() if k not in on_cpu) * dtype_bytes
+    for kind in ("embed", "attn", "router", "dense_mlp", "norm", "lm_head"):
+        assert parts["gpu:0"]["weights"][kind] == sum(u.n_params for u in inv.units_of_kind(kind)) * dtype_bytes
+    cfg = inv.config
+    assert parts["gpu:0"]["kv_cache"] == (cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"]
+                                          * 64 * dtype_bytes)
+    assert parts["gpu:0"]["stream_cache"] > 0
+    report = engine.memory_report()
+    for tier, m in parts.items():
+        assert report[tier] == sum(m["weights"].values()) + m["kv_cache"] + m["stream_cache"]
+    engine.close()

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from workbench.core.errors import WorkbenchError
 from workbench.core.inventory import Inventory
 from workbench.core.placement import Placement, is_gpu
-from workbench.core.units import UnitKey
+from workbench.core.units import KINDS, UnitKey
 
 from .budget import check_placement
 from .experts import COMPUTE, RESIDENT, STREAM, LayerExperts
@@ -375,31 +375,42 @@ class Engine:
         With ``device="cpu"`` the accelerator tier still reports as ``gpu:0``. File-backed views of
         weights (mmap, no copy) count as allocated.
         """
+        return {tier: sum(m["weights"].values()) + m["kv_cache"] + m["stream_cache"]
+                for tier, m in self.memory_breakdown().items()}
+
+    def memory_breakdown(self) -> dict[str, dict]:
+        """Bytes per tier by component, shaped like ``core.memory.TierMemory``:
+        ``{"gpu:0": {"weights": {kind: bytes}, "kv_cache": bytes, "stream_cache": bytes}, "cpu": {...}}``
+        (kinds as in ``core.units.KINDS``; tied embeddings count once, under ``embed``)."""
+        out = {t: {"weights": dict.fromkeys(KINDS, 0), "kv_cache": 0, "stream_cache": 0} for t in ("gpu:0", "cpu")}
+        acc = out["gpu:0"]["weights"]
         seen: set[int] = set()
-        acc = cpu = 0
 
-        def add(t: torch.Tensor | None) -> int:
-            if t is None or id(t) in seen:
-                return 0
-            seen.add(id(t))
-            return t.numel() * t.element_size()
+        def add(kind: str, *tensors: torch.Tensor | None) -> None:
+            for t in tensors:
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    acc[kind] += t.numel() * t.element_size()
 
-        acc += add(self.embed) + add(self.norm) + add(self.lm_head)
+        add("embed", self.embed)
+        add("norm", self.norm)
+        add("lm_head", self.lm_head)
         for layer in self.layers:
-            for t in layer.attn.w.values():
-                acc += add(t)
-            acc += layer.attn.cache.nbytes + add(layer.attn_norm) + add(layer.ffn_norm)
+            add("attn", *layer.attn.w.values())
+            add("norm", layer.attn_norm, layer.ffn_norm)
+            out["gpu:0"]["kv_cache"] += layer.attn.cache.nbytes
             ffn = layer.ffn
             if isinstance(ffn, DenseMlp):
-                acc += add(ffn.gate) + add(ffn.up) + add(ffn.down)
-            else:
-                acc += add(ffn.router) + add(ffn.shared_router) + add(ffn.router_bias) + add(ffn.score_bias)
-                if ffn.shared is not None:
-                    acc += add(ffn.shared.gate) + add(ffn.shared.up) + add(ffn.shared.down)
-                n = ffn.experts.nbytes
-                acc += n["accelerator"]
-                cpu += n["cpu"]
-        return {"gpu:0": acc, "cpu": cpu}
+                add("dense_mlp", ffn.gate, ffn.up, ffn.down)
+                continue
+            add("router", ffn.router, ffn.router_bias, ffn.score_bias)
+            if ffn.shared is not None:
+                add("shared", ffn.shared.gate, ffn.shared.up, ffn.shared.down, ffn.shared_router)
+            n = ffn.experts.nbytes
+            acc["expert"] += n["accelerator"] - n["stream_cache"]
+            out["gpu:0"]["stream_cache"] += n["stream_cache"]
+            out["cpu"]["weights"]["expert"] += n["cpu"]
+        return out
 
     def close(self) -> None:
         """Free everything; the engine cannot be used afterwards."""

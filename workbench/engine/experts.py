@@ -164,8 +164,9 @@ class LayerExperts:
 
     @property
     def nbytes(self) -> dict[str, int]:
-        """Bytes allocated per place: ``{"accelerator": ..., "cpu": ...}``."""
-        acc = cpu = 0
+        """Bytes allocated: ``{"accelerator": resident stacks + stream cache, "cpu": compute and stream
+        stacks, "stream_cache": the accelerator's stream cache slots alone}``."""
+        acc = cpu = cache = 0
         for tier in (RESIDENT, COMPUTE, STREAM):
             for t in (self.w13[tier], self.w2[tier], self.b13[tier], self.b2[tier]):
                 if t is not None:
@@ -178,8 +179,8 @@ class LayerExperts:
             cpu += self.cpu_kernel.nbytes
         for t in (self.cache_w13, self.cache_w2, self.cache_b13, self.cache_b2):
             if t is not None:
-                acc += t.numel() * t.element_size()
-        return {"accelerator": acc, "cpu": cpu}
+                cache += t.numel() * t.element_size()
+        return {"accelerator": acc + cache, "cpu": cpu, "stream_cache": cache}
 
     # -- running -----------------------------------------------------------------------------
 
