@@ -37,7 +37,6 @@ GREEDY = SamplingParams(greedy=True)
 
 @pytest.fixture(scope="module")
 def engines():
-    torch.set_num_threads(1)
     loaded = {}
     for name, path in (("hf", DEMO), ("gguf", GGUF)):
         inventory = open_model(path)
