@@ -11,10 +11,14 @@ Data: Debian's ``r-cran-janeaustenr`` (public-domain novels, MIT-licensed packag
 ``apt-get download r-cran-janeaustenr`` itself when the package is neither installed nor cached
 (needs ``apt-get update`` once on a fresh machine). See ``scripts/demo_data.py``.
 
-Everything is seeded; a run is a fixed number of optimizer steps, so the same torch build on the same
-CPU gives the same weights. On this project's 2-core machine the default run takes ~17 minutes:
+Everything is seeded; a run is a fixed number of optimizer steps (1000), so the same torch build on
+the same CPU gives byte-identical weights. One step costs about 1 s of CPU time, so the default run
+takes ~17 minutes on an idle 2-core machine (the committed weights took 36 minutes on one shared
+with other jobs). One thread is the default: on a busy 2-core machine two threads ran 6x slower.
 
-    nice -n 5 python scripts/train_demo.py --threads 2
+    apt-get update                              # once, on a fresh machine
+    nice -n 5 python scripts/train_demo.py
+    python scripts/demo_export.py               # GGUF copy, routing report, samples
 """
 
 from __future__ import annotations
