@@ -381,3 +381,19 @@ def test_memory_breakdown_by_component(qwen3):
     for tier, m in parts.items():
         assert report[tier] == sum(m["weights"].values()) + m["kv_cache"] + m["stream_cache"]
     engine.close()
+
+
+def test_out_of_memory_in_a_forward_step_is_a_clear_error_and_the_engine_goes_on(qwen3, monkeypatch):
+    model, inv = qwen3
+    engine = load(inv, dtype=torch.float32)
+    from workbench.engine import model as model_module
+
+    def boom(self, x, pos, start, rope):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(model_module.Layer, "__call__", boom)
+    with pytest.raises(AcceleratorMemoryError, match="computing 12 tokens at once"):
+        engine.forward(torch.tensor(PROMPT), 0)
+    monkeypatch.undo()
+    assert rel_err(engine.forward(torch.tensor(PROMPT), 0), reference_logits(model, PROMPT)) < 1e-4
+    engine.close()

@@ -111,8 +111,11 @@ class Engine:
         args = ModelArgs.from_config(inventory.family, inventory.config)
         if max_context < 1:
             raise WorkbenchError(f"max_context must be at least 1 token, not {max_context}")
-        if vram_budget is None and device.type == "cuda":
-            vram_budget = torch.cuda.mem_get_info(device)[0]
+        if vram_budget is None and device.type == "cuda":  # free memory less the activation buffers
+            from workbench.core.memory import CUDA_CONTEXT_BYTES, gpu_runtime_overhead
+
+            activations = gpu_runtime_overhead(inventory, max_context) - CUDA_CONTEXT_BYTES
+            vram_budget = max(0, torch.cuda.mem_get_info(device)[0] - activations)
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
         predicted = check_placement(inventory, args, placement, 1, dtype_bytes, max_context, vram_budget)
         self = object.__new__(cls)
@@ -285,13 +288,26 @@ class Engine:
         with self._lock:
             if not hasattr(self, "layers"):
                 raise WorkbenchError("the engine was closed")
-            ids = ids.to(self.device)
-            pos = torch.arange(start_pos, start_pos + T, device=self.device)
-            x = F.embedding(ids, self.embed)
-            for layer in self.layers:
-                x = layer(x, pos, start_pos, self.rope)
-            x = rms_norm(x, self.norm, self.args.rms_eps)
-            return F.linear(x, self.lm_head).float()
+            try:
+                return self._forward(ids, start_pos)
+            except torch.OutOfMemoryError:
+                pass  # reported below, outside the except block, once the failed step's activations are freed
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        raise AcceleratorMemoryError(
+            f"out of memory on {self.device} computing {T} tokens at once; feed the prompt in smaller "
+            f"pieces or keep fewer experts resident (positions {start_pos}..{start_pos + T - 1} of the "
+            f"KV cache must be written again)")
+
+    def _forward(self, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+        T = ids.shape[0]
+        ids = ids.to(self.device)
+        pos = torch.arange(start_pos, start_pos + T, device=self.device)
+        x = F.embedding(ids, self.embed)
+        for layer in self.layers:
+            x = layer(x, pos, start_pos, self.rope)
+        x = rms_norm(x, self.norm, self.args.rms_eps)
+        return F.linear(x, self.lm_head).float()
 
     # -- statistics ------------------------------------------------------------------------------
 
