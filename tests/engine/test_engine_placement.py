@@ -397,3 +397,23 @@ def test_out_of_memory_in_a_forward_step_is_a_clear_error_and_the_engine_goes_on
     monkeypatch.undo()
     assert rel_err(engine.forward(torch.tensor(PROMPT), 0), reference_logits(model, PROMPT)) < 1e-4
     engine.close()
+
+
+def test_out_of_host_memory_while_loading_is_a_clear_error(qwen3, monkeypatch):
+    from workbench.engine import HostMemoryError
+    from workbench.engine import experts as experts_module
+
+    _, inv = qwen3
+    p = Placement()
+    p.move(inv.expert_keys(), CPU_COMPUTE)
+    real_alloc = experts_module.LayerExperts.alloc_tier
+
+    def alloc_tier(self, tier, count, shape13, shape2):
+        if tier == experts_module.COMPUTE and count and self.layer == 2:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: "
+                               "you tried to allocate 1099511627776 bytes.")
+        return real_alloc(self, tier, count, shape13, shape2)
+
+    monkeypatch.setattr(experts_module.LayerExperts, "alloc_tier", alloc_tier)
+    with pytest.raises(HostMemoryError, match="out of host memory while loading layer 2 expert"):
+        load(inv, p)

@@ -2,7 +2,7 @@
 
 
 def __getattr__(name: str):
-    if name in ("Engine", "AcceleratorMemoryError", "LoadCancelled"):
+    if name in ("Engine", "AcceleratorMemoryError", "HostMemoryError", "LoadCancelled"):
         from . import engine
 
         return getattr(engine, name)

@@ -53,6 +53,15 @@ class AcceleratorMemoryError(WorkbenchError):
     """The accelerator ran out of memory while loading; everything loaded so far was freed."""
 
 
+class HostMemoryError(WorkbenchError):
+    """Host RAM ran out while loading (CPU expert stacks, pinned stream copies); everything was freed."""
+
+
+def _is_host_oom(exc: BaseException) -> bool:
+    text = str(exc)
+    return "can't allocate memory" in text or "DefaultCPUAllocator" in text or "CachingHostAllocator" in text
+
+
 class _Loader:
     """Puts tensors where they belong; knows which unit is being loaded (for errors and progress)."""
 
@@ -146,6 +155,13 @@ class Engine:
             )
         except WorkbenchError as exc:  # cancelled, or a file that does not hold what its header says
             failure = exc
+        except RuntimeError as exc:
+            if not _is_host_oom(exc):
+                self._free()
+                raise
+            failure = HostMemoryError(
+                f"out of host memory while loading {loader.unit}; freed everything loaded so far "
+                f"(try a placement with fewer experts on the CPU, or a CPU format such as int8)")
         except BaseException:
             self._free()
             raise
