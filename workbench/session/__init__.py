@@ -109,7 +109,8 @@ class Session(ChatMixin):
         self.hardware: HardwareProfile | None = None
         self.hardware_note = ""  # why the profile is a preset (no GPU, no NVML...)
         self.measured: dict[str, tuple[int, int]] = {}  # tier -> (total, free) bytes, NVML / psutil
-        self.margin = DEFAULT_MARGIN
+        self.margin = DEFAULT_MARGIN  # bytes kept free on every GPU (the user sets it)
+        self.host_margin = DEFAULT_MARGIN  # bytes of host RAM kept free
         self.sampler = None  # telemetry.sampler.Sampler once detect_hardware ran
         self.ctx = 4096
         self.kv_dtype = "f16"
@@ -122,6 +123,7 @@ class Session(ChatMixin):
         self._unit_bytes: dict[UnitKey, int] = {}
         self.live_stats: ExpertStats | None = None
         self.live_view = True
+        self._live_baseline: np.ndarray | None = None
         self._chat_runtime = None
         self.tps_times: deque[float] = deque(maxlen=4096)
         self.tps_values: deque[float] = deque(maxlen=4096)
@@ -349,8 +351,8 @@ class Session(ChatMixin):
 
     def budgets(self) -> dict[str, int]:
         """Bytes each tier may hold: each GPU's free memory as measured (other processes
-        included) or else its VRAM from the hardware profile, and the host's available RAM, minus
-        the margin. A tier missing from the dict has no known budget."""
+        included) or else its VRAM from the hardware profile, minus the user's margin; the host's
+        available RAM minus ``host_margin``. A tier missing from the dict has no known budget."""
         out: dict[str, int] = {}
         ours = self.engine_bytes()
         for tier in self.tiers():
@@ -359,7 +361,7 @@ class Session(ChatMixin):
             else:
                 avail = self.capacity(tier)
             if avail is not None:
-                out[tier] = max(0, int(avail) - self.margin)
+                out[tier] = max(0, int(avail) - (self.host_margin if tier == CPU else self.margin))
         return out
 
     def capacity(self, tier: str) -> int | None:
@@ -395,7 +397,8 @@ class Session(ChatMixin):
                 where = "host RAM" if tier == CPU else tier.upper().replace(":", " ")
                 pred.over[tier] = (
                     f"{where} would need {bytes2human(total)}, {bytes2human(total - budget)} over its budget of "
-                    f"{bytes2human(budget)} (free memory minus the {bytes2human(self.margin)} margin)"
+                    f"{bytes2human(budget)} (free memory minus the "
+                    f"{bytes2human(self.host_margin if tier == CPU else self.margin)} margin)"
                 )
 
     def prediction(self) -> Prediction:
@@ -492,12 +495,20 @@ class Session(ChatMixin):
             self.live_stats = None
             self.events.engine_state.emit("none", "")
 
+    def start_live_routing(self) -> None:
+        """Count live routing from now on (call when a generation starts)."""
+        if self.engine is not None:
+            self._live_baseline = np.asarray(self.engine.routing_counts(), dtype=np.float64)
+
     def read_live_counts(self) -> None:
-        """Pull the engine's routing counts into ``live_stats`` (the grid shows them while the
-        model answers); the profiled stats the planner uses stay as they are."""
+        """Pull the routing counts of the current (or last) answer from the engine into
+        ``live_stats``: the grid shows them while the model answers; the profiled stats the
+        planner uses stay as they are."""
         if self.engine is None or self.inventory is None:
             return
         counts = np.asarray(self.engine.routing_counts(), dtype=np.float64)
+        if self._live_baseline is not None and self._live_baseline.shape == counts.shape:
+            counts = counts - self._live_baseline
         if self.live_stats is not None and np.array_equal(self.live_stats.counts, counts):
             return
         stats = ExpertStats.for_spec(self.inventory.spec)

@@ -188,11 +188,21 @@ def preset(name: str):
 # -- engine ---------------------------------------------------------------------------------------
 
 
+GUI_CORES = 0
+"""CPU cores the engine leaves free for a window's GUI thread (the window sets 1)."""
+
+
 def load_engine(inv: Inventory, placement: Placement, progress=None, cancel=None):
     engine_mod = _optional("workbench.engine.engine")
     if engine_mod is None:
         raise WorkbenchError("the inference engine is not available in this build")
+    import os
+
     import torch
+
+    if GUI_CORES:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores - GUI_CORES))
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -67,7 +67,7 @@ class ExpertsDock(QWidget):
         top.addStretch(1)
         top.addWidget(QLabel("margin"))
         self.margin = QDoubleSpinBox()
-        self.margin.setRange(0, 1024)
+        self.margin.setRange(0, 4096)
         self.margin.setDecimals(2)
         self.margin.setSuffix(" GiB")
         self.margin.setValue(session.margin / 2**30)
@@ -95,7 +95,15 @@ class ExpertsDock(QWidget):
         connect_gui(ev.stats_changed, lambda _s: self.redraw(), self)
         connect_gui(ev.prediction_changed, self._on_prediction, self)
         connect_gui(ev.hardware_changed, lambda _h: self._build_lanes(), self)
+        connect_gui(ev.settings_changed, self._on_settings, self)
         self._update_legend()
+
+    def _on_settings(self) -> None:
+        value = self.session.margin / 2**30
+        if abs(self.margin.value() - value) > 1e-3:
+            self.margin.blockSignals(True)
+            self.margin.setValue(value)
+            self.margin.blockSignals(False)
 
     # -- drawing ---------------------------------------------------------------------------------
 

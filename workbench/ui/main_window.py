@@ -38,6 +38,7 @@ class MainWindow(QMainWindow):
     def __init__(self, session: Session | None = None, settings: QSettings | None = None):
         super().__init__()
         self.session = session or Session()
+        services.GUI_CORES = 1  # the engine leaves a core to this window's thread
         self.settings = settings or QSettings("moe-workbench", "workbench")
         self.undo_stack = QUndoStack(self)
         self.job: Job | None = None
@@ -344,6 +345,7 @@ class MainWindow(QMainWindow):
             self.show_status(f"Reply: {st.get('tokens', 0)} tokens at {st.get('decode_tps', 0):.1f} tok/s "
                              f"({st.get('stop_reason', '?')})")
 
+        self.session.start_live_routing()
         job = self.run_job("Generate", work, done)
         if job is not None:
             job.finished.connect(lambda _r, e: e is not None and self.chat_dock.generation_failed(str(e)))

@@ -10,6 +10,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
     QComboBox,
     QFormLayout,
+    QHeaderView,
     QLabel,
     QSpinBox,
     QTreeWidget,
@@ -121,8 +122,10 @@ class ModelDock(QWidget):
         for kind in ("norm", "lm_head"):
             for key in model_wide.get(kind, []):
                 self.tree.addTopLevelItem(self._unit_item(inv, [key], KIND_TITLES[kind]))
-        for i in range(5):
+        for i in range(1, 5):
             self.tree.resizeColumnToContents(i)
+        self.tree.header().setStretchLastSection(False)
+        self.tree.header().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         self._on_placement(self.session.placement)
 
     def _unit_item(self, inv, keys: list[UnitKey], title: str) -> QTreeWidgetItem:
