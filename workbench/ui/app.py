@@ -10,6 +10,7 @@ from PySide6.QtWidgets import QApplication
 
 from workbench.session import Session
 
+from . import refguard
 from .main_window import MainWindow
 
 
@@ -18,6 +19,8 @@ def make_app() -> QApplication:
     app.setApplicationName("MoE Workbench")
     app.setOrganizationName("moe-workbench")
     pg.setConfigOptions(antialias=False, imageAxisOrder="row-major")
+    if getattr(app, "_workbench_refguard", None) is None:
+        refguard.install(app)
     return app
 
 
