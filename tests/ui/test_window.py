@@ -238,3 +238,55 @@ def test_planner_button_is_one_undoable_step(window, qtbot, chat_model_dir):
     assert (s.tier_grid() == 0).all()
     window.undo_stack.undo()
     assert s.placement == before
+
+
+def test_rubber_band_row_click_and_keys_move_experts(window, qtbot, chat_model_dir):
+    from PySide6.QtTest import QTest
+
+    open_model(window, qtbot, chat_model_dir)
+    s, experts = window.session, window.experts
+    grid = experts.grid
+    qtbot.waitUntil(lambda: grid.isVisible() and grid.width() > 100)
+    vp = grid.viewport()
+
+    def at(row, col):
+        return grid.mapFromScene(grid.cell_center_scene(row, col))
+
+    # rubber band from (0, 1) to (1, 3): six cells
+    QTest.mousePress(vp, Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier, at(0, 1))
+    for step in range(1, 6):
+        a, b = at(0, 1), at(1, 3)
+        QTest.mouseMove(vp, a + (b - a) * step / 5)
+    QTest.mouseRelease(vp, Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier, at(1, 3))
+    assert sorted(grid.selected_cells()) == [(r, c) for r in (0, 1) for c in (1, 2, 3)]
+
+    # "C" moves the selection to the CPU, as the context menu's action does
+    grid.setFocus()
+    QTest.keyClick(grid, Qt.Key.Key_C)
+    layers = s.moe_layers
+    assert all(s.placement.get(UnitKey(layers[r], "expert", c)) == CPU_COMPUTE for r, c in grid.selected_cells())
+    assert s.placement.get(UnitKey(layers[0], "expert", 0)) == ON_GPU0
+
+    # a click on a layer number selects that whole row
+    axis = grid.plotItem.getAxis("left")
+    y = grid.mapFromScene(grid.cell_center_scene(2, 0)).y()
+    x = grid.mapFromScene(axis.mapToScene(axis.boundingRect().center())).x()
+    QTest.mouseClick(vp, Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier, QPoint(int(x), int(y)))
+    assert sorted(grid.selected_cells()) == [(2, c) for c in range(grid.n_cols)]
+    QTest.keyClick(grid, Qt.Key.Key_1)  # back to GPU 0 (already there: nothing changes)
+    assert window.undo_stack.count() >= 1
+
+
+def test_apply_placement_migrates_experts_on_the_loaded_engine(window, qtbot, chat_model_dir):
+    open_model(window, qtbot, chat_model_dir)
+    s = window.session
+    window.apply_placement()
+    qtbot.waitUntil(lambda: s.engine is not None and window.job is None, timeout=60000)
+    engine = s.engine
+    keys = s.inventory.expert_keys(s.moe_layers[0])[:4]
+    assert window.experts.move(keys, CPU_COMPUTE)
+    window.apply_placement()
+    qtbot.waitUntil(lambda: window.job is None, timeout=60000)
+    assert s.engine is engine  # migrated, not reloaded
+    assert all(engine.placement.get(k) == CPU_COMPUTE for k in keys)
+    assert "Engine ready" in window.status_label.text()

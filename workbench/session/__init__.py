@@ -450,18 +450,20 @@ class Session(ChatMixin):
         over its budget, with by how much."""
         return "; ".join(self.prediction().over.values())
 
-    def load_engine(self, progress=None, cancel: threading.Event | None = None) -> None:
-        """Load (or migrate to) the current placement on the engine. Blocking: run in a worker."""
+    def load_engine(self, progress=None, cancel: threading.Event | None = None, force: bool = False) -> None:
+        """Load the current placement on the engine, or migrate the loaded engine to it when only
+        routed experts moved. ``progress(fraction, message)``; ``cancel`` stops it; ``force`` skips
+        the engine's own VRAM check (the user chose "load anyway"). Blocking: run in a worker."""
         if self.inventory is None:
             raise WorkbenchError("open a model first")
         placement = self.placement.copy()
         self.events.engine_state.emit("loading", "loading weights")
         try:
-            if self.engine is not None and self.engine.inventory is self.inventory:
-                self.engine.apply_placement(placement)
+            if not force and self.engine is not None and self._only_experts_moved(placement):
+                self.engine.apply_placement(placement, services.byte_progress(progress, "moving"), cancel)
             else:
                 self.close_engine()
-                self.engine = services.load_engine(self.inventory, placement, progress, cancel)
+                self.engine = services.load_engine(self.inventory, placement, progress, cancel, force)
                 try:
                     self.chat_runtime()  # tokenizer and template now, not at the first message
                 except WorkbenchError as e:
@@ -471,6 +473,16 @@ class Session(ChatMixin):
             raise
         self.engine_placement = placement
         self.events.engine_state.emit("ready", f"engine ready on {services.engine_device(self.engine)}")
+
+    def _only_experts_moved(self, placement: Placement) -> bool:
+        """True when the loaded engine runs this model and ``placement`` differs from its
+        placement in routed experts only (the engine migrates those without reloading)."""
+        if self.engine is None or self.engine.inventory is not self.inventory:
+            return False
+        old = self.engine.placement
+        keys = set(old.assignments) | set(placement.assignments)
+        return all(old.get(k) == placement.get(k) for k in keys if k.kind != "expert") and \
+            old.default == placement.default
 
     def engine_bytes(self) -> dict[str, int]:
         """Bytes the loaded engine holds per tier (empty when none is loaded)."""

@@ -192,7 +192,19 @@ GUI_CORES = 0
 """CPU cores the engine leaves free for a window's GUI thread (the window sets 1)."""
 
 
-def load_engine(inv: Inventory, placement: Placement, progress=None, cancel=None):
+def byte_progress(progress, verb: str = "loading"):
+    """Adapt ``progress(fraction, message)`` to the engine's ``(done_bytes, total_bytes, what)``."""
+
+    def report(done: int, total: int, what: str) -> None:
+        if progress is not None:
+            progress(done / total if total else 1.0, f"{verb} {what} ({done * 100 // max(total, 1)}%)")
+
+    return report
+
+
+def load_engine(inv: Inventory, placement: Placement, progress=None, cancel=None, force: bool = False):
+    """Load the engine on CUDA when there is one (bf16), else on the CPU (fp32). ``force``: no
+    VRAM check (the user chose to load anyway)."""
     engine_mod = _optional("workbench.engine.engine")
     if engine_mod is None:
         raise WorkbenchError("the inference engine is not available in this build")
@@ -207,13 +219,9 @@ def load_engine(inv: Inventory, placement: Placement, progress=None, cancel=None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     ctx = min(int(inv.spec.max_context or 4096), 8192)
-
-    def loading(done: int, total: int, what: str) -> None:
-        if progress is not None:
-            progress(done / total if total else 1.0, f"loading {what} ({done * 100 // max(total, 1)}%)")
-
     return engine_mod.Engine.load(inv, placement, device=device, dtype=dtype, max_context=ctx,
-                                  progress=loading, cancel=cancel)
+                                  progress=byte_progress(progress), cancel=cancel,
+                                  vram_budget=(1 << 62) if force else None)
 
 
 def profile(engine, tokenizer, prompts: list[str], progress=None, cancel=None):

@@ -287,16 +287,19 @@ class MainWindow(QMainWindow):
             self.show_status("Open a model first", True)
             return None
         reason = self.session.load_guardrail()
-        if reason and not force and not self.confirm_load_anyway(reason):
-            self.show_status(f"Not loaded: {reason}", True)
-            return None
+        if reason and not force:
+            if not self.confirm_load_anyway(reason):
+                self.show_status(f"Not loaded: {reason}", True)
+                return None
+            force = True
 
         def done(_result):
             self.show_status(f"Engine ready: {self.session.engine_placement_summary()}")
             if then is not None:
                 then()
 
-        return self.run_job("Apply placement", lambda progress, cancel: self.session.load_engine(progress, cancel), done)
+        return self.run_job("Apply placement",
+                            lambda progress, cancel: self.session.load_engine(progress, cancel, force), done)
 
     def confirm_load_anyway(self, reason: str) -> bool:
         box = QMessageBox(QMessageBox.Icon.Warning, "The placement does not fit",
