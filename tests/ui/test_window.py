@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 from PySide6.QtCore import QPoint, QPointF, Qt, QTimer
-from PySide6.QtGui import QDragEnterEvent, QDragMoveEvent, QDropEvent
+from PySide6.QtGui import QDragEnterEvent, QDragLeaveEvent, QDragMoveEvent, QDropEvent
 from PySide6.QtWidgets import QApplication
 
 from tests.ui.synthetic import synthetic_inventory
@@ -66,7 +66,18 @@ def test_drag_from_cpu_lane_to_gpu_lane_and_undo(window, qtbot, chat_model_dir):
     keys, _ = units_from_mime(mime)
     assert keys == [UnitKey(layer, "expert", 3)] and mime.hasFormat(UNITS_MIME)
 
-    accepted_move, accepted_drop = drop_on(experts.lanes["gpu:0"], mime)
+    gpu_lane, cpu_lane = experts.lanes["gpu:0"], experts.lanes["cpu"]
+    pos = QPoint(gpu_lane.width() // 2, gpu_lane.height() // 2)
+    QApplication.sendEvent(gpu_lane, QDragEnterEvent(pos, Qt.DropAction.MoveAction, mime, Qt.MouseButton.LeftButton,
+                                                     Qt.KeyboardModifier.NoModifier))
+    n_gpu = s.n_experts * len(s.moe_layers) - s.n_experts + 1  # while hovering: the would-be placement
+    assert gpu_lane.line1.endswith(f"{n_gpu} experts") and cpu_lane.line1.endswith(f"{s.n_experts - 1} experts")
+    trial = s.placement.copy()
+    trial.move(keys, ON_GPU0)
+    assert f"decode {s.predict(trial).decode_tps:.1f} tok/s" in gpu_lane.hover_text
+    QApplication.sendEvent(gpu_lane, QDragLeaveEvent())
+    assert cpu_lane.line1.endswith(f"{s.n_experts} experts")  # back to the real placement
+    accepted_move, accepted_drop = drop_on(gpu_lane, mime)
     assert accepted_move and accepted_drop
     key = UnitKey(layer, "expert", 3)
     assert s.placement.get(key) == ON_GPU0
@@ -290,3 +301,32 @@ def test_apply_placement_migrates_experts_on_the_loaded_engine(window, qtbot, ch
     assert s.engine is engine  # migrated, not reloaded
     assert all(engine.placement.get(k) == CPU_COMPUTE for k in keys)
     assert "Engine ready" in window.status_label.text()
+
+
+def test_opens_a_gguf_file(window, qtbot, tiny_gguf):
+    path = tiny_gguf("qwen3_moe", "Q8_0")
+    open_model(window, qtbot, path)
+    s = window.session
+    assert s.inventory.format == "gguf"
+    assert (window.experts.grid.n_rows, window.experts.grid.n_cols) == (len(s.moe_layers), s.n_experts)
+    assert "Q8_0" in window.model_dock.summary.text()
+
+
+def test_quit_asks_about_unsaved_changes(window, qtbot, chat_model_dir, monkeypatch):
+    from PySide6.QtWidgets import QMessageBox
+
+    open_model(window, qtbot, chat_model_dir)
+    window.experts.move(window.session.inventory.expert_keys()[:1], CPU_COMPUTE)
+    assert window.session.dirty and window.isWindowModified()
+    asked = []
+    monkeypatch.setattr(QMessageBox, "question",
+                        lambda *a, **k: asked.append(a[2]) or QMessageBox.StandardButton.Cancel)
+    window.close()
+    assert asked and "unsaved" in asked[0] and window.isVisible()
+
+
+def test_cli_refuses_a_missing_path_without_a_window(capsys):
+    from workbench.cli import main
+
+    assert main(["/no/such/model"]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from workbench.core.errors import WorkbenchError
 from workbench.core.fmt import bytes2human
 from workbench.core.placement import CPU_COMPUTE, CPU_STREAM, Assignment
 from workbench.core.units import UnitKey
-from workbench.session import Session, code_assignment
+from workbench.session import Session, code_assignment, tier_code
 from workbench.session.services import STRATEGIES
 
 from .bridge import connect_gui
@@ -123,15 +123,29 @@ class ExpertsDock(QWidget):
             lane = Lane(self.session, tier)
             lane.dropped.connect(self.move)
             lane.hover_prediction.connect(lambda text, bad: self.status(text, bad))
+            lane.hover_changed.connect(self._on_hover)
             self._lanes_box.addWidget(lane)
             self.lanes[tier] = lane
         self._on_prediction(self.session.prediction())
         self._update_legend()
 
-    def _on_prediction(self, pred) -> None:
+    def _on_hover(self, pred, keys, assignment) -> None:
+        """While a drag hovers a lane, every lane shows the would-be placement's figures."""
+        if pred is None:
+            self._on_prediction(self.session.prediction())
+            return
+        grid = self.session.tier_grid().copy()
+        row_of = {layer: i for i, layer in enumerate(self.session.moe_layers)}
+        code = tier_code(assignment)
+        for k in keys:
+            if k.kind == "expert" and k.layer in row_of:
+                grid[row_of[k.layer], k.expert] = code
+        self._on_prediction(pred, grid)
+
+    def _on_prediction(self, pred, grid=None) -> None:
         if self.session.inventory is None:
             return
-        grid = self.session.tier_grid()
+        grid = self.session.tier_grid() if grid is None else grid
         for tier, lane in self.lanes.items():
             codes = [c for c in np.unique(grid) if code_assignment(int(c)).tier == tier]
             n = int(np.isin(grid, codes).sum()) if codes else 0

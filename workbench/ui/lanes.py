@@ -27,10 +27,12 @@ def tps_text(tps: float) -> str:
 
 class Lane(QWidget):
     """Drop target for tier ``tier``. ``dropped(keys, assignment)`` asks the panel to move units;
-    ``hover_prediction(text, refused)`` reports the would-be prediction during a drag."""
+    ``hover_prediction(text, refused)`` reports the would-be prediction during a drag;
+    ``hover_changed(prediction, keys, assignment)`` gives it to the panel (None when the drag left)."""
 
     dropped = Signal(object, object)
     hover_prediction = Signal(str, bool)
+    hover_changed = Signal(object, object, object)
 
     def __init__(self, session: Session, tier: str, parent=None):
         super().__init__(parent)
@@ -94,6 +96,7 @@ class Lane(QWidget):
         self._hover_keys = None
         self.hover_text = ""
         self.refused_reason_hover = ""
+        self.hover_changed.emit(None, None, None)
         self.update()
 
     def dropEvent(self, event) -> None:
@@ -117,6 +120,7 @@ class Lane(QWidget):
             self.hover_text = f"refused: {reason}"
         self.setToolTip(self.hover_text)
         self.hover_prediction.emit(self.hover_text, bool(reason))
+        self.hover_changed.emit(pred, keys, self.assignment)
         self.update()
 
     def paintEvent(self, _ev) -> None:

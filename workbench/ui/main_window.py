@@ -80,6 +80,8 @@ class MainWindow(QMainWindow):
         self.cancel_button.clicked.connect(self.cancel_job)
         sb = self.statusBar()
         sb.addWidget(self.status_label, 1)
+        self.engine_label = QLabel("engine: not loaded")
+        sb.addPermanentWidget(self.engine_label)
         self.hardware_label = QLabel("")
         sb.addPermanentWidget(self.hardware_label)
         sb.addPermanentWidget(self.progress)
@@ -94,6 +96,7 @@ class MainWindow(QMainWindow):
         ev = self.session.events
         connect_gui(ev.project_changed, self._on_project_changed, self)
         connect_gui(ev.message, lambda text: self.show_status(text), self)
+        connect_gui(ev.engine_state, self._on_engine_state, self)
         self._on_project_changed(None, False)
 
     def _initial_dock_sizes(self) -> None:
@@ -152,6 +155,12 @@ class MainWindow(QMainWindow):
 
         job.finished.connect(finished)
         return job.start()
+
+    def _on_engine_state(self, state: str, message: str) -> None:
+        text = {"none": "engine: not loaded", "loading": "engine: loading…", "error": "engine: failed"}.get(
+            state, f"engine: {self.session.engine_placement_summary()}" if state == "ready" else f"engine: {state}")
+        self.engine_label.setText(text)
+        self.engine_label.setToolTip(message)
 
     def _on_progress(self, fraction: float, message: str) -> None:
         self.progress.setValue(int(1000 * max(0.0, min(1.0, fraction))))
