@@ -3,10 +3,13 @@ else a tiny random qwen3_moe with the demo's tokenizer and chat template), and a
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 DEMO = Path(__file__).resolve().parents[2] / "resources" / "demo"
 

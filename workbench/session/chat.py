@@ -112,6 +112,7 @@ class ChatMixin:
             self.chat.template_override = template_override
         self.dirty = self.inventory is not None
         self._project_changed()
+        self.events.chat_changed.emit()
 
     def clear_chat(self) -> None:
         self.chat.messages.clear()
