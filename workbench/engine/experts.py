@@ -160,7 +160,10 @@ class LayerExperts:
 
     def finish(self) -> None:
         self.local_dev = torch.as_tensor(self.local, device=self.device)
+        self.tier_dev = torch.as_tensor(self.tier, device=self.device)
         self.all_resident = bool((self.tier == RESIDENT).all())
+        self.n_tier = [int((self.tier == t).sum()) for t in (RESIDENT, COMPUTE, STREAM)]
+        self.staging = HostStaging(self.device)
 
     @property
     def nbytes(self) -> dict[str, int]:
@@ -184,46 +187,73 @@ class LayerExperts:
 
     # -- running -----------------------------------------------------------------------------
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scale_input: bool) -> torch.Tensor:
-        """``x [T, H]``, ``ids``/``weights [T, k]`` -> weighted sum of the selected experts ``[T, H]``."""
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scale_input: bool,
+                 extra=None) -> torch.Tensor:
+        """``x [T, H]``, ``ids``/``weights [T, k]`` -> weighted sum of the selected experts ``[T, H]``.
+
+        ``extra``: optional ``() -> [T, H]`` accelerator work (the shared expert) launched while the
+        host waits for the routing and computes the CPU experts; its result is added.
+
+        Order of work in a layer with experts off the accelerator: (1) queue the copies of the
+        routing (and of ``x`` when the CPU computes experts) into pinned buffers and record an event,
+        (2) launch the resident experts (decode: masked gather, no host data needed) and ``extra``,
+        (3) wait for the event (the one host sync of the layer), (4) compute the CPU experts on this
+        thread while the accelerator runs (2), fetch streamed experts, (5) add the CPU result
+        through a pinned buffer without waiting.
+        """
         T, k = ids.shape
-        flat_w = weights.reshape(-1)
+        flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
         token = torch.arange(T, device=x.device).repeat_interleave(k)  # [T*k]
-        if self.all_resident:
-            rows = self.local_dev[ids.reshape(-1)]
+        if self.all_resident and self.staging.cuda:
+            rows = self.local_dev[flat_ids]
             out = torch.zeros_like(x)
-            return out.index_add_(0, token, grouped(x[token], rows, flat_w, self.w13[0], self.w2[0], scale_input,
-                                                    self.b13[0], self.b2[0], self.act))
-        ids_host = ids.reshape(-1).cpu().numpy()  # the one host sync per hybrid layer
-        tiers = self.tier[ids_host]
-        future = None
-        cpu_sel = np.nonzero(tiers == COMPUTE)[0]
-        if cpu_sel.size:
-            sel = torch.as_tensor(cpu_sel, device=x.device)
-            x_cpu = x[token[sel]].to("cpu", non_blocking=False)
-            w_cpu = flat_w[sel].to("cpu")
-            rows_cpu = torch.as_tensor(self.local[ids_host[cpu_sel]])
-            if self.cpu_kernel is not None:
-                fn, args = self.cpu_kernel, (x_cpu, rows_cpu, w_cpu, scale_input)
-            else:
-                fn, args = grouped, (x_cpu, rows_cpu, w_cpu, self.w13[COMPUTE], self.w2[COMPUTE], scale_input,
-                                     self.b13[COMPUTE], self.b2[COMPUTE], self.act)
-            future = self.worker.submit(fn, *args) if self.worker is not None else None
-            cpu_now = None if future is not None else fn(*args)
+            out.index_add_(0, token, grouped(x[token], rows, flat_w, self.w13[0], self.w2[0], scale_input,
+                                             self.b13[0], self.b2[0], self.act))
+            return out if extra is None else out + extra()
+        host = self.staging.to_host([flat_ids, flat_w, x] if self.n_tier[COMPUTE] else [flat_ids, flat_w])
         out = torch.zeros_like(x)
-        res_sel = np.nonzero(tiers == RESIDENT)[0]
-        if res_sel.size:
-            sel = torch.as_tensor(res_sel, device=x.device)
-            rows = torch.as_tensor(self.local[ids_host[res_sel]], device=x.device)
-            out.index_add_(0, token[sel], grouped(x[token[sel]], rows, flat_w[sel], self.w13[0], self.w2[0],
-                                                  scale_input, self.b13[0], self.b2[0], self.act))
+        small = T * k <= GATHER_MAX_ROWS and self.staging.cuda  # a CPU accelerator groups on the host
+        if small and self.n_tier[RESIDENT]:  # resident experts before the sync: masked, no host data
+            res = self.tier_dev[flat_ids] == RESIDENT
+            rows = torch.where(res, self.local_dev[flat_ids], 0)
+            y = grouped(x[token], rows, flat_w * res, self.w13[0], self.w2[0], scale_input,
+                        self.b13[0], self.b2[0], self.act)
+            if scale_input and self.bias:  # a zero input still gives the biases
+                y = y * res[:, None]
+            out.index_add_(0, token, y)
+        if extra is not None:
+            out = out + extra()
+        self.staging.wait()  # the one host sync of a hybrid layer
+        ids_host = host[0].numpy()
+        tiers = self.tier[ids_host]
+        token_host = np.repeat(np.arange(T), k)
+        if not small and self.n_tier[RESIDENT]:
+            pairs = np.nonzero(tiers == RESIDENT)[0]
+            if pairs.size:
+                _grouped_host(x, pairs, token_host, self.local[ids_host[pairs]], flat_w, out, scale_input,
+                              self.w13[0], self.w2[0], self.b13[0], self.b2[0], self.act)
         str_sel = np.nonzero(tiers == STREAM)[0]
         if str_sel.size:
-            self._run_streamed(x, token, flat_w, ids_host, str_sel, out, scale_input)
+            self._run_streamed(x, token_host, flat_w, ids_host, str_sel, out, scale_input)
+        cpu_sel = np.nonzero(tiers == COMPUTE)[0]
         if cpu_sel.size:
-            cpu_out = future.result() if future is not None else cpu_now
-            sel = torch.as_tensor(cpu_sel, device=x.device)
-            out.index_add_(0, token[sel], cpu_out.to(x.device, non_blocking=True))
+            out.add_(self.staging.to_device(self._run_cpu(host[2], token_host, host[1], ids_host, cpu_sel,
+                                                          scale_input)))
+        return out
+
+    def _run_cpu(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
+                 sel: np.ndarray, scale_input: bool) -> torch.Tensor:
+        """The CPU tier's pairs ``sel`` on this thread: host ``x [T, H]`` -> summed ``[T, H]`` (pinned
+        when the accelerator is CUDA)."""
+        out = self.staging.buffer("cpu_out", tuple(x.shape), x.dtype).zero_()
+        rows = self.local[ids_host[sel]]
+        if self.cpu_kernel is not None:
+            tok = torch.from_numpy(token[sel])
+            y = self.cpu_kernel(x[tok], torch.from_numpy(rows), flat_w[torch.from_numpy(sel)], scale_input)
+            out.index_add_(0, tok, y.to(out.dtype))
+        else:
+            _grouped_host(x, sel, token, rows, flat_w, out, scale_input, self.w13[COMPUTE], self.w2[COMPUTE],
+                          self.b13[COMPUTE], self.b2[COMPUTE], self.act)
         return out
 
     def _run_streamed(self, x, token, flat_w, ids_host, sel, out, scale_input) -> None:
@@ -233,10 +263,9 @@ class LayerExperts:
             batch = needed[b:b + n_slots]
             slot_of = {e: self._fetch(e, set(batch)) for e in batch}
             pick = sel[np.isin(ids_host[sel], batch)]
-            rows = torch.as_tensor([slot_of[e] for e in ids_host[pick].tolist()], device=x.device)
-            p = torch.as_tensor(pick, device=x.device)
-            out.index_add_(0, token[p], grouped(x[token[p]], rows, flat_w[p], self.cache_w13, self.cache_w2,
-                                                scale_input, self.cache_b13, self.cache_b2, self.act))
+            rows = np.array([slot_of[e] for e in ids_host[pick].tolist()], dtype=np.int64)
+            _grouped_host(x, pick, token, rows, flat_w, out, scale_input, self.cache_w13, self.cache_w2,
+                          self.cache_b13, self.cache_b2, self.act)
 
     def _fetch(self, expert: int, keep: set[int]) -> int:
         """Cache slot holding ``expert``, copying it in (evicting the least recently used) if needed."""
@@ -260,6 +289,86 @@ class LayerExperts:
         self.cache_expert[slot] = expert
         self.lru[expert] = slot
         return slot
+
+
+def _grouped_host(x: torch.Tensor, pairs: np.ndarray, token: np.ndarray, rows: np.ndarray, flat_w: torch.Tensor,
+                  out: torch.Tensor, scale_input: bool, w13: torch.Tensor, w2: torch.Tensor,
+                  b13: torch.Tensor | None, b2: torch.Tensor | None, act: tuple) -> None:
+    """Add to ``out [T, H]`` the experts of ``pairs`` (indices into the flat ``[T*k]`` selections;
+    ``token [T*k]`` host; ``rows [len(pairs)]`` host rows of ``w13``/``w2``) with weights
+    ``flat_w [T*k]``. Pairs are grouped by expert on the host (no host sync): each expert's weights
+    are read once, in place (no gathered copy); index tensors reach the accelerator through pinned
+    memory without waiting."""
+    order = np.argsort(rows, kind="stable")
+    pairs, rows = pairs[order], rows[order]
+    uniq, starts, counts = np.unique(rows, return_index=True, return_counts=True)
+    dev = x.device
+    pair_t = _h2d(torch.from_numpy(pairs), dev)
+    tok_t = _h2d(torch.from_numpy(token[pairs]), dev)
+    xs = x[tok_t]
+    ws = flat_w[pair_t].to(x.dtype)[:, None]
+    if scale_input:
+        xs = xs * ws
+    ys = torch.empty_like(xs)
+    for r, s, c in zip(uniq.tolist(), starts.tolist(), counts.tolist()):
+        ys[s:s + c] = expert_ffn(xs[s:s + c], w13[r], w2[r], None if b13 is None else b13[r],
+                                 None if b2 is None else b2[r], act)
+    if not scale_input:
+        ys = ys * ws
+    out.index_add_(0, tok_t, ys)
+
+
+def _h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a host sync (through pinned memory on CUDA)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class HostStaging:
+    """Host buffers of one layer's hybrid step, reused across steps: pinned on CUDA, so that copies
+    both ways run without blocking. ``to_host`` queues device->host copies and records an event;
+    ``wait`` is the host sync; ``to_device`` copies a host result back without waiting.
+
+    Reuse is safe because every step waits (``wait``) before it writes a buffer again, and that wait
+    comes after the previous step's copies in stream order.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._event = torch.cuda.Event() if self.cuda else None
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor of ``shape``/``dtype`` (contents undefined), reused by ``name``."""
+        n = int(np.prod(shape))
+        buf = self._bufs.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < n:
+            cap = max(n, 2 * buf.numel() if buf is not None and buf.dtype == dtype else n)
+            buf = torch.empty(cap, dtype=dtype, pin_memory=self.cuda)
+            self._bufs[name] = buf
+        return buf[:n].view(shape)
+
+    def to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Host copies of ``tensors``; on CUDA valid only after ``wait()``."""
+        if not self.cuda:
+            return [t if t.device.type == "cpu" else t.cpu() for t in tensors]
+        outs = []
+        for i, t in enumerate(tensors):
+            h = self.buffer(f"in{i}", tuple(t.shape), t.dtype)
+            h.copy_(t, non_blocking=True)
+            outs.append(h)
+        self._event.record()
+        return outs
+
+    def wait(self) -> None:
+        if self.cuda:
+            self._event.synchronize()
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a buffer of this staging) on the accelerator, copied without waiting."""
+        return t.to(self.device, non_blocking=True) if self.cuda else t
 
 
 def _copy_halves(dst: torch.Tensor, src) -> None:

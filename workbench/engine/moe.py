@@ -85,10 +85,13 @@ class MoeBlock:
             logits = F.linear(x, self.router, self.router_bias)
         ids, weights = route(self.args, logits, self.score_bias)
         self.counts[self.layer].index_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1)))
-        out = self.experts(x, ids, weights, scale_input=self.args.router == "sigmoid_topk_scale_input")
-        if self.shared is not None:
-            s = self.shared(x)
-            if self.shared_router is not None:
-                s = torch.sigmoid(F.linear(x, self.shared_router)) * s
-            out = out + s
-        return out
+        extra = None if self.shared is None else (lambda: self._shared(x))
+        return self.experts(x, ids, weights, scale_input=self.args.router == "sigmoid_topk_scale_input",
+                            extra=extra)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert ``[T, H]`` (gated by ``shared_router`` when the family has one)."""
+        s = self.shared(x)
+        if self.shared_router is not None:
+            s = torch.sigmoid(F.linear(x, self.shared_router)) * s
+        return s

@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""Profile our engine's decode step under hybrid placements: where does the time of one token go?
+
+Builds (or takes) a synthetic MoE GGUF, loads it under an ``n-cpu-moe``-like placement (the routed
+experts of the first layers on the CPU) and a ``frequency``-like one (each layer's hot experts on the
+accelerator, the rest on the CPU), then for each: times decode steps, counts host syncs per token,
+and writes a cProfile and a torch.profiler summary.
+
+    # locally (no GPU: the accelerator is "cpu", the same hybrid code paths run)
+    python scripts/profile_decode.py --out /tmp/prof
+    # on the GPU machine, with a bench file and the planner's placements under a budget
+    python scripts/profile_decode.py --model /dev/shm/wb/s1.gguf --device cuda --budget 12GiB --out $OUT
+
+Host syncs are counted as calls of ``Tensor.cpu / item / tolist / numpy / nonzero`` (cProfile call
+counts; on CPU these are not real syncs, but they are where a CUDA run would wait) and, on CUDA, as
+the warnings of ``torch.cuda.set_sync_debug_mode("warn")``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import logging
+import pstats
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from workbench.core import synth
+from workbench.core.placement import CPU_COMPUTE, Placement
+from workbench.core.readers import open_model
+from workbench.core.units import UnitKey
+
+log = logging.getLogger("profile_decode")
+
+MID = synth.SynthShape("mid", "qwen3moe", 8, 1024, 16, 4, 64, 64, 8, 512, 8192, qk_norm=True)
+"""A mid-size model for local profiling: hidden 1024, 64 experts (8 active), 8 layers, ~400 MB bf16."""
+
+SYNC_NAMES = ("cpu", "item", "tolist", "numpy", "nonzero", "synchronize", "_local_scalar_dense")
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def n_cpu_moe_placement(inv, n: int) -> Placement:
+    """Routed experts of the first ``n`` MoE layers computed on the CPU, everything else resident."""
+    p = Placement()
+    for layer in inv.spec.moe_layers[:n]:
+        p.move(inv.expert_keys(layer), CPU_COMPUTE)
+    return p
+
+
+def frequency_placement(inv, counts, gpu_fraction: float) -> Placement:
+    """Per layer, the ``gpu_fraction`` most selected experts (by ``counts [L, E]``) resident, the rest
+    computed on the CPU."""
+    p = Placement()
+    E = inv.spec.n_experts
+    keep = max(1, round(gpu_fraction * E))
+    for layer in inv.spec.moe_layers:
+        hot = set(torch.as_tensor(counts[layer]).argsort(descending=True)[:keep].tolist())
+        for e in range(E):
+            if e not in hot:
+                p.set(UnitKey(layer, "expert", e), CPU_COMPUTE)
+    return p
+
+
+def planned_placements(inv, strategies: list[str], budget: int, margin: int, prompt: int, gen: int,
+                       profile: str, counts=None) -> dict[str, Placement]:
+    """The planner's placements under ``budget`` (as ``workbench bench run`` makes them)."""
+    from workbench.core.costmodel import CostModel
+    from workbench.core.placement import Budget
+    from workbench.core.planner import Planner
+    from workbench.core.stats import ExpertStats
+    from workbench.engine.bench import load_profile
+
+    spec = inv.spec
+    stats = None
+    if counts is not None:
+        stats = ExpertStats(spec.n_layers, spec.n_experts, spec.n_experts_active)
+        stats.add(counts)
+    cost = CostModel(inv, load_profile(profile), stats)
+    planner = Planner(cost, Budget((budget,), margin=margin), ctx=prompt + gen, prompt_tokens=prompt)
+    return {s: planner.plan(s).placement for s in strategies}
+
+
+def count_syncs(stats: pstats.Stats) -> dict[str, int]:
+    """Calls of host-sync-like tensor methods in a cProfile run."""
+    out: dict[str, int] = {}
+    for (_file, _line, name), (_cc, nc, *_rest) in stats.stats.items():
+        if "torch" not in name and "Event" not in name:  # numpy's tolist/nonzero are no syncs
+            continue
+        for s in SYNC_NAMES:
+            if f"'{s}'" in name or name.endswith(f".{s}") or name == s:
+                out[s] = out.get(s, 0) + nc
+    return out
+
+
+def profile_placement(engine, label: str, *, prompt: int, steps: int, out: Path | None,
+                      torch_prof: bool = True) -> dict:
+    """Time ``steps`` decode steps after a ``prompt``-token prefill; cProfile and torch.profiler them."""
+    dev = engine.device
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, engine.vocab_size, (prompt,), generator=g)
+    toks = torch.randint(0, engine.vocab_size, (3 * steps + 4,), generator=g)
+    engine.forward(ids, 0)
+    pos = prompt
+    for i in range(4):  # warm-up
+        engine.forward(toks[i:i + 1], pos).argmax().item()
+        pos += 1
+    times = []
+    for i in range(steps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        engine.forward(toks[4 + i:5 + i], pos)[-1].argmax().item()
+        times.append(time.perf_counter() - t0)
+        pos += 1
+    res = {"label": label, "step_ms_median": 1e3 * statistics.median(times),
+           "step_ms_min": 1e3 * min(times), "decode_tps": 1.0 / statistics.median(times)}
+    # cProfile: Python-level time and sync-like calls per token
+    pr = cProfile.Profile()
+    pr.enable()
+    for i in range(steps):
+        engine.forward(toks[4 + steps + i:5 + steps + i], pos)[-1].argmax().item()
+        pos += 1
+    pr.disable()
+    st = pstats.Stats(pr)
+    syncs = count_syncs(st)
+    n_layers = len(engine.layers)
+    res["sync_like_calls_per_token"] = {k: v / steps for k, v in syncs.items()}
+    res["sync_like_calls_per_token_per_layer"] = sum(syncs.values()) / steps / n_layers
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+    res["cprofile_top"] = buf.getvalue()
+    if dev.type == "cuda":  # real syncs, as torch sees them
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(steps):
+                engine.forward(toks[4 + 2 * steps + i:5 + 2 * steps + i], pos)[-1].argmax()
+                pos += 1
+        torch.cuda.set_sync_debug_mode(0)
+        res["cuda_syncs_per_token"] = len(caught) / steps
+        where: dict[str, int] = {}
+        for w in caught:
+            key = f"{Path(w.filename).name}:{w.lineno}"
+            where[key] = where.get(key, 0) + 1
+        res["cuda_sync_sites"] = dict(sorted(where.items(), key=lambda kv: -kv[1]))
+    if torch_prof:
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if dev.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        n = min(steps, 4)
+        with torch.profiler.profile(activities=acts) as tp:
+            for i in range(n):
+                engine.forward(toks[i:i + 1], pos)[-1].argmax().item()
+                pos += 1
+        ka = tp.key_averages()
+        res["torch_profile_cpu"] = ka.table(sort_by="self_cpu_time_total", row_limit=25)
+        if dev.type == "cuda":
+            res["torch_profile_cuda"] = ka.table(sort_by="self_cuda_time_total", row_limit=25)
+        if out is not None:
+            tp.export_chrome_trace(str(out / f"trace_{label}.json"))
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="GGUF file (default: write the mid-size synthetic model)")
+    ap.add_argument("--layers", type=int, default=None, help="layers of the mid-size model (8)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "f32"))
+    ap.add_argument("--budget", default=None, help="use the planner's placements under this VRAM budget")
+    ap.add_argument("--margin", default="0")
+    ap.add_argument("--strategies", default="n-cpu-moe,frequency")
+    ap.add_argument("--profile", default="bench-h200")
+    ap.add_argument("--cpu-layers", type=int, default=None, help="n-cpu-moe-like: CPU layers (2/3 of them)")
+    ap.add_argument("--gpu-fraction", type=float, default=0.25, help="frequency-like: experts kept resident")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--cpu-format", default=None)
+    ap.add_argument("--no-torch-profile", action="store_true")
+    ap.add_argument("--out", default=None, help="folder for profile.json, profile.md and traces")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from workbench.core.fmt import parse_size
+    from workbench.engine import Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    path = args.model
+    if path is None:
+        s = replace(MID, n_layers=args.layers) if args.layers else MID
+        path = Path("/tmp/wb_profile") / f"{s.name}_{s.n_layers}.gguf"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
+            synth.write_gguf(path, s, coverage_target=0.5)
+            log.info("wrote %s in %.1f s", path, time.perf_counter() - t0)
+    inv = open_model(str(path))
+    dev = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
+    strategies = [s for s in args.strategies.split(",") if s]
+    ctx = args.prompt + 4 * args.steps + 8
+    results = []
+    counts = None
+    for strat in strategies:
+        if args.budget:
+            placement = planned_placements(inv, [strat], parse_size(args.budget), parse_size(args.margin),
+                                           512, 128, args.profile, counts)[strat]
+        elif strat == "n-cpu-moe":
+            n = args.cpu_layers if args.cpu_layers is not None else (2 * len(inv.spec.moe_layers)) // 3
+            placement = n_cpu_moe_placement(inv, n)
+        elif strat == "frequency":
+            if counts is None:  # routing statistics from an all-resident pass
+                e = Engine.load(inv, None, device=dev, dtype=dtype, max_context=ctx, vram_budget=None)
+                e.forward(torch.randint(0, e.vocab_size, (64,)), 0)
+                counts = e.routing_counts()
+                e.close()
+            placement = frequency_placement(inv, counts, args.gpu_fraction)
+        elif strat == "all-gpu":
+            placement = Placement()
+        else:
+            raise SystemExit(f"unknown strategy {strat!r} without --budget")
+        t0 = time.perf_counter()
+        engine = Engine.load(inv, placement, device=dev, dtype=dtype, max_context=ctx, vram_budget=None,
+                             cpu_format=args.cpu_format)
+        load_s = time.perf_counter() - t0
+        try:
+            r = profile_placement(engine, strat, prompt=args.prompt, steps=args.steps, out=out,
+                                  torch_prof=not args.no_torch_profile)
+            counts = engine.routing_counts() if counts is None else counts
+        finally:
+            engine.close()
+        r["load_s"] = load_s
+        results.append(r)
+        log.info("%s: %.2f ms/token (%.1f tok/s), sync-like calls per token per layer %.1f",
+                 strat, r["step_ms_median"], r["decode_tps"], r["sync_like_calls_per_token_per_layer"])
+    md = []
+    for r in results:
+        md.append(f"## {r['label']}: {r['step_ms_median']:.2f} ms per decode step "
+                  f"({r['decode_tps']:.1f} tok/s), load {r['load_s']:.1f} s\n")
+        md.append(f"sync-like calls per token: {json.dumps(r['sync_like_calls_per_token'])}\n")
+        if "cuda_syncs_per_token" in r:
+            md.append(f"CUDA syncs per token: {r['cuda_syncs_per_token']:.1f} at {json.dumps(r['cuda_sync_sites'])}\n")
+        for key in ("torch_profile_cpu", "torch_profile_cuda", "cprofile_top"):
+            if key in r:
+                md.append(f"### {key}\n\n```\n{r[key]}\n```\n")
+    text = "\n".join(md)
+    if out is not None:
+        (out / "profile.json").write_text(json.dumps(results, indent=1))
+        (out / "profile.md").write_text(text)
+    print("\n".join(f"{r['label']}: {r['step_ms_median']:.2f} ms/token ({r['decode_tps']:.1f} tok/s), "
+                    f"sync-like calls/token/layer {r['sync_like_calls_per_token_per_layer']:.1f}"
+                    + (f", CUDA syncs/token {r['cuda_syncs_per_token']:.1f}" if "cuda_syncs_per_token" in r else "")
+                    for r in results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
