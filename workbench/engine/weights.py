@@ -1,10 +1,11 @@
 """Tensors straight from the model files: zero-copy views of mmap'd safetensors / GGUF data.
 
-``WeightReader.tensor(name)`` returns a CPU tensor that views the file's pages (``np.memmap`` in
-copy-on-write mode + ``torch.from_numpy``) for F32/F16/BF16 (and FP8) data, so nothing is allocated
-until the caller copies it to where it belongs. GGUF block-quantized types (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K...)
-are dequantized to float32 with gguf-py's dequantizer, one tensor or one expert slice at a time, so
-peak host memory stays near the size of the unit being loaded.
+``WeightReader.tensor(name)`` returns a CPU tensor that views the file's pages (a read-only
+``np.memmap`` + ``torch.from_numpy``; the engine never writes to them) for F32/F16/BF16 and FP8
+data, so nothing is allocated until the caller copies it to where it belongs. GGUF block-quantized
+types (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4...) are dequantized to float32 with gguf-py's
+dequantizer, one tensor or one expert slice at a time, so peak host memory stays near the size of
+the unit being loaded.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class WeightReader:
     def _file(self, path: Path) -> np.memmap:
         m = self._maps.get(path)
         if m is None:
-            m = np.memmap(path, dtype=np.uint8, mode="c")
+            m = np.memmap(path, dtype=np.uint8, mode="r")  # read-only: no commit charge for huge files
             self._maps[path] = m
         return m
 
