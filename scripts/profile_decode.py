@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--cpu-format", default=None)
+    ap.add_argument("--cpu-format", default=None, help="CPU expert format (cpu_formats.FORMATS)")
+    ap.add_argument("--cpu-workers", type=int, default=1, help="experts computed at once with --cpu-format")
     ap.add_argument("--no-torch-profile", action="store_true")
     ap.add_argument("--out", default=None, help="folder for profile.json, profile.md and traces")
     args = ap.parse_args(argv)
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         elif strat == "frequency":
             if counts is None:  # routing statistics from an all-resident pass
                 e = Engine.load(inv, None, device=dev, dtype=dtype, max_context=ctx, vram_budget=None)
-                e.forward(torch.randint(0, e.vocab_size, (64,)), 0)
+                e.forward(torch.randint(0, e.vocab_size, (min(64, ctx),)), 0)
                 counts = e.routing_counts()
                 e.close()
             placement = frequency_placement(inv, counts, args.gpu_fraction)
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown strategy {strat!r} without --budget")
         t0 = time.perf_counter()
         engine = Engine.load(inv, placement, device=dev, dtype=dtype, max_context=ctx, vram_budget=None,
-                             cpu_format=args.cpu_format)
+                             cpu_format=args.cpu_format, cpu_workers=args.cpu_workers)
         load_s = time.perf_counter() - t0
         try:
             r = profile_placement(engine, strat, prompt=args.prompt, steps=args.steps, out=out,
