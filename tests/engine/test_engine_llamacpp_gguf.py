@@ -97,6 +97,20 @@ def test_llamacpp_converted_gguf_matches_transformers(model_type, tiny_model_dir
         engine.close()
 
 
+def test_llamacpp_llama3_rope_freqs(tmp_path):
+    """A dense Llama with Llama 3 RoPE scaling: llama.cpp stores it as ``rope_freqs`` factors."""
+    from tests.engine.test_engine_dense import DENSE, build
+
+    model = build("llama", tmp_path / "llama", {**DENSE["llama"], "vocab_size": 4096, "hidden_size": 64})
+    path = convert(tmp_path / "llama", tmp_path / "llama-llamacpp-f32.gguf", "f32")
+    inv = open_inventory(path)
+    assert "rope_freqs.weight" in inv.tensors
+    engine = Engine.load(inv, None, device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
+    ref = reference_logits(model, PROMPT)
+    assert rel_err(engine.forward(torch.tensor(PROMPT), 0), ref) < logits_tolerance(model, PROMPT, ref)
+    engine.close()
+
+
 def test_llamacpp_q8_0_of_the_demo_model_keeps_its_greedy_text(tmp_path):
     """The trained demo model converted to Q8_0 by llama.cpp: logits within 1e-2 of the f16
     original run in fp32 and the same 32 greedy tokens (its routing is real, not random)."""

@@ -177,7 +177,7 @@ class Engine:
         units = self.inventory.units
         nbytes = {k: u.nbytes for k, u in units.items()}
         self.layers = []
-        self.rope = Rope(a.rope, a.head_dim, a.max_position, self.max_context, dev)
+        self.rope = Rope(a.rope, a.head_dim, a.max_position, self.max_context, dev, fw.rope_factors())
         self.counts = torch.zeros(a.n_layers, max(1, a.n_experts), dtype=torch.int64, device=dev)
         self.caches = []
         loader.begin(UnitKey(None, "embed"), nbytes.get(UnitKey(None, "embed"), 0))

@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 
 from workbench.core.errors import ModelFormatError
 
-SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama4", "deepseek_v2", "deepseek_v3", "gpt_oss")
+SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama4", "deepseek_v2", "deepseek_v3", "gpt_oss",
+             "dense")
+DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""Dense model types the engine runs (family ``dense``; OLMo's post-norm layers are not run)."""
 
 
 @dataclass
@@ -97,6 +100,8 @@ class ModelArgs:
             use_rope=(True,) * n_layers, chunk=(None,) * n_layers, window=(None,) * n_layers,
         )
         n_exp = int(c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0)
+        if family == "dense":
+            return cls._dense(c, common)
         if family == "mixtral":
             window = c.get("sliding_window")
             return cls(
@@ -168,6 +173,26 @@ class ModelArgs:
             shared_ffn=int(c["intermediate_size"]), router="sigmoid_topk_scale_input",
             qk_norm="l2" if c.get("use_qk_norm", True) else None, qkv_bias=bias, o_bias=bias,
             temperature_tuning=tuning,
+        )
+
+    @classmethod
+    def _dense(cls, c: dict, common: dict) -> ModelArgs:
+        model_type = c.get("model_type")
+        if model_type not in DENSE_TYPES:
+            raise ModelFormatError(f"the engine does not run dense {model_type} models (it runs "
+                                   f"{', '.join(DENSE_TYPES)})")
+        if c.get("mlp_bias"):
+            raise ModelFormatError(f"the engine does not run {model_type} models with MLP biases")
+        n_layers = common["n_layers"]
+        window = c.get("sliding_window") if model_type == "mistral" or c.get("use_sliding_window") else None
+        windows = (window,) * n_layers
+        if window and c.get("layer_types"):
+            windows = tuple(window if t == "sliding_attention" else None for t in c["layer_types"])
+        bias = bool(c.get("attention_bias", False))
+        return cls(
+            **{**common, "window": windows}, moe_layers=(), n_experts=0, top_k=0, expert_ffn=0,
+            dense_ffn=int(c["intermediate_size"]), qk_norm="head" if model_type == "qwen3" else None,
+            qkv_bias=True if model_type == "qwen2" else bias, o_bias=False if model_type == "qwen2" else bias,
         )
 
     @classmethod

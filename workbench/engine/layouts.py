@@ -34,7 +34,7 @@ _GGUF_LAYER = {"q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight",
                "q_b": "attn_q_b.weight", "kv_a": "attn_kv_a_mqa.weight", "kv_a_norm": "attn_kv_a_norm.weight",
                "kv_b": "attn_kv_b.weight"}
 _GGUF_MODEL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
-_GGUF_ARCH_PERMUTES_QK = {"mixtral"}  # llama.cpp's llama converter permutes Q/K rows for its rope
+_GGUF_ARCH_PERMUTES_QK = {"llama"}  # llama.cpp's llama converter (Mixtral, Llama, Mistral) permutes Q/K rows
 
 
 class FamilyWeights:
@@ -135,10 +135,17 @@ class FamilyWeights:
 
     def _undo_gguf(self, role: str, t: torch.Tensor) -> torch.Tensor:
         a = self.args
-        if a.family in _GGUF_ARCH_PERMUTES_QK and role in ("q", "k", "q_bias", "k_bias"):
+        arch = self.reader.inventory.metadata.get("general.architecture")
+        if arch in _GGUF_ARCH_PERMUTES_QK and role in ("q", "k", "q_bias", "k_bias"):
             heads = a.n_heads if role.startswith("q") else a.n_kv_heads
             t = _unpermute_rows(t, heads)
         return t
+
+    def rope_factors(self) -> torch.Tensor | None:
+        """GGUF ``rope_freqs.weight [hd/2]`` (llama.cpp's form of Llama 3 RoPE scaling), or None."""
+        if self.gguf and self.reader.has("rope_freqs.weight"):
+            return self.reader.tensor("rope_freqs.weight").float()
+        return None
 
     def _kv_b_from_halves(self, layer: int) -> torch.Tensor:
         """llama.cpp splits MLA's ``kv_b [nH*(nope+v), kv_lora]`` into ``attn_k_b [nH, kv_lora, nope]``

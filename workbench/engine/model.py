@@ -7,6 +7,7 @@ the MoE part (``moe.MoeBlock``) decides where each expert runs. Shapes: ``T`` to
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -18,8 +19,7 @@ from .families import ModelArgs, RopeArgs
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 like transformers; ``weight=None`` is Llama 4's L2 norm."""
     dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xf = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one fused kernel on CUDA, not six
     return xf.to(dtype) if weight is None else weight * xf.to(dtype)
 
 
@@ -78,10 +78,14 @@ def rope_inv_freq(rope: RopeArgs, dim: int, max_position: int) -> tuple[torch.Te
 
 
 class Rope:
-    """Cos/sin tables for positions ``0..max_context-1`` on the accelerator."""
+    """Cos/sin tables for positions ``0..max_context-1`` on the accelerator. ``freq_factors [hd/2]``
+    (GGUF ``rope_freqs``) divide the inverse frequencies."""
 
-    def __init__(self, rope: RopeArgs, head_dim: int, max_position: int, max_context: int, device):
+    def __init__(self, rope: RopeArgs, head_dim: int, max_position: int, max_context: int, device,
+                 freq_factors: torch.Tensor | None = None):
         inv, scale = rope_inv_freq(rope, head_dim, max_position)
+        if freq_factors is not None:  # llama.cpp's rope_freqs: Llama 3 scaling as per-frequency divisors
+            inv = inv / freq_factors.float()
         freqs = torch.arange(max_context, dtype=torch.float32)[:, None] * inv[None, :]  # [S, hd/2]
         self.interleaved = rope.interleaved
         self.halves_out = rope.pairs_out_as_halves
@@ -200,12 +204,33 @@ class Attention:
         if "sinks" in w:
             out = attention_with_sinks(q, keys, values, mask, self.scale, w["sinks"])
             return F.linear(out.reshape(T, -1), w["o"], w.get("o_bias"))
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=mask[None, None], scale=self.scale, enable_gqa=a.n_heads != a.n_kv_heads,
-        )  # [1, nH, T, hd]
+        # Full attention needs no mask for one new token (it sees every cached key) nor for a prompt
+        # from position 0 (causal): then SDPA takes its flash kernel. cuDNN's attention is left out
+        # on CUDA: it built a new plan per KV length, ~2 ms of host time per layer and decode step.
+        plain = self.window is None and self.chunk is None and (T == 1 or start == 0)
+        with _sdpa_backends(q.device):
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                attn_mask=None if plain else mask[None, None], is_causal=plain and T > 1, scale=self.scale,
+                enable_gqa=a.n_heads != a.n_kv_heads,
+            )  # [1, nH, T, hd]
         out = out[0].transpose(0, 1).reshape(T, a.n_heads * a.head_dim)
         return F.linear(out, w["o"], w.get("o_bias"))
+
+
+_NO_CUDNN = None
+
+
+def _sdpa_backends(device: torch.device):
+    """Context for SDPA: on CUDA every backend but cuDNN's; elsewhere PyTorch's choice."""
+    global _NO_CUDNN
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if _NO_CUDNN is None:
+        _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(_NO_CUDNN)
 
 
 class DenseMlp:
