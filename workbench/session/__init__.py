@@ -121,6 +121,7 @@ class Session(ChatMixin):
         self.chat = ChatState()
         self._prediction: Prediction | None = None
         self._unit_bytes: dict[UnitKey, int] = {}
+        self._moe_layers: list[int] = []
         self.live_stats: ExpertStats | None = None
         self.live_view = True
         self._live_baseline: np.ndarray | None = None
@@ -134,9 +135,7 @@ class Session(ChatMixin):
     @property
     def moe_layers(self) -> list[int]:
         """Layers that have routed experts: the rows of the experts grid."""
-        if self.inventory is None:
-            return []
-        return sorted({k.layer for k in self.inventory.units if k.kind == "expert"})
+        return self._moe_layers
 
     @property
     def n_experts(self) -> int:
@@ -146,7 +145,8 @@ class Session(ChatMixin):
         """Make ``inv`` the open model (GUI thread; read it first with :func:`services.open_model`)."""
         self.close_engine()
         self.inventory = inv
-        self._unit_bytes = {k: u.nbytes for k, u in inv.units.items()}
+        self._unit_bytes = {k: v[0] for k, v in services.unit_sizes(inv).items()}
+        self._moe_layers = sorted({k.layer for k in inv.units if k.kind == "expert"})
         self.placement = placement.copy() if placement is not None else services.default_placement(inv)
         self.stats = None
         self.live_stats = None
@@ -154,13 +154,13 @@ class Session(ChatMixin):
         self.chat = ChatState()
         self.project_path = None
         self.dirty = False
-        self._prediction = None
+        self._prediction = self.predict()
         self.events.model_opened.emit(inv)
         self.events.placement_changed.emit(self.placement)
         self.events.stats_changed.emit(self.stats)
         self.events.chat_changed.emit()
         self._project_changed()
-        self.refresh_prediction()
+        self.events.prediction_changed.emit(self._prediction)
 
     def unit_bytes(self, key: UnitKey) -> int:
         """Bytes of one unit as stored (0 for a unit the model lacks)."""

@@ -49,6 +49,30 @@ def open_model(path: str | Path) -> Inventory:
     return readers.open_model(Path(path))
 
 
+_unit_sizes: dict[int, dict] = {}
+
+
+def unit_sizes(inv: Inventory) -> dict:
+    """``{UnitKey: (bytes, params, dtypes)}`` of every unit, computed once per inventory (a
+    94 x 256 model has 24k units: do it in the worker that opened the model)."""
+    key = id(inv)
+    if key not in _unit_sizes:
+        _unit_sizes.clear()
+        _unit_sizes[key] = {k: (u.nbytes, u.n_params, u.dtypes) for k, u in inv.units.items()}
+    return _unit_sizes[key]
+
+
+def prepare(inv: Inventory, hardware) -> None:
+    """The slow per-model work the GUI thread should not do: unit sizes and the cost model for
+    ``hardware`` (cached for when the model becomes the session's)."""
+    unit_sizes(inv)
+    if hardware is not None and hardware.gpus:
+        costmodel = _optional("workbench.core.costmodel")
+        if costmodel is not None:
+            _cost_models.clear()
+            _cost_models[(id(inv), id(hardware), id(None))] = costmodel.CostModel(inv, hardware, None)
+
+
 def default_placement(inv: Inventory) -> Placement:
     """Everything on GPU 0: the starting point the user edits or plans from."""
     memory = _optional("workbench.core.memory")

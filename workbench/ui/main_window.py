@@ -180,10 +180,15 @@ class MainWindow(QMainWindow):
         if not self.maybe_save():
             return None
         is_project = services.is_project_file(path)
+        hardware = self.session.hardware
 
         def work(progress, cancel):
             progress(0.1, f"reading {path.name}")
-            return services.load_project(path) if is_project else services.open_model(path)
+            result = services.load_project(path) if is_project else services.open_model(path)
+            progress(0.6, "sizing units and building the cost model")
+            inv = result[0] if is_project else result
+            services.prepare(inv, (result[2] or hardware) if is_project else hardware)
+            return result
 
         def done(result):
             self.undo_stack.clear()

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
 
 from workbench.core.fmt import bytes2human, params2human
 from workbench.core.units import UnitKey
-from workbench.session import Session, code_assignment
+from workbench.session import Session, code_assignment, services
 
 from .bridge import connect_gui
 
@@ -100,7 +100,7 @@ class ModelDock(QWidget):
 
     def _build_tree(self, inv) -> None:
         self.tree.clear()
-        self._sizes = {k: (u.nbytes, u.n_params, u.dtypes) for k, u in inv.units.items()}
+        self._sizes = services.unit_sizes(inv)
         by_layer: dict[int | None, dict[str, list[UnitKey]]] = defaultdict(lambda: defaultdict(list))
         for key in sorted(inv.units):
             by_layer[key.layer][key.kind].append(key)
