@@ -99,16 +99,25 @@ class Rope:
             self.cos = (emb.cos() * scale).to(device)  # [S, hd]
             self.sin = (emb.sin() * scale).to(device)
 
+    def _tables(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [T, 1, d]`` for ``pos``, gathered once per forward pass (every layer passes the
+        same ``pos`` tensor) instead of four kernels per layer and projection."""
+        memo = getattr(self, "_memo", None)
+        if memo is None or memo[0] is not pos or memo[1] != dtype:
+            memo = (pos, dtype, self.cos[pos][:, None, :].to(dtype), self.sin[pos][:, None, :].to(dtype))
+            self._memo = memo
+        return memo[2], memo[3]
+
     def apply(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, n, hd]`` for positions ``pos [T]``."""
         if self.halves_out:
-            cos, sin = self.cos[pos][:, None, :].to(x.dtype), self.sin[pos][:, None, :].to(x.dtype)
+            cos, sin = self._tables(pos, x.dtype)
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         if self.interleaved:
             xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
             return torch.view_as_real(xc * self.cis[pos][:, None, :]).flatten(-2).type_as(x)
-        cos, sin = self.cos[pos][:, None, :].to(x.dtype), self.sin[pos][:, None, :].to(x.dtype)
+        cos, sin = self._tables(pos, x.dtype)
         half = x.shape[-1] // 2
         rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rot * sin
@@ -200,14 +209,14 @@ class Attention:
             scales = torch.log1p(torch.floor((pos.float() + 1.0) / floor_scale)) * attn_scale + 1.0
             q = (q * scales[:, None, None]).to(q.dtype)
         keys, values = self.cache.update(start, k, v)  # [S', nKV, hd]
-        mask = attention_mask(pos, start + T, self.window, self.chunk)
+        plain = self.window is None and self.chunk is None and (T == 1 or start == 0)
+        mask = None if plain and "sinks" not in w else attention_mask(pos, start + T, self.window, self.chunk)
         if "sinks" in w:
             out = attention_with_sinks(q, keys, values, mask, self.scale, w["sinks"])
             return F.linear(out.reshape(T, -1), w["o"], w.get("o_bias"))
         # Full attention needs no mask for one new token (it sees every cached key) nor for a prompt
         # from position 0 (causal): then SDPA takes its flash kernel. cuDNN's attention is left out
         # on CUDA: it built a new plan per KV length, ~2 ms of host time per layer and decode step.
-        plain = self.window is None and self.chunk is None and (T == 1 or start == 0)
         with _sdpa_backends(q.device):
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
