@@ -31,7 +31,8 @@ def chat_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def window(qtbot, tmp_path):
-    """A MainWindow with its own settings file and telemetry started (no GPU here: a preset)."""
+    """A MainWindow with its own settings file, hardware detected (no GPU here: a preset) and a
+    fixed host RAM measurement (24 of 32 GiB free)."""
     from PySide6.QtCore import QSettings
 
     from workbench.ui.app import make_app
@@ -43,6 +44,11 @@ def window(qtbot, tmp_path):
     win.resize(1400, 900)
     win.show()
     win.start_hardware()
+    # Budgets from a fixed host measurement, not from this busy machine's RAM of the moment; a
+    # guardrail question (a modal dialog) would hang an offscreen test: fail instead.
+    win.telemetry_timer.stop()
+    win.session.set_measured({"cpu": (32 << 30, 24 << 30)})
+    win.confirm_load_anyway = lambda reason: pytest.fail(f"unexpected load guardrail: {reason}")
     yield win
     if win.job is not None:
         win.job.cancel.set()
