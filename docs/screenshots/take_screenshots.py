@@ -67,6 +67,24 @@ def main() -> int:
     win.show_status("Profiled 36 calibration prompts; planned 'frequency' with half the experts' bytes of VRAM")
     shoot("workbench-experts.png")
 
+    # a drag of CPU experts hovering the GPU lane: every lane shows the would-be figures, and
+    # the GPU lane refuses because the budget would break
+    from PySide6.QtCore import QPoint, Qt
+    from PySide6.QtGui import QDragEnterEvent, QDragLeaveEvent
+    from PySide6.QtWidgets import QApplication
+
+    grid = win.experts.grid
+    cpu_cells = [(r, c) for r, c in zip(*(s.tier_grid() == 0).nonzero())][:6]
+    grid.select_cells([(int(r), int(c)) for r, c in cpu_cells])
+    lane = win.experts.lanes["gpu:0"]
+    mime = grid.drag_mime()
+    enter = QDragEnterEvent(QPoint(10, 10), Qt.DropAction.MoveAction, mime, Qt.MouseButton.LeftButton,
+                            Qt.KeyboardModifier.NoModifier)
+    QApplication.sendEvent(lane, enter)
+    shoot("workbench-drag-refused.png")
+    QApplication.sendEvent(lane, QDragLeaveEvent())
+    grid.clear_selection()
+
     s.set_chat_settings(sampling={"temperature": 0.7, "max_new": 120, "seed": 3})
     for question in ("Tell me about the ball at Netherfield.", "What did Mr. Darcy say to Elizabeth?"):
         win.chat_dock.input.setPlainText(question)
