@@ -12,7 +12,7 @@ from PySide6.QtGui import QDragEnterEvent, QDragLeaveEvent, QDragMoveEvent, QDro
 from PySide6.QtWidgets import QApplication
 
 from tests.ui.synthetic import synthetic_inventory
-from workbench.core.placement import CPU_COMPUTE, ON_GPU0
+from workbench.core.placement import CPU_COMPUTE, ON_GPU0, Assignment
 from workbench.core.units import UnitKey
 from workbench.ui.mime import UNITS_MIME, units_from_mime
 
@@ -330,3 +330,29 @@ def test_cli_refuses_a_missing_path_without_a_window(capsys):
 
     assert main(["/no/such/model"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_hardware_preset_changes_lanes_budgets_and_prediction(window, qtbot, chat_model_dir):
+    open_model(window, qtbot, chat_model_dir)
+    s = window.session
+    before = s.prediction()
+    window.use_preset("2x rtx3090+ddr4-2ch")
+    assert [g.name for g in s.hardware.gpus] == ["NVIDIA GeForce RTX 3090"] * 2
+    assert set(window.experts.lanes) == {"gpu:0", "gpu:1", "cpu"}
+    assert set(window.memory_dock.maps) == {"gpu:0", "gpu:1", "cpu"}
+    assert s.budgets()["gpu:1"] == s.hardware.gpus[1].vram_bytes - s.margin
+    assert s.prediction().decode_tps != before.decode_tps
+    assert "RTX 3090" in window.hardware_label.text()
+    assert window.experts.move(s.inventory.expert_keys(s.moe_layers[0]), Assignment("gpu:1"))
+    assert s.prediction().tier_total("gpu:1") > 0
+
+
+def test_memory_map_turns_red_with_the_reason(window, qtbot, chat_model_dir):
+    open_model(window, qtbot, chat_model_dir)
+    s = window.session
+    gpu_map = window.memory_dock.maps["gpu:0"]
+    assert gpu_map.reason == ""
+    s.set_margin(s.capacity("gpu:0"))  # nothing fits any more
+    assert "over its budget" in gpu_map.reason and "GPU 0" in gpu_map.toolTip()
+    assert gpu_map.predicted and sum(b for _, _, b in gpu_map.predicted) > 0
+    window.memory_dock.grab()  # paints without error, red frame and reason line included

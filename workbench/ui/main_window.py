@@ -460,7 +460,7 @@ class MainWindow(QMainWindow):
         self.run_menu = mb.addMenu("&Run")
         self.run_menu.addAction("&Apply placement (load the engine)", QKeySequence("Ctrl+L"), self.apply_placement)
         self.run_menu.addAction("&Profile routing on the calibration prompts", QKeySequence("Ctrl+P"), self.profile)
-        self.run_menu.addAction("&Stop", QKeySequence("Esc"), self.cancel_job)
+        self.run_menu.addAction("&Stop", QKeySequence("Ctrl+."), self.cancel_job)
         self.run_menu.addSeparator()
         self.run_menu.addAction("&Unload the engine", self.session.close_engine)
         self.view_menu = mb.addMenu("&View")
