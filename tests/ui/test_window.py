@@ -356,3 +356,14 @@ def test_memory_map_turns_red_with_the_reason(window, qtbot, chat_model_dir):
     assert "over its budget" in gpu_map.reason and "GPU 0" in gpu_map.toolTip()
     assert gpu_map.predicted and sum(b for _, _, b in gpu_map.predicted) > 0
     window.memory_dock.grab()  # paints without error, red frame and reason line included
+
+
+def test_host_map_shows_measured_beside_predicted(window, qtbot, chat_model_dir):
+    open_model(window, qtbot, chat_model_dir)
+    host = window.memory_dock.maps["cpu"]
+    # the fixture measures 32 GiB of RAM with 24 GiB free: 8 GiB used by others, nothing by us yet
+    assert host.capacity == 32 << 30
+    assert [(label, n) for label, _, n in host._measured_segments()] == [("this engine", 0), ("other processes", 8 << 30)]
+    predicted = dict((label, n) for label, _, n in host.predicted)
+    assert predicted["other processes"] == 8 << 30
+    assert predicted["runtime + stream cache"] == window.session.prediction().memory.tiers["cpu"].overhead

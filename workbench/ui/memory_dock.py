@@ -45,6 +45,7 @@ class TierMap(QWidget):
         self.capacity = 0
         self.predicted: list[tuple[str, str, int]] = []
         self.measured_used: int | None = None
+        self.measured_ours = 0
         self.reason = ""
         self.title = tier
         self.subtitle = ""
@@ -61,6 +62,7 @@ class TierMap(QWidget):
         predicted_total = sum(b for _, _, b in self.predicted)
         self.capacity = session.capacity(self.tier) or max(predicted_total, 1)
         self.measured_used = measured[0] - measured[1] if measured else None
+        self.measured_ours = min(ours, self.measured_used) if measured else 0
         self.reason = pred.over.get(self.tier, "")
         name = "host RAM" if self.tier == "cpu" else self.tier.upper().replace(":", " ")
         if self.tier != "cpu" and session.hardware is not None:
@@ -115,7 +117,8 @@ class TierMap(QWidget):
     def _measured_segments(self) -> list[tuple[str, str, int]]:
         if self.measured_used is None:
             return []
-        return [("used (all processes)", OTHERS_COLOUR, self.measured_used)]
+        return [("this engine", COMPONENTS[2][1], self.measured_ours),
+                ("other processes", OTHERS_COLOUR, self.measured_used - self.measured_ours)]
 
 
 class MemoryDock(QWidget):
