@@ -367,3 +367,12 @@ def test_host_map_shows_measured_beside_predicted(window, qtbot, chat_model_dir)
     predicted = dict((label, n) for label, _, n in host.predicted)
     assert predicted["other processes"] == 8 << 30
     assert predicted["runtime + stream cache"] == window.session.prediction().memory.tiers["cpu"].overhead
+
+
+def test_cli_without_a_display_says_so(monkeypatch, capsys):
+    from workbench.cli import main
+
+    for var in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"):
+        monkeypatch.delenv(var, raising=False)
+    assert main([]) == 2
+    assert "no display" in capsys.readouterr().err

@@ -5,6 +5,8 @@ With no PATH it opens the bundled demo model (resources/demo/) when it is there.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "resources" / "demo"
@@ -20,6 +22,13 @@ def run(args: argparse.Namespace) -> int:
     path = Path(args.path) if args.path else (DEMO_MODEL if (DEMO_MODEL / "config.json").is_file() else None)
     if path is not None and not path.exists():
         raise WorkbenchError(f"{path} does not exist")
+    if sys.platform.startswith("linux") and not any(
+        os.environ.get(v) for v in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")
+    ):
+        raise WorkbenchError(
+            "no display to open the window on (DISPLAY is not set); run it on a desktop, under "
+            "`xvfb-run -a workbench`, or use the sub-commands (workbench inspect / plan / generate)"
+        )
     from workbench.ui.app import run as run_app
 
     return run_app(path)
