@@ -251,6 +251,13 @@ class LayerExperts:
             tok = torch.from_numpy(token[sel])
             y = self.cpu_kernel(x[tok], torch.from_numpy(rows), flat_w[torch.from_numpy(sel)], scale_input)
             out.index_add_(0, tok, y.to(out.dtype))
+        elif x.shape[0] == 1 and not scale_input and not self.bias and self.act[0] == "silu":
+            # decode: one token, each expert once; five ops per expert, no grouping or gathers
+            w13, w2 = self.w13[COMPUTE], self.w2[COMPUTE]
+            i = w2.shape[2]
+            for r, wt in zip(rows.tolist(), flat_w[torch.from_numpy(sel)].tolist()):
+                h = F.linear(x, w13[r])  # [1, 2I]
+                out.add_(F.linear(F.silu(h[:, :i]).mul_(h[:, i:]), w2[r]), alpha=wt)
         else:
             _grouped_host(x, sel, token, rows, flat_w, out, scale_input, self.w13[COMPUTE], self.w2[COMPUTE],
                           self.b13[COMPUTE], self.b2[COMPUTE], self.act)
