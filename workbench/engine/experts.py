@@ -161,6 +161,9 @@ class LayerExperts:
     def finish(self) -> None:
         self.local_dev = torch.as_tensor(self.local, device=self.device)
         self.tier_dev = torch.as_tensor(self.tier, device=self.device)
+        res = self.tier == RESIDENT
+        self.res_row_dev = torch.as_tensor(np.where(res, self.local, 0), device=self.device)  # 0 if not resident
+        self.res_mask_dev = torch.as_tensor(res, device=self.device)
         self.all_resident = bool((self.tier == RESIDENT).all())
         self.n_tier = [int((self.tier == t).sum()) for t in (RESIDENT, COMPUTE, STREAM)]
         self.staging = HostStaging(self.device)
@@ -203,24 +206,28 @@ class LayerExperts:
         """
         T, k = ids.shape
         flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
-        token = torch.arange(T, device=x.device).repeat_interleave(k)  # [T*k]
+        if T == 1:  # one token: its k pairs read x as a view and sum with one reduction
+            xt = x.expand(k, x.shape[1])
+            pair_sum = lambda y: y.sum(0, keepdim=True)  # noqa: E731
+        else:
+            token = torch.arange(T, device=x.device).repeat_interleave(k)  # [T*k]
+            xt = x[token]
+            pair_sum = lambda y: torch.zeros_like(x).index_add_(0, token, y)  # noqa: E731
         if self.all_resident and self.staging.cuda:
-            rows = self.local_dev[flat_ids]
-            out = torch.zeros_like(x)
-            out.index_add_(0, token, grouped(x[token], rows, flat_w, self.w13[0], self.w2[0], scale_input,
-                                             self.b13[0], self.b2[0], self.act))
+            out = pair_sum(grouped(xt, self.local_dev[flat_ids], flat_w, self.w13[0], self.w2[0], scale_input,
+                                   self.b13[0], self.b2[0], self.act))
             return out if extra is None else out + extra()
         host = self.staging.to_host([flat_ids, flat_w, x] if self.n_tier[COMPUTE] else [flat_ids, flat_w])
-        out = torch.zeros_like(x)
         small = T * k <= GATHER_MAX_ROWS and self.staging.cuda  # a CPU accelerator groups on the host
         if small and self.n_tier[RESIDENT]:  # resident experts before the sync: masked, no host data
-            res = self.tier_dev[flat_ids] == RESIDENT
-            rows = torch.where(res, self.local_dev[flat_ids], 0)
-            y = grouped(x[token], rows, flat_w * res, self.w13[0], self.w2[0], scale_input,
+            res = self.res_mask_dev[flat_ids]
+            y = grouped(xt, self.res_row_dev[flat_ids], flat_w * res, self.w13[0], self.w2[0], scale_input,
                         self.b13[0], self.b2[0], self.act)
             if scale_input and self.bias:  # a zero input still gives the biases
                 y = y * res[:, None]
-            out.index_add_(0, token, y)
+            out = pair_sum(y)
+        else:
+            out = torch.zeros_like(x)
         if extra is not None:
             out = out + extra()
         self.staging.wait()  # the one host sync of a hybrid layer
