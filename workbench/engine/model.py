@@ -98,14 +98,18 @@ class Rope:
         else:
             emb = torch.cat([freqs, freqs], dim=-1)
             self.cos = (emb.cos() * scale).to(device)  # [S, hd]
-            self.sin = (emb.sin() * scale).to(device)
+            sin = emb.sin() * scale
+            self.sin = sin.to(device)
+            half = sin.shape[-1] // 2  # rotate_half's sign folded into the table: three kernels, not five
+            self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(device)
 
     def _tables(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin [T, 1, d]`` for ``pos``, gathered once per forward pass (every layer passes the
         same ``pos`` tensor) instead of four kernels per layer and projection."""
         memo = getattr(self, "_memo", None)
         if memo is None or memo[0] is not pos or memo[1] != dtype:
-            memo = (pos, dtype, self.cos[pos][:, None, :].to(dtype), self.sin[pos][:, None, :].to(dtype))
+            sin = getattr(self, "sin_signed", self.sin)
+            memo = (pos, dtype, self.cos[pos][:, None, :].to(dtype), sin[pos][:, None, :].to(dtype))
             self._memo = memo
         return memo[2], memo[3]
 
@@ -118,10 +122,9 @@ class Rope:
         if self.interleaved:
             xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
             return torch.view_as_real(xc * self.cis[pos][:, None, :]).flatten(-2).type_as(x)
-        cos, sin = self._tables(pos, x.dtype)
+        cos, sin = self._tables(pos, x.dtype)  # sin: rotate_half's sign folded in
         half = x.shape[-1] // 2
-        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rot * sin
+        return torch.addcmul(x * cos, torch.cat([x[..., half:], x[..., :half]], dim=-1), sin)
 
 
 # -- attention -----------------------------------------------------------------------------------
