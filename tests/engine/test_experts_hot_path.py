@@ -79,3 +79,31 @@ def test_cuda_branches_compute_what_the_host_branches_compute(family, tiny_model
             assert all(lx.staging.syncs == 0 for lx in engine.experts.values() if lx.all_resident), name
         finally:
             engine.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"])
+def test_fused_qkv_attention_equals_separate_projections(family, tiny_model_dir, monkeypatch):
+    """On CUDA q/k/v are one projection with one head norm and one RoPE for q and k (qwen3: head
+    norms, qwen2: biases, gpt-oss: biases and sinks; olmoe's full-width norm keeps them apart)."""
+    from workbench.engine import model
+
+    torch.set_num_threads(1)
+    inv = open_inventory(tiny_model_dir(family))
+    p = placements(inv)["mixed"]
+    ref_prompt, ref_steps, engine = _run(inv, p)
+    assert all(layer.attn.fused is None for layer in engine.layers)
+    engine.close()
+    monkeypatch.setattr(model, "FUSE_QKV", True)
+    prompt, steps, engine = _run(inv, p)
+    try:
+        assert all((layer.attn.fused is None) == (family == "olmoe") for layer in engine.layers)
+        assert rel_err(prompt, ref_prompt) < 1e-5
+        for got, ref in zip(steps, ref_steps):
+            assert rel_err(got, ref) < 1e-5
+        for layer in engine.layers:  # q, k, v are views of the fused tensor: no second copy
+            if layer.attn.fused is not None:
+                w = layer.attn.w
+                ptrs = {w[r].untyped_storage().data_ptr() for r in "qkv"}
+                assert ptrs == {layer.attn.fused[0].untyped_storage().data_ptr()}
+    finally:
+        engine.close()

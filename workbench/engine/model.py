@@ -188,10 +188,51 @@ class Attention:
         self.window = args.window[layer]
         self.chunk = args.chunk[layer]
         self.scale = args.head_dim ** -0.5
+        self.fused = self._fuse_qkv() if FUSE_QKV or next(iter(w.values())).device.type == "cuda" else None
+
+    def _fuse_qkv(self):
+        """``(qkv [nq+2nk, H], bias or None, qk norm weight [nH+nKV, hd] or None)``: one projection,
+        one head norm and one RoPE for q and k together (fewer kernel launches per decode step), where
+        the layer allows it; ``w``'s q/k/v (and biases) become views of the fused tensors."""
+        a, w = self.a, self.w
+        if not all(r in w for r in ("q", "k", "v")) or a.clip_qkv is not None or a.qk_norm not in (None, "head"):
+            return None
+        if not self.use_rope and a.temperature_tuning is not None:
+            return None
+        biases = [w.get(f"{r}_bias") for r in "qkv"]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            return None
+        nq, nk = w["q"].shape[0], w["k"].shape[0]
+        qkv = torch.cat([w["q"], w["k"], w["v"]])
+        w["q"], w["k"], w["v"] = qkv[:nq], qkv[nq:nq + nk], qkv[nq + nk:]
+        bias = None
+        if biases[0] is not None:
+            bias = torch.cat(biases)
+            w["q_bias"], w["k_bias"], w["v_bias"] = bias[:nq], bias[nq:nq + nk], bias[nq + nk:]
+        norm = None
+        if a.qk_norm == "head":
+            norm = torch.cat([w["q_norm"].expand(a.n_heads, -1), w["k_norm"].expand(a.n_kv_heads, -1)])
+        return qkv, bias, norm
+
+    def _fused_qkv(self, x: torch.Tensor, pos: torch.Tensor, rope: Rope):
+        a = self.a
+        qkv_w, bias, norm = self.fused
+        T, nh, nkv, hd = x.shape[0], a.n_heads, a.n_kv_heads, a.head_dim
+        qkv = F.linear(x, qkv_w, bias)  # [T, (nH + 2 nKV) hd]
+        qk = qkv[:, :(nh + nkv) * hd].view(T, nh + nkv, hd)
+        v = qkv[:, (nh + nkv) * hd:].view(T, nkv, hd)
+        if norm is not None:
+            qk = rms_norm(qk, norm, a.rms_eps)
+        if self.use_rope:
+            qk = rope.apply(qk, pos)
+        return qk[:, :nh], qk[:, nh:], v
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor, start: int, rope: Rope) -> torch.Tensor:
         a, w = self.a, self.w
         T = x.shape[0]
+        if self.fused is not None:
+            q, k, v = self._fused_qkv(x, pos, rope)
+            return self._attend(q, k, v, pos, start)
         q = F.linear(x, w["q"], w.get("q_bias"))  # [T, nH*hd]
         k = F.linear(x, w["k"], w.get("k_bias"))
         v = F.linear(x, w["v"], w.get("v_bias"))
@@ -212,6 +253,12 @@ class Attention:
             attn_scale, floor_scale = a.temperature_tuning
             scales = torch.log1p(torch.floor((pos.float() + 1.0) / floor_scale)) * attn_scale + 1.0
             q = (q * scales[:, None, None]).to(q.dtype)
+        return self._attend(q, k, v, pos, start)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, start: int):
+        """Cache ``k, v [T, nKV, hd]``, attend with ``q [T, nH, hd]``, project: ``[T, H]``."""
+        a, w = self.a, self.w
+        T = q.shape[0]
         keys, values = self.cache.update(start, k, v)  # [S', nKV, hd]
         plain = self.window is None and self.chunk is None and (T == 1 or start == 0)
         mask = None if plain and "sinks" not in w else attention_mask(pos, start + T, self.window, self.chunk)
@@ -232,6 +279,8 @@ class Attention:
 
 
 _NO_CUDNN = None
+FUSE_QKV = False
+"""Fuse q/k/v on a CPU accelerator too (tests); on CUDA they are always fused where possible."""
 
 
 def _sdpa_backends(device: torch.device):
