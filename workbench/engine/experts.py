@@ -373,7 +373,7 @@ class HostStaging:
             h = self.buffer(f"in{i}", tuple(t.shape), t.dtype)
             h.copy_(t, non_blocking=True)
             outs.append(h)
-        self._event.record()
+        self._event.record(torch.cuda.current_stream(self.device))  # the copies' stream
         return outs
 
     def wait(self) -> None:

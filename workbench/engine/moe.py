@@ -84,7 +84,11 @@ class MoeBlock:
         else:
             logits = F.linear(x, self.router, self.router_bias)
         ids, weights = route(self.args, logits, self.score_bias)
-        self.counts[self.layer].index_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1)))
+        flat = ids.reshape(-1)
+        ones = getattr(self, "_ones", None)
+        if ones is None or ones.numel() < flat.numel():  # kept: one launch less per layer and step
+            self._ones = ones = torch.ones(flat.numel(), dtype=self.counts.dtype, device=flat.device)
+        self.counts[self.layer].index_add_(0, flat, ones[:flat.numel()])
         extra = None if self.shared is None else (lambda: self._shared(x))
         return self.experts(x, ids, weights, scale_input=self.args.router == "sigmoid_topk_scale_input",
                             extra=extra)
