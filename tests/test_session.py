@@ -122,3 +122,17 @@ def test_plan_strategy_fits_the_budget(session):
     assert session.prediction().over == {}
     session.set_placement(previous)
     assert session.placement.get(UnitKey(0, "expert", 0)) == Assignment("gpu:0")
+
+
+def test_fast_predictions_after_move_and_undo_match_full_ones(session):
+    keys = [UnitKey(4, "expert", e) for e in range(0, 16, 2)]
+    previous = session.move_units(keys, CPU_COMPUTE)
+    fast = session.prediction()
+    full = session.predict()
+    for tier in ("gpu:0", "cpu"):
+        assert fast.tier_total(tier) == full.tier_total(tier)
+    assert fast.decode_tps == pytest.approx(full.decode_tps, rel=1e-9)
+    session.set_assignments(previous)
+    assert session.prediction().tier_total("gpu:0") == session.predict().tier_total("gpu:0")
+    with pytest.raises(PlacementError, match="not in this model"):
+        session.move_units([UnitKey(99, "expert", 0)], CPU_COMPUTE, force=True)

@@ -183,32 +183,40 @@ class Session(ChatMixin):
         missing = [k for k in keys if k not in self.inventory.units]
         if missing:
             return Prediction(), f"{missing[0]} is not in this model"
-        trial = self.placement.copy()
-        trial.move(keys, assignment)
         before = self.prediction()
-        pred = self._predict_move(before, keys, assignment, trial) or self.predict(trial)
+        pred = self._predict_changes(before, dict.fromkeys(keys, assignment))
         for tier, reason in pred.over.items():
             grew = (pred.tier_total(tier) or 0) > (before.tier_total(tier) or 0)
             if grew:
                 return pred, reason
         return pred, ""
 
-    def _predict_move(self, before: Prediction, keys, assignment: Assignment, trial: Placement) -> Prediction | None:
-        """The prediction of ``trial`` = the current placement with routed experts ``keys`` moved, from
-        the current estimate plus the bytes moved (milliseconds, for drag feedback). None when the
-        move is not that simple (streamed experts, a tier not in use yet, non-expert units)."""
+    def _predict_changes(self, before: Prediction, changes: dict[UnitKey, Assignment]) -> Prediction:
+        """The prediction of the current placement with ``changes`` applied.
+
+        When only routed experts move between tiers already in use, none of them streamed, the
+        memory is the current estimate plus the bytes moved and the speed comes from the cost
+        model's decode alone (milliseconds at 94 x 256: drag feedback and drops stay fluid;
+        prefill is left unknown). Otherwise the full prediction."""
+        trial = self.placement.copy()
+        for k, a in changes.items():
+            trial.set(k, a)
         mem = before.memory
-        if mem is None or assignment.mode == "stream" or assignment.tier not in mem.tiers:
-            return None
+        simple = mem is not None and all(
+            k.kind == "expert" and a.mode != "stream" and a.tier in mem.tiers and self.placement.get(k).mode != "stream"
+            for k, a in changes.items()
+        )
+        if not simple:
+            return self.predict(trial)
         tiers = {name: replace(t, weights=dict(t.weights)) for name, t in mem.tiers.items()}
-        for k in keys:
-            src = self.placement.get(k)
-            if k.kind != "expert" or src.mode == "stream":
-                return None
-            if src.tier != assignment.tier:
+        for k, a in changes.items():
+            src = self.placement.get(k).tier
+            if src != a.tier:
                 n = self.unit_bytes(k)
-                tiers[src.tier].weights["expert"] -= n
-                tiers[assignment.tier].weights["expert"] += n
+                tiers[src].weights["expert"] -= n
+                tiers[a.tier].weights["expert"] += n
+        if any(t.weights_total == 0 and t.kv_cache == 0 for name, t in tiers.items() if name != CPU):
+            return self.predict(trial)  # a GPU left empty: the full estimate drops its runtime overhead
         pred = Prediction(memory=replace(mem, tiers=tiers), budgets=before.budgets)
         pred.decode_tps = services.decode_tps(self, trial)
         self._judge(pred)
@@ -218,20 +226,23 @@ class Session(ChatMixin):
         """Move ``keys`` to ``assignment``; returns their previous assignments (for undo).
         Raises PlacementError with the reason when the move would break a budget (unless
         ``force``)."""
-        if not force:
-            _, reason = self.check_move(keys, assignment)
-            if reason:
-                raise PlacementError(reason)
+        missing = [k for k in keys if self.inventory is None or k not in self.inventory.units]
+        if missing:
+            raise PlacementError(f"{missing[0]} is not in this model")
+        pred, reason = self.check_move(keys, assignment)
+        if reason and not force:
+            raise PlacementError(reason)
         previous = {k: self.placement.get(k) for k in keys}
         self.placement.move(keys, assignment)
-        self._placement_edited()
+        self._placement_edited(pred)
         return previous
 
     def set_assignments(self, assignments: dict[UnitKey, Assignment]) -> None:
         """Set each key's assignment (undo of a move)."""
+        pred = self._predict_changes(self.prediction(), assignments)
         for k, a in assignments.items():
             self.placement.set(k, a)
-        self._placement_edited()
+        self._placement_edited(pred)
 
     def set_placement(self, placement: Placement) -> Placement:
         """Replace the whole placement (planner, project); returns the previous one."""
@@ -246,11 +257,15 @@ class Session(ChatMixin):
             raise WorkbenchError("open a model first")
         return services.plan(self, strategy)
 
-    def _placement_edited(self) -> None:
+    def _placement_edited(self, prediction: Prediction | None = None) -> None:
         self.dirty = True
         self.events.placement_changed.emit(self.placement)
         self._project_changed()
-        self.refresh_prediction()
+        if prediction is None:
+            self.refresh_prediction()
+        else:
+            self._prediction = prediction
+            self.events.prediction_changed.emit(prediction)
 
     def tier_grid(self) -> np.ndarray:
         """Tier code of every routed expert, int8 ``[len(moe_layers), n_experts]`` (see TIER_*)."""

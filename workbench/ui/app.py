@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pyqtgraph as pg
+from PySide6.QtCore import QThreadPool
 from PySide6.QtWidgets import QApplication
 
 from workbench.session import Session
@@ -21,6 +22,8 @@ def make_app() -> QApplication:
     pg.setConfigOptions(antialias=False, imageAxisOrder="row-major")
     if getattr(app, "_workbench_refguard", None) is None:
         refguard.install(app)
+    pool = QThreadPool.globalInstance()  # superqt workers run here; Qt sizes it by the core count
+    pool.setMaxThreadCount(max(pool.maxThreadCount(), 8))
     return app
 
 
