@@ -47,15 +47,7 @@ def expert_throughput(fmt: str, hidden: int, inter: int, *, n_experts: int = 64,
     experts = [cf.ExpertFFN.from_float(gate.roll(i, 1), up.roll(i, 1), down.roll(i, 1), fmt)
                for i in range(n_experts)]
     x = torch.randn(tokens, hidden, generator=g)
-    for e in experts[:4]:
-        e(x)
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for e in experts:
-            e(x)
-        runs.append((time.perf_counter() - t0) / n_experts)
-    t = float(np.median(runs))
+    t, runs = cf.time_per_call(experts, x, repeats)
     nbytes = experts[0].nbytes
     return {"format": fmt, "matrix": f"expert [{hidden}x{inter}] x3", "tokens": tokens,
             "threads": torch.get_num_threads(), "us_per_matrix": t * 1e6, "bytes_per_matrix": nbytes,

@@ -251,6 +251,20 @@ class ExpertFFN:
         return self.down(F.silu(gu[:, :i]) * gu[:, i:])
 
 
+def time_per_call(fns: list, x: torch.Tensor, repeats: int = 3) -> tuple[float, list[float]]:
+    """Median seconds per call of ``fn(x)`` over ``fns`` (several distinct weights, cycled so that RAM,
+    not cache, feeds them), after a warm-up of four calls; also every repeat's figure."""
+    for fn in fns[:4]:
+        fn(x)
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for fn in fns:
+            fn(x)
+        runs.append((time.perf_counter() - t0) / len(fns))
+    return float(np.median(runs)), runs
+
+
 def throughput(fmt: str, n: int, k: int, *, n_mats: int = 64, tokens: int = 1, repeats: int = 3,
                seed: int = 0) -> dict:
     """Time ``x @ W.T`` over ``n_mats`` different [N, K] matrices in ``fmt``, cycled so that RAM,
@@ -260,15 +274,7 @@ def throughput(fmt: str, n: int, k: int, *, n_mats: int = 64, tokens: int = 1, r
     base = torch.randn(n, k, generator=g) * 0.02
     mats = [pack(base.roll(i, dims=1), fmt) for i in range(n_mats)]
     x = torch.randn(tokens, k, generator=g).to(mats[0].act_dtype)
-    for m in mats[:4]:
-        m(x)
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for m in mats:
-            m(x)
-        runs.append((time.perf_counter() - t0) / n_mats)
-    t = float(np.median(runs))
+    t, runs = time_per_call(mats, x, repeats)
     return {
         "format": fmt, "n": n, "k": k, "tokens": tokens, "threads": torch.get_num_threads(),
         "us_per_matrix": t * 1e6, "bytes_per_matrix": mats[0].nbytes,
