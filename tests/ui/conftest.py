@@ -3,6 +3,7 @@ else a tiny random qwen3_moe with the demo's tokenizer and chat template), and a
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 from pathlib import Path
@@ -57,3 +58,4 @@ def window(qtbot, tmp_path):
     win.close()
     win.deleteLater()
     qtbot.wait(10)
+    gc.collect()  # free the window's Qt objects here, not in a later test's worker thread

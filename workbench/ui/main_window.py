@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 
@@ -126,11 +127,15 @@ class MainWindow(QMainWindow):
         self.banner.setToolTip(text)
         self.banner_bar.setVisible(bool(text))
 
-    def run_job(self, name: str, fn, on_done, cancellable: bool = True) -> Job | None:
-        """Run ``fn(progress, cancel)`` in a worker; ``on_done(result)`` on success (GUI thread)."""
+    def run_job(self, name: str, fn, on_done, cancellable: bool = True, collect_first: bool = False) -> Job | None:
+        """Run ``fn(progress, cancel)`` in a worker; ``on_done(result)`` on success (GUI thread).
+        ``collect_first``: run the garbage collector here first (for jobs that collect on their
+        own thread, like engine loads: that collection must not be the one that frees Qt objects)."""
         if self.job is not None and self.job.running:
             self.show_status(f"Busy with {self.job.name}; wait or cancel it first", True)
             return None
+        if collect_first:
+            gc.collect()
         job = Job(name, fn, self)
         self.job = job
         self.progress.setValue(0)
@@ -313,7 +318,8 @@ class MainWindow(QMainWindow):
                 then()
 
         return self.run_job("Apply placement",
-                            lambda progress, cancel: self.session.load_engine(progress, cancel, force), done)
+                            lambda progress, cancel: self.session.load_engine(progress, cancel, force), done,
+                            collect_first=True)
 
     def confirm_load_anyway(self, reason: str) -> bool:
         box = QMessageBox(QMessageBox.Icon.Warning, "The placement does not fit",
