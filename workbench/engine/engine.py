@@ -384,8 +384,7 @@ class Engine:
                 if failure is not None:
                     self.experts[layer] = block.experts  # the old stacks, still in use
                     break
-                done.append(layer)
-                gc.collect()
+                done.append(layer)  # the old stacks are freed by reference counting, no collection needed
             moved = self.placement.copy()
             for layer in done:
                 for key in self.inventory.expert_keys(layer):

@@ -11,7 +11,6 @@ from PySide6.QtWidgets import QApplication
 
 from workbench.session import Session
 
-from . import refguard
 from .main_window import MainWindow
 
 
@@ -20,8 +19,6 @@ def make_app() -> QApplication:
     app.setApplicationName("MoE Workbench")
     app.setOrganizationName("moe-workbench")
     pg.setConfigOptions(antialias=False, imageAxisOrder="row-major")
-    if getattr(app, "_workbench_refguard", None) is None:
-        refguard.install(app)
     pool = QThreadPool.globalInstance()  # superqt workers run here; Qt sizes it by the core count
     pool.setMaxThreadCount(max(pool.maxThreadCount(), 8))
     return app
