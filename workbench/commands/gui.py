@@ -9,7 +9,9 @@ import os
 import sys
 from pathlib import Path
 
-DEMO_MODEL = Path(__file__).resolve().parents[2] / "resources" / "demo"
+from workbench.core.resources import resource
+
+DEMO_MODEL = resource("demo")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from workbench.core.errors import WorkbenchError
+from workbench.core.resources import resource
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ def _none_to_nan(d: dict, cls) -> dict:
 
 # -- presets -----------------------------------------------------------------------------------
 
-PRESETS_PATH = Path(__file__).resolve().parents[2] / "resources" / "hardware" / "presets.json"
+PRESETS_PATH = resource("hardware", "presets.json")
 _GPU_KEYS = ("name", "vram_bytes", "mem_bandwidth_peak", "bf16_flops", "pcie_gen", "pcie_width", "sources")
 _HOST_KEYS = ("name", "host_ram_bytes", "host_read_bandwidth_peak", "cpu_cores", "pcie_gen", "sources")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from workbench.core.errors import WorkbenchError
 from workbench.core.inventory import Inventory
 from workbench.core.placement import Placement
+from workbench.core.resources import resource
 
 log = logging.getLogger(__name__)
 _missing_logged: set[str] = set()
@@ -271,7 +272,7 @@ def calibration_prompts() -> list[str]:
     """The bundled calibration prompts (resources/prompts/calibration.json)."""
     import json
 
-    path = Path(__file__).resolve().parents[2] / "resources" / "prompts" / "calibration.json"
+    path = resource("prompts", "calibration.json")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
