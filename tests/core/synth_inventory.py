@@ -93,3 +93,19 @@ def synth_inventory(
     )
     return Inventory(path, "gguf", "qwen3_moe", spec, {"model_type": "qwen3_moe"}, tensors, units,
                      [path], {}, fingerprint=f"synthetic-{n_layers}x{n_experts}-{hidden}-{expert_ffn}")
+
+
+def dirichlet_stats(inv: Inventory, seed: int = 0, alpha: float = 0.2, tokens: float = 1e5):
+    """ExpertStats whose per-layer frequencies are Dirichlet(alpha) draws (small alpha = skewed),
+    ``tokens`` selections per MoE layer."""
+    import numpy as np
+
+    from workbench.core.stats import ExpertStats
+
+    rng = np.random.default_rng(seed)
+    s = ExpertStats.for_spec(inv.spec)
+    counts = np.zeros(s.shape)
+    for layer in inv.spec.moe_layers:
+        counts[layer] = rng.dirichlet(np.full(s.n_experts, alpha)) * tokens
+    s.add(counts)
+    return s

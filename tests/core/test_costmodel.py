@@ -13,17 +13,11 @@ from workbench.core.stats import ExpertStats
 from workbench.core.units import UnitKey
 
 from .profiles import desktop_profile, h200_profile
-from .synth_inventory import synth_inventory
+from .synth_inventory import dirichlet_stats, synth_inventory
 
 
 def _skewed_stats(inv, seed=0, alpha=0.2):
-    rng = np.random.default_rng(seed)
-    s = ExpertStats.for_spec(inv.spec)
-    counts = np.zeros(s.shape)
-    for layer in inv.spec.moe_layers:
-        counts[layer] = rng.dirichlet(np.full(s.n_experts, alpha)) * 1e5
-    s.add(counts)
-    return s
+    return dirichlet_stats(inv, seed, alpha, tokens=1e5)
 
 
 def test_one_layer_by_hand():

@@ -16,22 +16,15 @@ from workbench.core.memory import (
 )
 from workbench.core.placement import Budget, expert_grid, fits, validate
 from workbench.core.planner import STRATEGIES, Planner
-from workbench.core.stats import ExpertStats
 
 from .profiles import GiB, desktop_profile, h200_profile
-from .synth_inventory import synth_inventory
+from .synth_inventory import dirichlet_stats, synth_inventory
 
 MiB = 2**20
 
 
 def _stats(inv, seed, alpha):
-    rng = np.random.default_rng(seed)
-    s = ExpertStats.for_spec(inv.spec)
-    counts = np.zeros(s.shape)
-    for layer in inv.spec.moe_layers:
-        counts[layer] = rng.dirichlet(np.full(s.n_experts, alpha)) * 1e4
-    s.add(counts)
-    return s
+    return dirichlet_stats(inv, seed, alpha, tokens=1e4)
 
 
 def _inv():
