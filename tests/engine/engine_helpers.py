@@ -20,6 +20,11 @@ TEST_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}[
 """float32 on the CPU, bfloat16 on CUDA; ``WORKBENCH_TEST_DTYPE`` overrides."""
 LOGITS_RTOL = 1e-4 if TEST_DTYPE == torch.float32 else 1e-2
 
+PROMPT = [3, 17, 5, 42, 9, 11, 60, 7, 22, 33, 1, 4, 8, 19, 25, 30, 44, 50, 2, 13]
+"""Token ids every engine-vs-transformers comparison feeds (all below the tiny vocabularies)."""
+N_NEW = 32
+"""Greedy tokens compared with transformers' generate."""
+
 
 def open_inventory(path: Path) -> Inventory:
     """The Inventory of a model folder or GGUF file, from the product's reader."""

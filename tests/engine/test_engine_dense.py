@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.engine.engine_helpers import (
+    PROMPT,
     TEST_DEVICE,
     TEST_DTYPE,
     greedy_tokens,
@@ -18,7 +19,6 @@ from tests.engine.engine_helpers import (
 from workbench.core.errors import ModelFormatError
 from workbench.engine import Engine
 
-PROMPT = [3, 17, 5, 42, 9, 11, 60, 7, 22, 33, 1, 4, 8, 19, 25, 30, 44, 50, 2, 13]
 BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=96, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
             pad_token_id=0)

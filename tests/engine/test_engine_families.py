@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from tests.engine.engine_helpers import (
+    N_NEW,
+    PROMPT,
     TEST_DEVICE,
     TEST_DTYPE,
     greedy_tokens,
@@ -25,8 +27,6 @@ from tests.engine.engine_helpers import (
 )
 from workbench.engine import Engine
 
-PROMPT = [3, 17, 5, 42, 9, 11, 60, 7, 22, 33, 1, 4, 8, 19, 25, 30, 44, 50, 2, 13]
-N_NEW = 32
 FAMILIES = {
     "mixtral": {},
     "qwen2_moe": {},

@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from tests.engine.engine_helpers import (
+    N_NEW,
+    PROMPT,
     TEST_DEVICE,
     TEST_DTYPE,
     greedy_tokens,
@@ -31,8 +33,6 @@ from tests.engine.engine_helpers import (
 from workbench.engine import Engine
 from workbench.engine.weights import WeightReader
 
-PROMPT = [3, 17, 5, 42, 9, 11, 60, 7, 22, 33, 1, 4, 8, 19, 25, 30, 44, 50, 2, 13]
-N_NEW = 32
 # Sizes that fill whole 32-value quant blocks in every row, so that every matrix is quantized.
 QUANT_SIZES = {"hidden_size": 64, "moe_intermediate_size": 32, "intermediate_size": 64}
 
