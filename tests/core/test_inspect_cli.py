@@ -82,3 +82,12 @@ def test_output_cut_short_by_a_pipe(tiny_gguf):
     cmd = f"set -o pipefail; '{sys.executable}' -m workbench inspect '{tiny_gguf('qwen2_moe', 'F32')}' | true"
     proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stderr == ""
+
+
+def test_default_context_is_the_models_own_when_shorter_than_4096(tiny_model_dir):
+    # The tiny models know 256 positions: the estimate budgets for those, not for 4096.
+    proc = _run(tiny_model_dir("qwen3_moe"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["memory"]["ctx"] == 256
+    proc = _run(tiny_model_dir("qwen3_moe"), "--json", "--ctx", 8192)
+    assert json.loads(proc.stdout)["memory"]["ctx"] == 8192

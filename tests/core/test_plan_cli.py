@@ -13,7 +13,8 @@ from workbench.core.stats import ExpertStats
 
 
 def _budget_for(inv, share):
-    """A VRAM size (bytes) that holds the non-expert part and ``share`` of the routed experts."""
+    """A VRAM size (bytes) that holds the non-expert part (at a 4096-token context) and ``share`` of the
+    routed experts."""
     fixed = estimate_memory(inv, placement_cpu_moe(inv), 4096).total("gpu:0")
     experts = sum(inv.units[k].nbytes for k in inv.expert_keys())
     return int(fixed + share * experts)
@@ -49,7 +50,7 @@ def test_plan_all_json_and_budget_honoured(tiny_gguf, capsys):
     model = tiny_gguf("mixtral")
     inv = open_model(model)
     vram = _budget_for(inv, 0.3)
-    rc = main(["plan", str(model), "--strategy", "all", "--vram", str(vram), "--margin", "0", "--json"])
+    rc = main(["plan", str(model), "--strategy", "all", "--vram", str(vram), "--margin", "0", "--ctx", "4096", "--json"])
     assert rc == 0
     got = json.loads(capsys.readouterr().out)
     assert "error" in got["all-gpu"]
@@ -76,7 +77,7 @@ def test_export_command(tiny_gguf, tiny_model_dir, tmp_path, capsys):
     inv = open_model(model)
     proj = tmp_path / "g.json"
     assert main(["plan", str(model), "--strategy", "frequency", "--vram", str(_budget_for(inv, 0.4)),
-                 "--profile", "bench-h200", "-o", str(proj)]) == 0
+                 "--ctx", "4096", "--profile", "bench-h200", "-o", str(proj)]) == 0
     capsys.readouterr()
     assert main(["export", str(proj), "--to", "llama.cpp"]) == 0
     text = capsys.readouterr().out
@@ -91,7 +92,7 @@ def test_export_command(tiny_gguf, tiny_model_dir, tmp_path, capsys):
     inv_hf = open_model(hf)
     proj_hf = tmp_path / "h.json"
     assert main(["plan", str(hf), "--strategy", "n-cpu-moe", "--vram", str(_budget_for(inv_hf, 0.5)),
-                 "-o", str(proj_hf)]) == 0
+                 "--ctx", "4096", "-o", str(proj_hf)]) == 0
     capsys.readouterr()
     assert main(["export", str(proj_hf), "--to", "accelerate", "-o", str(tmp_path / "map.json")]) == 0
     dmap = json.loads((tmp_path / "map.json").read_text())

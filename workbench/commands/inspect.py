@@ -16,6 +16,7 @@ from workbench.core.inventory import Inventory
 from workbench.core.memory import (
     KV_DTYPES,
     MemoryEstimate,
+    default_ctx,
     estimate_memory,
     placement_all_gpu,
     placement_cpu_moe,
@@ -27,7 +28,8 @@ from workbench.core.readers import open_model
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="Hugging Face model folder or GGUF file (any part of a split GGUF)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    parser.add_argument("--ctx", type=int, default=4096, metavar="N", help="context length for the KV cache (4096)")
+    parser.add_argument("--ctx", type=int, default=None, metavar="N",
+                        help="context length for the KV cache (default: 4096 or the model's own, if shorter)")
     parser.add_argument("--kv-dtype", default="f16", choices=sorted(KV_DTYPES), help="KV cache type (f16)")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--cpu-moe", action="store_true", help="estimate with every routed expert in RAM")
@@ -175,13 +177,14 @@ def _ranges(ix) -> str:
 
 
 def run(args) -> int:
-    if args.ctx < 1:
+    if args.ctx is not None and args.ctx < 1:
         raise WorkbenchError(f"--ctx must be at least 1, got {args.ctx}")
     if args.n_cpu_moe is not None and args.n_cpu_moe < 0:
         raise WorkbenchError(f"--n-cpu-moe takes a layer count >= 0, got {args.n_cpu_moe}")
     inv = open_model(args.path)
     placement, name = _placement(inv, args)
-    est = estimate_memory(inv, placement, ctx=args.ctx, kv_dtype=args.kv_dtype)
+    ctx = args.ctx if args.ctx is not None else default_ctx(inv.spec)
+    est = estimate_memory(inv, placement, ctx=ctx, kv_dtype=args.kv_dtype)
     text = json.dumps(to_json(inv, est, name)) if args.json else to_text(inv, est, name)
     try:
         print(text)

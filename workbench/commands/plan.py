@@ -16,7 +16,7 @@ from workbench.core.costmodel import CostModel
 from workbench.core.errors import WorkbenchError
 from workbench.core.fmt import bytes2human, parse_size
 from workbench.core.hardware import HardwareProfile, preset
-from workbench.core.memory import KV_DTYPES
+from workbench.core.memory import KV_DTYPES, default_ctx
 from workbench.core.placement import Budget
 from workbench.core.planner import STRATEGIES, Planner
 from workbench.core.project import Project
@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"hardware preset (e.g. rtx4090+ddr5-2ch, bench-h200) or a profile JSON "
                              f"from `workbench calibrate -o` ({DEFAULT_PROFILE})")
     parser.add_argument("--stats", metavar="FILE", help="expert stats JSON (or a project file holding stats)")
-    parser.add_argument("--ctx", type=int, default=4096, metavar="N", help="context length to budget for (4096)")
+    parser.add_argument("--ctx", type=int, default=None, metavar="N",
+                        help="context length to budget for (default: 4096 or the model's own, if shorter)")
     parser.add_argument("--kv-dtype", default="f16", choices=sorted(KV_DTYPES), help="KV cache type (f16)")
     parser.add_argument("--prompt", type=int, default=512, metavar="N", help="prompt tokens for prefill (512)")
     parser.add_argument("--stream-slots", type=int, default=0, metavar="N",
@@ -79,9 +80,11 @@ def _profile_and_budget(args) -> tuple[HardwareProfile, Budget]:
 
 
 def run(args) -> int:
-    if args.ctx < 1 or args.prompt < 1:
+    if (args.ctx is not None and args.ctx < 1) or args.prompt < 1:
         raise WorkbenchError("--ctx and --prompt take a token count >= 1")
     inv = open_model(args.model)
+    if args.ctx is None:
+        args.ctx = default_ctx(inv.spec)
     if not inv.spec.is_moe:
         raise WorkbenchError(f"{args.model} is not a Mixture-of-Experts model: there are no experts to place")
     profile, budget = _profile_and_budget(args)

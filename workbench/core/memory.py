@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from .inventory import Inventory
 from .placement import CPU, CPU_COMPUTE, ON_GPU0, Assignment, Placement, gpu, is_gpu
+from .spec import ModelSpec
 from .units import KINDS, UnitKey
 
 KV_DTYPES: dict[str, tuple[int, int]] = {
@@ -193,3 +194,8 @@ def _kv_type(kv_dtype: str) -> tuple[int, int]:
         return KV_DTYPES[kv_dtype.lower()]
     except KeyError:
         raise ValueError(f"unknown KV cache dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}") from None
+
+
+def default_ctx(spec: ModelSpec) -> int:
+    """The context (tokens) budgeted for when the user names none: 4096, or the model's own if shorter."""
+    return min(4096, spec.max_context) if spec.max_context > 0 else 4096
