@@ -74,6 +74,8 @@ def test_profile_fills_the_grid_with_routing_frequencies(window, qtbot, chat_mod
     open_model(window, qtbot, chat_model_dir)
     s = window.session
     assert np.isnan(s.frequency_grid()).all()
+    hint = window.experts.selection_label.text
+    assert "Run ▸ Profile" in hint()  # an unprofiled grid says how to colour it
     window.profile()  # loads the engine first, then runs the calibration prompts
     qtbot.waitUntil(lambda: s.stats is not None and window.job is None, timeout=120000)
     f = s.frequency_grid()
@@ -81,3 +83,4 @@ def test_profile_fills_the_grid_with_routing_frequencies(window, qtbot, chat_mod
     assert np.allclose(f.mean(axis=1), 1.0)  # per layer, relative to that layer's average
     assert s.stats.counts[s.moe_layers].sum() > 0
     assert "Profiled routing" in window.status_label.text()
+    assert "Run ▸ Profile" not in hint() and hint().startswith("Select experts")

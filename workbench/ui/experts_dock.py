@@ -90,9 +90,9 @@ class ExpertsDock(QWidget):
         self._make_actions()
 
         ev = session.events
-        connect_gui(ev.model_opened, lambda _inv: self.redraw(), self)
+        connect_gui(ev.model_opened, lambda _inv: self._on_stats(), self)
         connect_gui(ev.placement_changed, lambda _p: self.redraw(), self)
-        connect_gui(ev.stats_changed, lambda _s: self.redraw(), self)
+        connect_gui(ev.stats_changed, lambda _s: self._on_stats(), self)
         connect_gui(ev.prediction_changed, self._on_prediction, self)
         connect_gui(ev.hardware_changed, lambda _h: self._build_lanes(), self)
         connect_gui(ev.settings_changed, self._on_settings, self)
@@ -189,10 +189,21 @@ class ExpertsDock(QWidget):
     def _on_selection(self) -> None:
         keys = self.selected_keys()
         if not keys:
-            self.selection_label.setText("Select experts: click, drag a rectangle, click a layer number or double-click a row.")
+            self.selection_label.setText(self._idle_hint())
             return
         nbytes = sum(self.session.unit_bytes(k) for k in keys)
         self.selection_label.setText(f"{len(keys)} experts selected · {bytes2human(nbytes)} · drag onto a lane below")
+
+    def _idle_hint(self) -> str:
+        hint = "Select experts: click, drag a rectangle, click a layer number or double-click a row."
+        if self.session.stats is None:
+            hint = "No routing statistics yet: Run ▸ Profile (or chat) colours the grid. " + hint
+        return hint
+
+    def _on_stats(self) -> None:
+        self.redraw()
+        if not self.selected_keys():
+            self.selection_label.setText(self._idle_hint())
 
     def move(self, keys: list[UnitKey], assignment: Assignment) -> bool:
         """Move ``keys`` as one undoable command; a budget refusal is reported and changes nothing."""
