@@ -46,6 +46,10 @@ def test_open_model_shows_layers_by_experts(window, qtbot, chat_model_dir):
         grid.n_rows * (grid.image.image.shape[0] // grid.n_rows), grid.n_cols * (grid.image.image.shape[1] // grid.n_cols))
     model_wide = len([k for k in s.inventory.units if k.layer is None])  # embed, norm (, lm_head)
     assert window.model_dock.tree.topLevelItemCount() == s.inventory.spec.n_layers + model_wide
+    layer0 = window.model_dock.tree.topLevelItem(1)  # after the token embeddings
+    assert layer0.text(4) == "GPU0" and layer0.toolTip(4) == "gpu:0"  # short in the column, full in the tip
+    tree = window.model_dock.tree
+    assert tree.columnWidth(4) >= tree.fontMetrics().horizontalAdvance("GPU0")  # not elided
     assert set(window.memory_dock.maps) == {"gpu:0", "cpu"}
     assert set(window.experts.lanes) == {"gpu:0", "cpu"}
     assert window.banner_bar.isVisibleTo(window)  # no GPU on the test machine: the banner says why

@@ -171,16 +171,17 @@ class ModelDock(QWidget):
                 for c, n in zip(codes.tolist(), counts.tolist()):
                     tiers[str(code_assignment(c))] += n
             if len(tiers) == 1:
-                item.setText(4, next(iter(tiers)))
+                _set_tier(item, next(iter(tiers)))
             elif tiers:
-                item.setText(4, " · ".join(f"{t} {n}" for t, n in sorted(tiers.items())))
+                _set_tier(item, " · ".join(f"{t} {n}" for t, n in sorted(tiers.items())))
             if item.isExpanded() or item.data(0, _EXPERTS_ROLE) is None:
                 stack.extend(item.child(i) for i in range(item.childCount()))
             else:
                 for i in range(item.childCount()):
                     child = item.child(i)
                     k = child.data(0, Qt.ItemDataRole.UserRole)[0]
-                    child.setText(4, str(placement.get(k)))
+                    _set_tier(child, str(placement.get(k)))
+        self.tree.resizeColumnToContents(4)
 
     def _on_prediction(self, pred) -> None:
         mem = pred.memory
@@ -198,3 +199,16 @@ class ModelDock(QWidget):
                 f" · stream {bytes2human(t.stream_cache)} · runtime {bytes2human(t.overhead)}</td></tr>"
             )
         self.estimate.setText(f"<table cellspacing=4>{''.join(rows)}</table>")
+
+
+_SHORT_TIERS = {"cpu:compute": "CPU", "cpu:stream": "stream"}
+
+
+def _set_tier(item: QTreeWidgetItem, text: str) -> None:
+    """Tier column: short names (``gpu:0`` -> ``GPU0``, ``cpu:compute`` -> ``CPU``) so the column
+    fits the dock; the full text stays in the tooltip."""
+    short = text
+    for long, name in _SHORT_TIERS.items():
+        short = short.replace(long, name)
+    item.setText(4, short.replace("gpu:", "GPU"))
+    item.setToolTip(4, text)
