@@ -173,7 +173,7 @@ class ModelDock(QWidget):
             if len(tiers) == 1:
                 _set_tier(item, next(iter(tiers)))
             elif tiers:
-                _set_tier(item, " · ".join(f"{t} {n}" for t, n in sorted(tiers.items())))
+                _set_tier(item, " · ".join(f"{t} {n}" for t, n in sorted(tiers.items())), mixed=True)
             if item.isExpanded() or item.data(0, _EXPERTS_ROLE) is None:
                 stack.extend(item.child(i) for i in range(item.childCount()))
             else:
@@ -204,11 +204,9 @@ class ModelDock(QWidget):
 _SHORT_TIERS = {"cpu:compute": "CPU", "cpu:stream": "stream"}
 
 
-def _set_tier(item: QTreeWidgetItem, text: str) -> None:
-    """Tier column: short names (``gpu:0`` -> ``GPU0``, ``cpu:compute`` -> ``CPU``) so the column
-    fits the dock; the full text stays in the tooltip."""
-    short = text
-    for long, name in _SHORT_TIERS.items():
-        short = short.replace(long, name)
-    item.setText(4, short.replace("gpu:", "GPU"))
+def _set_tier(item: QTreeWidgetItem, text: str, mixed: bool = False) -> None:
+    """Tier column: short names (``gpu:0`` -> ``GPU0``, ``cpu:compute`` -> ``CPU``, several tiers ->
+    ``mixed``) so the column leaves room for the unit names; the full text is in the tooltip."""
+    short = "mixed" if mixed else _SHORT_TIERS.get(text, text.replace("gpu:", "GPU"))
+    item.setText(4, short)
     item.setToolTip(4, text)
