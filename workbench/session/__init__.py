@@ -307,11 +307,9 @@ class Session(ChatMixin):
         stats = self.shown_stats()
         if stats is None or not rows:
             return out
-        c = stats.counts[rows, : self.n_experts]
-        total = c.sum(axis=1, keepdims=True)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            share = np.where(total > 0, c / total * self.n_experts, np.nan)
-        out[:] = share
+        counted = stats.counts[rows].sum(axis=1) > 0
+        share = stats.frequencies()[rows, : self.n_experts] * self.n_experts
+        out[counted] = share[counted]
         return out
 
     # -- hardware, budgets, prediction --------------------------------------------------------
