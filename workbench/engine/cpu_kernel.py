@@ -1,0 +1,205 @@
+"""A fused C++ kernel for batch-1 (decode) routed experts on the CPU, built on first use.
+
+At batch 1 an expert is a pair of matrix-vector products whose time is its weight bytes over the
+bandwidth the code reaches; five torch ops per expert (``F.linear``, ``silu``, ``mul``, ``F.linear``,
+``add``) reach a third of what RAM gives. ``moe_decode`` does all selected experts of a layer in one
+call: one parallel pass over the gate+up rows of every selected expert, one over the output rows
+of the down projections, f32 accumulation, the GIL released while it runs.
+
+The extension (``csrc/moe_decode.cpp``) is compiled with ``torch.utils.cpp_extension`` the first
+time ``available()`` is called (tens of seconds) into
+``<user cache>/moe-workbench/torch_ext/<hash>``, keyed by the source, the torch and Python versions,
+the compiler flags and the CPU's features (``-march=native`` code must not run on another CPU).
+Any failure (no C++ compiler, no ninja, no Python headers, a build error) logs one warning and
+leaves ``available()`` False for the life of the process; ``WORKBENCH_CPU_KERNEL=0`` disables it.
+Importing this module builds nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "WORKBENCH_CPU_KERNEL"
+"""Set to ``0`` (or ``false``/``no``/``off``) to never build or use the kernel."""
+ENV_BUILD_DIR = "WORKBENCH_CPU_KERNEL_DIR"
+"""Optional root for the build directories instead of the user cache (the timing script uses it to
+measure a first build)."""
+
+SOURCE = Path(__file__).parent / "csrc" / "moe_decode.cpp"
+
+_lock = threading.Lock()
+_module = None  # the loaded extension
+_failed: str | None = None  # why it is unavailable, once known
+
+
+def available() -> bool:
+    """Whether the fused kernel can run here, building it on the first call (thread-safe; never raises).
+
+    The first call may take tens of seconds (compilation) or a fraction of a second (a cached
+    build). A failure is logged once as a warning with its reason; later calls return False at once.
+    """
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why ``available()`` returned False (None when it returned True or was not called yet)."""
+    return _failed
+
+
+def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor | np.ndarray,
+               weights: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """Weighted sum of the selected SwiGLU experts for one token, on the CPU.
+
+    ``out = sum_j weights[j] * w2[rows[j]] @ (silu(g_j) * u_j)`` with ``[g_j; u_j] = w13[rows[j]] @ x``
+    (``g_j`` the first ``I`` rows).
+
+    Args:
+        x: ``[H]`` bfloat16 or float32 (made contiguous if needed).
+        w13: ``[E, 2I, H]`` fused gate (first ``I`` rows) and up projections, bfloat16 or float32,
+            contiguous, on the CPU.
+        w2: ``[E, H, I]`` down projections, the dtype of ``w13``, contiguous, on the CPU.
+        rows: ``[n]`` indices into ``E`` (int64 tensor or array; repeats allowed, ``n`` may be 0).
+        weights: ``[n]`` per-expert weights (converted to float32).
+
+    Returns:
+        ``[H]`` float32, accumulated in float32 throughout.
+
+    Raises:
+        RuntimeError: the kernel is unavailable (check ``available()`` first), or shapes, dtypes or
+            rows are invalid (checked before any weight is read).
+    """
+    import torch
+
+    mod = _load()
+    if mod is None:
+        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_failed}")
+    rows = torch.as_tensor(rows, dtype=torch.int64)
+    weights = torch.as_tensor(weights).to(torch.float32)
+    return mod.moe_decode(x.contiguous(), w13, w2, rows, weights)
+
+
+def disabled() -> bool:
+    """Whether ``WORKBENCH_CPU_KERNEL`` turns the kernel off."""
+    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def compile_flags() -> list[str]:
+    """C++ flags of the build: optimised for this CPU. No ``-ffast-math``: linked into a shared
+    object it would switch the whole process to flush-to-zero; the kernel vectorises without it."""
+    flags = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math"]
+    if platform.machine().lower() in ("x86_64", "amd64", "i686", "x86"):
+        flags.append("-march=native")
+    elif platform.machine().lower() in ("aarch64", "arm64"):
+        flags.append("-mcpu=native")
+    return flags
+
+
+def build_dir() -> Path:
+    """The build directory of this source, torch, Python, flags and CPU."""
+    import torch
+
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode(),
+                 " ".join(compile_flags()).encode(), platform.machine().encode(), _cpu_features().encode()):
+        key.update(part)
+        key.update(b"\0")
+    root = os.environ.get(ENV_BUILD_DIR)
+    if root:
+        base = Path(root)
+    else:
+        import platformdirs
+
+        base = Path(platformdirs.user_cache_dir("moe-workbench")) / "torch_ext"
+    return base / key.hexdigest()[:16]
+
+
+def _cpu_features() -> str:
+    """The CPU's model and feature flags (Linux), or what ``platform`` knows elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in text.splitlines() if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return "\n".join(sorted(set(keep)))
+
+
+def _load():
+    """The extension module, or None (building it on the first call)."""
+    global _module, _failed
+    if _module is not None:
+        return _module
+    if _failed is not None:
+        return None
+    with _lock:
+        if _module is None and _failed is None:
+            try:
+                _module = _build()
+            except Exception as exc:  # noqa: BLE001 - any failure means "use the torch ops path"
+                _failed = _short_reason(exc)
+                log.debug("fused CPU decode kernel build failed", exc_info=True)
+                log.warning("fused CPU decode kernel unavailable, experts use torch ops: %s", _failed)
+    return _module
+
+
+class _Unavailable(Exception):
+    """A missing prerequisite, with a message meant for the log line."""
+
+
+def _build():
+    if disabled():
+        raise _Unavailable(f"disabled by {ENV_SWITCH}={os.environ[ENV_SWITCH]}")
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise _Unavailable(f"no C++ compiler ({compiler!r} not found; install g++)")
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        raise _Unavailable("no Python headers (Python.h; install python3-dev)")
+    _find_ninja()
+    import time
+
+    from torch.utils import cpp_extension
+
+    path = build_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    mod = cpp_extension.load(name=f"workbench_moe_decode_{path.name}", sources=[str(SOURCE)],
+                             extra_cflags=compile_flags(), build_directory=str(path), verbose=False)
+    log.info("fused CPU decode kernel ready in %.1f s (%s)", time.perf_counter() - t0, path)
+    return mod
+
+
+def _find_ninja() -> None:
+    """Make ``ninja`` findable by torch: the ``ninja`` wheel's binary when PATH lacks one (a venv
+    used without activating it)."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        raise _Unavailable("no ninja build tool (pip install ninja)") from None
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _short_reason(exc: Exception) -> str:
+    """One line from a build failure: the message of a missing prerequisite, else the first compiler
+    error line, else the last line of the message."""
+    if isinstance(exc, _Unavailable):
+        return str(exc)
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    line = errors[0] if errors else (lines[-1] if lines else type(exc).__name__)
+    return f"{type(exc).__name__}: {line[:300]}"
