@@ -120,3 +120,18 @@ def test_llama4_multimodal_checkpoint_names(tiny_model_dir, tiny_hf_model, tmp_p
     engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
     assert rel_err(engine.forward(torch.tensor(PROMPT), 0), ref) < logits_tolerance(model, PROMPT, ref)
     engine.close()
+
+
+@pytest.mark.parametrize("placement", ["stream", "mixed"])
+def test_static_decode_steps_match_transformers(case, placement):
+    """The fixed-shape decode pieces that CUDA graphs capture (``graphs.DecodeStep``: token and
+    position in device tensors, the whole KV cache under a mask, routing staged through host
+    buffers) give transformers' greedy tokens; on CUDA the steps are captured and replayed."""
+    engine = Engine.load(case.inventory, placements(case.inventory)[placement], device=TEST_DEVICE,
+                         dtype=TEST_DTYPE, max_context=96)
+    engine.decode_mode = "static" if TEST_DEVICE == "cpu" else "auto"
+    try:
+        assert_greedy_like_reference(case, greedy_tokens(engine, PROMPT, N_NEW))
+        assert engine._decoder is not None
+    finally:
+        engine.close()

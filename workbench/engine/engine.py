@@ -7,12 +7,17 @@
 Attention, routers, shared experts, dense MLPs, embeddings and lm_head live on the accelerator;
 each routed expert is resident there, computed on the CPU, or streamed through a slot cache
 (``experts.LayerExperts``). Loading copies each unit once from the mmap'd file to where it belongs.
+
+One-token steps (decode) on CUDA replay CUDA graphs (``graphs.DecodeStep``). ``engine.decode_mode``
+(default from ``WORKBENCH_DECODE``): ``auto`` (graphs on CUDA, plain eager steps elsewhere),
+``eager`` (never graphs), ``static`` (the graphs' fixed-shape pieces run eagerly: tests on the CPU).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -132,6 +137,8 @@ class Engine:
         self.max_context, self.vocab_size = max_context, args.vocab
         self.predicted = predicted
         self._lock = threading.RLock()
+        self.decode_mode = os.environ.get("WORKBENCH_DECODE", "auto")
+        self._decoder = None
         self._reader = WeightReader(inventory)
         self._fw = FamilyWeights(self._reader, args)
         self.cpu_format, self._pool = cpu_format, None
@@ -271,6 +278,7 @@ class Engine:
         lx.use_cpu_kernel(CpuExperts.from_stacked(lx.w13[COMPUTE], lx.w2[COMPUTE], fmt, self._pool))
 
     def _free(self) -> None:
+        self._decoder = None
         for name in ("layers", "experts", "caches", "embed", "norm", "lm_head", "rope", "counts"):
             self.__dict__.pop(name, None)
         self._worker.shutdown(wait=False)
@@ -317,6 +325,13 @@ class Engine:
 
     def _forward(self, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
         T = ids.shape[0]
+        mode = self.decode_mode
+        if T == 1 and mode != "eager" and (mode == "static" or self.device.type == "cuda"):
+            if self._decoder is None:
+                from .graphs import DecodeStep
+
+                self._decoder = DecodeStep(self, capture=self.device.type == "cuda" and mode != "static")
+            return self._decoder(int(ids[0]), start_pos)
         ids = ids.to(self.device)
         pos = torch.arange(start_pos, start_pos + T, device=self.device)
         x = F.embedding(ids, self.embed)
@@ -371,6 +386,7 @@ class Engine:
         done: list[int] = []
         failure = None
         with self._lock:
+            self._decoder = None  # its graphs hold the old expert stacks
             for layer in changed:
                 block = self.layers[layer].ffn
                 try:

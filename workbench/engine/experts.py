@@ -204,6 +204,37 @@ class LayerExperts:
         thread while the accelerator runs (2), fetch streamed experts, (5) add the CPU result
         through a pinned buffer without waiting.
         """
+        host = self.stage(x, ids, weights)
+        out = self.device_part(x, ids, weights, scale_input, extra)
+        if host is not None:
+            self.staging.wait()  # the one host sync of a hybrid layer
+            self.host_part(x, ids, weights, host, out, scale_input)
+        return out
+
+    def needs_host(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` tokens needs the host (routing copied back, CPU/streamed experts)."""
+        return not (self.all_resident and self.staging.cuda)
+
+    def stage(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, record: bool = True
+              ) -> list[torch.Tensor] | None:
+        """Step 1: queue copies of the routing (and of ``x`` when the CPU computes experts) into pinned
+        host buffers and (``record``) record the staging event; None when the step needs no host work.
+        Under CUDA graph capture ``record=False``: the caller records after replaying the graph."""
+        if not self.needs_host(ids.shape[0]):
+            return None
+        flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
+        host = self.staging.to_host([flat_ids, flat_w, x] if self.n_tier[COMPUTE] else [flat_ids, flat_w])
+        if record:
+            self.staging.record()
+        return host
+
+    def _small(self, T: int, k: int) -> bool:
+        return T * k <= GATHER_MAX_ROWS and self.staging.cuda  # a CPU accelerator groups on the host
+
+    def device_part(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scale_input: bool,
+                    extra=None) -> torch.Tensor:
+        """Step 2: the accelerator's share without host data ``[T, H]``: every expert when all are
+        resident, else (few pairs) the resident ones by a masked gather; plus ``extra()``."""
         T, k = ids.shape
         flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
         if T == 1:  # one token: its k pairs read x as a view and sum with one reduction
@@ -213,13 +244,11 @@ class LayerExperts:
             token = torch.arange(T, device=x.device).repeat_interleave(k)  # [T*k]
             xt = x[token]
             pair_sum = lambda y: torch.zeros_like(x).index_add_(0, token, y)  # noqa: E731
-        if self.all_resident and self.staging.cuda:
+        if not self.needs_host(T):
             out = pair_sum(grouped(xt, self.local_dev[flat_ids], flat_w, self.w13[0], self.w2[0], scale_input,
                                    self.b13[0], self.b2[0], self.act))
             return out if extra is None else out + extra()
-        host = self.staging.to_host([flat_ids, flat_w, x] if self.n_tier[COMPUTE] else [flat_ids, flat_w])
-        small = T * k <= GATHER_MAX_ROWS and self.staging.cuda  # a CPU accelerator groups on the host
-        if small and self.n_tier[RESIDENT]:  # resident experts before the sync: masked, no host data
+        if self._small(T, k) and self.n_tier[RESIDENT]:  # resident experts before the sync: masked
             res = self.res_mask_dev[flat_ids]
             y = grouped(xt, self.res_row_dev[flat_ids], flat_w * res, self.w13[0], self.w2[0], scale_input,
                         self.b13[0], self.b2[0], self.act)
@@ -230,11 +259,19 @@ class LayerExperts:
             out = torch.zeros_like(x)
         if extra is not None:
             out = out + extra()
-        self.staging.wait()  # the one host sync of a hybrid layer
+        return out
+
+    def host_part(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, host: list[torch.Tensor],
+                  out: torch.Tensor, scale_input: bool) -> None:
+        """Step 3, after ``staging.wait()``: add to ``out [T, H]`` (in place, without waiting) the
+        experts that need the host: resident ones of a many-pair step (grouped), streamed ones (fetched
+        into the slot cache) and the CPU's (computed on this thread while the accelerator runs step 2)."""
+        T, k = ids.shape
+        flat_w = weights.reshape(-1)
         ids_host = host[0].numpy()
         tiers = self.tier[ids_host]
         token_host = np.repeat(np.arange(T), k)
-        if not small and self.n_tier[RESIDENT]:
+        if not self._small(T, k) and self.n_tier[RESIDENT]:
             pairs = np.nonzero(tiers == RESIDENT)[0]
             if pairs.size:
                 _grouped_host(x, pairs, token_host, self.local[ids_host[pairs]], flat_w, out, scale_input,
@@ -246,7 +283,6 @@ class LayerExperts:
         if cpu_sel.size:
             out.add_(self.staging.to_device(self._run_cpu(host[2], token_host, host[1], ids_host, cpu_sel,
                                                           scale_input)))
-        return out
 
     def _run_cpu(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
                  sel: np.ndarray, scale_input: bool) -> torch.Tensor:
@@ -341,7 +377,7 @@ def _h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class HostStaging:
     """Host buffers of one layer's hybrid step, reused across steps: pinned on CUDA, so that copies
-    both ways run without blocking. ``to_host`` queues device->host copies and records an event;
+    both ways run without blocking. ``to_host`` queues device->host copies, ``record`` marks them;
     ``wait`` is the host sync; ``to_device`` copies a host result back without waiting.
 
     Reuse is safe because every step waits (``wait``) before it writes a buffer again, and that wait
@@ -373,8 +409,12 @@ class HostStaging:
             h = self.buffer(f"in{i}", tuple(t.shape), t.dtype)
             h.copy_(t, non_blocking=True)
             outs.append(h)
-        self._event.record(torch.cuda.current_stream(self.device))  # the copies' stream
         return outs
+
+    def record(self) -> None:
+        """Mark the copies queued so far; ``wait`` returns once they are done."""
+        if self.cuda:
+            self._event.record(torch.cuda.current_stream(self.device))  # the copies' stream
 
     def wait(self) -> None:
         if self.cuda:

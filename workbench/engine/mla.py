@@ -24,7 +24,14 @@ class LatentCache:
         self.latent = torch.zeros(max_context, kv_lora, device=device, dtype=dtype)
         self.k_rot = torch.zeros(max_context, rope, device=device, dtype=dtype)
 
-    def update(self, start: int, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, start: int | None, latent: torch.Tensor, k_rot: torch.Tensor, pos: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write positions ``start..start+T-1`` and return ``0..start+T-1``; ``start=None``: write at
+        ``pos`` (device tensor) and return the whole cache."""
+        if start is None:
+            self.latent.index_copy_(0, pos, latent)
+            self.k_rot.index_copy_(0, pos, k_rot)
+            return self.latent, self.k_rot
         end = start + latent.shape[0]
         self.latent[start:end] = latent
         self.k_rot[start:end] = k_rot
@@ -45,7 +52,7 @@ class MlaAttention:
         self.scale = m["scale"]
         self.window = self.chunk = None
 
-    def __call__(self, x: torch.Tensor, pos: torch.Tensor, start: int, rope: Rope) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, start: int | None, rope: Rope) -> torch.Tensor:
         a, w = self.a, self.w
         T, nH = x.shape[0], a.n_heads
         if "q" in w:
@@ -59,7 +66,7 @@ class MlaAttention:
         latent = rms_norm(latent, w["kv_a_norm"], MLA_NORM_EPS)
         q_rot = rope.apply(q_rot, pos)
         k_rot = rope.apply(k_rot[:, None, :], pos)[:, 0]
-        latents, k_rots = self.cache.update(start, latent, k_rot)  # [S, kv_lora], [S, rope]
+        latents, k_rots = self.cache.update(start, latent, k_rot, pos)  # [S, kv_lora], [S, rope]
         S = latents.shape[0]
         kv_full = F.linear(latents, w["kv_b"]).view(S, nH, self.nope + self.v)
         k_nope, values = kv_full.split([self.nope, self.v], dim=-1)

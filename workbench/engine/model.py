@@ -136,8 +136,15 @@ class KVCache:
         self.k = torch.zeros(max_context, n_kv, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros(max_context, n_kv, head_dim, device=device, dtype=dtype)
 
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write positions ``start..start+T-1``; return the keys/values of ``0..start+T-1``."""
+    def update(self, start: int | None, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write positions ``start..start+T-1``; return the keys/values of ``0..start+T-1``.
+        ``start=None`` (static decode): write at the positions ``pos [T]`` (a device tensor, no host
+        value) and return the whole cache ``[S, nKV, hd]``."""
+        if start is None:
+            self.k.index_copy_(0, pos, k)
+            self.v.index_copy_(0, pos, v)
+            return self.k, self.v
         end = start + k.shape[0]
         self.k[start:end] = k
         self.v[start:end] = v
@@ -255,11 +262,19 @@ class Attention:
             q = (q * scales[:, None, None]).to(q.dtype)
         return self._attend(q, k, v, pos, start)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, start: int):
-        """Cache ``k, v [T, nKV, hd]``, attend with ``q [T, nH, hd]``, project: ``[T, H]``."""
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, start: int | None):
+        """Cache ``k, v [T, nKV, hd]``, attend with ``q [T, nH, hd]``, project: ``[T, H]``.
+        ``start=None``: static decode (see ``Layer``), the whole cache masked by ``pos``."""
         a, w = self.a, self.w
         T = q.shape[0]
-        keys, values = self.cache.update(start, k, v)  # [S', nKV, hd]
+        keys, values = self.cache.update(start, k, v, pos)  # [S', nKV, hd]
+        if start is None:
+            mask = attention_mask(pos, keys.shape[0], self.window, self.chunk)
+            if "sinks" in w:
+                out = attention_with_sinks(q, keys, values, mask, self.scale, w["sinks"])
+            else:
+                out = _attend_masked(q, keys, values, mask, self.scale)
+            return F.linear(out.reshape(T, -1), w["o"], w.get("o_bias"))
         plain = self.window is None and self.chunk is None and (T == 1 or start == 0)
         mask = None if plain and "sinks" not in w else attention_mask(pos, start + T, self.window, self.chunk)
         if "sinks" in w:
@@ -276,6 +291,22 @@ class Attention:
             )  # [1, nH, T, hd]
         out = out[0].transpose(0, 1).reshape(T, a.n_heads * a.head_dim)
         return F.linear(out, w["o"], w.get("o_bias"))
+
+
+def _attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+                   ) -> torch.Tensor:
+    """Attention of ``q [T, nH, hd]`` over ``keys``/``values [S, nKV, hd]`` under ``mask [T, S]`` ->
+    ``[T, nH, hd]``. Grouped-query heads are folded into the query length (``[nKV, T*rep, hd]`` for one
+    token), so every SDPA backend that takes a mask runs it and no key/value is repeated."""
+    T, nH, hd = q.shape
+    nKV = keys.shape[1]
+    rep = nH // nKV
+    qg = q.reshape(T, nKV, rep, hd).permute(1, 0, 2, 3).reshape(nKV, T * rep, hd)  # [nKV, T*rep, hd]
+    m = mask[:, None, :].expand(T, rep, mask.shape[1]).reshape(T * rep, -1)  # [T*rep, S]
+    with _sdpa_backends(q.device):
+        out = F.scaled_dot_product_attention(qg[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                                             attn_mask=m[None, None], scale=scale)  # [1, nKV, T*rep, hd]
+    return out[0].reshape(nKV, T, rep, hd).permute(1, 0, 2, 3).reshape(T, nH, hd)
 
 
 _NO_CUDNN = None
@@ -312,5 +343,11 @@ class Layer:
         self.attn, self.attn_norm, self.ffn_norm, self.ffn, self.eps = attn, attn_norm, ffn_norm, ffn, eps
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor, start: int, rope: Rope) -> torch.Tensor:
-        h = x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos, start, rope)
+        h = self.attend(x, pos, start, rope)
         return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps))
+
+    def attend(self, x: torch.Tensor, pos: torch.Tensor, start: int | None, rope: Rope) -> torch.Tensor:
+        """The attention half ``x + attn(norm(x))`` ``[T, H]``. ``start=None`` is the static decode
+        form used under CUDA graphs: positions only in the device tensor ``pos``, the KV cache
+        written with ``index_copy_`` and attended in full under a mask (fixed shapes, no host value)."""
+        return x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos, start, rope)

@@ -79,6 +79,19 @@ class MoeBlock:
         self.counts = counts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        return self.experts(x, ids, weights, scale_input=self.scale_input, extra=self.extra(x))
+
+    @property
+    def scale_input(self) -> bool:
+        return self.args.router == "sigmoid_topk_scale_input"
+
+    def extra(self, x: torch.Tensor):
+        """The shared expert as ``() -> [T, H]`` for ``LayerExperts`` (None without one)."""
+        return None if self.shared is None else (lambda: self._shared(x))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router and selection for ``x [T, H]``: ``ids``, ``weights [T, k]``; counts the picks on the device."""
         if self.args.family.startswith("deepseek"):  # DeepSeek routes in float32
             logits = F.linear(x.float(), self.router.float())  # [T, E]
         else:
@@ -89,9 +102,7 @@ class MoeBlock:
         if ones is None or ones.numel() < flat.numel():  # kept: one launch less per layer and step
             self._ones = ones = torch.ones(flat.numel(), dtype=self.counts.dtype, device=flat.device)
         self.counts[self.layer].index_add_(0, flat, ones[:flat.numel()])
-        extra = None if self.shared is None else (lambda: self._shared(x))
-        return self.experts(x, ids, weights, scale_input=self.args.router == "sigmoid_topk_scale_input",
-                            extra=extra)
+        return ids, weights
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert ``[T, H]`` (gated by ``shared_router`` when the family has one)."""

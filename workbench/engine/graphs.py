@@ -1,0 +1,156 @@
+"""One-token decode steps with fixed shapes, replayed as CUDA graphs between the host points.
+
+A decode step launches ~50 kernels per layer; at batch 1 the GPU finishes each in a few µs, so the
+host's launch and Python time, not the GPU, set the tokens/s. ``DecodeStep`` cuts a step into
+pieces with fixed shapes and addresses (token and position live in device tensors, the KV cache is
+written with ``index_copy_`` and attended in full under a mask) and captures each run of accelerator
+pieces as one CUDA graph. The host points are the hybrid MoE layers (experts on the CPU or
+streamed): there a step (1) replays the graph that ends with the router and the copies of the
+routing into pinned memory, (2) records an event, (3) replays the graph of the resident experts and
+shared expert, (4) waits for the event and computes the CPU / streamed experts while (3) runs, adding
+their result to (3)'s output in place, then goes on with the next graph. A layer whose experts are
+all resident is just part of a graph: a model all on the GPU is one graph per token.
+
+On a CPU accelerator (tests) the same pieces run eagerly (``capture=False``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from .model import rms_norm
+from .moe import MoeBlock
+
+log = logging.getLogger(__name__)
+
+
+class DecodeStep:
+    """Runs ``engine``'s one-token forward pass from fixed buffers; with ``capture`` as CUDA graphs,
+    captured on the first call (which runs eagerly and returns its own result)."""
+
+    def __init__(self, engine, capture: bool):
+        self.e = engine
+        self.capture = capture
+        dev = engine.device
+        self.token = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.env: dict = {}
+        self.pieces = self._pieces()
+        self.schedule: list | None = None  # after capture: ("graph", g) / ("record", experts) / ("host", fn)
+
+    # -- the pieces of a step --------------------------------------------------------------------
+
+    def _pieces(self) -> list[tuple[str, object]]:
+        e, env = self.e, self.env
+        pieces: list[tuple[str, object]] = []
+
+        def embed():
+            env["x"] = F.embedding(self.token, e.embed)
+
+        pieces.append(("dev", embed))
+        for i, layer in enumerate(e.layers):
+            ffn = layer.ffn
+            if not (isinstance(ffn, MoeBlock) and ffn.experts.needs_host(1)):
+                def whole(layer=layer):
+                    h = layer.attend(env["x"], self.pos, None, e.rope)
+                    env["x"] = h + layer.ffn(rms_norm(h, layer.ffn_norm, layer.eps))
+
+                pieces.append(("dev", whole))
+                continue
+            lx = ffn.experts
+
+            def route(layer=layer, ffn=ffn, i=i):
+                h = layer.attend(env["x"], self.pos, None, e.rope)
+                hn = rms_norm(h, layer.ffn_norm, layer.eps)
+                ids, w = ffn.route(hn)
+                env[i] = {"h": h, "hn": hn, "ids": ids, "w": w, "host": ffn.experts.stage(hn, ids, w, record=False)}
+
+            def device(ffn=ffn, i=i):
+                s = env[i]
+                s["out"] = ffn.experts.device_part(s["hn"], s["ids"], s["w"], ffn.scale_input, ffn.extra(s["hn"]))
+
+            def host(ffn=ffn, i=i):
+                s = env[i]
+                ffn.experts.staging.wait()
+                ffn.experts.host_part(s["hn"], s["ids"], s["w"], s["host"], s["out"], ffn.scale_input)
+
+            def combine(i=i):
+                env["x"] = env[i]["h"] + env[i]["out"]
+
+            pieces += [("dev", route), ("record", lx), ("dev", device), ("host", host), ("dev", combine)]
+
+        def head():
+            env["logits"] = F.linear(rms_norm(env["x"], e.norm, e.args.rms_eps), e.lm_head).float()
+
+        pieces.append(("dev", head))
+        return pieces
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def __call__(self, token: int, pos: int) -> torch.Tensor:
+        """Logits ``[1, vocab]`` (float32) of ``token`` at position ``pos``; writes that KV position."""
+        self.token.fill_(token)
+        self.pos.fill_(pos)
+        if self.schedule is not None:
+            for kind, obj in self.schedule:
+                if kind == "graph":
+                    obj.replay()
+                elif kind == "record":
+                    obj.staging.record()
+                else:
+                    obj()
+            return self.env["logits"].clone()
+        if not self.capture:
+            self._eager()
+            return self.env["logits"].clone()
+        side = torch.cuda.Stream(self.e.device)  # the first step runs eagerly on the capture stream
+        side.wait_stream(torch.cuda.current_stream(self.e.device))
+        with torch.cuda.stream(side):
+            self._eager()
+            logits = self.env["logits"].clone()
+        torch.cuda.current_stream(self.e.device).wait_stream(side)
+        try:
+            self._capture(side)
+        except (RuntimeError, AssertionError) as exc:  # an op that cannot be captured: run eagerly from now on
+            log.warning("decode steps run without CUDA graphs: capture failed (%s)", str(exc).splitlines()[0][:200])
+            self.capture = False
+        return logits
+
+    def _eager(self) -> None:
+        self.e.rope._memo = None  # RoPE tables are memoised per position tensor, and this one is reused
+        for kind, obj in self.pieces:
+            if kind == "record":
+                obj.staging.record()
+            else:
+                obj()
+
+    def _capture(self, stream) -> None:
+        """Capture each run of accelerator pieces as one graph (all in one memory pool, replayed in
+        capture order); record and host pieces stay eager."""
+        self.e.rope._memo = None  # the tables' gather must be part of the first graph
+        pool = torch.cuda.graph_pool_handle()
+        schedule: list = []
+        run: list = []
+
+        def flush():
+            if run:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    for fn in run:
+                        fn()
+                schedule.append(("graph", g))
+                run.clear()
+
+        for kind, obj in self.pieces:
+            if kind == "dev":
+                run.append(obj)
+            else:
+                flush()
+                schedule.append((kind, obj))
+        flush()
+        self.memo = self.e.rope._memo  # keeps the captured tables alive
+        self.schedule = schedule
+        log.info("decode step captured as %d CUDA graphs", sum(k == "graph" for k, _ in schedule))
