@@ -1,0 +1,187 @@
+"""The fused CPU decode kernel against a float64 torch reference on the same weights."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workbench.engine import cpu_kernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not cpu_kernel.available():
+        pytest.skip(f"fused CPU decode kernel unavailable here: {cpu_kernel.unavailable_reason()}")
+    return cpu_kernel
+
+
+def reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+    """``sum_j weights[j] * w2[rows[j]] @ (silu(g) * u)`` in float64 from the same values."""
+    i = w2.shape[2]
+    out = torch.zeros(w2.shape[1], dtype=torch.float64)
+    for r, wt in zip(rows.tolist(), weights.tolist()):
+        h = w13[r].double() @ x.double()
+        out += wt * (w2[r].double() @ (F.silu(h[:i]) * h[i:]))
+    return out
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def random_experts(e: int, h: int, i: int, dtype: torch.dtype, gen: torch.Generator):
+    w13 = (torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=gen) / i**0.5).to(dtype)
+    return w13, w2
+
+
+CASES = [(dtype, n, h, i) for dtype in (torch.bfloat16, torch.float32) for n in (1, 2, 8)
+         for h, i in ((64, 32), (192, 96))]
+CASES += [(torch.float32, n, 2048, 768) for n in (1, 2, 8)]
+CASES += [(torch.bfloat16, 3, 100, 36)]  # lengths that are not a multiple of the vector width
+
+
+@pytest.mark.parametrize("dtype,n,h,i", CASES)
+def test_matches_float64_reference(kernel, dtype, n, h, i):
+    gen = torch.Generator().manual_seed(1000 * n + h + i)
+    e = 8
+    w13, w2 = random_experts(e, h, i, dtype, gen)
+    x = torch.randn(h, generator=gen).to(dtype)
+    rows = torch.randint(0, e, (n,), generator=gen)  # repeats allowed
+    weights = torch.randn(n, generator=gen) * 2  # any sum, any sign
+    y = kernel.moe_decode(x, w13, w2, rows, weights)
+    assert y.shape == (h,) and y.dtype == torch.float32
+    # f32 accumulation throughout: bf16 inputs get f32 accuracy too (the brief asks < 1e-2 for them)
+    assert relative_error(y, reference(x, w13, w2, rows, weights)) < 1e-5
+
+
+def test_repeated_rows_add_up(kernel):
+    gen = torch.Generator().manual_seed(7)
+    w13, w2 = random_experts(4, 64, 32, torch.float32, gen)
+    x = torch.randn(64, generator=gen)
+    once = kernel.moe_decode(x, w13, w2, torch.tensor([2]), torch.tensor([1.5]))
+    twice = kernel.moe_decode(x, w13, w2, torch.tensor([2, 2]), torch.tensor([1.0, 0.5]))
+    torch.testing.assert_close(twice, once, rtol=1e-5, atol=1e-6)
+
+
+def test_matches_the_engine_decode_ops(kernel):
+    """Same result as the five torch ops the engine's CPU tier runs per expert today (bf16)."""
+    gen = torch.Generator().manual_seed(3)
+    h, i = 256, 128
+    w13, w2 = random_experts(6, h, i, torch.bfloat16, gen)
+    x = torch.randn(1, h, generator=gen).to(torch.bfloat16)
+    rows, weights = torch.tensor([5, 0, 3]), torch.tensor([0.5, 0.3, 0.2])
+    out = torch.zeros(1, h, dtype=torch.float32)
+    for r, wt in zip(rows.tolist(), weights.tolist()):
+        g = F.linear(x, w13[r])
+        out.add_(F.linear(F.silu(g[:, :i]).mul_(g[:, i:]), w2[r]).float(), alpha=wt)
+    y = kernel.moe_decode(x[0], w13, w2, rows, weights)
+    assert relative_error(y, out[0].double()) < 2e-2  # the torch ops round to bf16 after each op
+
+
+def test_numpy_rows_and_bf16_weights(kernel):
+    gen = torch.Generator().manual_seed(4)
+    w13, w2 = random_experts(3, 64, 32, torch.float32, gen)
+    x = torch.randn(64, generator=gen)
+    y = kernel.moe_decode(x, w13, w2, torch.tensor([1, 2]).numpy(), torch.tensor([0.25, 0.75]).to(torch.bfloat16))
+    ref = reference(x, w13, w2, torch.tensor([1, 2]), torch.tensor([0.25, 0.75]))
+    assert relative_error(y, ref) < 1e-5
+
+
+def test_no_rows_gives_zeros(kernel):
+    w13, w2 = torch.ones(2, 64, 64), torch.ones(2, 64, 32)
+    y = kernel.moe_decode(torch.ones(64), w13, w2, torch.empty(0, dtype=torch.int64), torch.empty(0))
+    assert torch.equal(y, torch.zeros(64))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(rows=torch.tensor([0, 4])), r"rows\[1\] = 4 is outside \[0, 4\)"),
+    (dict(rows=torch.tensor([1, -1])), r"rows\[1\] = -1 is outside"),
+    (dict(x=torch.ones(32)), "x must be"),
+    (dict(w2=torch.ones(4, 64, 32, dtype=torch.bfloat16)), "both be bfloat16 or both float32"),
+    (dict(w2=torch.ones(4, 64, 16)), "w2 must be"),
+    (dict(w13=torch.ones(4, 64, 64).transpose(1, 2)), "contiguous"),
+    (dict(weights=torch.ones(3)), "weights must be"),
+])
+def test_bad_input_is_refused_before_reading(kernel, bad, match):
+    args = dict(x=torch.ones(64), w13=torch.ones(4, 64, 64), w2=torch.ones(4, 64, 32), rows=torch.tensor([0, 1]),
+                weights=torch.ones(2))
+    args.update(bad)
+    with pytest.raises(RuntimeError, match=match):
+        kernel.moe_decode(**args)
+
+
+def test_runs_without_the_gil(kernel):
+    """Another Python thread keeps running while one kernel call computes."""
+    gen = torch.Generator().manual_seed(5)
+    w13, w2 = random_experts(4, 2048, 768, torch.float32, gen)
+    x, weights = torch.randn(2048, generator=gen), torch.ones(16)
+    rows = torch.arange(4).repeat(4)  # 300 MB of weight reads: tens of ms
+    ticks = []
+    done = threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.0005)
+
+    t = threading.Thread(target=tick)
+    t.start()
+    try:
+        time.sleep(0.01)
+        start = time.perf_counter()
+        kernel.moe_decode(x, w13, w2, rows, weights)
+        end = time.perf_counter()
+    finally:
+        done.set()
+        t.join()
+    during = [s for s in ticks if start < s < end]
+    assert len(during) >= 5, f"{len(during)} ticks in {1000 * (end - start):.0f} ms of kernel call"
+
+
+def _fresh_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_env_var_disables_without_building(tmp_path):
+    code = ("import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
+            "from workbench.engine import cpu_kernel\n"
+            "assert cpu_kernel.available() is False and cpu_kernel.available() is False\n"
+            "assert 'torch.utils.cpp_extension' not in sys.modules\n"
+            "print(cpu_kernel.unavailable_reason())\n")
+    proc = _fresh_python(code, WORKBENCH_CPU_KERNEL="0", WORKBENCH_CPU_KERNEL_DIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "WORKBENCH_CPU_KERNEL=0" in proc.stdout
+    assert proc.stderr.count("WARNING") == 1  # one line, even when asked twice
+    assert not any(tmp_path.iterdir())
+
+
+def test_missing_compiler_is_one_warning_not_an_error(tmp_path):
+    code = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
+            "from workbench.engine import cpu_kernel\n"
+            "assert not cpu_kernel.available() and not cpu_kernel.available()\n"
+            "try:\n"
+            "    cpu_kernel.moe_decode(None, None, None, [], [])\n"
+            "except RuntimeError as exc:\n"
+            "    print('refused:', exc)\n")
+    proc = _fresh_python(code, CXX=str(tmp_path / "no-such-c++"), WORKBENCH_CPU_KERNEL_DIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0], proc.stderr
+    assert "refused: the fused CPU decode kernel is unavailable: no C++ compiler" in proc.stdout
+
+
+def test_importing_builds_nothing():
+    proc = _fresh_python("import sys\nfrom workbench.engine import cpu_kernel, experts\n"
+                         "assert cpu_kernel._module is None and cpu_kernel._failed is None\n"
+                         "assert 'torch.utils.cpp_extension' not in sys.modules\n")
+    assert proc.returncode == 0, proc.stderr
