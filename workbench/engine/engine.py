@@ -261,7 +261,19 @@ class Engine:
         lx.finish()
         if self.cpu_format is not None and rows[COMPUTE]:
             self._attach_cpu_kernel(lx)
+        elif rows[COMPUTE] and self.dtype in (torch.bfloat16, torch.float32):
+            lx.fused_cpu = self._fused_cpu_kernel(loader)
         return lx
+
+    @staticmethod
+    def _fused_cpu_kernel(loader: _Loader) -> bool:
+        """Whether the fused CPU decode kernel runs here (built on first use: tens of seconds, once
+        per machine; the loader's progress says so)."""
+        from . import cpu_kernel
+
+        if loader.progress is not None and not cpu_kernel.disabled() and cpu_kernel.unavailable_reason() is None:
+            loader.progress(loader.done, loader.total, "CPU expert kernel (built once per machine)")
+        return cpu_kernel.available()
 
     def _attach_cpu_kernel(self, lx: LayerExperts) -> None:
         from .cpu_formats import CpuExperts, supports

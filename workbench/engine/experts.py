@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernel
+
 RESIDENT, COMPUTE, STREAM = 0, 1, 2
 TIER_NAMES = ("resident", "compute", "stream")
 GATHER_MAX_ROWS = 16
@@ -103,6 +105,7 @@ class LayerExperts:
         self.cache_b13: torch.Tensor | None = None
         self.cache_b2: torch.Tensor | None = None
         self.cpu_kernel = None  # optional CPU-format kernel for the compute tier (cpu_formats.CpuExperts)
+        self.fused_cpu = False  # decode the compute tier with cpu_kernel.moe_decode (set by the engine)
         self.cache_expert: list[int] = []
         self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> cache slot, oldest first
         self.hits = 0
@@ -294,6 +297,10 @@ class LayerExperts:
             tok = torch.from_numpy(token[sel])
             y = self.cpu_kernel(x[tok], torch.from_numpy(rows), flat_w[torch.from_numpy(sel)], scale_input)
             out.index_add_(0, tok, y.to(out.dtype))
+        elif x.shape[0] == 1 and not scale_input and not self.bias and self.act[0] == "silu" and self.fused_cpu:
+            # decode: the fused C++ kernel, every selected expert in one call near RAM bandwidth
+            y = cpu_kernel.moe_decode(x[0], self.w13[COMPUTE], self.w2[COMPUTE], rows, flat_w[torch.from_numpy(sel)])
+            out[0].copy_(y)
         elif x.shape[0] == 1 and not scale_input and not self.bias and self.act[0] == "silu":
             # decode: one token, each expert once; five ops per expert, no grouping or gathers
             w13, w2 = self.w13[COMPUTE], self.w2[COMPUTE]

@@ -98,10 +98,15 @@ class MoeBlock:
             logits = F.linear(x, self.router, self.router_bias)
         ids, weights = route(self.args, logits, self.score_bias)
         flat = ids.reshape(-1)
-        ones = getattr(self, "_ones", None)
-        if ones is None or ones.numel() < flat.numel():  # kept: one launch less per layer and step
-            self._ones = ones = torch.ones(flat.numel(), dtype=self.counts.dtype, device=flat.device)
-        self.counts[self.layer].index_add_(0, flat, ones[:flat.numel()])
+        n = flat.numel()
+        # kept, one launch less per layer and step; the one-token buffer is never replaced, since
+        # captured decode graphs read it by address
+        name = "_ones_step" if n == self.args.top_k else "_ones"
+        ones = getattr(self, name, None)
+        if ones is None or ones.numel() < n:
+            ones = torch.ones(n, dtype=self.counts.dtype, device=flat.device)
+            setattr(self, name, ones)
+        self.counts[self.layer].index_add_(0, flat, ones[:n])
         return ids, weights
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
