@@ -63,6 +63,19 @@ def test_matches_float64_reference(kernel, dtype, n, h, i):
     assert relative_error(y, reference(x, w13, w2, rows, weights)) < 1e-5
 
 
+def test_uses_torch_intra_op_threads(kernel):
+    """at::parallel_for runs in parallel inside the extension (it is serial without OpenMP) and
+    follows torch.set_num_threads."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert kernel._module.parallel_threads() == 2
+        torch.set_num_threads(1)
+        assert kernel._module.parallel_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_repeated_rows_add_up(kernel):
     gen = torch.Generator().manual_seed(7)
     w13, w2 = random_experts(4, 64, 32, torch.float32, gen)

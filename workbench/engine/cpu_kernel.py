@@ -99,9 +99,11 @@ def disabled() -> bool:
 
 
 def compile_flags() -> list[str]:
-    """C++ flags of the build: optimised for this CPU. No ``-ffast-math``: linked into a shared
-    object it would switch the whole process to flush-to-zero; the kernel vectorises without it."""
-    flags = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math"]
+    """C++ flags of the build: optimised for this CPU, OpenMP on (``at::parallel_for`` is an inline
+    template that runs serially in code compiled without it; the extension then shares torch's
+    ``libgomp.so.1``). No ``-ffast-math``: linked into a shared object it would switch the whole
+    process to flush-to-zero; the kernel vectorises without it."""
+    flags = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
     if platform.machine().lower() in ("x86_64", "amd64", "i686", "x86"):
         flags.append("-march=native")
     elif platform.machine().lower() in ("aarch64", "arm64"):
@@ -149,7 +151,7 @@ def _load():
         if _module is None and _failed is None:
             try:
                 _module = _build()
-            except Exception as exc:  # noqa: BLE001 - any failure means "use the torch ops path"
+            except Exception as exc:  # any failure means "use the torch ops path"
                 _failed = _short_reason(exc)
                 log.debug("fused CPU decode kernel build failed", exc_info=True)
                 log.warning("fused CPU decode kernel unavailable, experts use torch ops: %s", _failed)
@@ -163,6 +165,8 @@ class _Unavailable(Exception):
 def _build():
     if disabled():
         raise _Unavailable(f"disabled by {ENV_SWITCH}={os.environ[ENV_SWITCH]}")
+    if not sys.platform.startswith("linux"):
+        raise _Unavailable(f"built on Linux only (GCC/Clang with OpenMP), not on {sys.platform}")
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise _Unavailable(f"no C++ compiler ({compiler!r} not found; install g++)")
@@ -171,13 +175,17 @@ def _build():
     _find_ninja()
     import time
 
+    import torch
     from torch.utils import cpp_extension
 
     path = build_dir()
     path.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     mod = cpp_extension.load(name=f"workbench_moe_decode_{path.name}", sources=[str(SOURCE)],
-                             extra_cflags=compile_flags(), build_directory=str(path), verbose=False)
+                             extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"], build_directory=str(path),
+                             verbose=False)
+    if torch.get_num_threads() > 1 and mod.parallel_threads() < 2:
+        raise _Unavailable("the extension built without OpenMP threads (at::parallel_for runs serially)")
     log.info("fused CPU decode kernel ready in %.1f s (%s)", time.perf_counter() - t0, path)
     return mod
 

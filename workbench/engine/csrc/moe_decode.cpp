@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -169,10 +170,19 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
   return out;
 }
 
+// Threads that at::parallel_for gives a large range here (1 when the build lacks OpenMP).
+int64_t parallel_threads() {
+  std::atomic<int64_t> tasks{0};
+  at::parallel_for(0, 1 << 20, 1, [&](int64_t, int64_t) { tasks.fetch_add(1); });
+  return tasks.load();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_decode", &moe_decode, "Fused batch-1 routed experts: x [H], w13 [E, 2I, H], w2 [E, H, I], "
         "rows [n] int64, weights [n] f32 -> [H] f32", py::arg("x"), py::arg("w13"), py::arg("w2"),
         py::arg("rows"), py::arg("weights"), py::call_guard<py::gil_scoped_release>());
+  m.def("parallel_threads", &parallel_threads, "Tasks at::parallel_for runs a large range in (a build check)",
+        py::call_guard<py::gil_scoped_release>());
 }
