@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=200, help="timed calls per path and thread count")
     parser.add_argument("--threads", type=int, nargs="+", default=[os.cpu_count() or 1],
                         help="torch.set_num_threads values (default: all cores)")
-    parser.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    parser.add_argument("--dtype", choices=("bf16", "f16", "f32"), default="bf16")
     parser.add_argument("--cached", action="store_true", help="use the user's build cache (times a load)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     what = "load from the cache" if args.cached else "first build"
     print(f"kernel {what}: {build_s:.1f} s" if ok else f"kernel unavailable ({cpu_kernel.unavailable_reason()}): "
           "timing the torch path only")
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[args.dtype]
     h, i, n = args.hidden, args.ffn, args.rows
     t0 = time.perf_counter()
     w13, w2 = random_pool(args.experts, h, i, dtype)

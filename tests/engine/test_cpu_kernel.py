@@ -47,6 +47,7 @@ CASES = [(dtype, n, h, i) for dtype in (torch.bfloat16, torch.float32) for n in 
          for h, i in ((64, 32), (192, 96))]
 CASES += [(torch.float32, n, 2048, 768) for n in (1, 2, 8)]
 CASES += [(torch.bfloat16, 3, 100, 36)]  # lengths that are not a multiple of the vector width
+CASES += [(torch.float16, n, 192, 96) for n in (1, 8)] + [(torch.float16, 3, 100, 36)]
 
 
 @pytest.mark.parametrize("dtype,n,h,i", CASES)
@@ -119,7 +120,9 @@ def test_no_rows_gives_zeros(kernel):
     (dict(rows=torch.tensor([0, 4])), r"rows\[1\] = 4 is outside \[0, 4\)"),
     (dict(rows=torch.tensor([1, -1])), r"rows\[1\] = -1 is outside"),
     (dict(x=torch.ones(32)), "x must be"),
-    (dict(w2=torch.ones(4, 64, 32, dtype=torch.bfloat16)), "both be bfloat16 or both float32"),
+    (dict(w2=torch.ones(4, 64, 32, dtype=torch.bfloat16)), "both be bfloat16, float16 or float32"),
+    (dict(w13=torch.ones(4, 64, 64, dtype=torch.float64), w2=torch.ones(4, 64, 32, dtype=torch.float64)),
+     "both be bfloat16, float16 or float32"),
     (dict(w2=torch.ones(4, 64, 16)), "w2 must be"),
     (dict(w13=torch.ones(4, 64, 64).transpose(1, 2)), "contiguous"),
     (dict(weights=torch.ones(3)), "weights must be"),

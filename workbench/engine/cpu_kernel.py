@@ -69,9 +69,9 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
     (``g_j`` the first ``I`` rows).
 
     Args:
-        x: ``[H]`` bfloat16 or float32 (made contiguous if needed).
-        w13: ``[E, 2I, H]`` fused gate (first ``I`` rows) and up projections, bfloat16 or float32,
-            contiguous, on the CPU.
+        x: ``[H]`` bfloat16, float16 or float32 (made contiguous if needed).
+        w13: ``[E, 2I, H]`` fused gate (first ``I`` rows) and up projections, bfloat16, float16 or
+            float32, contiguous, on the CPU.
         w2: ``[E, H, I]`` down projections, the dtype of ``w13``, contiguous, on the CPU.
         rows: ``[n]`` indices into ``E`` (int64 tensor or array; repeats allowed, ``n`` may be 0).
         weights: ``[n]`` per-expert weights (converted to float32).

@@ -7,12 +7,16 @@
 // governs it): (1) the n*I (gate row, up row) pairs of all selected experts at once, writing the
 // activations a[n, I]; (2) the H output rows, each thread summing its block of rows over the n
 // experts (no atomics). Everything is accumulated in f32. A bf16 weight becomes f32 by a 16-bit
-// shift; the dot products use vector extensions with one vector accumulator per row, which the
-// compiler maps onto AVX-512 or AVX2 (with -march=native) and fuses into FMAs (-ffp-contract=fast).
+// shift, an f16 one by the CPU's conversion (F16C) or exact bit arithmetic;
+// the dot products use vector extensions with one vector accumulator per row, which the compiler
+// maps onto AVX-512 or AVX2 (with -march=native) and fuses into FMAs (-ffp-contract=fast).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,7 +32,6 @@ constexpr int64_t OUT_ROWS = 4;    // down-projection rows per step of pass 2
 typedef float vf32 __attribute__((vector_size(4 * LANES)));
 typedef uint32_t vu32 __attribute__((vector_size(4 * LANES)));
 typedef uint16_t vu16 __attribute__((vector_size(2 * LANES)));
-
 inline vf32 load_vec(const float* p) {
   vf32 v;
   std::memcpy(&v, p, sizeof(v));
@@ -39,6 +42,46 @@ inline vf32 load_vec(const uint16_t* p) {  // bf16 is the top half of an f32
   vu16 h;
   std::memcpy(&h, p, sizeof(h));
   return reinterpret_cast<vf32>(__builtin_convertvector(h, vu32) << 16);
+}
+
+// float16 weights: the CPU's conversion (F16C, AVX-512) where -march allows, else exact bit arithmetic.
+struct Half {
+  uint16_t bits;
+};
+
+inline vf32 load_vec(const Half* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf32>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  vf32 v;
+  std::memcpy(&v, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+  return v;
+#else
+  vu16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const vu32 u = __builtin_convertvector(h, vu32);
+  const vu32 em = (u & 0x7fff) << 13;  // exponent and mantissa in f32 position, exponent bias 15
+  vf32 f = reinterpret_cast<vf32>(em) * 0x1p112f;  // rebias to 127: exact for normals and subnormals
+  const vu32 special = em >= (0x7c00u << 13);  // inf / nan: all ones exponent
+  const vu32 bits = (reinterpret_cast<vu32>(f) & ~special) | ((em | 0x7f800000u) & special);
+  return reinterpret_cast<vf32>(bits | ((u & 0x8000) << 16));
+#endif
+}
+
+inline float load_one(const Half* p) {
+  const uint32_t em = static_cast<uint32_t>(p->bits & 0x7fff) << 13;
+  float f;
+  std::memcpy(&f, &em, sizeof(f));
+  f *= 0x1p112f;
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(f));
+  if (em >= (0x7c00u << 13)) bits = em | 0x7f800000u;
+  bits |= static_cast<uint32_t>(p->bits & 0x8000) << 16;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
 }
 
 inline float load_one(const float* p) { return *p; }
@@ -139,14 +182,14 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
   TORCH_CHECK(w13.size(1) == 2 * I && I > 0 && H > 0, "moe_decode: w13 must be [E, 2I, H], got ", w13.sizes());
   TORCH_CHECK(w2.size(0) == E && w2.size(1) == H && w2.size(2) == I, "moe_decode: w2 must be [E, H, I] = [",
               E, ", ", H, ", ", I, "], got ", w2.sizes());
-  TORCH_CHECK(w13.scalar_type() == w2.scalar_type() &&
-                  (w13.scalar_type() == at::kBFloat16 || w13.scalar_type() == at::kFloat),
-              "moe_decode: w13 and w2 must both be bfloat16 or both float32, got ", w13.scalar_type(), " and ",
+  const auto wtype = w13.scalar_type();
+  TORCH_CHECK(wtype == w2.scalar_type() && (wtype == at::kBFloat16 || wtype == at::kHalf || wtype == at::kFloat),
+              "moe_decode: w13 and w2 must both be bfloat16, float16 or float32, got ", wtype, " and ",
               w2.scalar_type());
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "moe_decode: w13 and w2 must be contiguous");
   TORCH_CHECK(x.dim() == 1 && x.size(0) == H, "moe_decode: x must be [H] = [", H, "], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "moe_decode: x must be bfloat16 or float32, got ", x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat,
+              "moe_decode: x must be bfloat16, float16 or float32, got ", x.scalar_type());
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "moe_decode: rows must be int64 [n]");
   TORCH_CHECK(weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
               "moe_decode: weights must be float32 [n] with n = len(rows) = ", rows.size(0));
@@ -159,13 +202,17 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::zeros({H}, x.options().dtype(at::kFloat));
   if (n == 0) return out;
-  if (w13.scalar_type() == at::kBFloat16) {
-    decode<uint16_t>(xf.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w13.data_ptr<at::BFloat16>()),
-                     reinterpret_cast<const uint16_t*>(w2.data_ptr<at::BFloat16>()), rp, wt.data_ptr<float>(),
-                     n, H, I, out.data_ptr<float>());
+  const float* xp = xf.data_ptr<float>();
+  const float* wp = wt.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (wtype == at::kBFloat16) {
+    decode(xp, reinterpret_cast<const uint16_t*>(w13.data_ptr()), reinterpret_cast<const uint16_t*>(w2.data_ptr()),
+           rp, wp, n, H, I, op);
+  } else if (wtype == at::kHalf) {
+    decode(xp, reinterpret_cast<const Half*>(w13.data_ptr()), reinterpret_cast<const Half*>(w2.data_ptr()), rp,
+           wp, n, H, I, op);
   } else {
-    decode<float>(xf.data_ptr<float>(), w13.data_ptr<float>(), w2.data_ptr<float>(), rp, wt.data_ptr<float>(), n,
-                  H, I, out.data_ptr<float>());
+    decode(xp, w13.data_ptr<float>(), w2.data_ptr<float>(), rp, wp, n, H, I, op);
   }
   return out;
 }
@@ -180,9 +227,11 @@ int64_t parallel_threads() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("moe_decode", &moe_decode, "Fused batch-1 routed experts: x [H], w13 [E, 2I, H], w2 [E, H, I], "
-        "rows [n] int64, weights [n] f32 -> [H] f32", py::arg("x"), py::arg("w13"), py::arg("w2"),
-        py::arg("rows"), py::arg("weights"), py::call_guard<py::gil_scoped_release>());
+  m.def("moe_decode", &moe_decode,
+        "Fused batch-1 routed experts: x [H], w13 [E, 2I, H], w2 [E, H, I] (bf16, f16 or f32), rows [n] int64, "
+        "weights [n] f32 -> [H] f32",
+        py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("rows"), py::arg("weights"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, "Tasks at::parallel_for runs a large range in (a build check)",
         py::call_guard<py::gil_scoped_release>());
 }
