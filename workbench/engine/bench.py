@@ -194,7 +194,7 @@ def measure_engine(engine, *, prompt: int, gen: int, repeats: int, seed: int = 0
     vocab, dev = engine.vocab_size, engine.device
     ids = torch.randint(0, vocab, (prompt,), generator=g)
     steps = torch.randint(0, vocab, (gen,), generator=g)
-    engine.forward(ids[: min(prompt, 32)], 0)
+    engine.forward(ids[: min(prompt, 32)], 0, last_only=True)
     for i in range(min(gen, 4)):
         engine.forward(steps[i: i + 1], min(prompt, 32) + i).argmax().item()
     engine.reset_routing_counts()
@@ -202,7 +202,7 @@ def measure_engine(engine, *, prompt: int, gen: int, repeats: int, seed: int = 0
     for _ in range(repeats):
         _sync(dev)
         t0 = time.perf_counter()
-        first = engine.forward(ids, 0)[-1].argmax().item()
+        first = engine.forward(ids, 0, last_only=True)[-1].argmax().item()
         t1 = time.perf_counter()
         del first
         for i in range(gen):

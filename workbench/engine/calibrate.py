@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from workbench.core.errors import WorkbenchError
 from workbench.core.hardware import GpuProfile, HardwareProfile
 from workbench.core.hardware import preset as load_preset
-from workbench.engine import cpu_formats
+from workbench.engine import cpu_formats, cpu_kernel
 from workbench.telemetry.host import cpu_info
 from workbench.telemetry.nvml import default_nvml
 
@@ -185,6 +185,27 @@ def _cpu_expert(run: _Run, step: str, pack: Callable, hidden: int, ffn: int, wei
     return per_expert * len(experts) / t, t / len(experts), experts
 
 
+def _cpu_fused(run: _Run, step: str, experts: list, hidden: int, ffn: int, top_k: int) -> float:
+    """Bytes/s of expert weights the fused decode kernel (``cpu_kernel.moe_decode``) reaches,
+    ``top_k`` experts per call as in a decode step, over the experts ``_cpu_expert`` packed (their
+    weights restacked as ``[E, 2I, H]`` / ``[E, H, I]``)."""
+    w13 = torch.stack([p1.data for p1, _ in experts])  # bf16/f32 formats keep the plain weight
+    w2 = torch.stack([p2.data for _, p2 in experts])
+    n = len(experts)
+    k = min(top_k, n)
+    x = torch.randn(hidden).to(w13.dtype)
+    weights = torch.full((k,), 1.0 / k)
+    starts = list(range(0, n - k + 1, k)) or [0]
+
+    def one_pass() -> None:
+        for s in starts:
+            cpu_kernel.moe_decode(x, w13, w2, torch.arange(s, s + k), weights)
+
+    one_pass()
+    t = _repeat(run, one_pass, 0.3 * run.share[step])
+    return w13[0].numel() * 3 * w13.element_size() * k * len(starts) / t
+
+
 # -- GPU ---------------------------------------------------------------------------------------
 
 
@@ -228,31 +249,86 @@ def _gpu_matmul(run: _Run, dev: torch.device, n: int, share: float) -> float:
     return 2 * n**3 / _repeat(run, lambda: _cuda_time(lambda: a @ b), share)
 
 
-def _gpu_experts(run: _Run, dev: torch.device, hidden: int, ffn: int, nbytes: int, share: float) -> float:
-    """Bytes/s of bf16 expert weights batch-1 ``F.linear`` reaches, one launch per projection."""
+def _gpu_experts(run: _Run, dev: torch.device, hidden: int, ffn: int, nbytes: int, share: float,
+                 top_k: int = 8) -> float:
+    """Bytes/s of bf16 expert weights that one token's resident experts read on the GPU, the way
+    the engine's decode step runs them: ``top_k`` experts per call (the Triton kernels reading the
+    selected rows in place where available, else batch-1 ``F.linear``), calls replayed from a CUDA
+    graph like the engine's decode graphs."""
+    from . import gpu_kernels
+
     per = 3 * ffn * hidden * 2
-    n_exp = max(1, min(256, nbytes // per))
+    n_exp = max(top_k, min(256, nbytes // per))
     w1 = torch.randn(n_exp, 2 * ffn, hidden, device=dev, dtype=torch.bfloat16) * 0.02  # [E, 2I, H]
     w2 = torch.randn(n_exp, hidden, ffn, device=dev, dtype=torch.bfloat16) * 0.02  # [E, H, I]
     x = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16)
+    calls = n_exp // top_k
+    rows = [torch.arange(c * top_k, (c + 1) * top_k, device=dev) for c in range(calls)]
+    scale = torch.full((top_k,), 1.0 / top_k, device=dev, dtype=torch.bfloat16)
 
     def experts() -> None:
-        for e in range(n_exp):
-            h = F.linear(x, w1[e])  # [1, 2I]
-            F.linear(F.silu(h[:, :ffn]) * h[:, ffn:], w2[e])  # [1, H]
+        for r in rows:
+            if gpu_kernels.available():
+                gpu_kernels.experts_one_token(x, r, scale, w1, w2)
+            else:
+                for e in r.tolist():
+                    h = F.linear(x, w1[e])  # [1, 2I]
+                    F.linear(F.silu(h[:, :ffn]) * h[:, ffn:], w2[e])  # [1, H]
 
     experts()
-    return per * n_exp / _repeat(run, lambda: _cuda_time(experts), share)
+    torch.cuda.synchronize(dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        experts()
+    return per * calls * top_k / _repeat(run, lambda: _cuda_time(g.replay), share)
 
 
 def _gpu_launch_sync(
     run: _Run, dev: torch.device, n_router: int, top_k: int, share: float
 ) -> tuple[float, float]:
-    """(seconds per tiny kernel launch, seconds for a router top-k brought to the host)."""
+    """(seconds per small kernel inside a CUDA graph, seconds of one host point of a hybrid layer).
+
+    The engine's decode steps replay CUDA graphs, so a kernel costs its place in the graph, not a
+    host launch. A host point (``graphs.DecodeStep``) is: replay the graph that ends with the router
+    and its top-k copied to pinned memory, record an event, replay the next graph, wait for the
+    event, read the routing, copy a hidden-size result back to the GPU."""
     tiny = torch.zeros(1, device=dev)
-    launch = _repeat(run, lambda: _cuda_time(lambda: tiny.add_(1), reps=200), share / 2)
+    graph = torch.cuda.CUDAGraph()
+    tiny.add_(1)
+    torch.cuda.synchronize(dev)
+    with torch.cuda.graph(graph):
+        for _ in range(200):
+            tiny.add_(1)
+    launch = _repeat(run, lambda: _cuda_time(graph.replay), share / 2) / 200
     logits = torch.randn(1, n_router, device=dev)
-    sync = _repeat(run, lambda: torch.topk(logits, top_k).indices.cpu(), share / 2)
+    ids_host = torch.empty(top_k, dtype=torch.long, pin_memory=True)
+    back = torch.zeros(1, 4096, pin_memory=True)
+    back_dev = torch.zeros(1, 4096, device=dev)
+    route, after = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    ids_host.copy_(torch.topk(logits, top_k).indices, non_blocking=True)
+    torch.cuda.synchronize(dev)
+    with torch.cuda.graph(route):
+        ids_host.copy_(torch.topk(logits, top_k).indices, non_blocking=True)
+    with torch.cuda.graph(after):
+        back_dev.mul_(0.5)
+    event = torch.cuda.Event()
+
+    def host_point() -> None:
+        route.replay()
+        event.record()
+        after.replay()
+        event.synchronize()
+        ids_host.numpy().sum()
+        back_dev.add_(back.to(dev, non_blocking=True))
+
+    def timed() -> float:
+        t = time.perf_counter()
+        for _ in range(20):
+            host_point()
+        torch.cuda.synchronize(dev)
+        return (time.perf_counter() - t) / 20
+
+    sync = _repeat(run, timed, share / 2)
     return launch, sync
 
 
@@ -371,6 +447,8 @@ def calibrate(
         ) as e:  # a kernel this CPU lacks
             run.finish(step, f"CPU {name}: skipped ({e})")
             continue
+        if name in ("bf16", "f32") and cpu_kernel.available():  # what the engine's decode runs
+            bps = _cpu_fused(run, step, experts, hidden, expert_ffn, top_k)
         throughput[name] = bps
         bf16_experts = experts if name == "bf16" else bf16_experts
         del experts

@@ -305,8 +305,10 @@ class Engine:
     # -- running ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """Logits ``[T, vocab]`` (float32) for ``input_ids [T]`` at positions ``start_pos..start_pos+T-1``.
+    def forward(self, input_ids: torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
+        """Logits ``[T, vocab]`` (float32) for ``input_ids [T]`` at positions ``start_pos..start_pos+T-1``;
+        ``last_only``: only the last position's, ``[1, vocab]`` (a prompt's logits take
+        ``T * vocab * 6`` bytes of GPU memory otherwise: 470 MB for 512 tokens of a 152k vocabulary).
 
         Writes those positions of the KV cache; positions after them are ignored until rewritten.
         """
@@ -325,7 +327,7 @@ class Engine:
             if not hasattr(self, "layers"):
                 raise WorkbenchError("the engine was closed")
             try:
-                return self._forward(ids, start_pos)
+                return self._forward(ids, start_pos, last_only)
             except torch.OutOfMemoryError:
                 pass  # reported below, outside the except block, once the failed step's activations are freed
         if self.device.type == "cuda":
@@ -335,7 +337,7 @@ class Engine:
             f"pieces or keep fewer experts resident (positions {start_pos}..{start_pos + T - 1} of the "
             f"KV cache must be written again)")
 
-    def _forward(self, ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
         T = ids.shape[0]
         mode = self.decode_mode
         if T == 1 and mode != "eager" and (mode == "static" or self.device.type == "cuda"):
@@ -349,6 +351,8 @@ class Engine:
         x = F.embedding(ids, self.embed)
         for layer in self.layers:
             x = layer(x, pos, start_pos, self.rope)
+        if last_only:
+            x = x[-1:]
         x = rms_norm(x, self.norm, self.args.rms_eps)
         return F.linear(x, self.lm_head).float()
 

@@ -14,6 +14,7 @@ An expert computes ``w * down(silu(gate(x)) * up(x))`` or, for Llama 4 (``scale_
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from concurrent.futures import Executor
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernel
+from . import cpu_kernel, gpu_kernels
 
 RESIDENT, COMPUTE, STREAM = 0, 1, 2
 TIER_NAMES = ("resident", "compute", "stream")
@@ -106,6 +107,7 @@ class LayerExperts:
         self.cache_b2: torch.Tensor | None = None
         self.cpu_kernel = None  # optional CPU-format kernel for the compute tier (cpu_formats.CpuExperts)
         self.fused_cpu = False  # decode the compute tier with cpu_kernel.moe_decode (set by the engine)
+        self.fast_gpu = os.environ.get("WORKBENCH_GPU_KERNELS", "1") != "0"  # one-token resident experts in Triton
         self.cache_expert: list[int] = []
         self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> cache slot, oldest first
         self.hits = 0
@@ -240,6 +242,14 @@ class LayerExperts:
         resident, else (few pairs) the resident ones by a masked gather; plus ``extra()``."""
         T, k = ids.shape
         flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
+        if T == 1 and x.is_cuda and self.n_tier[RESIDENT] and self._rows_in_place(scale_input):
+            # one token on CUDA: the selected resident rows read in place (Triton), others skipped
+            if self.needs_host(T):
+                out = gpu_kernels.experts_one_token(x, self.res_row_dev[flat_ids],
+                                                    flat_w * self.res_mask_dev[flat_ids], self.w13[0], self.w2[0])
+            else:
+                out = gpu_kernels.experts_one_token(x, self.local_dev[flat_ids], flat_w, self.w13[0], self.w2[0])
+            return out if extra is None else out + extra()
         if T == 1:  # one token: its k pairs read x as a view and sum with one reduction
             xt = x.expand(k, x.shape[1])
             pair_sum = lambda y: y.sum(0, keepdim=True)  # noqa: E731
@@ -263,6 +273,10 @@ class LayerExperts:
         if extra is not None:
             out = out + extra()
         return out
+
+    def _rows_in_place(self, scale_input: bool) -> bool:
+        return (self.fast_gpu and not scale_input and not self.bias and self.act[0] == "silu"
+                and gpu_kernels.available())
 
     def host_part(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, host: list[torch.Tensor],
                   out: torch.Tensor, scale_input: bool) -> None:

@@ -320,7 +320,7 @@ class Generator:
                 timings.prefill_s = time.perf_counter() - t0
                 return finish("cancelled")
             end = min(len(ids), start + self.prefill_chunk)
-            logits = engine.forward(torch.tensor(ids[start:end]), start)
+            logits = engine.forward(torch.tensor(ids[start:end]), start, last_only=True)
             self._cached = ids[:end]
         token = int(sampler.sample(logits[-1]).item())
         timings.ttft_s = timings.prefill_s = time.perf_counter() - t0

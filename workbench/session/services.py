@@ -262,7 +262,7 @@ def profile(engine, tokenizer, prompts: list[str], progress=None, cancel=None):
         ids = tokenizer.encode(text)[: engine.max_context]
         with torch.inference_mode():
             for start in range(0, len(ids), 512):
-                engine.forward(torch.tensor(ids[start : start + 512]), start)
+                engine.forward(torch.tensor(ids[start : start + 512]), start, last_only=True)
         if progress is not None:
             progress((i + 1) / len(prompts), f"profiled {i + 1} of {len(prompts)} prompts")
     return np.asarray(engine.routing_counts(), dtype=np.float64) - before
