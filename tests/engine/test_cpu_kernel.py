@@ -201,3 +201,15 @@ def test_importing_builds_nothing():
                          "assert cpu_kernel._module is None and cpu_kernel._failed is None\n"
                          "assert 'torch.utils.cpp_extension' not in sys.modules\n")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang(kernel):
+    """torch waits forever on the lock file of an interrupted build; ours removes it under an flock."""
+    stale = cpu_kernel.build_dir() / "lock"
+    stale.touch()
+    try:
+        proc = _fresh_python("from workbench.engine import cpu_kernel\nassert cpu_kernel.available()\n")
+        assert proc.returncode == 0, proc.stderr
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)

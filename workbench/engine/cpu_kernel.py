@@ -173,6 +173,7 @@ def _build():
     if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
         raise _Unavailable("no Python headers (Python.h; install python3-dev)")
     _find_ninja()
+    import fcntl
     import time
 
     import torch
@@ -181,9 +182,17 @@ def _build():
     path = build_dir()
     path.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    mod = cpp_extension.load(name=f"workbench_moe_decode_{path.name}", sources=[str(SOURCE)],
-                             extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"], build_directory=str(path),
-                             verbose=False)
+    with open(path / "workbench.lock", "w") as held:
+        # torch's own lock is a file that a killed build leaves behind, and the next load waits on
+        # it forever; an flock dies with its process, so under it a leftover torch lock is stale
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = path / "lock"
+        if stale.exists():
+            log.info("removing a stale build lock %s (an interrupted build)", stale)
+            stale.unlink()
+        mod = cpp_extension.load(name=f"workbench_moe_decode_{path.name}", sources=[str(SOURCE)],
+                                 extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"],
+                                 build_directory=str(path), verbose=False)
     if torch.get_num_threads() > 1 and mod.parallel_threads() < 2:
         raise _Unavailable("the extension built without OpenMP threads (at::parallel_for runs serially)")
     log.info("fused CPU decode kernel ready in %.1f s (%s)", time.perf_counter() - t0, path)
