@@ -213,3 +213,20 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang(kernel):
         assert not stale.exists()
     finally:
         stale.unlink(missing_ok=True)
+
+
+def test_a_compile_error_is_one_warning_with_the_compiler_message(kernel, tmp_path):
+    """(Needs a working toolchain, hence the fixture.)"""
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("#error this source does not compile\n")
+    code = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
+            "from pathlib import Path\n"
+            "from workbench.engine import cpu_kernel\n"
+            f"cpu_kernel.SOURCE = Path({str(broken)!r})\n"
+            "assert not cpu_kernel.available() and not cpu_kernel.available()\n"
+            "print(cpu_kernel.unavailable_reason())\n")
+    proc = _fresh_python(code, WORKBENCH_CPU_KERNEL_DIR=str(tmp_path / "build"))
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1, proc.stderr
+    assert "error: #error this source does not compile" in warnings[0]
