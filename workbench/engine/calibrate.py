@@ -277,6 +277,8 @@ def _gpu_experts(run: _Run, dev: torch.device, hidden: int, ffn: int, nbytes: in
 
     experts()
     torch.cuda.synchronize(dev)
+    if not gpu_kernels.available():  # the fallback reads rows on the host: no graph
+        return per * calls * top_k / _repeat(run, lambda: _cuda_time(experts), share)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         experts()
@@ -300,7 +302,7 @@ def _gpu_launch_sync(
         for _ in range(200):
             tiny.add_(1)
     launch = _repeat(run, lambda: _cuda_time(graph.replay), share / 2) / 200
-    logits = torch.randn(1, n_router, device=dev)
+    logits = torch.randn(n_router, device=dev)
     ids_host = torch.empty(top_k, dtype=torch.long, pin_memory=True)
     back = torch.zeros(1, 4096, pin_memory=True)
     back_dev = torch.zeros(1, 4096, device=dev)
