@@ -83,11 +83,11 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
         RuntimeError: the kernel is unavailable (check ``available()`` first), or shapes, dtypes or
             rows are invalid (checked before any weight is read).
     """
-    import torch
-
     mod = _load()
     if mod is None:
         raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_failed}")
+    import torch
+
     rows = torch.as_tensor(rows, dtype=torch.int64)
     weights = torch.as_tensor(weights).to(torch.float32)
     return mod.moe_decode(x.contiguous(), w13, w2, rows, weights)
