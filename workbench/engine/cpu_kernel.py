@@ -79,6 +79,11 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
     Returns:
         ``[H]`` float32, accumulated in float32 throughout.
 
+    Runs on the intra-op threads of the calling thread, like any torch op: a thread takes
+    ``torch.set_num_threads``' value when it first runs a parallel op and changes it only by
+    calling ``torch.set_num_threads`` itself (so set it in a worker thread's initializer). The
+    first call builds the extension if ``available()`` was not called before.
+
     Raises:
         RuntimeError: the kernel is unavailable (check ``available()`` first), or shapes, dtypes or
             rows are invalid (checked before any weight is read).
