@@ -166,6 +166,16 @@ def test_runs_without_the_gil(kernel):
     assert len(during) >= 5, f"{len(during)} ticks in {1000 * (end - start):.0f} ms of kernel call"
 
 
+def test_takes_says_which_weights_the_kernel_accepts():
+    w13, w2 = torch.ones(4, 64, 32, dtype=torch.bfloat16), torch.ones(4, 32, 32, dtype=torch.bfloat16)
+    assert cpu_kernel.takes(w13, w2)
+    assert cpu_kernel.takes(w13.half(), w2.half()) and cpu_kernel.takes(w13.float(), w2.float())
+    assert not cpu_kernel.takes(w13.double(), w2.double())
+    assert not cpu_kernel.takes(w13, w2.float())
+    assert not cpu_kernel.takes(w13, torch.ones(4, 32, 16, dtype=torch.bfloat16))
+    assert not cpu_kernel.takes(w13.transpose(0, 1), w2)
+
+
 def _fresh_python(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **env})

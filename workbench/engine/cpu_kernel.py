@@ -98,6 +98,17 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
     return mod.moe_decode(x.contiguous(), w13, w2, rows, weights)
 
 
+def takes(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether ``moe_decode`` accepts these stacked weights (CPU, contiguous, ``[E, 2I, H]`` and
+    ``[E, H, I]``, both bfloat16, float16 or float32). Builds nothing."""
+    import torch
+
+    return (w13.device.type == "cpu" and w2.device.type == "cpu" and w13.dim() == 3 and w2.dim() == 3
+            and w13.dtype == w2.dtype and w13.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and w13.is_contiguous() and w2.is_contiguous() and w13.shape[1] % 2 == 0
+            and tuple(w2.shape) == (w13.shape[0], w13.shape[2], w13.shape[1] // 2))
+
+
 def disabled() -> bool:
     """Whether ``WORKBENCH_CPU_KERNEL`` turns the kernel off."""
     return os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "no", "off")
