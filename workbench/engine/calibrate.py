@@ -185,13 +185,15 @@ def _cpu_expert(run: _Run, step: str, pack: Callable, hidden: int, ffn: int, wei
     return per_expert * len(experts) / t, t / len(experts), experts
 
 
-def _cpu_fused(run: _Run, step: str, experts: list, hidden: int, ffn: int, top_k: int) -> float:
+def _cpu_fused(run: _Run, step: str, experts: list, hidden: int, ffn: int, top_k: int,
+               weight_bytes: int) -> float:
     """Bytes/s of expert weights the fused decode kernel (``cpu_kernel.moe_decode``) reaches,
-    ``top_k`` experts per call as in a decode step, over the experts ``_cpu_expert`` packed (their
-    weights restacked as ``[E, 2I, H]`` / ``[E, H, I]``)."""
-    w13 = torch.stack([p1.data for p1, _ in experts])  # bf16/f32 formats keep the plain weight
-    w2 = torch.stack([p2.data for _, p2 in experts])
-    n = len(experts)
+    ``top_k`` experts per call as in a decode step, over ``weight_bytes`` of experts stacked as
+    ``[E, 2I, H]`` / ``[E, H, I]`` (copies of the first packed expert: more than the caches hold)."""
+    p1, p2 = experts[0]  # bf16/f32 formats keep the plain weight in ``data``
+    n = max(top_k, min(256, weight_bytes // (p1.nbytes + p2.nbytes)))
+    w13 = p1.data.expand(n, *p1.data.shape).clone()
+    w2 = p2.data.expand(n, *p2.data.shape).clone()
     k = min(top_k, n)
     x = torch.randn(hidden).to(w13.dtype)
     weights = torch.full((k,), 1.0 / k)
@@ -396,6 +398,7 @@ def calibrate(
     use_cuda: bool | None = None,
     n_router: int = 128,
     top_k: int = 8,
+    fit_engine: bool = True,
 ) -> HardwareProfile:
     """Measure this machine at the expert shape ``hidden`` x ``expert_ffn`` (gate_up ``[2I, H]``,
     down ``[H, I]``) and return its HardwareProfile.
@@ -405,7 +408,9 @@ def calibrate(
     :class:`CalibrationCancelled`. ``preset`` (a profile or a preset name) supplies what cannot be
     measured here (GPU fields without CUDA). ``formats`` restricts the CPU formats measured (default:
     all the engine supports). ``weight_bytes``: expert bytes per CPU format (more than the caches).
-    ``n_router``/``top_k``: the router size used to time the per-layer sync.
+    ``n_router``/``top_k``: the router size used to time the per-layer sync. ``fit_engine`` (CUDA
+    only): fit the per-kernel and per-host-point costs to the engine's own decode steps
+    (``calibrate_engine``; ~10 s more).
     """
     if hidden < 1 or expert_ffn < 1:
         raise WorkbenchError(f"expert shape must be positive, got hidden={hidden}, ffn={expert_ffn}")
@@ -450,7 +455,7 @@ def calibrate(
             run.finish(step, f"CPU {name}: skipped ({e})")
             continue
         if name in ("bf16", "f32") and cpu_kernel.available():  # what the engine's decode runs
-            bps = _cpu_fused(run, step, experts, hidden, expert_ffn, top_k)
+            bps = _cpu_fused(run, step, experts, hidden, expert_ffn, top_k, weight_bytes)
         throughput[name] = bps
         bf16_experts = experts if name == "bf16" else bf16_experts
         del experts
@@ -510,6 +515,18 @@ def calibrate(
             source=source + "; no CUDA here: no GPU or bus figures (pick a preset to plan with a GPU)",
             provenance=provenance | dict.fromkeys(_GPU_SIDE, "absent") | {"sync_s": "default"},
         )
+    if measured and fit_engine:
+        from .calibrate_engine import fit_engine_costs
+
+        run.check()
+        try:
+            prof, fit = fit_engine_costs(prof, hidden, expert_ffn, top_k)
+            run.report(f"engine decode: {fit['resident_s'] * 1e3:.2f} ms all resident, {fit['cpu_s'] * 1e3:.2f} ms "
+                       f"all on the CPU per 4-layer step; fitted kernel {fit['launch_s'] * 1e6:.2f} us, host point "
+                       f"{fit['sync_s'] * 1e6:.0f} us")
+            prof = replace(prof, provenance=prof.provenance | {"sync_s": "fitted to the engine"})
+        except (WorkbenchError, RuntimeError, OSError) as e:
+            run.report(f"engine decode not timed ({e}); launch and sync stay as measured")
     run.done_weight = 1.0
     run.report(f"done in {time.perf_counter() - run.t0:.1f} s")
     return prof
