@@ -261,7 +261,7 @@ class Engine:
         lx.finish()
         if self.cpu_format is not None and rows[COMPUTE]:
             self._attach_cpu_kernel(lx)
-        elif rows[COMPUTE] and self.dtype in (torch.bfloat16, torch.float32):
+        elif rows[COMPUTE] and self.dtype in (torch.bfloat16, torch.float16, torch.float32):
             lx.fused_cpu = self._fused_cpu_kernel(loader)
         return lx
 
