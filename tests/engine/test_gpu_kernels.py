@@ -1,5 +1,6 @@
-"""The Triton one-token expert kernels compute the SwiGLU experts they select, and read nothing for
-pairs marked inactive (checked on CUDA only: ``WORKBENCH_TEST_DEVICE=cuda`` on the GPU machine)."""
+"""The Triton one-token MoE kernels: experts computed from rows read in place (inactive pairs add
+nothing) and softmax top-k routing with its counts. On CUDA (``WORKBENCH_TEST_DEVICE=cuda`` on the
+GPU machine), or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
 
@@ -9,24 +10,47 @@ import torch.nn.functional as F
 
 from workbench.engine import gpu_kernels
 
-pytestmark = pytest.mark.skipif(not gpu_kernels.available(), reason="needs CUDA and Triton")
+pytestmark = pytest.mark.skipif(not gpu_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("H,I,E,k", [(64, 32, 6, 2), (2048, 768, 16, 8), (200, 72, 5, 3)])
-def test_experts_one_token_match_float64(dtype, H, I, E, k):
-    g = torch.Generator(device="cuda").manual_seed(H + k)
-    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).to(dtype)
-    w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).to(dtype)
-    x = torch.randn(1, H, device="cuda", generator=g).to(dtype)
-    rows = torch.randint(0, E, (k,), device="cuda", generator=g)
-    scale = torch.rand(k, device="cuda", generator=g).to(dtype)
-    scale[0] = 0  # an inactive pair (an expert on another tier) adds nothing
-    out = gpu_kernels.experts_one_token(x, rows, scale, w13, w2)
-    ref = torch.zeros(1, H, dtype=torch.float64, device="cuda")
-    for r, s in zip(rows.tolist(), scale.double().tolist()):
-        h = x.double() @ w13[r].double().T
-        ref += s * ((F.silu(h[:, :I]) * h[:, I:]) @ w2[r].double().T)
+@pytest.mark.parametrize("H,F_,E,k", [(64, 32, 6, 2), (2048, 768, 16, 8), (200, 72, 5, 3)])
+def test_experts_one_token_match_float64(dtype, H, F_, E, k):
+    if DEV == "cpu" and H > 512:
+        pytest.skip("the interpreter is slow at this size")
+    g = torch.Generator(device=DEV).manual_seed(H + k)
+    w13 = (torch.randn(E, 2 * F_, H, device=DEV, generator=g) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, F_, device=DEV, generator=g) / F_ ** 0.5).to(dtype)
+    x = torch.randn(1, H, device=DEV, generator=g).to(dtype)
+    ids = torch.randperm(E, device=DEV, generator=g)[:k]
+    scale = (torch.rand(k, device=DEV, generator=g) + 0.1).to(dtype)
+    rowmap = torch.arange(E, device=DEV).flip(0)  # rows stored in another order than expert ids
+    rowmap[ids[0]] = -1  # an expert on another tier adds nothing
+    out = gpu_kernels.experts_one_token(x, ids, scale, rowmap, w13, w2)
+    ref = torch.zeros(1, H, dtype=torch.float64, device=DEV)
+    for e, s in zip(ids.tolist(), scale.double().tolist()):
+        r = int(rowmap[e])
+        if r >= 0:
+            h = x.double() @ w13[r].double().T
+            ref += s * ((F.silu(h[:, :F_]) * h[:, F_:]) @ w2[r].double().T)
     assert out.dtype == dtype and out.shape == (1, H)
     err = float((out.double() - ref).abs().max() / ref.abs().max())
     assert err < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("E,k,norm,scaling", [(128, 8, True, 1.0), (60, 4, False, 2.5), (8, 2, True, 1.0)])
+def test_route_softmax_topk_matches_torch_and_counts(E, k, norm, scaling):
+    logits = torch.randn(1, E, device=DEV, generator=torch.Generator(device=DEV).manual_seed(E))
+    counts = torch.zeros(E, dtype=torch.int64, device=DEV)
+    counts[3] = 5
+    ids, w = gpu_kernels.route_softmax_topk(logits, k, norm, scaling, counts)
+    top, ref_ids = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
+    if norm:
+        top = top / top.sum(-1, keepdim=True)
+    assert torch.equal(ids, ref_ids)
+    assert torch.allclose(w, top * scaling, rtol=1e-5, atol=1e-7)
+    expect = torch.zeros(E, dtype=torch.int64, device=DEV)
+    expect[3] = 5
+    expect[ref_ids[0]] += 1
+    assert torch.equal(counts, expect)

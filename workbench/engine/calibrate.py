@@ -267,11 +267,12 @@ def _gpu_experts(run: _Run, dev: torch.device, hidden: int, ffn: int, nbytes: in
     calls = n_exp // top_k
     rows = [torch.arange(c * top_k, (c + 1) * top_k, device=dev) for c in range(calls)]
     scale = torch.full((top_k,), 1.0 / top_k, device=dev, dtype=torch.bfloat16)
+    rowmap = torch.arange(n_exp, device=dev)
 
     def experts() -> None:
         for r in rows:
             if gpu_kernels.available():
-                gpu_kernels.experts_one_token(x, r, scale, w1, w2)
+                gpu_kernels.experts_one_token(x, r, scale, rowmap, w1, w2)
             else:
                 for e in r.tolist():
                     h = F.linear(x, w1[e])  # [1, 2I]

@@ -169,6 +169,7 @@ class LayerExperts:
         res = self.tier == RESIDENT
         self.res_row_dev = torch.as_tensor(np.where(res, self.local, 0), device=self.device)  # 0 if not resident
         self.res_mask_dev = torch.as_tensor(res, device=self.device)
+        self.res_map_dev = torch.as_tensor(np.where(res, self.local, -1), device=self.device)  # -1: not resident
         self.all_resident = bool((self.tier == RESIDENT).all())
         self.n_tier = [int((self.tier == t).sum()) for t in (RESIDENT, COMPUTE, STREAM)]
         self.staging = HostStaging(self.device)
@@ -244,11 +245,8 @@ class LayerExperts:
         flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
         if T == 1 and x.is_cuda and self.n_tier[RESIDENT] and self._rows_in_place(scale_input):
             # one token on CUDA: the selected resident rows read in place (Triton), others skipped
-            if self.needs_host(T):
-                out = gpu_kernels.experts_one_token(x, self.res_row_dev[flat_ids],
-                                                    flat_w * self.res_mask_dev[flat_ids], self.w13[0], self.w2[0])
-            else:
-                out = gpu_kernels.experts_one_token(x, self.local_dev[flat_ids], flat_w, self.w13[0], self.w2[0])
+            rowmap = self.res_map_dev if self.needs_host(T) else self.local_dev
+            out = gpu_kernels.experts_one_token(x, flat_ids, flat_w, rowmap, self.w13[0], self.w2[0])
             return out if extra is None else out + extra()
         if T == 1:  # one token: its k pairs read x as a view and sum with one reduction
             xt = x.expand(k, x.shape[1])

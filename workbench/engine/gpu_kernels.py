@@ -1,17 +1,21 @@
-"""Triton kernels for one-token routed experts on CUDA: each selected expert's rows read once, in place.
+"""Triton kernels for one token's MoE layer on CUDA: routing and routed experts in four kernels.
 
 At batch 1 the resident experts of a layer are ``k`` matrix-vector products over ``k`` rows of the
 stacked weights. Gathering those rows first (``w13[rows]``) copies ~75 MB per layer at the
-Qwen3-30B-A3B shape and reads it again; ``expert_gemv`` reads each selected row where it lies, and
-pairs whose weight is zero (experts not resident on this step's tier) read nothing at all.
+Qwen3-30B-A3B shape and reads it again; ``experts_one_token`` reads each selected row where it lies
+(pairs whose expert is not on this tier read nothing), with SiLU·up and the routing weight folded
+into the down projection. ``route_softmax_topk`` does softmax, top-k, renormalisation and the
+routing counts in one kernel. A decode step is a chain of such small kernels inside a CUDA graph,
+where each kernel costs a few µs whatever its size, so fewer kernels is faster.
 
-``available()`` is False without Triton or CUDA; the engine then keeps the gather path.
+``available()`` is False without Triton or CUDA; the engine then keeps its PyTorch paths.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
@@ -26,54 +30,120 @@ except ImportError:  # pragma: no cover - depends on the install
 
 @functools.cache
 def available() -> bool:
-    """Whether the Triton expert kernels can run (Triton importable and CUDA present)."""
-    return triton is not None and torch.cuda.is_available()
+    """Whether the Triton kernels can run (Triton importable and CUDA present, or Triton's
+    interpreter for tests: ``TRITON_INTERPRET=1``)."""
+    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, rows_ptr, active_ptr, out_ptr, N, K, stride_e, stride_n, x_pair_stride,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, K, stride_e, stride_n,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[j, n] = w[rowmap[ids[j]], n, :] . x  (float32), zero where the pair is inactive."""
         pair = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row = tl.load(rows_ptr + pair)
-        active = tl.load(active_ptr + pair) != 0
+        row = tl.load(rowmap_ptr + tl.load(ids_ptr + pair))
+        active = (row >= 0) & (tl.load(scale_ptr + pair).to(tl.float32) != 0)
+        row = tl.maximum(row, 0)
+        n_lim = tl.where(active, N, 0)  # an inactive pair loads no weights
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         w_base = w_ptr + row * stride_e + offs_n[:, None] * stride_n
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_ptr + pair * x_pair_stride + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            m = (offs_n[:, None] < N) & (offs_k[None, :] < K) & active
+            xk = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            m = (offs_n[:, None] < n_lim) & (offs_k[None, :] < K)
             w = tl.load(w_base + offs_k[None, :], mask=m, other=0.0)
             acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
         tl.store(out_ptr + pair * N + offs_n, acc, mask=offs_n < N)
 
+    @triton.jit
+    def _down_kernel(h_ptr, w_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, FFN, stride_e, stride_n,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[j, n] = scale[j] * w[row_j, n, :] . (silu(h[j, :FFN]) * h[j, FFN:])  (float32)."""
+        pair = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row = tl.load(rowmap_ptr + tl.load(ids_ptr + pair))
+        s = tl.load(scale_ptr + pair).to(tl.float32)
+        active = (row >= 0) & (s != 0)
+        row = tl.maximum(row, 0)
+        n_lim = tl.where(active, N, 0)  # an inactive pair loads no weights
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        w_base = w_ptr + row * stride_e + offs_n[:, None] * stride_n
+        h_base = h_ptr + pair * 2 * FFN
+        for k0 in range(0, FFN, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            km = offs_k < FFN
+            g = tl.load(h_base + offs_k, mask=km, other=0.0)
+            u = tl.load(h_base + FFN + offs_k, mask=km, other=0.0)
+            a = g * tl.sigmoid(g) * u
+            m = (offs_n[:, None] < n_lim) & km[None, :]
+            w = tl.load(w_base + offs_k[None, :], mask=m, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        acc = tl.where(active, acc * s, 0.0)
+        tl.store(out_ptr + pair * N + offs_n, acc, mask=offs_n < N)
 
-def expert_gemv(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-    """``out[j] = w[rows[j]] @ x[j]`` for each pair ``j``, in float32; inactive pairs give zeros
-    without reading their weights.
+    @triton.jit
+    def _route_kernel(logits_ptr, ids_ptr, w_ptr, counts_ptr, E, scaling,
+                      K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr):
+        """Softmax over ``E`` logits, the ``K`` largest (descending), renormalised when ``NORM``,
+        times ``scaling``; counts each pick."""
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < E
+        x = tl.load(logits_ptr + offs, mask=valid, other=-float("inf")).to(tl.float32)
+        e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
+        p = e / tl.sum(e, axis=0)
+        work = tl.where(valid, p, -1.0)
+        slots = tl.arange(0, KP)
+        top_v = tl.zeros((KP,), dtype=tl.float32)
+        top_i = tl.zeros((KP,), dtype=tl.int64)
+        for j in tl.static_range(K):
+            best = tl.max(work, axis=0)
+            idx = tl.min(tl.where(work == best, offs, BLOCK_E), axis=0)  # lowest index among equals
+            top_v = tl.where(slots == j, best, top_v)
+            top_i = tl.where(slots == j, idx.to(tl.int64), top_i)
+            work = tl.where(offs == idx, -1.0, work)
+        if NORM:
+            top_v = top_v / tl.sum(tl.where(slots < K, top_v, 0.0), axis=0)
+        top_v = top_v * scaling
+        keep = slots < K
+        tl.store(ids_ptr + slots, top_i, mask=keep)
+        tl.store(w_ptr + slots, top_v, mask=keep)
+        tl.atomic_add(counts_ptr + top_i, tl.full((KP,), 1, tl.int64), mask=keep)
 
-    ``x``: ``[n, K]`` (or ``[1, K]``, shared by every pair), any float dtype, contiguous rows.
-    ``w``: ``[E, N, K]`` contiguous. ``rows``: ``[n]`` int64 indices into ``E``. ``active``: ``[n]``
-    bool. Returns ``[n, N]`` float32. No host sync; capturable in a CUDA graph.
+
+BLOCK_N, BLOCK_K = 16, 256
+
+
+def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, rowmap: torch.Tensor,
+                      w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts of one token, weighted and summed: ``[1, H]`` in ``x.dtype``.
+
+    ``x [1, H]``; ``ids``/``scale [k]``: the selected experts and their routing weights;
+    ``rowmap [E]`` int64: each expert's row in ``w13 [R, 2I, H]`` (gate rows first) and
+    ``w2 [R, H, I]``, or -1 when it lives elsewhere (that pair adds nothing and reads nothing).
+    No host sync; capturable in a CUDA graph.
     """
-    n = rows.shape[0]
-    E, N, K = w.shape
-    out = torch.empty((n, N), dtype=torch.float32, device=w.device)
-    x_stride = 0 if x.shape[0] == 1 else x.stride(0)
-    grid = (n, triton.cdiv(N, 16))
-    _gemv_kernel[grid](x, w, rows, active, out, N, K, w.stride(0), w.stride(1), x_stride, BLOCK_N=16, BLOCK_K=256)
-    return out
-
-
-def experts_one_token(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch.Tensor,
-                      w2: torch.Tensor) -> torch.Tensor:
-    """SwiGLU experts of one token: ``x [1, H]``, ``rows``/``scale [k]`` (weight 0: pair skipped)
-    -> the weighted sum ``[1, H]`` in ``x.dtype``. ``w13 [E, 2I, H]`` (gate rows first), ``w2 [E, H, I]``."""
-    active = scale != 0
-    h = expert_gemv(x, w13, rows, active)  # [k, 2I] float32
+    k = ids.shape[0]
+    _, n13, H = w13.shape
     i = w2.shape[2]
-    a = torch.nn.functional.silu(h[:, :i]) * h[:, i:]  # [k, I]
-    y = expert_gemv(a, w2, rows, active)  # [k, H]
-    return (y * scale.float()[:, None]).sum(0, keepdim=True).to(x.dtype)
+    h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
+    _gate_up_kernel[(k, triton.cdiv(n13, BLOCK_N))](x, w13, ids, rowmap, scale, h, n13, H, w13.stride(0),
+                                                    w13.stride(1), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    y = torch.empty((k, H), dtype=torch.float32, device=x.device)
+    _down_kernel[(k, triton.cdiv(H, BLOCK_N))](h, w2, ids, rowmap, scale, y, H, i, w2.stride(0), w2.stride(1),
+                                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    return y.sum(0, keepdim=True).to(x.dtype)
+
+
+def route_softmax_topk(logits: torch.Tensor, k: int, norm: bool, scaling: float, counts: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's softmax top-k routing: ``logits [1, E]`` -> ``ids [1, k]`` int64 and weights
+    ``[1, k]`` (``logits.dtype``; float32 softmax, renormalised over the k when ``norm``, times
+    ``scaling``); adds 1 to ``counts [E]`` (int64) per pick."""
+    E = logits.shape[-1]
+    ids = torch.empty((1, k), dtype=torch.int64, device=logits.device)
+    weights = torch.empty((1, k), dtype=logits.dtype, device=logits.device)
+    _route_kernel[(1,)](logits, ids, weights, counts, E, float(scaling), K=k, KP=triton.next_power_of_2(k),
+                        BLOCK_E=triton.next_power_of_2(E), NORM=norm)
+    return ids, weights

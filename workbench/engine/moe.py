@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import gpu_kernels
 from .experts import LayerExperts
 from .families import ModelArgs
 from .model import DenseMlp
@@ -96,6 +97,11 @@ class MoeBlock:
             logits = F.linear(x.float(), self.router.float())  # [T, E]
         else:
             logits = F.linear(x, self.router, self.router_bias)
+        a = self.args
+        if (logits.shape[0] == 1 and logits.is_cuda and a.router == "softmax_topk" and not a.group_limited
+                and gpu_kernels.available()):  # one token: softmax, top-k and counts in one kernel
+            return gpu_kernels.route_softmax_topk(logits, a.top_k, a.norm_topk_prob, a.routed_scaling,
+                                                  self.counts[self.layer])
         ids, weights = route(self.args, logits, self.score_bias)
         flat = ids.reshape(-1)
         n = flat.numel()
