@@ -523,7 +523,7 @@ def calibrate(
         try:
             prof, fit = fit_engine_costs(prof, hidden, expert_ffn, top_k)
             run.report(f"engine decode: {fit['resident_s'] * 1e3:.2f} ms all resident, {fit['cpu_s'] * 1e3:.2f} ms "
-                       f"all on the CPU per 4-layer step; fitted kernel {fit['launch_s'] * 1e6:.2f} us, host point "
+                       f"all on the CPU per 8-layer step; fitted kernel {fit['launch_s'] * 1e6:.2f} us, host point "
                        f"{fit['sync_s'] * 1e6:.0f} us")
             prof = replace(prof, provenance=prof.provenance | {"sync_s": "fitted to the engine"})
         except (WorkbenchError, RuntimeError, OSError) as e:

@@ -3,7 +3,7 @@
 The machine-level figures (bandwidths, the fused CPU kernel's rate) leave out what the engine
 adds on top: the GPU time of a layer's ~40 small kernels in its CUDA graphs beyond their bytes, and
 the host work of a hybrid layer (event wait, routing read, CPU kernel call, result copy). This step
-writes a small synthetic MoE model at the calibration's expert shape (4 layers, 32 experts, a small
+writes a small synthetic MoE model at the calibration's expert shape (8 layers, 16 experts, a small
 vocabulary), runs the engine's decode on CUDA with every expert resident and with every expert on
 the CPU, and solves the cost model's ``launch_s`` (from the resident run) and ``sync_s`` (from the
 CPU run) so that it predicts both runs exactly. The model then carries them to other placements.
@@ -28,7 +28,7 @@ from workbench.core.readers import open_model
 
 log = logging.getLogger(__name__)
 
-LAYERS, EXPERTS, VOCAB, STEPS = 4, 32, 2048, 24
+LAYERS, EXPERTS, VOCAB, STEPS = 8, 16, 2048, 24
 
 
 def _decode_seconds(inv, placement, device: str, steps: int = STEPS) -> float:
