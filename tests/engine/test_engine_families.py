@@ -37,7 +37,9 @@ FAMILIES = {
     "llama4_text": {"floor_scale": 4},
     # group-limited greedy routing: 6 experts in 2 groups, only the best group's experts chosen
     "deepseek_v2": {"n_group": 2, "topk_group": 1, "topk_method": "group_limited_greedy"},
-    "deepseek_v3": {},
+    # seed 9 (build_hf_model's seed): the seed-0 model's routing has a near-tie that bf16 rounding
+    # flips (see test_fixture_routing_margins)
+    "deepseek_v3": {"seed": 9},
     # sliding window of 8 on even layers, attention sinks, clamped SwiGLU with biases, YaRN RoPE
     "gpt_oss": {},
 }
