@@ -21,7 +21,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from .model import rms_norm
+from .model import STEP_MASKS, rms_norm
 from .moe import MoeBlock
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ class DecodeStep:
 
     def _eager(self) -> None:
         self.e.rope._memo = None  # RoPE tables are memoised per position tensor, and this one is reused
+        STEP_MASKS.clear()
         for kind, obj in self.pieces:
             if kind == "record":
                 obj.staging.record()
@@ -131,6 +132,7 @@ class DecodeStep:
         """Capture each run of accelerator pieces as one graph (all in one memory pool, replayed in
         capture order); record and host pieces stay eager."""
         self.e.rope._memo = None  # the tables' gather must be part of the first graph
+        STEP_MASKS.clear()  # so must the masks
         pool = torch.cuda.graph_pool_handle()
         schedule: list = []
         run: list = []
@@ -151,6 +153,7 @@ class DecodeStep:
                 flush()
                 schedule.append((kind, obj))
         flush()
-        self.memo = self.e.rope._memo  # keeps the captured tables alive
+        self.memo = (self.e.rope._memo, dict(STEP_MASKS))  # keeps the captured tables and masks alive
+        STEP_MASKS.clear()
         self.schedule = schedule
         log.info("decode step captured as %d CUDA graphs", sum(k == "graph" for k, _ in schedule))

@@ -20,6 +20,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """RMSNorm computed in float32 like transformers (``F.rms_norm`` accumulates in float32 and
     rounds once to ``x``'s dtype: one fused kernel on CUDA instead of eight); ``weight=None`` is
     Llama 4's L2 norm."""
+    if weight is not None and weight.shape == x.shape[-1:] and weight.dtype == x.dtype:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # weight folded in: one kernel
     xn = F.rms_norm(x, (x.shape[-1],), eps=eps)
     return xn if weight is None else weight * xn
 
@@ -167,6 +169,21 @@ def attention_mask(pos: torch.Tensor, end: int, window: int | None, chunk: int |
     return mask
 
 
+STEP_MASKS: dict = {}
+"""Masks of the current static decode step by ``(pos, S, window, chunk)``: layers with the same
+attention shape share one (fewer kernels per step). ``graphs.DecodeStep`` clears it before each eager
+step or capture and keeps the captured masks alive."""
+
+
+def step_mask(pos: torch.Tensor, end: int, window: int | None, chunk: int | None) -> torch.Tensor:
+    """``attention_mask`` for a static decode step, built once per step and attention shape."""
+    key = (id(pos), end, window, chunk)
+    mask = STEP_MASKS.get(key)
+    if mask is None:
+        mask = STEP_MASKS[key] = attention_mask(pos, end, window, chunk)
+    return mask
+
+
 def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                          sinks: torch.Tensor) -> torch.Tensor:
     """gpt-oss attention: each head's softmax has one extra learned logit (``sinks [nH]``) that takes
@@ -269,7 +286,7 @@ class Attention:
         T = q.shape[0]
         keys, values = self.cache.update(start, k, v, pos)  # [S', nKV, hd]
         if start is None:
-            mask = attention_mask(pos, keys.shape[0], self.window, self.chunk)
+            mask = step_mask(pos, keys.shape[0], self.window, self.chunk)
             if "sinks" in w:
                 out = attention_with_sinks(q, keys, values, mask, self.scale, w["sinks"])
             else:
@@ -302,7 +319,8 @@ def _attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ma
     nKV = keys.shape[1]
     rep = nH // nKV
     qg = q.reshape(T, nKV, rep, hd).permute(1, 0, 2, 3).reshape(nKV, T * rep, hd)  # [nKV, T*rep, hd]
-    m = mask[:, None, :].expand(T, rep, mask.shape[1]).reshape(T * rep, -1)  # [T*rep, S]
+    # [T*rep, S]; one token's single row broadcasts over its rep query rows
+    m = mask if T == 1 else mask[:, None, :].expand(T, rep, mask.shape[1]).reshape(T * rep, -1)
     with _sdpa_backends(q.device):
         out = F.scaled_dot_product_attention(qg[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                                              attn_mask=m[None, None], scale=scale)  # [1, nKV, T*rep, hd]
