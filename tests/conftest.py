@@ -20,9 +20,17 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
 import pytest
+
+if importlib.util.find_spec("triton") is not None and os.environ.get("WORKBENCH_TEST_DEVICE", "cpu") == "cpu":
+    # No GPU: the engine's Triton kernels (workbench/engine/gpu_kernels.py) run in Triton's CPU
+    # interpreter, so their decode paths are checked against transformers here too. Set before any
+    # module defines a kernel.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _key(model_type: str, overrides: dict) -> str:

@@ -243,7 +243,8 @@ class LayerExperts:
         resident, else (few pairs) the resident ones by a masked gather; plus ``extra()``."""
         T, k = ids.shape
         flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
-        if T == 1 and x.is_cuda and self.n_tier[RESIDENT] and self._rows_in_place(scale_input):
+        if (T == 1 and self.n_tier[RESIDENT] and self._rows_in_place(scale_input) and gpu_kernels.usable(x)
+                and (self._small(T, k) or not self.needs_host(T))):
             # one token on CUDA: the selected resident rows read in place (Triton), others skipped
             rowmap = self.res_map_dev if self.needs_host(T) else self.local_dev
             out = gpu_kernels.experts_one_token(x, flat_ids, flat_w, rowmap, self.w13[0], self.w2[0])

@@ -35,6 +35,12 @@ def available() -> bool:
     return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def usable(t: torch.Tensor) -> bool:
+    """Whether the kernels take tensors like ``t``: on CUDA, or anywhere under Triton's interpreter
+    (``TRITON_INTERPRET=1``: the engine's tests run these kernels on the CPU against transformers)."""
+    return available() and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 if triton is not None:
 
     @triton.jit

@@ -98,8 +98,8 @@ class MoeBlock:
         else:
             logits = F.linear(x, self.router, self.router_bias)
         a = self.args
-        if (logits.shape[0] == 1 and logits.is_cuda and a.router == "softmax_topk" and not a.group_limited
-                and gpu_kernels.available()):  # one token: softmax, top-k and counts in one kernel
+        if (logits.shape[0] == 1 and a.router == "softmax_topk" and not a.group_limited
+                and gpu_kernels.usable(logits)):  # one token: softmax, top-k and counts in one kernel
             return gpu_kernels.route_softmax_topk(logits, a.top_k, a.norm_topk_prob, a.routed_scaling,
                                                   self.counts[self.layer])
         ids, weights = route(self.args, logits, self.score_bias)
