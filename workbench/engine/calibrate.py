@@ -188,10 +188,12 @@ def _cpu_expert(run: _Run, step: str, pack: Callable, hidden: int, ffn: int, wei
 def _cpu_fused(run: _Run, step: str, experts: list, hidden: int, ffn: int, top_k: int,
                weight_bytes: int) -> float:
     """Bytes/s of expert weights the fused decode kernel (``cpu_kernel.moe_decode``) reaches,
-    ``top_k`` experts per call as in a decode step, over ``weight_bytes`` of experts stacked as
-    ``[E, 2I, H]`` / ``[E, H, I]`` (copies of the first packed expert: more than the caches hold)."""
+    ``top_k`` experts per call as in a decode step, over at least 2 GiB of experts (if RAM allows;
+    server CPUs have L3 caches of hundreds of MiB, which flatter a smaller pool) stacked as
+    ``[E, 2I, H]`` / ``[E, H, I]`` (copies of the first packed expert)."""
     p1, p2 = experts[0]  # bf16/f32 formats keep the plain weight in ``data``
-    n = max(top_k, min(256, weight_bytes // (p1.nbytes + p2.nbytes)))
+    pool = int(min(max(weight_bytes, 2 << 30), psutil.virtual_memory().available // 8))
+    n = max(top_k, min(512, pool // (p1.nbytes + p2.nbytes)))
     w13 = p1.data.expand(n, *p1.data.shape).clone()
     w2 = p2.data.expand(n, *p2.data.shape).clone()
     k = min(top_k, n)
