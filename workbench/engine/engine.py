@@ -198,7 +198,8 @@ class Engine:
                 cache = LatentCache(self.max_context, a.mla["kv_lora_rank"], a.mla["rope"], dev, self.dtype)
                 attn = MlaAttention(a, layer, w, cache)
             else:
-                cache = KVCache(self.max_context, a.n_kv_heads, a.head_dim, dev, self.dtype)
+                cache = KVCache(self.max_context, a.n_kv_heads, a.head_dim, dev, self.dtype,
+                                span=a.window[layer] or a.chunk[layer])  # windowed layers keep a ring
                 attn = Attention(a, layer, w, cache)
             self.caches.append(cache)
             loader.begin(UnitKey(layer, "norm"), nbytes.get(UnitKey(layer, "norm"), 0))
@@ -326,6 +327,12 @@ class Engine:
         with self._lock:
             if not hasattr(self, "layers"):
                 raise WorkbenchError("the engine was closed")
+            if not self.resumable(start_pos):
+                ring = next(c for c in self.caches if not c.resumable(start_pos))
+                raise WorkbenchError(
+                    f"this model's sliding-window / chunked attention layers keep only the last {ring.size} "
+                    f"positions, and going back to position {start_pos} lost some it needs; go on from "
+                    f"position {ring.next_pos} or start again from 0")
             try:
                 return self._forward(ids, start_pos, last_only)
             except torch.OutOfMemoryError:
@@ -337,8 +344,17 @@ class Engine:
             f"pieces or keep fewer experts resident (positions {start_pos}..{start_pos + T - 1} of the "
             f"KV cache must be written again)")
 
+    def resumable(self, start_pos: int) -> bool:
+        """Whether a forward pass may start at ``start_pos`` with what the KV cache holds: always,
+        except going back on a model whose windowed layers keep a ring of their last positions
+        (``model.KVCache``); position 0 always works."""
+        return all(c.resumable(start_pos) for c in self.caches if isinstance(c, KVCache))
+
     def _forward(self, ids: torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
         T = ids.shape[0]
+        for c in self.caches:  # host bookkeeping of the rings (decode graphs write them on the device)
+            if isinstance(c, KVCache):
+                c.next_pos = start_pos + T
         mode = self.decode_mode
         if T == 1 and mode != "eager" and (mode == "static" or self.device.type == "cuda"):
             if self._decoder is None:

@@ -300,6 +300,8 @@ class Generator:
             log.info("the KV cache was written outside this generator; prefilling the whole prompt")
             self._cached = []
         reuse = min(_common_prefix(self._cached, ids), len(ids) - 1)
+        if reuse and not getattr(engine, "resumable", lambda _: True)(reuse):
+            reuse = 0  # sliding-window rings cannot go back: prefill again
         timings.reused_tokens = reuse
         self._cached = self._cached[:reuse]
         sampler = Sampler(params, engine.vocab_size, engine.device)

@@ -132,29 +132,85 @@ class Rope:
 # -- attention -----------------------------------------------------------------------------------
 
 class KVCache:
-    """Static per-layer cache ``k, v [S, nKV, hd]`` for ``S = max_context`` positions."""
+    """Static per-layer cache ``k, v [S, nKV, hd]``.
 
-    def __init__(self, max_context: int, n_kv: int, head_dim: int, device, dtype):
-        self.k = torch.zeros(max_context, n_kv, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros(max_context, n_kv, head_dim, device=device, dtype=dtype)
+    ``S = max_context`` positions, or for a layer that only sees the last ``span`` positions
+    (sliding window, attention chunk) a ring of ``S = min(max_context, span)`` slots: position ``p``
+    lives in slot ``p % S`` and ``slot_pos [S]`` (device, int64, -1 = empty) says which position
+    each slot holds. A ring cannot go back: see ``resumable``.
+    """
+
+    def __init__(self, max_context: int, n_kv: int, head_dim: int, device, dtype, span: int | None = None):
+        self.size = min(max_context, span) if span else max_context
+        self.ring = self.size < max_context
+        self.k = torch.zeros(self.size, n_kv, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros(self.size, n_kv, head_dim, device=device, dtype=dtype)
+        self.slot_pos = torch.full((self.size,), -1, dtype=torch.long, device=device) if self.ring else None
+        self.next_pos = 0  # one past the last position written (host bookkeeping for ``resumable``)
+
+    def resumable(self, start: int) -> bool:
+        """Whether writing from position ``start`` keeps every earlier position a query there needs:
+        always for a plain cache; for a ring, unless going back overwrote them (the ring keeps
+        positions ``next_pos - S .. next_pos - 1``)."""
+        if not self.ring or start == 0 or start >= self.next_pos:
+            return True
+        return max(0, start - self.size) >= self.next_pos - self.size
 
     def update(self, start: int | None, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write positions ``start..start+T-1``; return the keys/values of ``0..start+T-1``.
-        ``start=None`` (static decode): write at the positions ``pos [T]`` (a device tensor, no host
-        value) and return the whole cache ``[S, nKV, hd]``."""
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Write the new positions and return ``(keys, values, key_pos)`` to attend over.
+
+        Plain cache: writes ``start..start+T-1``, returns positions ``0..start+T-1`` and
+        ``key_pos=None``. ``start=None`` (static decode): writes at the device positions ``pos [T]``
+        and returns the whole cache. Ring: returns the ring's slots (entries from ``start`` on are
+        stale and marked -1) followed by the new keys, with every key's position in ``key_pos``.
+        """
+        if self.ring:
+            return self._update_ring(start, k, v, pos)
         if start is None:
             self.k.index_copy_(0, pos, k)
             self.v.index_copy_(0, pos, v)
-            return self.k, self.v
+            return self.k, self.v, None
         end = start + k.shape[0]
         self.k[start:end] = k
         self.v[start:end] = v
-        return self.k[:end], self.v[:end]
+        self.next_pos = end
+        return self.k[:end], self.v[:end], None
+
+    def _update_ring(self, start, k, v, pos):
+        if start is None:  # one token, positions on the device only: the slot's old entry is out of reach
+            slot = pos % self.size
+            self.k.index_copy_(0, slot, k)
+            self.v.index_copy_(0, slot, v)
+            self.slot_pos.index_copy_(0, slot, pos)
+            return self.k, self.v, self.slot_pos
+        old = torch.where(self.slot_pos < start, self.slot_pos, -1)
+        keys, values = torch.cat([self.k, k]), torch.cat([self.v, v])
+        key_pos = torch.cat([old, pos])
+        n = min(k.shape[0], self.size)  # the last S new positions stay
+        slot = pos[-n:] % self.size
+        self.k.index_copy_(0, slot, k[-n:])
+        self.v.index_copy_(0, slot, v[-n:])
+        self.slot_pos.index_copy_(0, slot, pos[-n:])
+        self.next_pos = start + k.shape[0]
+        return keys, values, key_pos
 
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+
+def key_mask(pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, chunk: int | None) -> torch.Tensor:
+    """Boolean ``[T, K]``: query at ``pos[t]`` may attend the key at position ``key_pos[j]``
+    (-1: an empty or stale slot)."""
+    s = key_pos[None, :]
+    q = pos[:, None]
+    mask = (s >= 0) & (s <= q)
+    if window is not None:
+        mask &= s > q - window
+    if chunk is not None:
+        mask &= (s // chunk) == (q // chunk)
+    return mask
 
 
 def attention_mask(pos: torch.Tensor, end: int, window: int | None, chunk: int | None) -> torch.Tensor:
@@ -281,12 +337,16 @@ class Attention:
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, start: int | None):
         """Cache ``k, v [T, nKV, hd]``, attend with ``q [T, nH, hd]``, project: ``[T, H]``.
-        ``start=None``: static decode (see ``Layer``), the whole cache masked by ``pos``."""
+        ``start=None``: static decode (see ``Layer``), the whole cache masked by ``pos``; a ring
+        cache (windowed layers) is always attended under a mask of its keys' positions."""
         a, w = self.a, self.w
         T = q.shape[0]
-        keys, values = self.cache.update(start, k, v, pos)  # [S', nKV, hd]
-        if start is None:
-            mask = step_mask(pos, keys.shape[0], self.window, self.chunk)
+        keys, values, key_pos = self.cache.update(start, k, v, pos)  # [S', nKV, hd]
+        if start is None or key_pos is not None:
+            if key_pos is not None:  # a ring: mask from each key's own position
+                mask = key_mask(pos, key_pos, self.window, self.chunk)
+            else:
+                mask = step_mask(pos, keys.shape[0], self.window, self.chunk)
             if "sinks" in w:
                 out = attention_with_sinks(q, keys, values, mask, self.scale, w["sinks"])
             else:
