@@ -5,6 +5,7 @@ import pytest
 
 from workbench.telemetry.host import (
     HostMonitor,
+    clear_pinned_bytes_provider,
     cpu_info,
     parse_cpuinfo,
     pinned_bytes,
@@ -68,6 +69,15 @@ def test_pinned_bytes_provider():
             raise RuntimeError("engine torn down")
 
         set_pinned_bytes_provider(broken)
+        assert pinned_bytes() is NA
+
+        def newer():
+            return 5
+
+        set_pinned_bytes_provider(newer)
+        clear_pinned_bytes_provider(broken)  # an older engine closing leaves the newer one registered
+        assert pinned_bytes() == 5
+        clear_pinned_bytes_provider(newer)
         assert pinned_bytes() is NA
     finally:
         set_pinned_bytes_provider(None)

@@ -176,6 +176,10 @@ class Engine:
             self._free()
             raise failure.with_traceback(None)
         self.placement = placement.copy()
+        if device.type == "cuda":  # host telemetry reports the pinned memory of the engine loaded last
+            from workbench.telemetry import host
+
+            host.set_pinned_bytes_provider(self.pinned_bytes)
         log.info("loaded %s on %s: %s", inventory.path.name, device, self.memory_report())
         return self
 
@@ -344,6 +348,10 @@ class Engine:
             f"pieces or keep fewer experts resident (positions {start_pos}..{start_pos + T - 1} of the "
             f"KV cache must be written again)")
 
+    def pinned_bytes(self) -> int:
+        """Bytes of page-locked host memory the engine holds (streamed experts' host copies, staging)."""
+        return sum(lx.pinned_bytes for lx in list(getattr(self, "experts", {}).values()))
+
     def resumable(self, start_pos: int) -> bool:
         """Whether a forward pass may start at ``start_pos`` with what the KV cache holds: always,
         except going back on a model whose windowed layers keep a ring of their last positions
@@ -493,4 +501,7 @@ class Engine:
 
     def close(self) -> None:
         """Free everything; the engine cannot be used afterwards."""
+        from workbench.telemetry import host
+
+        host.clear_pinned_bytes_provider(self.pinned_bytes)
         self._free()

@@ -194,6 +194,19 @@ class LayerExperts:
                 cache += t.numel() * t.element_size()
         return {"accelerator": acc + cache, "cpu": cpu, "stream_cache": cache}
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of page-locked host memory this layer holds (CUDA: the stream tier's stacks and the
+        staging buffers; 0 elsewhere)."""
+        if self.device.type != "cuda":
+            return 0
+        n = sum(t.numel() * t.element_size() for t in (self.w13[STREAM], self.w2[STREAM], self.b13[STREAM],
+                                                       self.b2[STREAM]) if t is not None)
+        staging = getattr(self, "staging", None)
+        if staging is not None:
+            n += sum(b.numel() * b.element_size() for b in staging._bufs.values())
+        return n
+
     # -- running -----------------------------------------------------------------------------
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scale_input: bool,

@@ -144,6 +144,13 @@ def set_pinned_bytes_provider(provider: Callable[[], int] | None) -> None:
         _pinned_provider[0] = provider
 
 
+def clear_pinned_bytes_provider(provider: Callable[[], int]) -> None:
+    """Unregister ``provider`` if it is the one registered (an engine closing; a newer one stays)."""
+    with _pinned_lock:
+        if _pinned_provider[0] == provider:
+            _pinned_provider[0] = None
+
+
 def pinned_bytes() -> float:
     """Bytes of pinned host memory the engine reports, NA when no provider is registered or it fails."""
     provider = _pinned_provider[0]
