@@ -524,9 +524,10 @@ def calibrate(
         run.check()
         try:
             prof, fit = fit_engine_costs(prof, hidden, expert_ffn, top_k)
-            run.report(f"engine decode: {fit['resident_s'] * 1e3:.2f} ms all resident, {fit['cpu_s'] * 1e3:.2f} ms "
-                       f"all on the CPU per 8-layer step; fitted kernel {fit['launch_s'] * 1e6:.2f} us, host point "
-                       f"{fit['sync_s'] * 1e6:.0f} us")
+            run.report(f"engine decode per 8-layer step: {fit['resident_s'] * 1e3:.2f} ms all resident, "
+                       f"{fit['cpu_s'] * 1e3:.2f} ms all on the CPU, {fit['half_s'] * 1e3:.2f} ms half; fitted kernel "
+                       f"{fit['launch_s'] * 1e6:.2f} us, host point {fit['sync_s'] * 1e6:.0f} us, CPU experts "
+                       f"{fit['cpu_rate'] / 1e9:.1f} GB/s")
             prof = replace(prof, provenance=prof.provenance | {"sync_s": "fitted to the engine"})
         except (WorkbenchError, RuntimeError, OSError) as e:
             run.report(f"engine decode not timed ({e}); launch and sync stay as measured")

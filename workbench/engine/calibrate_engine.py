@@ -3,10 +3,12 @@
 The machine-level figures (bandwidths, the fused CPU kernel's rate) leave out what the engine
 adds on top: the GPU time of a layer's ~40 small kernels in its CUDA graphs beyond their bytes, and
 the host work of a hybrid layer (event wait, routing read, CPU kernel call, result copy). This step
-writes a small synthetic MoE model at the calibration's expert shape (8 layers, 16 experts, a small
+writes a small synthetic MoE model at the calibration's expert shape (8 layers, 32 experts, a small
 vocabulary), runs the engine's decode on CUDA with every expert resident and with every expert on
-the CPU, and solves the cost model's ``launch_s`` (from the resident run) and ``sync_s`` (from the
-CPU run) so that it predicts both runs exactly. The model then carries them to other placements.
+the CPU and with half of them on the CPU, and solves the cost model's ``launch_s`` (from the
+resident run), ``sync_s`` and CPU expert rate (from the two CPU runs) so that it predicts the runs
+exactly. The model then carries them to other placements. The experts (2.4 GB at the Qwen3-30B-A3B
+shape) are many times a server CPU's L3, as a real model's are.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from workbench.core import synth
 from workbench.core.costmodel import CostModel
 from workbench.core.hardware import HardwareProfile
 from workbench.core.memory import placement_all_gpu, placement_cpu_moe
+from workbench.core.placement import CPU_COMPUTE, Placement
 from workbench.core.readers import open_model
 
 log = logging.getLogger(__name__)
 
-LAYERS, EXPERTS, VOCAB, STEPS = 8, 16, 2048, 24
+LAYERS, EXPERTS, VOCAB, STEPS = 8, 32, 2048, 24
 
 
 def _decode_seconds(inv, placement, device: str, steps: int = STEPS) -> float:
@@ -61,33 +64,76 @@ def _solve(cost_at, measured: float, lo: float = 0.0, step: float = 1e-5) -> flo
     return max(lo, lo + (measured - a) / slope)
 
 
+def _half_on_cpu(inv) -> Placement:
+    """Every layer's upper half of experts computed on the CPU, the rest resident."""
+    p = Placement()
+    for layer in inv.spec.moe_layers:
+        p.move([k for k in inv.expert_keys(layer) if k.expert >= inv.spec.n_experts // 2], CPU_COMPUTE)
+    return p
+
+
 def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
                      n_heads: int = 32, n_kv_heads: int = 4, head_dim: int = 128,
                      device: str = "cuda") -> tuple[HardwareProfile, dict]:
-    """``prof`` with ``gpus[0].launch_s`` and ``sync_s`` fitted to the engine, and the measurements
-    ``{"resident_s", "cpu_s", "launch_s", "sync_s"}`` (seconds per decode step / fitted).
-    ``device``: the engine's accelerator (``cuda``; ``cpu`` only exercises the fit in tests)."""
+    """``prof`` fitted to the engine's decode: ``gpus[0].launch_s`` from the all-resident run, then
+    ``sync_s`` (the host point of a hybrid layer) and the bf16 CPU expert rate together from the
+    all-CPU and half-CPU runs (one fixed and one per-byte cost per hybrid layer; if that pair of
+    equations has no physical solution, the measured rate stays and only ``sync_s`` is fitted).
+    Returns the profile and ``{"resident_s", "cpu_s", "half_s", "launch_s", "sync_s", "cpu_rate"}``
+    (seconds per decode step; fitted values). ``device``: the engine's accelerator (``cuda``;
+    ``cpu`` only exercises the fit in tests)."""
     shape = synth.SynthShape("calibration", "qwen3moe", LAYERS, hidden, n_heads, n_kv_heads, head_dim,
                              EXPERTS, min(top_k, EXPERTS), ffn, VOCAB, qk_norm=True)
     with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
         path = Path(tmp) / "calibration.gguf"
         synth.write_gguf(path, shape, coverage_target=None)
         inv = open_model(path)
-        res, cpu = placement_all_gpu(inv), placement_cpu_moe(inv)
+        res, cpu, half = placement_all_gpu(inv), placement_cpu_moe(inv), _half_on_cpu(inv)
         t_res = _decode_seconds(inv, res, device)
         t_cpu = _decode_seconds(inv, cpu, device)
+        t_half = _decode_seconds(inv, half, device)
 
-    def with_costs(launch: float, sync: float) -> HardwareProfile:
+    rate0 = prof.cpu_expert_throughput.get("bf16") or 1e10
+
+    def with_costs(launch: float, sync: float, rate: float = rate0) -> HardwareProfile:
         gpus = (replace(prof.gpus[0], launch_s=launch),) + tuple(prof.gpus[1:])
-        return replace(prof, gpus=gpus, sync_s=sync)
+        return replace(prof, gpus=gpus, sync_s=sync, cpu_expert_throughput={**prof.cpu_expert_throughput, "bf16": rate})
 
     def seconds(p: HardwareProfile, placement) -> float:
         return 1.0 / CostModel(inv, p).decode_tps(placement, kv_tokens=16 + STEPS)
 
     launch = _solve(lambda v: seconds(with_costs(v, prof.sync_s), res), t_res, step=1e-6)
-    sync = _solve(lambda v: seconds(with_costs(launch, v), cpu), t_cpu, step=1e-5)
-    fitted = with_costs(launch, sync)
-    info = {"resident_s": t_res, "cpu_s": t_cpu, "launch_s": launch, "sync_s": sync}
-    log.info("engine decode: %.2f ms all resident, %.2f ms all on the CPU (%d layers); fitted launch %.2f us, "
-             "host point %.0f us", t_res * 1e3, t_cpu * 1e3, LAYERS, launch * 1e6, sync * 1e6)
+    sync, rate = _fit_host(lambda p, s, u: seconds(with_costs(launch, s, 1.0 / u), p), (cpu, t_cpu), (half, t_half),
+                           1.0 / rate0)
+    if sync is None:
+        sync, rate = _solve(lambda v: seconds(with_costs(launch, v), cpu), t_cpu, step=1e-5), rate0
+    fitted = with_costs(launch, sync, rate)
+    info = {"resident_s": t_res, "cpu_s": t_cpu, "half_s": t_half, "launch_s": launch, "sync_s": sync,
+            "cpu_rate": rate}
+    log.info("engine decode per %d-layer step: %.2f ms all resident, %.2f ms all on the CPU, %.2f ms half; fitted "
+             "kernel %.2f us, host point %.0f us, CPU experts %.1f GB/s", LAYERS, t_res * 1e3, t_cpu * 1e3,
+             t_half * 1e3, launch * 1e6, sync * 1e6, rate / 1e9)
     return fitted, info
+
+
+def _fit_host(model, run1, run2, u0: float) -> tuple[float | None, float]:
+    """Solve ``model(placement, sync, u) == measured`` for both runs, the model being linear in
+    ``sync`` (s) and ``u = 1 / CPU rate`` (s/B): ``(sync, rate)``, or ``(None, 0)`` without a
+    solution with ``sync >= 0`` and a positive rate."""
+    ds, du = 1e-5, 0.1 * u0
+    rows, rhs = [], []
+    for placement, measured in (run1, run2):
+        base = model(placement, 0.0, u0)
+        b = (model(placement, ds, u0) - base) / ds
+        c = (model(placement, 0.0, u0 + du) - base) / du
+        rows.append((b, c))
+        rhs.append(measured - (base - c * u0))
+    (b1, c1), (b2, c2) = rows
+    det = b1 * c2 - b2 * c1
+    if abs(det) < 1e-30:
+        return None, 0.0
+    sync = (rhs[0] * c2 - rhs[1] * c1) / det
+    u = (b1 * rhs[1] - b2 * rhs[0]) / det
+    if sync < 0 or u <= 0:
+        return None, 0.0
+    return sync, 1.0 / u
