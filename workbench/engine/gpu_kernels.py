@@ -118,7 +118,57 @@ if triton is not None:
         tl.atomic_add(counts_ptr + top_i, tl.full((KP,), 1, tl.int64), mask=keep)
 
 
+    @triton.jit
+    def _qkv_rope_cache_kernel(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+                               slot_pos_ptr, NH, NKV, SIZE, eps, HD: tl.constexpr, HAS_NORM: tl.constexpr,
+                               ROPE: tl.constexpr, RING: tl.constexpr):
+        """One token's q/k/v heads: RMS head norm and RoPE for q and k; q to ``q_ptr [NH, HD]``, k and v
+        into the KV cache at slot ``pos % SIZE`` (a ring also records the position in ``slot_pos``)."""
+        h = tl.program_id(0)
+        offs = tl.arange(0, HD)
+        pos = tl.load(pos_ptr)
+        slot = pos % SIZE
+        x = tl.load(qkv_ptr + h * HD + offs).to(tl.float32)
+        if h >= NH + NKV:  # a value head: into the cache as it is
+            tl.store(v_cache_ptr + (slot * NKV + h - NH - NKV) * HD + offs, x)
+        else:
+            rot = (offs + HD // 2) % HD
+            xr = tl.load(qkv_ptr + h * HD + rot).to(tl.float32)
+            if HAS_NORM:
+                inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HD + eps)
+                x = x * inv * tl.load(norm_ptr + h * HD + offs).to(tl.float32)
+                xr = xr * inv * tl.load(norm_ptr + h * HD + rot).to(tl.float32)
+            if ROPE:  # sin carries rotate_half's sign
+                x = x * tl.load(cos_ptr + pos * HD + offs) + xr * tl.load(sin_ptr + pos * HD + offs)
+            if h < NH:
+                tl.store(q_ptr + h * HD + offs, x)
+            else:
+                tl.store(k_cache_ptr + (slot * NKV + h - NH) * HD + offs, x)
+                if RING:
+                    if h == NH:
+                        tl.store(slot_pos_ptr + slot, pos)
+
+
 BLOCK_N, BLOCK_K = 16, 256
+
+
+def qkv_rope_cache(qkv: torch.Tensor, norm: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                   pos: torch.Tensor, n_heads: int, n_kv: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_pos: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """One token's attention inputs in one kernel: ``qkv [1, (nH + 2 nKV) hd]`` -> ``q [1, nH, hd]``
+    (head RMS norm with ``norm [nH + nKV, hd]`` if given, then RoPE from the tables ``cos``/``sin``
+    ``[S, hd]`` (float32, ``sin`` with rotate_half's sign) if given), with k and v written into
+    ``k_cache``/``v_cache [size, nKV, hd]`` at slot ``pos % size`` and, for a ring, ``slot_pos``
+    updated. ``hd`` must be a power of two."""
+    hd = k_cache.shape[-1]
+    q = torch.empty((1, n_heads, hd), dtype=qkv.dtype, device=qkv.device)
+    dummy = pos
+    _qkv_rope_cache_kernel[(n_heads + 2 * n_kv,)](
+        qkv, norm if norm is not None else dummy, cos if cos is not None else dummy,
+        sin if sin is not None else dummy, pos, q, k_cache, v_cache, slot_pos if slot_pos is not None else dummy,
+        n_heads, n_kv, k_cache.shape[0], float(eps), HD=hd, HAS_NORM=norm is not None, ROPE=cos is not None,
+        RING=slot_pos is not None)
+    return q
 
 
 def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, rowmap: torch.Tensor,

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import gpu_kernels
 from .families import ModelArgs, RopeArgs
 
 
@@ -311,6 +312,8 @@ class Attention:
         a, w = self.a, self.w
         T = x.shape[0]
         if self.fused is not None:
+            if start is None and T == 1 and self._one_kernel(rope) and gpu_kernels.usable(x):
+                return self._decode_in_place(x, pos, rope)
             q, k, v = self._fused_qkv(x, pos, rope)
             return self._attend(q, k, v, pos, start)
         q = F.linear(x, w["q"], w.get("q_bias"))  # [T, nH*hd]
@@ -335,6 +338,36 @@ class Attention:
             q = (q * scales[:, None, None]).to(q.dtype)
         return self._attend(q, k, v, pos, start)
 
+    def _one_kernel(self, rope: Rope) -> bool:
+        """Whether a static decode step can take q/k norm, RoPE and the cache write in one kernel."""
+        hd = self.a.head_dim
+        return (hd & (hd - 1)) == 0 and not (self.use_rope and (rope.interleaved or rope.halves_out))
+
+    def _decode_in_place(self, x: torch.Tensor, pos: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """Static one-token step: projection, then one kernel for head norm + RoPE + KV cache write."""
+        a = self.a
+        qkv_w, bias, norm = self.fused
+        c = self.cache
+        q = gpu_kernels.qkv_rope_cache(
+            F.linear(x, qkv_w, bias), norm, rope.cos if self.use_rope else None,
+            rope.sin_signed if self.use_rope else None, pos, a.n_heads, a.n_kv_heads, c.k, c.v, c.slot_pos, a.rms_eps)
+        return self._attend_all(q, c.k, c.v, c.slot_pos, pos)
+
+    def _attend_all(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_pos: torch.Tensor | None,
+                    pos: torch.Tensor) -> torch.Tensor:
+        """``q [T, nH, hd]`` over ``keys``/``values [S, nKV, hd]`` under a mask from ``pos`` (and each
+        key's position ``key_pos`` for a ring), projected: ``[T, H]``."""
+        w = self.w
+        if key_pos is not None:  # a ring: mask from each key's own position
+            mask = key_mask(pos, key_pos, self.window, self.chunk)
+        else:
+            mask = step_mask(pos, keys.shape[0], self.window, self.chunk)
+        if "sinks" in w:
+            out = attention_with_sinks(q, keys, values, mask, self.scale, w["sinks"])
+        else:
+            out = _attend_masked(q, keys, values, mask, self.scale)
+        return F.linear(out.reshape(q.shape[0], -1), w["o"], w.get("o_bias"))
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, start: int | None):
         """Cache ``k, v [T, nKV, hd]``, attend with ``q [T, nH, hd]``, project: ``[T, H]``.
         ``start=None``: static decode (see ``Layer``), the whole cache masked by ``pos``; a ring
@@ -343,15 +376,7 @@ class Attention:
         T = q.shape[0]
         keys, values, key_pos = self.cache.update(start, k, v, pos)  # [S', nKV, hd]
         if start is None or key_pos is not None:
-            if key_pos is not None:  # a ring: mask from each key's own position
-                mask = key_mask(pos, key_pos, self.window, self.chunk)
-            else:
-                mask = step_mask(pos, keys.shape[0], self.window, self.chunk)
-            if "sinks" in w:
-                out = attention_with_sinks(q, keys, values, mask, self.scale, w["sinks"])
-            else:
-                out = _attend_masked(q, keys, values, mask, self.scale)
-            return F.linear(out.reshape(T, -1), w["o"], w.get("o_bias"))
+            return self._attend_all(q, keys, values, key_pos, pos)
         plain = self.window is None and self.chunk is None and (T == 1 or start == 0)
         mask = None if plain and "sinks" not in w else attention_mask(pos, start + T, self.window, self.chunk)
         if "sinks" in w:

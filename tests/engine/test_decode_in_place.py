@@ -1,0 +1,41 @@
+"""The one-kernel attention input of a static decode step (``gpu_kernels.qkv_rope_cache``: head
+norm, RoPE, KV cache write) gives transformers' greedy tokens for the families that take it (plain
+and ring caches). On CUDA the engine uses it in its decode graphs; here it runs in Triton's
+interpreter, with q/k/v fused as on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.engine_helpers import (
+    N_NEW,
+    PROMPT,
+    TEST_DEVICE,
+    TEST_DTYPE,
+    greedy_tokens,
+    open_inventory,
+    placements,
+    reference_tokens,
+)
+from workbench.engine import Engine, gpu_kernels, model
+
+pytestmark = pytest.mark.skipif(not gpu_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
+def test_static_decode_with_one_kernel_attention_inputs(family, tiny_model_dir, tiny_hf_model, monkeypatch):
+    monkeypatch.setattr(model, "FUSE_QKV", True)
+    calls = []
+    real = gpu_kernels.qkv_rope_cache
+    monkeypatch.setattr(gpu_kernels, "qkv_rope_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
+    inv = open_inventory(tiny_model_dir(family))
+    engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=96)
+    engine.decode_mode = "static" if TEST_DEVICE == "cpu" else "auto"
+    try:
+        tokens = greedy_tokens(engine, PROMPT, N_NEW)
+    finally:
+        engine.close()
+    assert calls  # the kernel ran
+    if TEST_DTYPE == torch.float32:
+        assert tokens == reference_tokens(tiny_hf_model(family), PROMPT, N_NEW)
