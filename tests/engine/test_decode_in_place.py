@@ -39,3 +39,27 @@ def test_static_decode_with_one_kernel_attention_inputs(family, tiny_model_dir, 
     assert calls  # the kernel ran
     if TEST_DTYPE == torch.float32:
         assert tokens == reference_tokens(tiny_hf_model(family), PROMPT, N_NEW)
+
+
+def test_a_kernel_that_fails_turns_the_kernels_off_and_the_step_still_runs(tiny_model_dir, tiny_hf_model,
+                                                                            monkeypatch):
+    """A Triton kernel that does not build on some GPU must not cost the user the decode step."""
+    monkeypatch.setattr(gpu_kernels, "_disabled", [])
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("PassManager::run failed")
+            return launch
+
+    monkeypatch.setattr(gpu_kernels, "_route_kernel", Broken())
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=96)
+    engine.decode_mode = "static" if TEST_DEVICE == "cpu" else "auto"
+    try:
+        tokens = greedy_tokens(engine, PROMPT, N_NEW)
+    finally:
+        engine.close()
+    assert not gpu_kernels.available() and "PassManager" in gpu_kernels._disabled[0]
+    if TEST_DTYPE == torch.float32:
+        assert tokens == reference_tokens(tiny_hf_model("qwen3_moe"), PROMPT, N_NEW)

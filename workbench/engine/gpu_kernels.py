@@ -28,11 +28,37 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 
+_disabled: list[str] = []
+
+
 @functools.cache
+def _importable() -> bool:
+    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def available() -> bool:
     """Whether the Triton kernels can run (Triton importable and CUDA present, or Triton's
-    interpreter for tests: ``TRITON_INTERPRET=1``)."""
-    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+    interpreter for tests: ``TRITON_INTERPRET=1``), and none failed to build here (``disable``)."""
+    return not _disabled and _importable()
+
+
+def disable(reason: str) -> None:
+    """Stop using the kernels in this process (one failed to build or run); the engine's PyTorch
+    paths take over."""
+    if not _disabled:
+        log.warning("Triton kernels off, PyTorch paths instead: %s", reason[:300])
+    _disabled.append(reason)
+
+
+def failed_here(exc: BaseException) -> bool:
+    """Whether ``exc`` came from building or launching one of these kernels."""
+    tb = exc.__traceback__
+    while tb is not None:
+        mod = tb.tb_frame.f_globals.get("__name__", "")
+        if mod == __name__ or mod.startswith("triton"):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def usable(t: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from . import gpu_kernels
 from .model import STEP_MASKS, rms_norm
 from .moe import MoeBlock
 
@@ -120,6 +121,17 @@ class DecodeStep:
         return logits
 
     def _eager(self) -> None:
+        """Run the pieces eagerly; a Triton kernel that does not build or run here turns the kernels
+        off for the process and the step runs again on the PyTorch paths (rewriting its KV position)."""
+        try:
+            self._eager_once()
+        except Exception as exc:
+            if not (gpu_kernels.available() and gpu_kernels.failed_here(exc)):
+                raise
+            gpu_kernels.disable(f"{type(exc).__name__}: {exc}")
+            self._eager_once()
+
+    def _eager_once(self) -> None:
         self.e.rope._memo = None  # RoPE tables are memoised per position tensor, and this one is reused
         STEP_MASKS.clear()
         for kind, obj in self.pieces:
