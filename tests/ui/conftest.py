@@ -15,6 +15,13 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 DEMO = Path(__file__).resolve().parents[2] / "resources" / "demo"
 
 
+@pytest.fixture(autouse=True)
+def _no_interpreted_kernels(monkeypatch):
+    """The window runs the engine as a user's machine without a GPU does: PyTorch paths, not the
+    Triton kernels in Triton's (slow, GIL-holding) interpreter that the engine tests use."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 @pytest.fixture(scope="session")
 def chat_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """A model folder with weights, tokenizer.json and a ChatML chat template."""
