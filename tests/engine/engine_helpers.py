@@ -91,3 +91,13 @@ def placements(inv: Inventory, seed: int = 0) -> dict[str, Placement]:
     out["mixed"] = p
     return out
 
+
+
+def decode_step_engine(inv: Inventory, placement: Placement, max_context: int = 96):
+    """An engine whose one-token steps run the decode graphs' fixed-shape pieces
+    (``graphs.DecodeStep``): captured as CUDA graphs on CUDA, run eagerly on the CPU."""
+    from workbench.engine import Engine
+
+    engine = Engine.load(inv, placement, device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=max_context)
+    engine.decode_mode = "static" if TEST_DEVICE == "cpu" else "auto"
+    return engine

@@ -11,14 +11,14 @@ import torch
 from tests.engine.engine_helpers import (
     N_NEW,
     PROMPT,
-    TEST_DEVICE,
     TEST_DTYPE,
+    decode_step_engine,
     greedy_tokens,
     open_inventory,
     placements,
     reference_tokens,
 )
-from workbench.engine import Engine, gpu_kernels, model
+from workbench.engine import gpu_kernels, model
 
 pytestmark = pytest.mark.skipif(not gpu_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
 
@@ -30,8 +30,7 @@ def test_static_decode_with_one_kernel_attention_inputs(family, tiny_model_dir, 
     real = gpu_kernels.qkv_rope_cache
     monkeypatch.setattr(gpu_kernels, "qkv_rope_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
     inv = open_inventory(tiny_model_dir(family))
-    engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=96)
-    engine.decode_mode = "static" if TEST_DEVICE == "cpu" else "auto"
+    engine = decode_step_engine(inv, placements(inv)["mixed"])
     try:
         tokens = greedy_tokens(engine, PROMPT, N_NEW)
     finally:
@@ -54,8 +53,7 @@ def test_a_kernel_that_fails_turns_the_kernels_off_and_the_step_still_runs(tiny_
 
     monkeypatch.setattr(gpu_kernels, "_route_kernel", Broken())
     inv = open_inventory(tiny_model_dir("qwen3_moe"))
-    engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=96)
-    engine.decode_mode = "static" if TEST_DEVICE == "cpu" else "auto"
+    engine = decode_step_engine(inv, placements(inv)["mixed"])
     try:
         tokens = greedy_tokens(engine, PROMPT, N_NEW)
     finally:

@@ -17,6 +17,7 @@ from tests.engine.engine_helpers import (
     PROMPT,
     TEST_DEVICE,
     TEST_DTYPE,
+    decode_step_engine,
     greedy_tokens,
     logits_tolerance,
     open_inventory,
@@ -129,9 +130,7 @@ def test_static_decode_steps_match_transformers(case, placement):
     """The fixed-shape decode pieces that CUDA graphs capture (``graphs.DecodeStep``: token and
     position in device tensors, the whole KV cache under a mask, routing staged through host
     buffers) give transformers' greedy tokens; on CUDA the steps are captured and replayed."""
-    engine = Engine.load(case.inventory, placements(case.inventory)[placement], device=TEST_DEVICE,
-                         dtype=TEST_DTYPE, max_context=96)
-    engine.decode_mode = "static" if TEST_DEVICE == "cpu" else "auto"
+    engine = decode_step_engine(case.inventory, placements(case.inventory)[placement])
     try:
         assert_greedy_like_reference(case, greedy_tokens(engine, PROMPT, N_NEW))
         assert engine._decoder is not None

@@ -10,21 +10,19 @@ import torch
 from tests.engine.engine_helpers import (
     N_NEW,
     PROMPT,
-    TEST_DEVICE,
     TEST_DTYPE,
+    decode_step_engine,
     greedy_tokens,
     open_inventory,
     placements,
     reference_tokens,
 )
-from workbench.engine import Engine
 
 
 def test_longer_prompt_after_captured_steps_and_exact_counts(tiny_model_dir, tiny_hf_model):
     inv = open_inventory(tiny_model_dir("qwen3_moe"))
     model = tiny_hf_model("qwen3_moe")
-    engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=80)
-    engine.decode_mode = "static" if TEST_DEVICE == "cpu" else "auto"
+    engine = decode_step_engine(inv, placements(inv)["mixed"], max_context=80)
     try:
         greedy_tokens(engine, PROMPT[:3], 4)  # captures the decode step with a 3-token prefill behind it
         engine.reset_routing_counts()

@@ -202,10 +202,8 @@ class LayerExperts:
             return 0
         n = sum(t.numel() * t.element_size() for t in (self.w13[STREAM], self.w2[STREAM], self.b13[STREAM],
                                                        self.b2[STREAM]) if t is not None)
-        staging = getattr(self, "staging", None)
-        if staging is not None:
-            n += sum(b.numel() * b.element_size() for b in staging._bufs.values())
-        return n
+        staging = getattr(self, "staging", None)  # made by finish()
+        return n + (staging.nbytes if staging is not None else 0)
 
     # -- running -----------------------------------------------------------------------------
 
@@ -230,8 +228,10 @@ class LayerExperts:
             self.host_part(x, ids, weights, host, out, scale_input)
         return out
 
-    def needs_host(self, tokens: int) -> bool:
-        """Whether a step of ``tokens`` tokens needs the host (routing copied back, CPU/streamed experts)."""
+    @property
+    def needs_host(self) -> bool:
+        """Whether a step needs the host (routing copied back, CPU/streamed experts): every layer but
+        an all-resident one on CUDA."""
         return not (self.all_resident and self.staging.cuda)
 
     def stage(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, record: bool = True
@@ -239,7 +239,7 @@ class LayerExperts:
         """Step 1: queue copies of the routing (and of ``x`` when the CPU computes experts) into pinned
         host buffers and (``record``) record the staging event; None when the step needs no host work.
         Under CUDA graph capture ``record=False``: the caller records after replaying the graph."""
-        if not self.needs_host(ids.shape[0]):
+        if not self.needs_host:
             return None
         flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
         host = self.staging.to_host([flat_ids, flat_w, x] if self.n_tier[COMPUTE] else [flat_ids, flat_w])
@@ -257,9 +257,9 @@ class LayerExperts:
         T, k = ids.shape
         flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
         if (T == 1 and self.n_tier[RESIDENT] and self._rows_in_place(scale_input) and gpu_kernels.usable(x)
-                and (self._small(T, k) or not self.needs_host(T))):
+                and (self._small(T, k) or not self.needs_host)):
             # one token on CUDA: the selected resident rows read in place (Triton), others skipped
-            rowmap = self.res_map_dev if self.needs_host(T) else self.local_dev
+            rowmap = self.res_map_dev if self.needs_host else self.local_dev
             out = gpu_kernels.experts_one_token(x, flat_ids, flat_w, rowmap, self.w13[0], self.w2[0])
             return out if extra is None else out + extra()
         if T == 1:  # one token: its k pairs read x as a view and sum with one reduction
@@ -269,7 +269,7 @@ class LayerExperts:
             token = torch.arange(T, device=x.device).repeat_interleave(k)  # [T*k]
             xt = x[token]
             pair_sum = lambda y: torch.zeros_like(x).index_add_(0, token, y)  # noqa: E731
-        if not self.needs_host(T):
+        if not self.needs_host:
             out = pair_sum(grouped(xt, self.local_dev[flat_ids], flat_w, self.w13[0], self.w2[0], scale_input,
                                    self.b13[0], self.b2[0], self.act))
             return out if extra is None else out + extra()
@@ -323,17 +323,17 @@ class LayerExperts:
             tok = torch.from_numpy(token[sel])
             y = self.cpu_kernel(x[tok], torch.from_numpy(rows), flat_w[torch.from_numpy(sel)], scale_input)
             out.index_add_(0, tok, y.to(out.dtype))
-        elif x.shape[0] == 1 and not scale_input and not self.bias and self.act[0] == "silu" and self.fused_cpu:
-            # decode: the fused C++ kernel, every selected expert in one call near RAM bandwidth
-            y = cpu_kernel.moe_decode(x[0], self.w13[COMPUTE], self.w2[COMPUTE], rows, flat_w[torch.from_numpy(sel)])
-            out[0].copy_(y)
         elif x.shape[0] == 1 and not scale_input and not self.bias and self.act[0] == "silu":
-            # decode: one token, each expert once; five ops per expert, no grouping or gathers
+            # decode: one token, each selected expert once
             w13, w2 = self.w13[COMPUTE], self.w2[COMPUTE]
-            i = w2.shape[2]
-            for r, wt in zip(rows.tolist(), flat_w[torch.from_numpy(sel)].tolist()):
-                h = F.linear(x, w13[r])  # [1, 2I]
-                out.add_(F.linear(F.silu(h[:, :i]).mul_(h[:, i:]), w2[r]), alpha=wt)
+            weights = flat_w[torch.from_numpy(sel)]
+            if self.fused_cpu:  # the fused C++ kernel: every selected expert in one call near RAM bandwidth
+                out[0].copy_(cpu_kernel.moe_decode(x[0], w13, w2, rows, weights))
+            else:  # five ops per expert, no grouping or gathers
+                i = w2.shape[2]
+                for r, wt in zip(rows.tolist(), weights.tolist()):
+                    h = F.linear(x, w13[r])  # [1, 2I]
+                    out.add_(F.linear(F.silu(h[:, :i]).mul_(h[:, i:]), w2[r]), alpha=wt)
         else:
             _grouped_host(x, sel, token, rows, flat_w, out, scale_input, self.w13[COMPUTE], self.w2[COMPUTE],
                           self.b13[COMPUTE], self.b2[COMPUTE], self.act)
@@ -432,6 +432,11 @@ class HostStaging:
             buf = torch.empty(cap, dtype=dtype, pin_memory=self.cuda)
             self._bufs[name] = buf
         return buf[:n].view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers (pinned on CUDA)."""
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
     def to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Host copies of ``tensors``; on CUDA valid only after ``wait()``."""

@@ -1,4 +1,5 @@
-"""Triton kernels for one token's MoE layer on CUDA: routing and routed experts in four kernels.
+"""Triton kernels for one token on CUDA: a MoE layer's routing and routed experts in four kernels,
+and the attention inputs (head norm, RoPE, KV cache write) in one.
 
 At batch 1 the resident experts of a layer are ``k`` matrix-vector products over ``k`` rows of the
 stacked weights. Gathering those rows first (``w13[rows]``) copies ~75 MB per layer at the

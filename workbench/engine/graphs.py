@@ -54,7 +54,7 @@ class DecodeStep:
         pieces.append(("dev", embed))
         for i, layer in enumerate(e.layers):
             ffn = layer.ffn
-            if not (isinstance(ffn, MoeBlock) and ffn.experts.needs_host(1)):
+            if not (isinstance(ffn, MoeBlock) and ffn.experts.needs_host):
                 def whole(layer=layer):
                     h = layer.attend(env["x"], self.pos, None, e.rope)
                     env["x"] = h + layer.ffn(rms_norm(h, layer.ffn_norm, layer.eps))

@@ -147,7 +147,7 @@ class KVCache:
         self.k = torch.zeros(self.size, n_kv, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros(self.size, n_kv, head_dim, device=device, dtype=dtype)
         self.slot_pos = torch.full((self.size,), -1, dtype=torch.long, device=device) if self.ring else None
-        self.next_pos = 0  # one past the last position written (host bookkeeping for ``resumable``)
+        self.next_pos = 0  # one past the last position written; the engine keeps it (``resumable``)
 
     def resumable(self, start: int) -> bool:
         """Whether writing from position ``start`` keeps every earlier position a query there needs:
@@ -175,7 +175,6 @@ class KVCache:
         end = start + k.shape[0]
         self.k[start:end] = k
         self.v[start:end] = v
-        self.next_pos = end
         return self.k[:end], self.v[:end], None
 
     def _update_ring(self, start, k, v, pos):
@@ -193,7 +192,6 @@ class KVCache:
         self.k.index_copy_(0, slot, k[-n:])
         self.v.index_copy_(0, slot, v[-n:])
         self.slot_pos.index_copy_(0, slot, pos[-n:])
-        self.next_pos = start + k.shape[0]
         return keys, values, key_pos
 
     @property
