@@ -54,3 +54,28 @@ def test_route_softmax_topk_matches_torch_and_counts(E, k, norm, scaling):
     expect[3] = 5
     expect[ref_ids[0]] += 1
     assert torch.equal(counts, expect)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_heads,n_kv,hd,S,pos", [(32, 4, 128, 576, 300), (4, 4, 64, 40, 0), (8, 2, 64, 1000, 999),
+                                                   (6, 2, 32, 130, 129), (16, 1, 64, 4096, 2050)])
+def test_decode_attention_matches_float64(dtype, n_heads, n_kv, hd, S, pos):
+    """Keys ``0..pos`` attended, every slot after ``pos`` ignored (filled with large values here)."""
+    if DEV == "cpu" and S * n_kv > 8192:
+        pytest.skip("the interpreter is slow at this size")
+    g = torch.Generator(device=DEV).manual_seed(S + pos)
+    q = torch.randn(1, n_heads, hd, device=DEV, generator=g).to(dtype)
+    k = torch.randn(S, n_kv, hd, device=DEV, generator=g).to(dtype)
+    v = torch.randn(S, n_kv, hd, device=DEV, generator=g).to(dtype)
+    k[pos + 1:] = 50.0  # stale slots: would dominate the softmax if read
+    v[pos + 1:] = 1e4
+    scale = hd ** -0.5
+    out = gpu_kernels.decode_attention(q, k, v, torch.tensor([pos], device=DEV), scale)
+    rep = n_heads // n_kv
+    kk = k[:pos + 1].double().repeat_interleave(rep, dim=1)  # [n, nH, hd]
+    vv = v[:pos + 1].double().repeat_interleave(rep, dim=1)
+    p = torch.softmax(torch.einsum("hd,nhd->hn", q[0].double(), kk) * scale, dim=-1)
+    ref = torch.einsum("hn,nhd->hd", p, vv).reshape(1, -1)
+    assert out.dtype == dtype and out.shape == (1, n_heads * hd)
+    err = float((out.double() - ref).abs().max() / ref.abs().max())
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2)

@@ -1,5 +1,5 @@
-"""Triton kernels for one token on CUDA: a MoE layer's routing and routed experts in four kernels,
-and the attention inputs (head norm, RoPE, KV cache write) in one.
+"""Triton kernels for one token on CUDA: a MoE layer's routing and routed experts in three kernels,
+the attention inputs (head norm, RoPE, KV cache write) in one, and the attention itself in two.
 
 At batch 1 the resident experts of a layer are ``k`` matrix-vector products over ``k`` rows of the
 stacked weights. Gathering those rows first (``w13[rows]``) copies ~75 MB per layer at the
@@ -91,30 +91,94 @@ if triton is not None:
         tl.store(out_ptr + pair * N + offs_n, acc, mask=offs_n < N)
 
     @triton.jit
-    def _down_kernel(h_ptr, w_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, FFN, stride_e, stride_n,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[j, n] = scale[j] * w[row_j, n, :] . (silu(h[j, :FFN]) * h[j, FFN:])  (float32)."""
-        pair = tl.program_id(0)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row = tl.load(rowmap_ptr + tl.load(ids_ptr + pair))
-        s = tl.load(scale_ptr + pair).to(tl.float32)
-        active = (row >= 0) & (s != 0)
-        row = tl.maximum(row, 0)
-        n_lim = tl.where(active, N, 0)  # an inactive pair loads no weights
+    def _down_sum_kernel(h_ptr, w_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, FFN, stride_e, stride_n,
+                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[n] = sum_j scale[j] * w[row_j, n, :] . (silu(h[j, :FFN]) * h[j, FFN:]), in out's dtype:
+        the pairs are summed here, so no reduction or cast follows."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        w_base = w_ptr + row * stride_e + offs_n[:, None] * stride_n
-        h_base = h_ptr + pair * 2 * FFN
-        for k0 in range(0, FFN, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            km = offs_k < FFN
-            g = tl.load(h_base + offs_k, mask=km, other=0.0)
-            u = tl.load(h_base + FFN + offs_k, mask=km, other=0.0)
-            a = g * tl.sigmoid(g) * u
-            m = (offs_n[:, None] < n_lim) & km[None, :]
-            w = tl.load(w_base + offs_k[None, :], mask=m, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        acc = tl.where(active, acc * s, 0.0)
-        tl.store(out_ptr + pair * N + offs_n, acc, mask=offs_n < N)
+        for pair in range(K):
+            row = tl.load(rowmap_ptr + tl.load(ids_ptr + pair))
+            s = tl.load(scale_ptr + pair).to(tl.float32)
+            active = (row >= 0) & (s != 0)
+            row = tl.maximum(row, 0)
+            n_lim = tl.where(active, N, 0)  # an inactive pair loads no weights
+            part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            w_base = w_ptr + row * stride_e + offs_n[:, None] * stride_n
+            h_base = h_ptr + pair * 2 * FFN
+            for k0 in range(0, FFN, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                km = offs_k < FFN
+                g = tl.load(h_base + offs_k, mask=km, other=0.0)
+                u = tl.load(h_base + FFN + offs_k, mask=km, other=0.0)
+                a = g * tl.sigmoid(g) * u
+                m = (offs_n[:, None] < n_lim) & km[None, :]
+                w = tl.load(w_base + offs_k[None, :], mask=m, other=0.0)
+                part += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            acc += tl.where(active, part * s, 0.0)
+        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+    @triton.jit
+    def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pm_ptr, pl_ptr, NKV, scale,
+                            REP: tl.constexpr, REPP: tl.constexpr, HD: tl.constexpr, SPLIT: tl.constexpr,
+                            BLOCK_S: tl.constexpr, F32_DOT: tl.constexpr):
+        """Flash-decoding, first pass: the ``REP`` query heads of key/value head ``program_id(0)``
+        over keys ``0..pos`` split ``SPLIT`` ways (``program_id(1)``); writes each split's running
+        max ``pm``, denominator ``pl`` ``[NKV, SPLIT, REPP]`` and unnormalised output ``po [.., HD]``."""
+        g = tl.program_id(0)
+        sp = tl.program_id(1)
+        n = tl.load(pos_ptr) + 1
+        chunk = tl.cdiv(n, SPLIT)
+        lo = sp * chunk
+        hi = tl.minimum(n, lo + chunk)
+        r = tl.arange(0, REPP)
+        d = tl.arange(0, HD)
+        q = tl.load(q_ptr + (g * REP + r[:, None]) * HD + d[None, :], mask=(r < REP)[:, None], other=0.0)
+        m = tl.full((REPP,), -float("inf"), dtype=tl.float32)
+        den = tl.zeros((REPP,), dtype=tl.float32)
+        acc = tl.zeros((REPP, HD), dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_S):
+            offs = start + tl.arange(0, BLOCK_S)
+            km = offs < hi
+            kv_off = (offs[:, None] * NKV + g) * HD + d[None, :]
+            kb = tl.load(k_ptr + kv_off, mask=km[:, None], other=0.0)  # [BLOCK_S, HD]
+            if F32_DOT:  # float32 caches, or Triton's interpreter (whose bfloat16 dot is wrong)
+                sc = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(kb))
+            sc = sc * scale  # [REPP, BLOCK_S]
+            sc = tl.where(km[None, :], sc, -float("inf"))
+            m_new = tl.maximum(m, tl.max(sc, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(sc - m_new[:, None])
+            den = den * alpha + tl.sum(p, axis=1)
+            vb = tl.load(v_ptr + kv_off, mask=km[:, None], other=0.0)
+            if F32_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p, vb.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+            m = m_new
+        base = g * SPLIT + sp
+        tl.store(pm_ptr + base * REPP + r, m)
+        tl.store(pl_ptr + base * REPP + r, den)
+        tl.store(po_ptr + (base * REPP + r[:, None]) * HD + d[None, :], acc)
+
+    @triton.jit
+    def _decode_attn_combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, REP: tl.constexpr, REPP: tl.constexpr,
+                                    HD: tl.constexpr, SPLIT: tl.constexpr):
+        """Flash-decoding, second pass: query head ``program_id(0)``'s splits merged into ``out [HD]``."""
+        h = tl.program_id(0)
+        g = h // REP
+        r = h % REP
+        sp = tl.arange(0, SPLIT)
+        d = tl.arange(0, HD)
+        idx = (g * SPLIT + sp) * REPP + r  # [SPLIT]
+        pm = tl.load(pm_ptr + idx)
+        wt = tl.exp(pm - tl.max(pm, axis=0))  # an empty split (max -inf) weighs 0
+        den = tl.sum(wt * tl.load(pl_ptr + idx), axis=0)
+        po = tl.load(po_ptr + idx[:, None] * HD + d[None, :])
+        o = tl.sum(po * wt[:, None], axis=0) / den
+        tl.store(out_ptr + h * HD + d, o.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _route_kernel(logits_ptr, ids_ptr, w_ptr, counts_ptr, E, scaling,
@@ -177,6 +241,8 @@ if triton is not None:
 
 
 BLOCK_N, BLOCK_K = 16, 256
+DOWN_BLOCK_N = 8
+"""Rows of the summed down projection per program (``H / 8`` programs, each over all the pairs)."""
 
 
 def qkv_rope_cache(qkv: torch.Tensor, norm: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
@@ -213,10 +279,35 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
     _gate_up_kernel[(k, triton.cdiv(n13, BLOCK_N))](x, w13, ids, rowmap, scale, h, n13, H, w13.stride(0),
                                                     w13.stride(1), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-    y = torch.empty((k, H), dtype=torch.float32, device=x.device)
-    _down_kernel[(k, triton.cdiv(H, BLOCK_N))](h, w2, ids, rowmap, scale, y, H, i, w2.stride(0), w2.stride(1),
-                                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-    return y.sum(0, keepdim=True).to(x.dtype)
+    out = torch.empty((1, H), dtype=x.dtype, device=x.device)
+    _down_sum_kernel[(triton.cdiv(H, DOWN_BLOCK_N),)](h, w2, ids, rowmap, scale, out, H, i, w2.stride(0),
+                                                      w2.stride(1), K=k, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=BLOCK_K)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One token's attention over cache positions ``0..pos`` (no mask beyond that):
+    ``q [nH, hd]`` (or ``[1, nH, hd]``), ``k_cache``/``v_cache [S, nKV, hd]`` contiguous, ``pos [1]``
+    int64 on the device -> ``[1, nH * hd]`` in ``q``'s dtype. Grouped-query heads share their key and
+    value reads; the keys are split into ``S / 128`` parts (a power of two, 1..64) merged by a second
+    kernel. ``hd`` must be a power of two. No host sync; capturable in a CUDA graph."""
+    S, n_kv, hd = k_cache.shape
+    q = q.reshape(-1, hd)
+    n_heads = q.shape[0]
+    rep = n_heads // n_kv
+    repp = max(16, triton.next_power_of_2(rep))
+    split = min(64, triton.next_power_of_2(max(1, S // 128)))
+    dev = q.device
+    po = torch.empty((n_kv, split, repp, hd), dtype=torch.float32, device=dev)
+    pm = torch.empty((n_kv, split, repp), dtype=torch.float32, device=dev)
+    pl = torch.empty((n_kv, split, repp), dtype=torch.float32, device=dev)
+    _decode_attn_kernel[(n_kv, split)](q, k_cache, v_cache, pos, po, pm, pl, n_kv, float(scale), REP=rep, REPP=repp,
+                                       HD=hd, SPLIT=split, BLOCK_S=64,
+                                       F32_DOT=k_cache.dtype == torch.float32 or not q.is_cuda)
+    out = torch.empty((1, n_heads * hd), dtype=q.dtype, device=dev)
+    _decode_attn_combine_kernel[(n_heads,)](po, pm, pl, out, REP=rep, REPP=repp, HD=hd, SPLIT=split)
+    return out
 
 
 def route_softmax_topk(logits: torch.Tensor, k: int, norm: bool, scaling: float, counts: torch.Tensor

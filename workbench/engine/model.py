@@ -342,13 +342,18 @@ class Attention:
         return (hd & (hd - 1)) == 0 and not (self.use_rope and (rope.interleaved or rope.halves_out))
 
     def _decode_in_place(self, x: torch.Tensor, pos: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """Static one-token step: projection, then one kernel for head norm + RoPE + KV cache write."""
+        """Static one-token step: projection, one kernel for head norm + RoPE + KV cache write, and
+        (full attention) two for the attention."""
         a = self.a
         qkv_w, bias, norm = self.fused
         c = self.cache
         q = gpu_kernels.qkv_rope_cache(
             F.linear(x, qkv_w, bias), norm, rope.cos if self.use_rope else None,
             rope.sin_signed if self.use_rope else None, pos, a.n_heads, a.n_kv_heads, c.k, c.v, c.slot_pos, a.rms_eps)
+        if c.slot_pos is None and "sinks" not in self.w and (self.window or c.size) >= c.size and (
+                self.chunk or c.size) >= c.size:  # every cached key up to pos: no mask, two kernels
+            out = gpu_kernels.decode_attention(q, c.k, c.v, pos, self.scale)
+            return F.linear(out, self.w["o"], self.w.get("o_bias"))
         return self._attend_all(q, c.k, c.v, c.slot_pos, pos)
 
     def _attend_all(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_pos: torch.Tensor | None,

@@ -181,6 +181,9 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::zeros({H}, x.options().dtype(at::kFloat));
   if (n == 0) return out;
+  // Bad input raised above with the GIL held (an exception leaving a GIL-released call crashed the
+  // process with PyTorch 2.11 on Python 3.12); the weight reads run without it.
+  py::gil_scoped_release nogil;
   const float* xp = xf.data_ptr<float>();
   const float* wp = wt.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -209,8 +212,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_decode", &moe_decode,
         "Fused batch-1 routed experts: x [H], w13 [E, 2I, H], w2 [E, H, I] (bf16, f16 or f32), rows [n] int64, "
         "weights [n] f32 -> [H] f32",
-        py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("rows"), py::arg("weights"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("rows"), py::arg("weights"));
   m.def("parallel_threads", &parallel_threads, "Tasks at::parallel_for runs a large range in (a build check)",
         py::call_guard<py::gil_scoped_release>());
 }
