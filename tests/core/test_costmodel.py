@@ -285,3 +285,26 @@ def test_with_stats_equals_a_fresh_model():
     assert base.predict(p).to_json() == CostModel(inv, desktop_profile()).predict(p).to_json()  # base unchanged
     with pytest.raises(ValueError):
         base.with_stats(ExpertStats(3, 9, 2))
+
+
+def test_bus_split_counts():
+    from workbench.core.costmodel import bus_split
+
+    cpu, bus, p_any = bus_split(np.array([0.0, 100.0]), 8, 0.45, 4)
+    assert cpu == pytest.approx([0.0, 4.0]) and bus == pytest.approx([0.0, 4.0]) and p_any == pytest.approx([0.0, 1.0])
+    cpu, bus, _ = bus_split(np.array([2.0]), 8, 0.45, 4)  # n = 1 stays on the CPU, n = 2 sends one, ...
+    assert 0 < bus[0] < cpu[0] and cpu[0] + bus[0] == pytest.approx(2.0, abs=1e-3)
+
+
+def test_the_bus_share_speeds_up_cpu_experts_up_to_the_ram_bound():
+    inv = synth_inventory(4, 32, hidden=2048, expert_ffn=768, top_k=8)
+    hw = h200_profile()
+    p = placement_cpu_moe(inv)
+    off = CostModel(inv, hw, engine=EngineShape(bus_share=0.0)).predict(p, ctx=512)
+    on = CostModel(inv, hw).predict(p, ctx=512)
+    assert on.decode_tps > 1.2 * off.decode_tps
+    assert all(c.bus > 0 for c in on.decode_layers) and all(c.bus == 0 for c in off.decode_layers)
+    cm = CostModel(inv, hw)
+    cpu_bytes = sum(cm.roofline(p)["cpu"][0] for _ in [0])
+    expert_bytes = cpu_bytes - sum(nb for k, nb, _ in cm.other_units if p.get(k).tier == "cpu")
+    assert sum(c.cpu for c in on.decode_layers) >= expert_bytes / hw.host_read_bandwidth * 0.999

@@ -44,6 +44,12 @@ from .prediction import LayerCost, Prediction
 from .stats import ExpertStats
 from .units import UnitKey
 
+BUS_SHARE = 0.45
+"""Default share of a token's CPU-selected experts sent over the bus in decode (about bus / (bus + CPU
+kernel) read rates on the H200 machine: 55 and 67 GB/s)."""
+BUS_SLOTS = 4
+"""Device slots for them: experts sent per layer and token at most."""
+
 _QUANT_FAMILY = {"Q8": "int8", "I8": "int8", "INT8": "int8", "F8": "fp8", "FP8": "fp8"}
 
 
@@ -68,6 +74,26 @@ class EngineShape:
     that is cheaper than computing it on the CPU."""
     prefill_cpu_stream: bool = True
     """Prefill may compute a streamed expert that few tokens pick on the CPU instead of fetching it."""
+    bus_share: float = BUS_SHARE
+    """Decode sends ``round(n * bus_share)`` (at most ``bus_slots``) of the ``n`` CPU-compute experts a
+    token selects in a layer over the bus to the GPU, while the CPU computes the rest; 0: none."""
+    bus_slots: int = BUS_SLOTS
+    launches_bus: int = 4
+    """per layer that sends experts over the bus: the expert map copy, gate_up, down, add."""
+
+
+def bus_split(lam: np.ndarray, top_k: int, fraction: float, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Expected CPU-compute experts of one token and layer left to the CPU and sent over the bus, and
+    the probability that any is sent, when their count ``n`` is Poisson with mean ``lam`` (any shape)
+    capped at ``top_k`` and ``round(n * fraction)`` (at most ``slots``) travel: ``(cpu, bus, p_any)``."""
+    lam = np.asarray(lam, dtype=float)[..., None]
+    n = np.arange(top_k + 1)
+    fact = np.array([math.factorial(int(i)) for i in n], dtype=float)
+    pn = np.exp(-lam) * lam ** n / fact
+    pn[..., -1] += np.clip(1.0 - pn.sum(axis=-1), 0.0, None)  # the tail counts as top_k
+    m = np.minimum(np.minimum(n, slots), np.floor(n * fraction + 0.5))
+    bus = (pn * m).sum(axis=-1)
+    return (pn * n).sum(axis=-1) - bus, bus, (pn * (m > 0)).sum(axis=-1)
 
 
 def weight_format(dtype: str) -> str:
@@ -313,10 +339,14 @@ class CostModel:
             gpu_share = np.where(self.moe_layer, (p * on_gpu).sum(axis=1) / np.where(sel_total > 0, sel_total, 1), np.nan)
 
         compute = (grid == TIER_CPU_COMPUTE) & present
-        cpu_lane += (load * compute / self.expert_cpu_rate).sum(axis=1)
+        cpu_t = (load * compute / self.expert_cpu_rate).sum(axis=1)
+        cpu_t, bus, gpu_extra = self._bus_share(cpu_t, (load * compute).sum(axis=1), (p * compute).sum(axis=1))
+        cpu_lane += cpu_t
+        if gpu_extra.any():
+            gpu_lanes.setdefault("gpu:0", np.zeros(L))
+            gpu_lanes["gpu:0"] += gpu_extra
 
         stream = (grid == TIER_CPU_STREAM) & present
-        bus = np.zeros(L)
         hit_rate = np.full(L, np.nan)
         if stream.any():
             hits = lru_hit_probs(np.where(stream, p, 0.0), placement.stream_slots)
@@ -324,7 +354,7 @@ class CostModel:
             fetches = (p * (1 - hits) * stream).sum(axis=1)
             g0 = self._gpu(0)
             stream_compute = (load * stream).sum(axis=1) / self.expert_bandwidth(0)
-            bus = miss_bytes / self.profile.h2d_pinned + stream_compute + fetches * eng.launches_stream * g0.launch_s
+            bus = bus + miss_bytes / self.profile.h2d_pinned + stream_compute + fetches * eng.launches_stream * g0.launch_s
             gpu_lanes.setdefault("gpu:0", np.zeros(L))
             gpu_lanes["gpu:0"] += stream_compute
             with np.errstate(invalid="ignore", divide="ignore"):
@@ -343,6 +373,25 @@ class CostModel:
                                     float(bus[layer]), float(sync[layer]),
                                     float(gpu_share[layer]), float(hit_rate[layer])))
         return layers, other
+
+    def _bus_share(self, cpu_t: np.ndarray, cpu_bytes: np.ndarray, lam: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Decode's split of the CPU-compute experts between the CPU and the bus (``EngineShape.bus_share``).
+        In: the CPU's seconds ``cpu_t`` and bytes ``cpu_bytes`` for all of them and their expected count
+        ``lam`` per token (same shapes). Out: ``(cpu lane s, bus lane s, GPU compute s)``; both lanes
+        read host RAM, so the CPU lane is at least all the bytes at the RAM's read rate."""
+        eng, prof = self.engine, self.profile
+        zero = np.zeros_like(cpu_t)
+        if eng.bus_share <= 0 or not prof.h2d_pinned or not self.moe_layer.any():
+            return cpu_t, zero, zero
+        n_cpu, n_bus, p_any = bus_split(lam, max(1, self.inv.spec.n_experts_active), eng.bus_share, eng.bus_slots)
+        n = n_cpu + n_bus
+        sent = np.divide(n_bus, n, out=np.zeros_like(n), where=n > 0)  # share of the expected selections
+        bus_bytes = cpu_bytes * sent
+        gpu = bus_bytes / self.expert_bandwidth(0)
+        cpu = np.maximum(cpu_t * (1.0 - sent), cpu_bytes / prof.host_read_bandwidth)
+        bus = bus_bytes / prof.h2d_pinned + gpu + p_any * eng.launches_bus * self._gpu(0).launch_s
+        return cpu, bus, gpu
 
     def layer_curves(self, base: Placement, order: np.ndarray, kv_tokens: int = 512,
                      kv_dtype: str = "f16") -> tuple[np.ndarray, np.ndarray]:
@@ -371,8 +420,11 @@ class CostModel:
         gpu_t = np.maximum(gpu0, np.max(others, axis=0)[:, None]) if others else gpu0
         launch = np.array([self._gpu(self._attn_gpu(base, layer)).launch_s for layer in range(L)])[:, None]
         gpu_t = gpu_t + cpu_left * self.engine.launches_cpu_return * launch
-        cpu_t = post.get("cpu", np.zeros(L))[:, None] + c_gain[:, -1:] - c_gain
-        t = pre[:, None] + np.maximum(gpu_t, cpu_t) + sync[:, None] + cpu_left * self.profile.sync_s
+        p_cum = np.hstack([zeros, np.cumsum((self.p_sel[rows, order] * present), axis=1)])
+        cpu_t, bus_t, gpu_extra = self._bus_share(c_gain[:, -1:] - c_gain, b_cum_load(load, zeros), p_cum[:, -1:] - p_cum)
+        gpu_t = gpu_t + gpu_extra
+        cpu_t = post.get("cpu", np.zeros(L))[:, None] + cpu_t
+        t = pre[:, None] + np.maximum(np.maximum(gpu_t, cpu_t), bus_t) + sync[:, None] + cpu_left * self.profile.sync_s
         return t, b_cum
 
     def _attn_gpu(self, placement: Placement, layer: int) -> int:
@@ -444,6 +496,13 @@ class CostModel:
             out.append(LayerCost(layer, float(pre[layer]), float(gpu_t), float(cpu[layer]), float(bus[layer]),
                                  float(sync[layer])))
         return out
+
+
+def b_cum_load(load: np.ndarray, zeros: np.ndarray) -> np.ndarray:
+    """Expected bytes per token of the experts after the first ``k`` of each row of ``load [L, E]``, for
+    every ``k``: ``[L, E + 1]``."""
+    cum = np.hstack([zeros, np.cumsum(load, axis=1)])
+    return cum[:, -1:] - cum
 
 
 def lru_hit_probs(q: np.ndarray, slots: int) -> np.ndarray:

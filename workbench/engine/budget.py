@@ -16,12 +16,13 @@ log = logging.getLogger(__name__)
 
 
 def check_placement(inventory: Inventory, args: ModelArgs, placement: Placement, n_accelerators: int,
-                    dtype_bytes: int, max_context: int, vram_budget: int | None) -> dict[str, int]:
+                    dtype_bytes: int, max_context: int, vram_budget: int | None, extra_bytes: int = 0) -> dict[str, int]:
     """Validate ``placement`` for ``inventory``; return the predicted bytes ``{"accelerator", "cpu"}``.
 
     Raises PlacementError naming the first problem: a unit the model lacks, a ``gpu:N`` beyond the
     ``n_accelerators`` present, streamed experts with ``stream_slots == 0``, or an accelerator need
-    (weights in the engine's dtype + KV cache for ``max_context`` + stream cache) over ``vram_budget``.
+    (weights in the engine's dtype + KV cache for ``max_context`` + stream cache + ``extra_bytes``, the
+    bus share's slots) over ``vram_budget``.
     """
     problems = validate(placement, inventory, n_accelerators)
     if problems:
@@ -51,10 +52,10 @@ def check_placement(inventory: Inventory, args: ModelArgs, placement: Placement,
     acc += len(streamed_layers) * max(1, placement.stream_slots) * expert_params * dtype_bytes
     per_token = (args.mla["kv_lora_rank"] + args.mla["rope"]) if args.mla else 2 * args.n_kv_heads * args.head_dim
     kv = args.n_layers * per_token * max_context * dtype_bytes
-    acc += kv
+    acc += kv + extra_bytes
     if vram_budget is not None and acc > vram_budget:
         raise PlacementError(
             f"the placement needs {bytes2human(acc)} on the accelerator (weights, {bytes2human(kv)} of KV cache "
-            f"for {max_context} tokens, stream cache) but the budget is {bytes2human(vram_budget)}"
+            f"for {max_context} tokens, stream cache and bus slots) but the budget is {bytes2human(vram_budget)}"
         )
     return {"accelerator": acc, "cpu": cpu}

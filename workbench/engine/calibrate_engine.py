@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from workbench.core import synth
-from workbench.core.costmodel import CostModel
+from workbench.core.costmodel import CostModel, EngineShape
 from workbench.core.hardware import HardwareProfile
 from workbench.core.memory import placement_all_gpu, placement_cpu_moe
 from workbench.core.placement import CPU_COMPUTE, Placement
@@ -39,7 +39,8 @@ def _decode_seconds(inv, placement, device: str, steps: int = STEPS) -> float:
     from .engine import Engine
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    engine = Engine.load(inv, placement, device=device, dtype=dtype, max_context=16 + 2 * steps + 8)
+    engine = Engine.load(inv, placement, device=device, dtype=dtype, max_context=16 + 2 * steps + 8,
+                         bus_share=0.0)  # the CPU alone: the bus share is modelled from the bus's own rate
     try:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, VOCAB, (16 + 2 * steps,), generator=g)
@@ -100,7 +101,7 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
         return replace(prof, gpus=gpus, sync_s=sync, cpu_expert_throughput={**prof.cpu_expert_throughput, "bf16": rate})
 
     def seconds(p: HardwareProfile, placement) -> float:
-        return 1.0 / CostModel(inv, p).decode_tps(placement, kv_tokens=16 + STEPS)
+        return 1.0 / CostModel(inv, p, engine=EngineShape(bus_share=0.0)).decode_tps(placement, kv_tokens=16 + STEPS)
 
     launch = _solve(lambda v: seconds(with_costs(v, prof.sync_s), res), t_res, step=1e-6)
     sync, rate = _fit_host(lambda p, s, u: seconds(with_costs(launch, s, 1.0 / u), p), (cpu, t_cpu), (half, t_half),

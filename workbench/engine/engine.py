@@ -31,6 +31,7 @@ from workbench.core.inventory import Inventory
 from workbench.core.placement import Placement, is_gpu
 from workbench.core.units import KINDS, UnitKey
 
+from . import bus, gpu_kernels
 from .budget import check_placement
 from .experts import COMPUTE, RESIDENT, STREAM, LayerExperts
 from .families import ModelArgs
@@ -60,6 +61,20 @@ class AcceleratorMemoryError(WorkbenchError):
 
 class HostMemoryError(WorkbenchError):
     """Host RAM ran out while loading (CPU expert stacks, pinned stream copies); everything was freed."""
+
+
+def _bus_bytes(args: ModelArgs, placement: Placement, device: torch.device, dtype_bytes: int, share: float) -> int:
+    """Device bytes of the bus share's slots (``bus.BusShare``) when the engine will make one: on CUDA,
+    with experts computed on the CPU and a ``share`` above 0."""
+    if device.type != "cuda" or not args.n_experts or share <= 0:
+        return 0
+    def on_cpu(a) -> bool:
+        return not is_gpu(a.tier) and a.mode != "stream"
+
+    if not (on_cpu(placement.default) or any(on_cpu(a) for k, a in placement.assignments.items()
+                                             if k.kind == "expert")):
+        return 0
+    return bus.SLOTS * 3 * args.expert_ffn * args.hidden * dtype_bytes
 
 
 def _is_host_oom(exc: BaseException) -> bool:
@@ -101,7 +116,7 @@ class Engine:
     def load(cls, inventory: Inventory, placement: Placement | None = None, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32, max_context: int = 2048, progress: Progress | None = None,
              cancel=None, vram_budget: int | None = None, cpu_format: str | None = None,
-             cpu_workers: int = 1) -> Engine:
+             cpu_workers: int = 1, bus_share: float | None = None) -> Engine:
         """Load ``inventory`` under ``placement`` (default: everything on the accelerator).
 
         ``device`` is the accelerator. ``max_context`` sizes the static KV cache (tokens).
@@ -109,6 +124,8 @@ class Engine:
         CPU. ``cancel`` is a ``threading.Event`` or a callable returning True to stop.
         ``cpu_format`` (``cpu_formats.FORMATS``: bf16, f32, int8, int4) computes the CPU tier's experts
         with that weight format on ``cpu_workers`` threads; None keeps them in ``dtype``.
+        ``bus_share`` (CUDA): the share of a token's CPU-selected experts that decode sends over the bus
+        (``bus.BusShare``); None: ``WORKBENCH_BUS_SHARE`` or the default, 0: none.
         Raises PlacementError before allocating anything when the placement does not fit, and
         AcceleratorMemoryError / LoadCancelled after freeing what was loaded.
         """
@@ -131,7 +148,9 @@ class Engine:
             activations = gpu_runtime_overhead(inventory, max_context) - CUDA_CONTEXT_BYTES
             vram_budget = max(0, torch.cuda.mem_get_info(device)[0] - activations)
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
-        predicted = check_placement(inventory, args, placement, 1, dtype_bytes, max_context, vram_budget)
+        bus_share = bus.fraction_from_env() if bus_share is None else min(1.0, max(0.0, float(bus_share)))
+        bus_bytes = _bus_bytes(args, placement, device, dtype_bytes, bus_share)
+        predicted = check_placement(inventory, args, placement, 1, dtype_bytes, max_context, vram_budget, bus_bytes)
         self = object.__new__(cls)
         self.inventory, self.args, self.device, self.dtype = inventory, args, device, dtype
         self.max_context, self.vocab_size = max_context, args.vocab
@@ -139,6 +158,7 @@ class Engine:
         self._lock = threading.RLock()
         self.decode_mode = os.environ.get("WORKBENCH_DECODE", "auto")
         self._decoder = None
+        self._bus, self.bus_share = None, bus_share
         self._reader = WeightReader(inventory)
         self._fw = FamilyWeights(self._reader, args)
         self.cpu_format, self._pool = cpu_format, None
@@ -268,7 +288,24 @@ class Engine:
             self._attach_cpu_kernel(lx)
         elif rows[COMPUTE] and self.dtype in (torch.bfloat16, torch.float16, torch.float32):
             lx.fused_cpu = self._fused_cpu_kernel(loader)
+        self._attach_bus(lx)
         return lx
+
+    def _attach_bus(self, lx: LayerExperts) -> None:
+        """On CUDA, let decode steps send some of ``lx``'s CPU-selected experts over the bus
+        (``bus.BusShare``): its CPU stacks are page-locked in place."""
+        if (self.device.type != "cuda" or not lx.n_tier[COMPUTE] or lx.cpu_kernel is not None or lx.bias
+                or lx.act[0] != "silu" or not gpu_kernels.available()):
+            return
+        if self._bus is None:
+            fraction = self.bus_share
+            if fraction <= 0:
+                return
+            a = self.args
+            self._bus = bus.BusShare(self.device, self.dtype, a.n_experts, (2 * a.expert_ffn, a.hidden),
+                                     (a.hidden, a.expert_ffn), fraction)
+        if self._bus.pin(lx, lx.w13[COMPUTE], lx.w2[COMPUTE]):
+            lx.bus = self._bus
 
     @staticmethod
     def _fused_cpu_kernel(loader: _Loader) -> bool:
@@ -296,6 +333,9 @@ class Engine:
 
     def _free(self) -> None:
         self._decoder = None
+        if getattr(self, "_bus", None) is not None:
+            self._bus.close()  # page locks off before the stacks go
+            self._bus = None
         for name in ("layers", "experts", "caches", "embed", "norm", "lm_head", "rope", "counts"):
             self.__dict__.pop(name, None)
         self._worker.shutdown(wait=False)
@@ -349,7 +389,8 @@ class Engine:
             f"KV cache must be written again)")
 
     def pinned_bytes(self) -> int:
-        """Bytes of page-locked host memory the engine holds (streamed experts' host copies, staging)."""
+        """Bytes of page-locked host memory the engine holds (streamed experts' host copies, the CPU
+        tier's stacks with a bus share, staging)."""
         return sum(lx.pinned_bytes for lx in list(getattr(self, "experts", {}).values()))
 
     def resumable(self, start_pos: int) -> bool:
@@ -416,7 +457,9 @@ class Engine:
         vram = torch.cuda.mem_get_info(self.device)[0] + self.memory_report()["gpu:0"] \
             if self.device.type == "cuda" else None
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
-        check_placement(self.inventory, self.args, placement, 1, dtype_bytes, self.max_context, vram)
+        check_placement(self.inventory, self.args, placement, 1, dtype_bytes, self.max_context, vram,
+                        0 if self._bus is not None else _bus_bytes(self.args, placement, self.device, dtype_bytes,
+                                                                   self.bus_share))
         changed = [layer for layer in self.args.moe_layers
                    if placement.stream_slots != self.placement.stream_slots
                    or any(placement.get(UnitKey(layer, "expert", e)) != self.placement.get(UnitKey(layer, "expert", e))
@@ -429,6 +472,7 @@ class Engine:
             self._decoder = None  # its graphs hold the old expert stacks
             for layer in changed:
                 block = self.layers[layer].ffn
+                old = block.experts
                 try:
                     block.experts = self._build_experts(loader, placement, layer, source=block.experts)
                 except torch.OutOfMemoryError:
@@ -440,6 +484,8 @@ class Engine:
                 if failure is not None:
                     self.experts[layer] = block.experts  # the old stacks, still in use
                     break
+                if self._bus is not None:
+                    self._bus.release(old)
                 done.append(layer)  # the old stacks are freed by reference counting, no collection needed
             moved = self.placement.copy()
             for layer in done:
@@ -497,6 +543,8 @@ class Engine:
             acc["expert"] += n["accelerator"] - n["stream_cache"]
             out["gpu:0"]["stream_cache"] += n["stream_cache"]
             out["cpu"]["weights"]["expert"] += n["cpu"]
+        if self._bus is not None:
+            out["gpu:0"]["stream_cache"] += self._bus.nbytes
         return out
 
     def close(self) -> None:

@@ -107,6 +107,7 @@ class LayerExperts:
         self.cache_b2: torch.Tensor | None = None
         self.cpu_kernel = None  # optional CPU-format kernel for the compute tier (cpu_formats.CpuExperts)
         self.fused_cpu = False  # decode the compute tier with cpu_kernel.moe_decode (set by the engine)
+        self.bus = None  # bus.BusShare: decode sends some CPU-selected experts over the bus (set by the engine)
         self.fast_gpu = os.environ.get("WORKBENCH_GPU_KERNELS", "1") != "0"  # one-token resident experts in Triton
         self.cache_expert: list[int] = []
         self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> cache slot, oldest first
@@ -196,12 +197,13 @@ class LayerExperts:
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes of page-locked host memory this layer holds (CUDA: the stream tier's stacks and the
-        staging buffers; 0 elsewhere)."""
+        """Bytes of page-locked host memory this layer holds (CUDA: the stream tier's stacks, the CPU
+        tier's with a bus share, and the staging buffers; 0 elsewhere)."""
         if self.device.type != "cuda":
             return 0
-        n = sum(t.numel() * t.element_size() for t in (self.w13[STREAM], self.w2[STREAM], self.b13[STREAM],
-                                                       self.b2[STREAM]) if t is not None)
+        tiers = (STREAM, COMPUTE) if self.bus is not None else (STREAM,)  # the bus share pins the CPU tier
+        n = sum(t.numel() * t.element_size() for tier in tiers
+                for t in (self.w13[tier], self.w2[tier], self.b13[tier], self.b2[tier]) if t is not None)
         staging = getattr(self, "staging", None)  # made by finish()
         return n + (staging.nbytes if staging is not None else 0)
 
@@ -294,7 +296,8 @@ class LayerExperts:
                   out: torch.Tensor, scale_input: bool) -> None:
         """Step 3, after ``staging.wait()``: add to ``out [T, H]`` (in place, without waiting) the
         experts that need the host: resident ones of a many-pair step (grouped), streamed ones (fetched
-        into the slot cache) and the CPU's (computed on this thread while the accelerator runs step 2)."""
+        into the slot cache) and the CPU's (computed on this thread while the accelerator runs step 2;
+        with a bus share, one token's CPU-selected experts are split between the CPU and the bus)."""
         T, k = ids.shape
         flat_w = weights.reshape(-1)
         ids_host = host[0].numpy()
@@ -309,9 +312,19 @@ class LayerExperts:
         if str_sel.size:
             self._run_streamed(x, token_host, flat_w, ids_host, str_sel, out, scale_input)
         cpu_sel = np.nonzero(tiers == COMPUTE)[0]
+        bus_y = None
+        if cpu_sel.size and self.bus is not None and T == 1 and not scale_input and gpu_kernels.usable(x):
+            m = self.bus.share(cpu_sel.size)
+            if m:  # these travel and the GPU computes them while the CPU computes the rest
+                sent, cpu_sel = cpu_sel[:m], cpu_sel[m:]
+                experts = ids_host[sent]
+                bus_y = self.bus.run(x, ids.reshape(-1), weights.reshape(-1), experts, self.local[experts],
+                                     self.w13[COMPUTE], self.w2[COMPUTE])
         if cpu_sel.size:
             out.add_(self.staging.to_device(self._run_cpu(host[2], token_host, host[1], ids_host, cpu_sel,
                                                           scale_input)))
+        if bus_y is not None:
+            out.add_(bus_y)
 
     def _run_cpu(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
                  sel: np.ndarray, scale_input: bool) -> torch.Tensor:

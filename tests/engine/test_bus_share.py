@@ -1,0 +1,86 @@
+"""The bus share of decode steps (``bus.BusShare``): some of a token's CPU-selected experts are copied
+into device slots and computed there while the CPU computes the others; tokens stay transformers'.
+On CUDA the engine makes the share itself (page-locking the CPU stacks); here, without a GPU, the
+same split runs with the slots on the CPU accelerator and the Triton kernels in the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.engine_helpers import (
+    N_NEW,
+    PROMPT,
+    TEST_DEVICE,
+    TEST_DTYPE,
+    decode_step_engine,
+    greedy_tokens,
+    open_inventory,
+    placements,
+    reference_tokens,
+)
+from workbench.engine import bus, gpu_kernels
+from workbench.engine.experts import COMPUTE
+
+pytestmark = pytest.mark.skipif(not gpu_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
+
+
+@pytest.mark.parametrize("fraction,n,expect", [(0.45, 1, 0), (0.45, 2, 1), (0.45, 5, 2), (0.45, 8, 4), (1.0, 9, 4),
+                                               (0.0, 8, 0)])
+def test_share_splits_the_cpu_selected_experts(fraction, n, expect):
+    share = bus.BusShare(torch.device("cpu"), torch.float32, 16, (8, 4), (4, 4), fraction)
+    assert share.share(n) == expect
+
+
+def test_fraction_from_the_environment(monkeypatch):
+    monkeypatch.setenv("WORKBENCH_BUS_SHARE", "0")
+    assert bus.fraction_from_env() == 0.0
+    monkeypatch.setenv("WORKBENCH_BUS_SHARE", "nonsense")
+    assert bus.fraction_from_env() == bus.DEFAULT_FRACTION
+    monkeypatch.delenv("WORKBENCH_BUS_SHARE")
+    assert bus.fraction_from_env() == bus.DEFAULT_FRACTION
+
+
+def _share(engine, fraction: float) -> bus.BusShare:
+    """The engine's share on CUDA; on a CPU accelerator one attached by hand, as the engine would."""
+    if TEST_DEVICE != "cpu":
+        assert engine._bus is not None
+        engine._bus.fraction = fraction
+        return engine._bus
+    a = engine.args
+    share = bus.BusShare(engine.device, engine.dtype, a.n_experts, (2 * a.expert_ffn, a.hidden),
+                         (a.hidden, a.expert_ffn), fraction)
+    for lx in engine.experts.values():
+        if lx.n_tier[COMPUTE]:
+            assert share.pin(lx, lx.w13[COMPUTE], lx.w2[COMPUTE])
+            lx.bus = share
+    return share
+
+
+@pytest.mark.parametrize("place,fraction", [("compute", 0.5), ("compute", 1.0), ("mixed", 0.5)])
+def test_decode_with_a_bus_share_gives_the_reference_tokens(place, fraction, tiny_model_dir, tiny_hf_model):
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    engine = decode_step_engine(inv, placements(inv)[place])
+    try:
+        share = _share(engine, fraction)
+        tokens = greedy_tokens(engine, PROMPT, N_NEW)
+        assert share.copied > 0  # experts did travel
+    finally:
+        engine.close()
+    if TEST_DTYPE == torch.float32:
+        assert tokens == reference_tokens(tiny_hf_model("qwen3_moe"), PROMPT, N_NEW)
+
+
+@pytest.mark.skipif(TEST_DEVICE == "cpu", reason="page-locking needs CUDA")
+def test_the_cpu_stacks_are_page_locked_and_released(tiny_model_dir):
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    p = placements(inv)
+    engine = decode_step_engine(inv, p["compute"])
+    lx = next(iter(engine.experts.values()))
+    assert lx.bus is engine._bus and lx.w13[COMPUTE].is_pinned()
+    assert engine.pinned_bytes() >= lx.w13[COMPUTE].nbytes + lx.w2[COMPUTE].nbytes
+    assert engine.memory_breakdown()["gpu:0"]["stream_cache"] >= engine._bus.nbytes
+    old = lx.w13[COMPUTE]
+    engine.apply_placement(p["resident"])  # the old stacks are released before they go
+    assert not old.is_pinned() and engine._bus.pinned_bytes == 0
+    engine.close()

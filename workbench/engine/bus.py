@@ -1,0 +1,151 @@
+"""The bus as a second server of the CPU tier's experts in decode steps.
+
+At batch 1 a CPU-tier expert is read once per token where it lies: by the CPU at its RAM read rate,
+or over PCIe into the GPU at the bus rate (~55 GB/s pinned on PCIe 5), and the two barely slow each
+other until their sum reaches the RAM's bandwidth. So when a token selects ``n`` experts of the CPU
+tier in a layer, a ``BusShare`` copies ``round(n * fraction)`` of them into a few device slots on a
+copy stream while the CPU computes the others, and the GPU computes the copied ones in place
+(``gpu_kernels.experts_one_token`` over the slots). Only the selected experts travel; nothing is
+cached, so the placement stays what the user chose.
+
+The copies need page-locked host memory: ``register`` pins the CPU tier's existing stacks in place
+(``cudaHostRegister``, no copy and no power-of-two rounding), ``unregister`` releases them before the
+stacks are freed.
+
+``WORKBENCH_BUS_SHARE``: the fraction of a layer's CPU-selected experts sent over the bus (default
+``costmodel.BUS_SHARE``, which the cost model predicts with); 0 turns the bus share off. Device slots:
+``costmodel.BUS_SLOTS`` experts per layer and token at most (38 MB at the Qwen3-30B-A3B shape).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import numpy as np
+import torch
+
+from workbench.core.costmodel import BUS_SHARE as DEFAULT_FRACTION
+from workbench.core.costmodel import BUS_SLOTS as SLOTS
+
+log = logging.getLogger(__name__)
+
+
+def fraction_from_env() -> float:
+    """``WORKBENCH_BUS_SHARE`` as a fraction in [0, 1] (default ``DEFAULT_FRACTION``)."""
+    raw = os.environ.get("WORKBENCH_BUS_SHARE", "").strip()
+    if not raw:
+        return DEFAULT_FRACTION
+    try:
+        return min(1.0, max(0.0, float(raw)))
+    except ValueError:
+        log.warning("WORKBENCH_BUS_SHARE=%r is not a number; using %.2f", raw, DEFAULT_FRACTION)
+        return DEFAULT_FRACTION
+
+
+def register(t: torch.Tensor) -> bool:
+    """Page-lock the host memory of ``t`` in place (CUDA's ``cudaHostRegister``); False if refused."""
+    if t is None or t.numel() == 0 or t.device.type != "cpu" or t.is_pinned():
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        log.warning("could not page-lock %.1f MB of expert weights (CUDA error %d): the bus share is off for them",
+                    t.numel() * t.element_size() / 1e6, int(err))
+        return False
+    return True
+
+
+def unregister(t: torch.Tensor) -> None:
+    """Undo ``register`` (before ``t``'s memory is freed)."""
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+class BusShare:
+    """Device slots for experts fetched over the bus in one decode step, shared by every layer (a
+    layer's copies start after its routing is known, so the previous layer's kernel has finished
+    reading the slots). ``shape13 = (2I, H)``, ``shape2 = (H, I)``."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, n_experts: int, shape13: tuple[int, int],
+                 shape2: tuple[int, int], fraction: float, slots: int = SLOTS):
+        self.device, self.fraction, self.slots = device, fraction, slots
+        self.w13 = torch.empty((slots, *shape13), dtype=dtype, device=device)
+        self.w2 = torch.empty((slots, *shape2), dtype=dtype, device=device)
+        self.cuda = device.type == "cuda"  # elsewhere (tests: Triton's interpreter) the copies are plain
+        self.map_host = torch.full((n_experts,), -1, dtype=torch.int64, pin_memory=self.cuda)
+        self.map_dev = torch.full((n_experts,), -1, dtype=torch.int64, device=device)
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.done = torch.cuda.Event() if self.cuda else None
+        self._set: list[int] = []
+        self.registered: dict[int, list[torch.Tensor]] = {}  # by id() of the owner (a LayerExperts)
+        self.copied = 0  # experts sent over the bus so far
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the slots."""
+        return (self.w13.numel() + self.w2.numel()) * self.w13.element_size()
+
+    def share(self, n: int) -> int:
+        """How many of ``n`` CPU-selected experts of one token go over the bus."""
+        return min(self.slots, n, int(n * self.fraction + 0.5))
+
+    def pin(self, owner, *stacks: torch.Tensor) -> bool:
+        """Page-lock ``owner``'s CPU-tier stacks; True when all of them are (then it may share)."""
+        if not self.cuda:
+            return True
+        ok = True
+        mine = self.registered.setdefault(id(owner), [])
+        for t in stacks:
+            if t is None or t.numel() == 0:
+                continue
+            if register(t):
+                mine.append(t)
+            else:
+                ok = ok and t.is_pinned()
+        return ok
+
+    def release(self, owner) -> None:
+        """Undo ``pin`` for ``owner`` (its stacks are about to be dropped)."""
+        mine = self.registered.pop(id(owner), [])
+        if mine:
+            torch.cuda.synchronize(self.device)  # no copy from them still in flight
+        for t in mine:
+            unregister(t)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked by ``pin``."""
+        return sum(t.numel() * t.element_size() for ts in self.registered.values() for t in ts)
+
+    def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: np.ndarray,
+            rows: np.ndarray, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """Copy experts ``experts`` (host ids; their rows ``rows`` of the pinned ``w13 [R, 2I, H]`` /
+        ``w2 [R, H, I]``) into the slots on the copy stream and queue, on the current stream after
+        the copies, their weighted sum for the token ``x [1, H]`` with routing ``ids``/``weights``
+        ``[k]`` on the device: ``[1, H]`` (pairs of other experts read nothing). Does not wait."""
+        from . import gpu_kernels
+
+        for e in self._set:  # the previous step's copy of the map finished before this step's routing
+            self.map_host[e] = -1
+        self._set = [int(e) for e in experts]
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            for slot, (e, r) in enumerate(zip(self._set, rows.tolist())):
+                self.w13[slot].copy_(w13[r], non_blocking=True)
+                self.w2[slot].copy_(w2[r], non_blocking=True)
+                self.map_host[e] = slot
+            self.map_dev.copy_(self.map_host, non_blocking=True)
+            if self.cuda:
+                self.done.record(self.stream)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.done)
+        self.copied += len(self._set)
+        return gpu_kernels.experts_one_token(x, ids, weights, self.map_dev, self.w13, self.w2)
+
+    def close(self) -> None:
+        """Release every page lock (the engine calls this before freeing the stacks)."""
+        for owner in list(self.registered):
+            mine = self.registered.pop(owner)
+            if mine:
+                torch.cuda.synchronize(self.device)
+            for t in mine:
+                unregister(t)
