@@ -95,7 +95,43 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
 
     rows = torch.as_tensor(rows, dtype=torch.int64)
     weights = torch.as_tensor(weights).to(torch.float32)
+    _check(x, w13, w2, rows, weights)
     return mod.moe_decode(x.contiguous(), w13, w2, rows, weights)
+
+
+_FLOATS = ("torch.bfloat16", "torch.float16", "torch.float32")
+
+
+def _check(x, w13, w2, rows, weights) -> None:
+    """``moe_decode``'s input checks, here rather than in C++: an exception thrown by the extension
+    crashed the process with PyTorch 2.11 on Python 3.12 (the C++ checks stay, unreached)."""
+    def fail(msg: str):
+        raise RuntimeError(f"moe_decode: {msg}")
+
+    if not all(t.device.type == "cpu" for t in (x, w13, w2, rows, weights)):
+        fail("every tensor must be on the CPU")
+    if w13.dim() != 3 or w2.dim() != 3:
+        fail(f"w13 must be [E, 2I, H] and w2 [E, H, I], got {list(w13.shape)} and {list(w2.shape)}")
+    E, ffn, H = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
+    if w13.shape[1] != 2 * ffn or ffn <= 0 or H <= 0:
+        fail(f"w13 must be [E, 2I, H], got {list(w13.shape)}")
+    if tuple(w2.shape) != (E, H, ffn):
+        fail(f"w2 must be [E, H, I] = [{E}, {H}, {ffn}], got {list(w2.shape)}")
+    if w13.dtype != w2.dtype or str(w13.dtype) not in _FLOATS:
+        fail(f"w13 and w2 must both be bfloat16, float16 or float32, got {w13.dtype} and {w2.dtype}")
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        fail("w13 and w2 must be contiguous")
+    if x.dim() != 1 or x.shape[0] != H:
+        fail(f"x must be [H] = [{H}], got {list(x.shape)}")
+    if str(x.dtype) not in _FLOATS:
+        fail(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if rows.dim() != 1:
+        fail("rows must be int64 [n]")
+    if weights.dim() != 1 or weights.shape[0] != rows.shape[0]:
+        fail(f"weights must be float32 [n] with n = len(rows) = {rows.shape[0]}")
+    for j, r in enumerate(rows.tolist()):
+        if not 0 <= r < E:
+            fail(f"rows[{j}] = {r} is outside [0, {E})")
 
 
 def takes(w13: torch.Tensor, w2: torch.Tensor) -> bool:
