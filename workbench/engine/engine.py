@@ -306,6 +306,9 @@ class Engine:
                                      (a.hidden, a.expert_ffn), fraction)
         if self._bus.pin(lx, lx.w13[COMPUTE], lx.w2[COMPUTE]):
             lx.bus = self._bus
+            log.debug("layer %d: bus share %.2f of its CPU-selected experts", lx.layer, self._bus.fraction)
+        else:
+            log.warning("layer %d: CPU experts not page-locked, no bus share", lx.layer)
 
     @staticmethod
     def _fused_cpu_kernel(loader: _Loader) -> bool:
