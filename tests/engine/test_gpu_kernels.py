@@ -58,7 +58,8 @@ def test_route_softmax_topk_matches_torch_and_counts(E, k, norm, scaling):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_heads,n_kv,hd,S,pos", [(32, 4, 128, 576, 300), (4, 4, 64, 40, 0), (8, 2, 64, 1000, 999),
-                                                   (6, 2, 32, 130, 129), (16, 1, 64, 4096, 2050)])
+                                                   (6, 2, 32, 130, 129), (16, 1, 64, 4096, 2050),
+                                                   (4, 2, 8, 96, 50)])
 def test_decode_attention_matches_float64(dtype, n_heads, n_kv, hd, S, pos):
     """Keys ``0..pos`` attended, every slot after ``pos`` ignored (filled with large values here)."""
     if DEV == "cpu" and S * n_kv > 8192:

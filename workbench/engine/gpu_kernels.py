@@ -120,11 +120,12 @@ if triton is not None:
 
     @triton.jit
     def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pm_ptr, pl_ptr, NKV, scale,
-                            REP: tl.constexpr, REPP: tl.constexpr, HD: tl.constexpr, SPLIT: tl.constexpr,
-                            BLOCK_S: tl.constexpr, F32_DOT: tl.constexpr):
+                            REP: tl.constexpr, REPP: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
+                            SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, F32_DOT: tl.constexpr):
         """Flash-decoding, first pass: the ``REP`` query heads of key/value head ``program_id(0)``
         over keys ``0..pos`` split ``SPLIT`` ways (``program_id(1)``); writes each split's running
-        max ``pm``, denominator ``pl`` ``[NKV, SPLIT, REPP]`` and unnormalised output ``po [.., HD]``."""
+        max ``pm``, denominator ``pl`` ``[NKV, SPLIT, REPP]`` and unnormalised output ``po [.., HDP]``
+        (``HDP``: the head dim padded to the 16 a tensor-core dot needs)."""
         g = tl.program_id(0)
         sp = tl.program_id(1)
         n = tl.load(pos_ptr) + 1
@@ -132,16 +133,18 @@ if triton is not None:
         lo = sp * chunk
         hi = tl.minimum(n, lo + chunk)
         r = tl.arange(0, REPP)
-        d = tl.arange(0, HD)
-        q = tl.load(q_ptr + (g * REP + r[:, None]) * HD + d[None, :], mask=(r < REP)[:, None], other=0.0)
+        d = tl.arange(0, HDP)
+        dm = d < HD
+        q = tl.load(q_ptr + (g * REP + r[:, None]) * HD + d[None, :], mask=(r < REP)[:, None] & dm[None, :],
+                    other=0.0)
         m = tl.full((REPP,), -float("inf"), dtype=tl.float32)
         den = tl.zeros((REPP,), dtype=tl.float32)
-        acc = tl.zeros((REPP, HD), dtype=tl.float32)
+        acc = tl.zeros((REPP, HDP), dtype=tl.float32)
         for start in range(lo, hi, BLOCK_S):
             offs = start + tl.arange(0, BLOCK_S)
             km = offs < hi
             kv_off = (offs[:, None] * NKV + g) * HD + d[None, :]
-            kb = tl.load(k_ptr + kv_off, mask=km[:, None], other=0.0)  # [BLOCK_S, HD]
+            kb = tl.load(k_ptr + kv_off, mask=km[:, None] & dm[None, :], other=0.0)  # [BLOCK_S, HDP]
             if F32_DOT:  # float32 caches, or Triton's interpreter (whose bfloat16 dot is wrong)
                 sc = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="ieee")
             else:
@@ -152,7 +155,7 @@ if triton is not None:
             alpha = tl.exp(m - m_new)
             p = tl.exp(sc - m_new[:, None])
             den = den * alpha + tl.sum(p, axis=1)
-            vb = tl.load(v_ptr + kv_off, mask=km[:, None], other=0.0)
+            vb = tl.load(v_ptr + kv_off, mask=km[:, None] & dm[None, :], other=0.0)
             if F32_DOT:
                 acc = acc * alpha[:, None] + tl.dot(p, vb.to(tl.float32), input_precision="ieee")
             else:
@@ -161,24 +164,24 @@ if triton is not None:
         base = g * SPLIT + sp
         tl.store(pm_ptr + base * REPP + r, m)
         tl.store(pl_ptr + base * REPP + r, den)
-        tl.store(po_ptr + (base * REPP + r[:, None]) * HD + d[None, :], acc)
+        tl.store(po_ptr + (base * REPP + r[:, None]) * HDP + d[None, :], acc)
 
     @triton.jit
     def _decode_attn_combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, REP: tl.constexpr, REPP: tl.constexpr,
-                                    HD: tl.constexpr, SPLIT: tl.constexpr):
+                                    HD: tl.constexpr, HDP: tl.constexpr, SPLIT: tl.constexpr):
         """Flash-decoding, second pass: query head ``program_id(0)``'s splits merged into ``out [HD]``."""
         h = tl.program_id(0)
         g = h // REP
         r = h % REP
         sp = tl.arange(0, SPLIT)
-        d = tl.arange(0, HD)
+        d = tl.arange(0, HDP)
         idx = (g * SPLIT + sp) * REPP + r  # [SPLIT]
         pm = tl.load(pm_ptr + idx)
         wt = tl.exp(pm - tl.max(pm, axis=0))  # an empty split (max -inf) weighs 0
         den = tl.sum(wt * tl.load(pl_ptr + idx), axis=0)
-        po = tl.load(po_ptr + idx[:, None] * HD + d[None, :])
+        po = tl.load(po_ptr + idx[:, None] * HDP + d[None, :])
         o = tl.sum(po * wt[:, None], axis=0) / den
-        tl.store(out_ptr + h * HD + d, o.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + h * HD + d, o.to(out_ptr.dtype.element_ty), mask=d < HD)
 
     @triton.jit
     def _route_kernel(logits_ptr, ids_ptr, w_ptr, counts_ptr, E, scaling,
@@ -299,14 +302,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     repp = max(16, triton.next_power_of_2(rep))
     split = min(64, triton.next_power_of_2(max(1, S // 128)))
     dev = q.device
-    po = torch.empty((n_kv, split, repp, hd), dtype=torch.float32, device=dev)
+    hdp = max(16, hd)
+    po = torch.empty((n_kv, split, repp, hdp), dtype=torch.float32, device=dev)
     pm = torch.empty((n_kv, split, repp), dtype=torch.float32, device=dev)
     pl = torch.empty((n_kv, split, repp), dtype=torch.float32, device=dev)
     _decode_attn_kernel[(n_kv, split)](q, k_cache, v_cache, pos, po, pm, pl, n_kv, float(scale), REP=rep, REPP=repp,
-                                       HD=hd, SPLIT=split, BLOCK_S=64,
+                                       HD=hd, HDP=hdp, SPLIT=split, BLOCK_S=64,
                                        F32_DOT=k_cache.dtype == torch.float32 or not q.is_cuda)
     out = torch.empty((1, n_heads * hd), dtype=q.dtype, device=dev)
-    _decode_attn_combine_kernel[(n_heads,)](po, pm, pl, out, REP=rep, REPP=repp, HD=hd, SPLIT=split)
+    _decode_attn_combine_kernel[(n_heads,)](po, pm, pl, out, REP=rep, REPP=repp, HD=hd, HDP=hdp, SPLIT=split)
     return out
 
 
