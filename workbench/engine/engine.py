@@ -149,7 +149,7 @@ class Engine:
             vram_budget = max(0, torch.cuda.mem_get_info(device)[0] - activations)
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
         bus_share = bus.fraction_from_env() if bus_share is None else min(1.0, max(0.0, float(bus_share)))
-        bus_bytes = _bus_bytes(args, placement, device, dtype_bytes, bus_share)
+        bus_bytes = 0 if cpu_format is not None else _bus_bytes(args, placement, device, dtype_bytes, bus_share)
         predicted = check_placement(inventory, args, placement, 1, dtype_bytes, max_context, vram_budget, bus_bytes)
         self = object.__new__(cls)
         self.inventory, self.args, self.device, self.dtype = inventory, args, device, dtype
@@ -461,8 +461,8 @@ class Engine:
             if self.device.type == "cuda" else None
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
         check_placement(self.inventory, self.args, placement, 1, dtype_bytes, self.max_context, vram,
-                        0 if self._bus is not None else _bus_bytes(self.args, placement, self.device, dtype_bytes,
-                                                                   self.bus_share))
+                        0 if self._bus is not None or self.cpu_format is not None
+                        else _bus_bytes(self.args, placement, self.device, dtype_bytes, self.bus_share))
         changed = [layer for layer in self.args.moe_layers
                    if placement.stream_slots != self.placement.stream_slots
                    or any(placement.get(UnitKey(layer, "expert", e)) != self.placement.get(UnitKey(layer, "expert", e))
@@ -490,6 +490,9 @@ class Engine:
                 if self._bus is not None:
                     self._bus.release(old)
                 done.append(layer)  # the old stacks are freed by reference counting, no collection needed
+            if self._bus is not None and not self._bus.registered:  # no layer shares the bus any more
+                self._bus.close()
+                self._bus = None
             moved = self.placement.copy()
             for layer in done:
                 for key in self.inventory.expert_keys(layer):
