@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.engine.engine_helpers import (
+    LOGITS_RTOL,
     N_NEW,
     PROMPT,
     TEST_DEVICE,
@@ -17,7 +18,9 @@ from tests.engine.engine_helpers import (
     greedy_tokens,
     open_inventory,
     placements,
+    reference_logits,
     reference_tokens,
+    rel_err,
 )
 from workbench.engine import bus, gpu_kernels
 from workbench.engine.experts import COMPUTE
@@ -69,6 +72,29 @@ def test_decode_with_a_bus_share_gives_the_reference_tokens(place, fraction, tin
         engine.close()
     if TEST_DTYPE == torch.float32:
         assert tokens == reference_tokens(tiny_hf_model("qwen3_moe"), PROMPT, N_NEW)
+
+
+@pytest.mark.parametrize("fetch_tokens", [1, 4])
+def test_prefill_fetches_the_experts_many_tokens_select(fetch_tokens, tiny_model_dir, tiny_hf_model):
+    """A prompt's CPU-tier experts selected by ``fetch_tokens`` or more of its tokens are computed on
+    the accelerator after one copy (1: all of them; 4: some), the others on the CPU."""
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    engine = decode_step_engine(inv, placements(inv)["compute"])
+    try:
+        share = _share(engine, 0.0)  # decode keeps its CPU experts on the CPU: only prefill fetches
+        share.fetch_tokens = fetch_tokens
+        logits = engine.forward(torch.tensor(PROMPT), 0)
+        assert share.copied > 0
+        if fetch_tokens > 1:
+            cpu_only = sum(lx.n_tier[COMPUTE] for lx in engine.experts.values())
+            assert share.copied < cpu_only  # some stayed on the CPU
+        tokens = greedy_tokens(engine, PROMPT, N_NEW)
+    finally:
+        engine.close()
+    model = tiny_hf_model("qwen3_moe")
+    assert rel_err(logits, reference_logits(model, PROMPT)) < LOGITS_RTOL
+    if TEST_DTYPE == torch.float32:
+        assert tokens == reference_tokens(model, PROMPT, N_NEW)
 
 
 @pytest.mark.skipif(TEST_DEVICE == "cpu", reason="page-locking needs CUDA")

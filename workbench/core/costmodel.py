@@ -49,6 +49,10 @@ BUS_SHARE = 0.45
 kernel) read rates on the H200 machine: 55 and 67 GB/s)."""
 BUS_SLOTS = 4
 """Device slots for them: experts sent per layer and token at most."""
+PREFILL_FETCH_TOKENS = 16
+"""With the bus share, prefill copies a CPU-tier expert picked by at least this many tokens of a chunk
+to the GPU (pinned, once) instead of computing it on the CPU: about the CPU's bf16 GEMM rate over
+the bus's (1 TFLOP/s over 55 GB/s ~ 18 tokens) on the H200 machine."""
 
 _QUANT_FAMILY = {"Q8": "int8", "I8": "int8", "INT8": "int8", "F8": "fp8", "FP8": "fp8"}
 
@@ -70,8 +74,8 @@ class EngineShape:
     launches_head: int = 3
     """final norm, lm_head, sampling."""
     prefill_fetch_compute: bool = True
-    """Prefill may copy a CPU-compute expert that many tokens pick to the GPU (pageable copy) when
-    that is cheaper than computing it on the CPU."""
+    """Prefill may copy a CPU-compute expert that many tokens pick to the GPU (pinned with the bus
+    share, else pageable) when that is cheaper than computing it on the CPU."""
     prefill_cpu_stream: bool = True
     """Prefill may compute a streamed expert that few tokens pick on the CPU instead of fetching it."""
     bus_share: float = BUS_SHARE
@@ -479,7 +483,8 @@ class CostModel:
         host = (grid < 0) & present
         g0 = self._gpu(0)
         on_cpu = np.maximum(b * used / self.expert_cpu_rate, flops / prof.cpu_flops)
-        h2d = np.where(grid == TIER_CPU_STREAM, prof.h2d_pinned, prof.h2d_pageable)
+        pinned = (grid == TIER_CPU_STREAM) | (self.engine.bus_share > 0)  # the bus share page-locks the CPU tier
+        h2d = np.where(pinned, prof.h2d_pinned, prof.h2d_pageable)
         fetch = b * used / h2d + flops / g0.bf16_flops
         stream = grid == TIER_CPU_STREAM
         choose_cpu = on_cpu <= fetch

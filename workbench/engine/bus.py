@@ -13,7 +13,12 @@ The copies need page-locked host memory: ``register`` pins the CPU tier's existi
 stacks are freed.
 
 ``WORKBENCH_BUS_SHARE``: the fraction of a layer's CPU-selected experts sent over the bus (default
-``costmodel.BUS_SHARE``, which the cost model predicts with); 0 turns the bus share off. Device slots:
+``costmodel.BUS_SHARE``, which the cost model predicts with); 0 turns the bus share off.
+
+Prefill chunks use the same slots differently: a CPU-tier expert that ``fetch_tokens`` or more
+tokens of the chunk select is copied to the GPU once and computed there for all of them (two halves
+of the slots alternate, so a batch travels while the previous one computes); the CPU computes the
+experts fewer tokens select, at the same time. Device slots:
 ``costmodel.BUS_SLOTS`` experts per layer and token at most (38 MB at the Qwen3-30B-A3B shape).
 """
 
@@ -28,6 +33,7 @@ import torch
 
 from workbench.core.costmodel import BUS_SHARE as DEFAULT_FRACTION
 from workbench.core.costmodel import BUS_SLOTS as SLOTS
+from workbench.core.costmodel import PREFILL_FETCH_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +82,9 @@ class BusShare:
         self.map_dev = torch.full((n_experts,), -1, dtype=torch.int64, device=device)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.done = torch.cuda.Event() if self.cuda else None
+        self.ready = [torch.cuda.Event() for _ in range(2)] if self.cuda else None  # prefill: two halves
+        self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
+        self.fetch_tokens = PREFILL_FETCH_TOKENS
         self._set: list[int] = []
         self.registered: dict[int, list[torch.Tensor]] = {}  # by id() of the owner (a LayerExperts)
         self.copied = 0  # experts sent over the bus so far
@@ -129,6 +138,9 @@ class BusShare:
             self.map_host[e] = -1
         self._set = [int(e) for e in experts]
         with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            if self.cuda:  # a prefill's grouped kernels may still read the slots
+                self.stream.wait_event(self.free[0])
+                self.stream.wait_event(self.free[1])
             for slot, (e, r) in enumerate(zip(self._set, rows.tolist())):
                 self.w13[slot].copy_(w13[r], non_blocking=True)
                 self.w2[slot].copy_(w2[r], non_blocking=True)
@@ -140,6 +152,36 @@ class BusShare:
             torch.cuda.current_stream(self.device).wait_event(self.done)
         self.copied += len(self._set)
         return gpu_kernels.experts_one_token(x, ids, weights, self.map_dev, self.w13, self.w2)
+
+    def fetch(self, half: int, experts: np.ndarray, rows: np.ndarray, w13: torch.Tensor, w2: torch.Tensor) -> int:
+        """Prefill: copy experts (rows ``rows`` of the pinned stacks; at most ``slots // 2`` of them)
+        into half ``half`` (0 or 1) of the slots on the copy stream, once the kernels that read that
+        half before are done (``done_with``); the current stream waits for the copies. Returns the
+        first slot. Alternating halves lets one batch travel while the previous one computes."""
+        n = self.half_slots
+        base = half * n if 2 * n <= self.slots else 0
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            if self.cuda:
+                self.stream.wait_event(self.free[half])
+            for j, r in enumerate(rows.tolist()):
+                self.w13[base + j].copy_(w13[r], non_blocking=True)
+                self.w2[base + j].copy_(w2[r], non_blocking=True)
+            if self.cuda:
+                self.ready[half].record(self.stream)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.ready[half])
+        self.copied += len(experts)
+        return base
+
+    def done_with(self, half: int) -> None:
+        """The kernels queued so far on the current stream are the last readers of ``half``."""
+        if self.cuda:
+            self.free[half].record(torch.cuda.current_stream(self.device))
+
+    @property
+    def half_slots(self) -> int:
+        """Experts per prefill batch."""
+        return max(1, self.slots // 2)
 
     def close(self) -> None:
         """Release every page lock (the engine calls this before freeing the stacks)."""

@@ -312,6 +312,8 @@ class LayerExperts:
         if str_sel.size:
             self._run_streamed(x, token_host, flat_w, ids_host, str_sel, out, scale_input)
         cpu_sel = np.nonzero(tiers == COMPUTE)[0]
+        if cpu_sel.size and self.bus is not None and T > 1:  # experts many tokens select: to the GPU once
+            cpu_sel = self._run_fetched(x, token_host, flat_w, ids_host, cpu_sel, out, scale_input)
         bus_y = None
         if cpu_sel.size and self.bus is not None and T == 1 and not scale_input and gpu_kernels.usable(x):
             m = self.bus.share(cpu_sel.size)
@@ -351,6 +353,27 @@ class LayerExperts:
             _grouped_host(x, sel, token, rows, flat_w, out, scale_input, self.w13[COMPUTE], self.w2[COMPUTE],
                           self.b13[COMPUTE], self.b2[COMPUTE], self.act)
         return out
+
+    def _run_fetched(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
+                     sel: np.ndarray, out: torch.Tensor, scale_input: bool) -> np.ndarray:
+        """Prefill with a bus share: the CPU-tier experts that ``bus.fetch_tokens`` or more of the pairs
+        ``sel`` select are copied to the GPU slots (a few at a time) and their pairs added to ``out``
+        there, queued without waiting; returns the pairs left to the CPU."""
+        experts = ids_host[sel]
+        uniq, counts = np.unique(experts, return_counts=True)
+        hot = uniq[counts >= self.bus.fetch_tokens]
+        if not hot.size:
+            return sel
+        n = self.bus.half_slots
+        for b, start in enumerate(range(0, hot.size, n)):
+            batch = hot[start:start + n]
+            base = self.bus.fetch(b % 2, batch, self.local[batch], self.w13[COMPUTE], self.w2[COMPUTE])
+            in_batch = np.isin(experts, batch)
+            slot = base + np.searchsorted(batch, experts[in_batch])  # batch is sorted
+            _grouped_host(x, sel[in_batch], token, slot, flat_w, out, scale_input, self.bus.w13, self.bus.w2,
+                          None, None, self.act)
+            self.bus.done_with(b % 2)
+        return sel[~np.isin(experts, hot)]
 
     def _run_streamed(self, x, token, flat_w, ids_host, sel, out, scale_input) -> None:
         needed = list(dict.fromkeys(ids_host[sel].tolist()))  # unique, in first-use order
