@@ -147,6 +147,10 @@ def test_prefill_fetches_busy_experts_and_computes_rare_ones():
     p_stream.move(inv.expert_keys(), CPU_STREAM)
     long = cm.predict(p_stream, prompt_tokens=512).prefill_layers[0]
     assert long.bus > 0 and long.cpu == 0  # 128 tokens per expert: cheaper to copy it over pinned memory
+    fetched = cm.predict(p, prompt_tokens=512).prefill_layers[0]  # CPU-compute experts, the bus share's rule
+    assert fetched.bus > 0 and fetched.cpu == 0
+    few = cm.predict(p, prompt_tokens=40).prefill_layers[0]  # 10 tokens per expert: below the rule's 16
+    assert few.cpu > 0 and few.bus == 0
 
 
 def test_predict_is_fast_for_94_layers_by_256_experts():

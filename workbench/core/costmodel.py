@@ -488,6 +488,8 @@ class CostModel:
         fetch = b * used / h2d + flops / g0.bf16_flops
         stream = grid == TIER_CPU_STREAM
         choose_cpu = on_cpu <= fetch
+        if self.engine.bus_share > 0:  # the engine's rule for CPU-compute experts: fetch the busy ones
+            choose_cpu = np.where(stream, choose_cpu, n_tok < PREFILL_FETCH_TOKENS)
         if not self.engine.prefill_fetch_compute:
             choose_cpu |= ~stream
         if not self.engine.prefill_cpu_stream:
