@@ -99,6 +99,10 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
     return mod.moe_decode(x.contiguous(), w13, w2, rows, weights)
 
 
+_checked: set[tuple] = set()
+"""Weight stacks that passed the checks, by what the checks read (device, address, shape, strides,
+dtype; no reference kept): a decode step calls with the same stacks every token."""
+
 _FLOATS = ("torch.bfloat16", "torch.float16", "torch.float32")
 
 
@@ -108,7 +112,32 @@ def _check(x, w13, w2, rows, weights) -> None:
     def fail(msg: str):
         raise RuntimeError(f"moe_decode: {msg}")
 
-    if not all(t.device.type == "cpu" for t in (x, w13, w2, rows, weights)):
+    if not (x.device.type == rows.device.type == weights.device.type == "cpu"):
+        fail("every tensor must be on the CPU")
+    key = tuple((t.device.type, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in (w13, w2))
+    if key in _checked:
+        E, H = w13.shape[0], w13.shape[2]
+    else:
+        E, H = _check_weights(w13, w2, fail)
+        if len(_checked) > 4096:
+            _checked.clear()
+        _checked.add(key)
+    if x.dim() != 1 or x.shape[0] != H:
+        fail(f"x must be [H] = [{H}], got {list(x.shape)}")
+    if str(x.dtype) not in _FLOATS:
+        fail(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if rows.dim() != 1:
+        fail("rows must be int64 [n]")
+    if weights.dim() != 1 or weights.shape[0] != rows.shape[0]:
+        fail(f"weights must be float32 [n] with n = len(rows) = {rows.shape[0]}")
+    for j, r in enumerate(rows.tolist()):
+        if not 0 <= r < E:
+            fail(f"rows[{j}] = {r} is outside [0, {E})")
+
+
+def _check_weights(w13, w2, fail) -> tuple[int, int]:
+    """The stacks' checks; ``(E, H)``."""
+    if not (w13.device.type == w2.device.type == "cpu"):
         fail("every tensor must be on the CPU")
     if w13.dim() != 3 or w2.dim() != 3:
         fail(f"w13 must be [E, 2I, H] and w2 [E, H, I], got {list(w13.shape)} and {list(w2.shape)}")
@@ -121,17 +150,7 @@ def _check(x, w13, w2, rows, weights) -> None:
         fail(f"w13 and w2 must both be bfloat16, float16 or float32, got {w13.dtype} and {w2.dtype}")
     if not (w13.is_contiguous() and w2.is_contiguous()):
         fail("w13 and w2 must be contiguous")
-    if x.dim() != 1 or x.shape[0] != H:
-        fail(f"x must be [H] = [{H}], got {list(x.shape)}")
-    if str(x.dtype) not in _FLOATS:
-        fail(f"x must be bfloat16, float16 or float32, got {x.dtype}")
-    if rows.dim() != 1:
-        fail("rows must be int64 [n]")
-    if weights.dim() != 1 or weights.shape[0] != rows.shape[0]:
-        fail(f"weights must be float32 [n] with n = len(rows) = {rows.shape[0]}")
-    for j, r in enumerate(rows.tolist()):
-        if not 0 <= r < E:
-            fail(f"rows[{j}] = {r} is outside [0, {E})")
+    return E, H
 
 
 def takes(w13: torch.Tensor, w2: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ An expert computes ``w * down(silu(gate(x)) * up(x))`` or, for Llama 4 (``scale_
 
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
 from concurrent.futures import Executor
@@ -457,17 +458,23 @@ class HostStaging:
         self.device = device
         self.cuda = device.type == "cuda"
         self._bufs: dict[str, torch.Tensor] = {}
+        self._views: dict[tuple, torch.Tensor] = {}
         self._event = torch.cuda.Event() if self.cuda else None
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host tensor of ``shape``/``dtype`` (contents undefined), reused by ``name``."""
-        n = int(np.prod(shape))
+        view = self._views.get((name, shape, dtype))
+        if view is not None:  # a decode step asks for the same shapes every token
+            return view
+        n = math.prod(shape)
         buf = self._bufs.get(name)
         if buf is None or buf.dtype != dtype or buf.numel() < n:
             cap = max(n, 2 * buf.numel() if buf is not None and buf.dtype == dtype else n)
             buf = torch.empty(cap, dtype=dtype, pin_memory=self.cuda)
             self._bufs[name] = buf
-        return buf[:n].view(shape)
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}  # views of the old one
+        view = self._views[(name, shape, dtype)] = buf[:n].view(shape)
+        return view
 
     @property
     def nbytes(self) -> int:
