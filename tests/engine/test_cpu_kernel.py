@@ -240,3 +240,52 @@ def test_a_compile_error_is_one_warning_with_the_compiler_message(kernel, tmp_pa
     warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line]
     assert len(warnings) == 1, proc.stderr
     assert "error: #error this source does not compile" in warnings[0]
+
+
+def _q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w [..., N, K]`` quantized by gguf-py to Q8_0 -> ``(q int8 [..., N, K], d float16 [..., N, K/32],
+    gguf's own dequantization float64)``."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rows = w.reshape(-1, w.shape[-1]).numpy().astype(np.float32)
+    raw = quantize(rows, GGMLQuantizationType.Q8_0)  # [rows, K/32 * 34] uint8
+    blocks = raw.reshape(rows.shape[0], -1, 34)
+    d = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]).reshape(*w.shape[:-1], -1)
+    q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8)).reshape(w.shape)
+    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).astype(np.float64)).reshape(w.shape)
+    return q, d, ref
+
+
+@pytest.mark.parametrize("H,I,rows", [(64, 32, [0, 2, 2]), (2048, 768, [5, 1, 7, 3, 0, 6, 2, 4]), (96, 64, [1])])
+def test_q8_0_matches_ggufs_dequantization(kernel, H, I, rows):
+    gen = torch.Generator().manual_seed(H + I)
+    w13, w2 = random_experts(8, H, I, torch.float32, gen)
+    q13, d13, r13 = _q8_0(w13)
+    q2, d2, r2 = _q8_0(w2)
+    x = torch.randn(H, generator=gen)
+    weights = torch.rand(len(rows), generator=gen) + 0.5
+    y = kernel.moe_decode_q8(x.to(torch.bfloat16), q13, d13, q2, d2, torch.tensor(rows), weights)
+    ref = torch.zeros(H, dtype=torch.float64)
+    xb = x.to(torch.bfloat16).double()
+    for r, wt in zip(rows, weights.double().tolist()):
+        h = r13[r] @ xb
+        ref += wt * (r2[r] @ (torch.nn.functional.silu(h[:I]) * h[I:]))
+    assert y.dtype == torch.float32
+    assert relative_error(y, ref) < 1e-5
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(q13=torch.ones(4, 64, 64)), "q13 must be int8"),
+    (dict(d2=torch.ones(4, 64, 2, dtype=torch.float16)), "d13 must be float16"),
+    (dict(rows=torch.tensor([0, 4])), r"rows\[1\] = 4 is outside \[0, 4\)"),
+    (dict(x=torch.ones(32)), "x must be"),
+])
+def test_q8_0_bad_input_is_refused(kernel, bad, match):
+    args = dict(x=torch.ones(64), q13=torch.ones(4, 64, 64, dtype=torch.int8),
+                d13=torch.ones(4, 64, 2, dtype=torch.float16), q2=torch.ones(4, 64, 32, dtype=torch.int8),
+                d2=torch.ones(4, 64, 1, dtype=torch.float16), rows=torch.tensor([0, 1]), weights=torch.ones(2))
+    args.update(bad)
+    with pytest.raises(RuntimeError, match=match):
+        kernel.moe_decode_q8(**args)

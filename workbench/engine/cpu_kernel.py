@@ -99,6 +99,55 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
     return mod.moe_decode(x.contiguous(), w13, w2, rows, weights)
 
 
+def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: torch.Tensor, d2: torch.Tensor,
+                  rows: torch.Tensor | np.ndarray, weights: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """``moe_decode`` for experts kept in GGUF's Q8_0 blocks (``value = d * q`` per 32 values along
+    the input axis), read as they are: half the bytes of bf16.
+
+    Args:
+        x: ``[H]`` bfloat16, float16 or float32.
+        q13: ``[E, 2I, H]`` int8 and ``d13``: ``[E, 2I, H/32]`` float16: gate (first ``I`` rows) and up.
+        q2: ``[E, H, I]`` int8 and ``d2``: ``[E, H, I/32]`` float16: down. ``H`` and ``I`` multiples of 32,
+            all contiguous, on the CPU.
+        rows, weights: as in ``moe_decode``.
+
+    Returns ``[H]`` float32. Raises RuntimeError as ``moe_decode`` does.
+    """
+    mod = _load()
+    if mod is None:
+        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_failed}")
+    import torch
+
+    rows = torch.as_tensor(rows, dtype=torch.int64)
+    weights = torch.as_tensor(weights).to(torch.float32)
+
+    def fail(msg: str):
+        raise RuntimeError(f"moe_decode_q8: {msg}")
+
+    if not all(t.device.type == "cpu" for t in (x, q13, d13, q2, d2, rows, weights)):
+        fail("every tensor must be on the CPU")
+    if q13.dim() != 3 or q2.dim() != 3 or q13.dtype != torch.int8 or q2.dtype != torch.int8:
+        fail(f"q13 must be int8 [E, 2I, H] and q2 int8 [E, H, I], got {q13.dtype} {list(q13.shape)} and "
+             f"{q2.dtype} {list(q2.shape)}")
+    E, ffn, H = q13.shape[0], q13.shape[1] // 2, q13.shape[2]
+    if q13.shape[1] != 2 * ffn or ffn % 32 or H % 32 or ffn <= 0 or H <= 0 or tuple(q2.shape) != (E, H, ffn):
+        fail(f"q13 must be [E, 2I, H] and q2 [E, H, I] with H and I multiples of 32, got {list(q13.shape)} and "
+             f"{list(q2.shape)}")
+    if (tuple(d13.shape) != (E, 2 * ffn, H // 32) or tuple(d2.shape) != (E, H, ffn // 32)
+            or d13.dtype != torch.float16 or d2.dtype != torch.float16):
+        fail(f"d13 must be float16 [{E}, {2 * ffn}, {H // 32}] and d2 float16 [{E}, {H}, {ffn // 32}]")
+    if not all(t.is_contiguous() for t in (q13, d13, q2, d2)):
+        fail("the weight stacks must be contiguous")
+    if x.dim() != 1 or x.shape[0] != H or str(x.dtype) not in _FLOATS:
+        fail(f"x must be bfloat16, float16 or float32 [H] = [{H}], got {x.dtype} {list(x.shape)}")
+    if rows.dim() != 1 or weights.dim() != 1 or weights.shape[0] != rows.shape[0]:
+        fail(f"rows must be int64 [n] and weights float32 [n], got {list(rows.shape)} and {list(weights.shape)}")
+    for j, r in enumerate(rows.tolist()):
+        if not 0 <= r < E:
+            fail(f"rows[{j}] = {r} is outside [0, {E})")
+    return mod.moe_decode_q8(x.contiguous(), q13, d13, q2, d2, rows, weights)
+
+
 _checked: set[tuple] = set()
 """Weight stacks that passed the checks, by what the checks read (device, address, shape, strides,
 dtype; no reference kept): a decode step calls with the same stacks every token."""

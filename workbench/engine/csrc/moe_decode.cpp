@@ -114,24 +114,54 @@ inline float dot(const W* w, const float* x, int64_t K) {
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
-template <typename W>
-void decode(const float* x, const W* w13, const W* w2, const int64_t* rows, const float* weights,
-            int64_t n, int64_t H, int64_t I, float* out) {
+// GGUF Q8_0: blocks of 32 int8 values q with one float16 scale d (value = d * q). The engine keeps
+// a matrix [N, K] as qs int8 [N, K] and ds float16 [N, K / 32]; K is a multiple of 32.
+typedef int8_t vi8 __attribute__((vector_size(LANES)));
+
+inline vf32 load_vec(const int8_t* p) {
+  vi8 h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, vf32);
+}
+
+inline float half_to_float(const Half* p) {
+#if defined(__F16C__)
+  return _cvtsh_ss(p->bits);
+#else
+  return load_one(p);
+#endif
+}
+
+// dot(d * q [0:K], x[0:K]) in f32: one 32-value block at a time, scaled once per block.
+inline float dot_q8(const int8_t* q, const Half* d, const float* x, int64_t K) {
+  vf32 acc = {};
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const int64_t k = 32 * b;
+    const vf32 blk = load_vec(q + k) * load_vec(x + k) + load_vec(q + k + LANES) * load_vec(x + k + LANES);
+    acc += half_to_float(d + b) * blk;
+  }
+  float s = 0.f;
+  for (int64_t l = 0; l < LANES; ++l) s += acc[l];
+  return s;
+}
+
+// The fused decode over any weight layout: dot13(j, r) = row r of expert j's w13 . x (r < 2I, gate
+// rows first), dot2(j, o, a) = row o of expert j's w2 . a.
+template <typename Dot13, typename Dot2>
+void decode_rows(const float* weights, int64_t n, int64_t H, int64_t I, float* out, Dot13 dot13, Dot2 dot2) {
   std::vector<float> act(static_cast<size_t>(n * I));  // silu(g) * u per expert, [n, I]
   float* a = act.data();
-  const int64_t e13 = 2 * I * H, e2 = H * I;  // elements per expert
 
-  // pass 1: pair p = (expert j, row i) needs gate row i and up row I + i of expert rows[j]. A task
-  // reads its gate rows, then its up rows: one sequential stream at a time, which the hardware
+  // pass 1: pair p = (expert j, row i) needs gate row i and up row I + i of expert j. A task reads
+  // its gate rows, then its up rows: one sequential stream at a time, which the hardware
   // prefetchers follow best (interleaving rows of several pages measured 1.5x slower per core).
   at::parallel_for(0, n * I, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> gate(static_cast<size_t>(end - begin));
     for (int64_t p = begin; p < end;) {
       const int64_t j = p / I, i0 = p % I, len = std::min(I - i0, end - p);
-      const W* base = w13 + rows[j] * e13;
       float* g = gate.data() + (p - begin);
-      for (int64_t q = 0; q < len; ++q) g[q] = dot(base + (i0 + q) * H, x, H);
-      for (int64_t q = 0; q < len; ++q) a[p + q] = silu(g[q]) * dot(base + (I + i0 + q) * H, x, H);
+      for (int64_t q = 0; q < len; ++q) g[q] = dot13(j, i0 + q);
+      for (int64_t q = 0; q < len; ++q) a[p + q] = silu(g[q]) * dot13(j, I + i0 + q);
       p += len;
     }
   });
@@ -141,13 +171,35 @@ void decode(const float* x, const W* w13, const W* w2, const int64_t* rows, cons
   at::parallel_for(0, H, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(static_cast<size_t>(end - begin), 0.f);
     for (int64_t j = 0; j < n; ++j) {
-      const W* base = w2 + rows[j] * e2;
       const float* aj = a + j * I;
       const float wj = weights[j];
-      for (int64_t o = begin; o < end; ++o) acc[o - begin] += wj * dot(base + o * I, aj, I);
+      for (int64_t o = begin; o < end; ++o) acc[o - begin] += wj * dot2(j, o, aj);
     }
     std::memcpy(out + begin, acc.data(), sizeof(float) * (end - begin));
   });
+}
+
+template <typename W>
+void decode(const float* x, const W* w13, const W* w2, const int64_t* rows, const float* weights,
+            int64_t n, int64_t H, int64_t I, float* out) {
+  const int64_t e13 = 2 * I * H, e2 = H * I;  // elements per expert
+  decode_rows(weights, n, H, I, out,
+              [&](int64_t j, int64_t r) { return dot(w13 + rows[j] * e13 + r * H, x, H); },
+              [&](int64_t j, int64_t o, const float* aj) { return dot(w2 + rows[j] * e2 + o * I, aj, I); });
+}
+
+void decode_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2, const Half* d2,
+               const int64_t* rows, const float* weights, int64_t n, int64_t H, int64_t I, float* out) {
+  const int64_t e13 = 2 * I * H, e2 = H * I;  // values per expert; scales: 1 per 32
+  decode_rows(weights, n, H, I, out,
+              [&](int64_t j, int64_t r) {
+                const int64_t off = rows[j] * e13 + r * H;
+                return dot_q8(q13 + off, d13 + off / 32, x, H);
+              },
+              [&](int64_t j, int64_t o, const float* aj) {
+                const int64_t off = rows[j] * e2 + o * I;
+                return dot_q8(q2 + off, d2 + off / 32, aj, I);
+              });
 }
 
 at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
@@ -199,6 +251,34 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
   return out;
 }
 
+// Q8_0 experts: q13 int8 [E, 2I, H], d13 float16 [E, 2I, H/32], q2 int8 [E, H, I], d2 float16 [E, H, I/32].
+// The Python wrapper checks the input; these checks only guard the reads.
+at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::Tensor& d13, const at::Tensor& q2,
+                         const at::Tensor& d2, const at::Tensor& rows, const at::Tensor& weights) {
+  const int64_t E = q13.size(0), I = q13.size(1) / 2, H = q13.size(2);
+  TORCH_CHECK(q13.dim() == 3 && q2.dim() == 3 && q13.size(1) == 2 * I && H % 32 == 0 && I % 32 == 0 &&
+                  q2.size(0) == E && q2.size(1) == H && q2.size(2) == I && d13.numel() * 32 == q13.numel() &&
+                  d2.numel() * 32 == q2.numel() && q13.scalar_type() == at::kChar && q2.scalar_type() == at::kChar &&
+                  d13.scalar_type() == at::kHalf && d2.scalar_type() == at::kHalf && q13.is_contiguous() &&
+                  q2.is_contiguous() && d13.is_contiguous() && d2.is_contiguous(),
+              "moe_decode_q8: bad weight stacks");
+  TORCH_CHECK(x.dim() == 1 && x.size(0) == H && rows.dim() == 1 && rows.scalar_type() == at::kLong &&
+                  weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
+              "moe_decode_q8: bad x, rows or weights");
+  const at::Tensor r = rows.contiguous(), wt = weights.contiguous();
+  const int64_t n = r.size(0);
+  const int64_t* rp = r.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) TORCH_CHECK(rp[j] >= 0 && rp[j] < E, "moe_decode_q8: row out of range");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::zeros({H}, x.options().dtype(at::kFloat));
+  if (n == 0) return out;
+  py::gil_scoped_release nogil;
+  decode_q8(xf.data_ptr<float>(), q13.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d13.data_ptr()),
+            q2.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d2.data_ptr()), rp, wt.data_ptr<float>(), n, H, I,
+            out.data_ptr<float>());
+  return out;
+}
+
 // Threads that at::parallel_for gives a large range here (1 when the build lacks OpenMP).
 int64_t parallel_threads() {
   std::atomic<int64_t> tasks{0};
@@ -213,6 +293,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fused batch-1 routed experts: x [H], w13 [E, 2I, H], w2 [E, H, I] (bf16, f16 or f32), rows [n] int64, "
         "weights [n] f32 -> [H] f32",
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("rows"), py::arg("weights"));
+  m.def("moe_decode_q8", &moe_decode_q8,
+        "moe_decode with GGUF Q8_0 experts: x [H], q13 int8 [E, 2I, H], d13 f16 [E, 2I, H/32], q2 int8 [E, H, I], "
+        "d2 f16 [E, H, I/32], rows [n] int64, weights [n] f32 -> [H] f32",
+        py::arg("x"), py::arg("q13"), py::arg("d13"), py::arg("q2"), py::arg("d2"), py::arg("rows"),
+        py::arg("weights"));
   m.def("parallel_threads", &parallel_threads, "Tasks at::parallel_for runs a large range in (a build check)",
         py::call_guard<py::gil_scoped_release>());
 }
