@@ -55,7 +55,7 @@ def _share(engine, fraction: float) -> bus.BusShare:
                          (a.hidden, a.expert_ffn), fraction)
     for lx in engine.experts.values():
         if lx.n_tier[COMPUTE]:
-            assert share.pin(lx, lx.w13[COMPUTE], lx.w2[COMPUTE])
+            assert share.pin(lx, *lx.cpu_stacks())
             lx.bus = share
     return share
 
@@ -95,6 +95,29 @@ def test_prefill_fetches_the_experts_many_tokens_select(fetch_tokens, tiny_model
     assert rel_err(logits, reference_logits(model, PROMPT)) < LOGITS_RTOL
     if TEST_DTYPE == torch.float32:
         assert tokens == reference_tokens(model, PROMPT, N_NEW)
+
+
+def test_q8_0_experts_travel_as_blocks_and_compute_as_their_dequantization(tiny_gguf, monkeypatch):
+    """CPU experts kept in Q8_0: the bus carries the blocks and the device dequantizes them; logits and
+    tokens match the same experts dequantized at load and computed on the CPU."""
+    sizes = {"hidden_size": 64, "moe_intermediate_size": 32, "intermediate_size": 64, "mlp_only_layers": []}
+    inv = open_inventory(tiny_gguf("qwen3_moe", "Q8_0", **sizes))
+    runs = []
+    for keep in ("1", "0"):
+        monkeypatch.setenv("WORKBENCH_KEEP_Q8_0", keep)
+        engine = decode_step_engine(inv, placements(inv)["compute"])
+        try:
+            share = _share(engine, 1.0 if keep == "1" else 0.0)
+            share.fetch_tokens = 1 if keep == "1" else 10**9
+            logits = engine.forward(torch.tensor(PROMPT), 0)
+            runs.append((logits, greedy_tokens(engine, PROMPT, N_NEW)))
+            if keep == "1":
+                assert share.copied > 0 and all(lx.q8 is not None for lx in engine.experts.values())
+        finally:
+            engine.close()
+    assert rel_err(runs[0][0], runs[1][0]) < (1e-5 if TEST_DTYPE == torch.float32 else LOGITS_RTOL)
+    if TEST_DTYPE == torch.float32:
+        assert runs[0][1] == runs[1][1]
 
 
 @pytest.mark.skipif(TEST_DEVICE == "cpu", reason="page-locking needs CUDA")

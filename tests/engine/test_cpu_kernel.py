@@ -258,10 +258,10 @@ def _q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q, d, ref
 
 
-@pytest.mark.parametrize("H,I,rows", [(64, 32, [0, 2, 2]), (2048, 768, [5, 1, 7, 3, 0, 6, 2, 4]), (96, 64, [1])])
-def test_q8_0_matches_ggufs_dequantization(kernel, H, I, rows):
-    gen = torch.Generator().manual_seed(H + I)
-    w13, w2 = random_experts(8, H, I, torch.float32, gen)
+@pytest.mark.parametrize("H,ffn,rows", [(64, 32, [0, 2, 2]), (2048, 768, [5, 1, 7, 3, 0, 6, 2, 4]), (96, 64, [1])])
+def test_q8_0_matches_ggufs_dequantization(kernel, H, ffn, rows):
+    gen = torch.Generator().manual_seed(H + ffn)
+    w13, w2 = random_experts(8, H, ffn, torch.float32, gen)
     q13, d13, r13 = _q8_0(w13)
     q2, d2, r2 = _q8_0(w2)
     x = torch.randn(H, generator=gen)
@@ -271,7 +271,7 @@ def test_q8_0_matches_ggufs_dequantization(kernel, H, I, rows):
     xb = x.to(torch.bfloat16).double()
     for r, wt in zip(rows, weights.double().tolist()):
         h = r13[r] @ xb
-        ref += wt * (r2[r] @ (torch.nn.functional.silu(h[:I]) * h[I:]))
+        ref += wt * (r2[r] @ (torch.nn.functional.silu(h[:ffn]) * h[ffn:]))
     assert y.dtype == torch.float32
     assert relative_error(y, ref) < 1e-5
 

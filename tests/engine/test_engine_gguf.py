@@ -80,10 +80,36 @@ def test_quantized_gguf_matches_transformers_on_dequantized_weights(model_type, 
     inv = open_inventory(path)
     assert inv.dtype_mix().get(tensor_type, 0) > 0.9 * inv.total_bytes
     ref = transformers_on_gguf(tiny_hf_model(model_type, **sizes), path)
-    for name in ("resident", "mixed"):
+    for name in ("resident", "mixed", "compute"):
         engine = Engine.load(inv, placements(inv)[name], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
+        if name != "resident" and tensor_type == "Q8_0":  # the CPU's experts stay in the file's blocks
+            assert all(lx.q8 is not None for lx in engine.experts.values() if lx.n_tier[1])
         check(engine, ref)
         engine.close()
+
+
+def test_q8_0_cpu_experts_compute_what_their_dequantized_copies_compute(tiny_gguf, monkeypatch):
+    """The CPU tier kept in Q8_0 blocks (decode: the fused Q8_0 kernel; prompts: rows dequantized on
+    use; moving tiers) gives the logits of the same experts dequantized at load."""
+    sizes = dict(QUANT_SIZES, mlp_only_layers=[])
+    inv = open_inventory(tiny_gguf("qwen3_moe", "Q8_0", **sizes))
+    p = placements(inv)
+    runs = {}
+    for keep in ("1", "0"):
+        monkeypatch.setenv("WORKBENCH_KEEP_Q8_0", keep)
+        engine = Engine.load(inv, p["compute"], device=TEST_DEVICE, dtype=torch.float32, max_context=64)
+        assert all((lx.q8 is not None) == (keep == "1") for lx in engine.experts.values())
+        logits = engine.forward(torch.tensor(PROMPT), 0)
+        tokens = greedy_tokens(engine, PROMPT, 8)
+        if keep == "1":
+            lx = next(iter(engine.experts.values()))
+            assert lx.nbytes["cpu"] < 0.6 * 4 * sum(inv.units[k].n_params for k in inv.expert_keys(lx.layer))
+            engine.apply_placement(p["mixed"])  # Q8_0 rows move to the accelerator dequantized
+            assert greedy_tokens(engine, PROMPT, 8) == tokens
+        runs[keep] = (logits, tokens)
+        engine.close()
+    assert rel_err(runs["1"][0], runs["0"][0]) < 1e-5
+    assert runs["1"][1] == runs["0"][1]
 
 
 def test_mxfp4_gpt_oss_matches_transformers_on_gguf_dequantized_experts(tiny_model_dir, tiny_hf_model, tmp_path):

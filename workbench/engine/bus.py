@@ -85,14 +85,16 @@ class BusShare:
         self.ready = [torch.cuda.Event() for _ in range(2)] if self.cuda else None  # prefill: two halves
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
         self.fetch_tokens = PREFILL_FETCH_TOKENS
+        self._q8: list[torch.Tensor] | None = None
         self._set: list[int] = []
         self.registered: dict[int, list[torch.Tensor]] = {}  # by id() of the owner (a LayerExperts)
         self.copied = 0  # experts sent over the bus so far
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the slots."""
-        return (self.w13.numel() + self.w2.numel()) * self.w13.element_size()
+        """Device bytes of the slots (and of the staging for one Q8_0 expert, once a layer has one)."""
+        staging = sum(t.numel() * t.element_size() for t in self._q8) if self._q8 is not None else 0
+        return (self.w13.numel() + self.w2.numel()) * self.w13.element_size() + staging
 
     def share(self, n: int) -> int:
         """How many of ``n`` CPU-selected experts of one token go over the bus."""
@@ -100,6 +102,8 @@ class BusShare:
 
     def pin(self, owner, *stacks: torch.Tensor) -> bool:
         """Page-lock ``owner``'s CPU-tier stacks; True when all of them are (then it may share)."""
+        if len(stacks) == 4 and self._q8 is None:  # Q8_0 stacks: device staging for one expert's blocks
+            self._q8 = [torch.empty(t.shape[1:], dtype=t.dtype, device=self.device) for t in stacks]
         if not self.cuda:
             return True
         ok = True
@@ -126,10 +130,24 @@ class BusShare:
         """Host bytes page-locked by ``pin``."""
         return sum(t.numel() * t.element_size() for ts in self.registered.values() for t in ts)
 
+    def _load(self, slot: int, row: int, src: list[torch.Tensor]) -> None:
+        """Queue on the current stream the copy of row ``row`` of the pinned host stacks ``src`` into
+        slot ``slot``: ``[w13, w2]`` as they are, or Q8_0 ``[q13, d13, q2, d2]`` (half the bytes over
+        the bus) dequantized on the device."""
+        if len(src) == 2:
+            self.w13[slot].copy_(src[0][row], non_blocking=True)
+            self.w2[slot].copy_(src[1][row], non_blocking=True)
+            return
+        for buf, t in zip(self._q8, src):  # staging made by pin()
+            buf.copy_(t[row], non_blocking=True)
+        q13, d13, q2, d2 = self._q8
+        for dst, q, d in ((self.w13[slot], q13, d13), (self.w2[slot], q2, d2)):
+            dst.copy_((q.view(q.shape[0], -1, 32).float() * d.float()[..., None]).view(q.shape))
+
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: np.ndarray,
-            rows: np.ndarray, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        """Copy experts ``experts`` (host ids; their rows ``rows`` of the pinned ``w13 [R, 2I, H]`` /
-        ``w2 [R, H, I]``) into the slots on the copy stream and queue, on the current stream after
+            rows: np.ndarray, src: list[torch.Tensor]) -> torch.Tensor:
+        """Copy experts ``experts`` (host ids; their rows ``rows`` of the pinned host stacks ``src``,
+        see ``_load``) into the slots on the copy stream and queue, on the current stream after
         the copies, their weighted sum for the token ``x [1, H]`` with routing ``ids``/``weights``
         ``[k]`` on the device: ``[1, H]`` (pairs of other experts read nothing). Does not wait."""
         from . import gpu_kernels
@@ -142,8 +160,7 @@ class BusShare:
                 self.stream.wait_event(self.free[0])
                 self.stream.wait_event(self.free[1])
             for slot, (e, r) in enumerate(zip(self._set, rows.tolist())):
-                self.w13[slot].copy_(w13[r], non_blocking=True)
-                self.w2[slot].copy_(w2[r], non_blocking=True)
+                self._load(slot, r, src)
                 self.map_host[e] = slot
             self.map_dev.copy_(self.map_host, non_blocking=True)
             if self.cuda:
@@ -153,8 +170,8 @@ class BusShare:
         self.copied += len(self._set)
         return gpu_kernels.experts_one_token(x, ids, weights, self.map_dev, self.w13, self.w2)
 
-    def fetch(self, half: int, experts: np.ndarray, rows: np.ndarray, w13: torch.Tensor, w2: torch.Tensor) -> int:
-        """Prefill: copy experts (rows ``rows`` of the pinned stacks; at most ``slots // 2`` of them)
+    def fetch(self, half: int, experts: np.ndarray, rows: np.ndarray, src: list[torch.Tensor]) -> int:
+        """Prefill: copy experts (rows ``rows`` of the pinned stacks ``src``; at most ``slots // 2`` of them)
         into half ``half`` (0 or 1) of the slots on the copy stream, once the kernels that read that
         half before are done (``done_with``); the current stream waits for the copies. Returns the
         first slot. Alternating halves lets one batch travel while the previous one computes."""
@@ -164,8 +181,7 @@ class BusShare:
             if self.cuda:
                 self.stream.wait_event(self.free[half])
             for j, r in enumerate(rows.tolist()):
-                self.w13[base + j].copy_(w13[r], non_blocking=True)
-                self.w2[base + j].copy_(w2[r], non_blocking=True)
+                self._load(base + j, r, src)
             if self.cuda:
                 self.ready[half].record(self.stream)
         if self.cuda:

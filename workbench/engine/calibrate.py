@@ -210,6 +210,32 @@ def _cpu_fused(run: _Run, step: str, experts: list, hidden: int, ffn: int, top_k
     return w13[0].numel() * 3 * w13.element_size() * k * len(starts) / t
 
 
+def _cpu_fused_q8(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weight_bytes: int) -> float:
+    """Bytes/s of Q8_0 expert blocks (int8 values and float16 scales) the fused Q8_0 decode kernel
+    (``cpu_kernel.moe_decode_q8``) reaches, ``top_k`` experts per call, over a pool as large as
+    ``_cpu_fused``'s."""
+    per_expert = 3 * hidden * ffn * 34 // 32
+    pool = int(min(max(weight_bytes, 2 << 30), psutil.virtual_memory().available // 8))
+    n = max(top_k, min(512, pool // per_expert))
+    g = torch.Generator().manual_seed(0)
+    q13 = torch.randint(-127, 128, (n, 2 * ffn, hidden), dtype=torch.int8, generator=g)
+    q2 = torch.randint(-127, 128, (n, hidden, ffn), dtype=torch.int8, generator=g)
+    d13 = torch.full((n, 2 * ffn, hidden // 32), 1e-3, dtype=torch.float16)
+    d2 = torch.full((n, hidden, ffn // 32), 1e-3, dtype=torch.float16)
+    k = min(top_k, n)
+    x = torch.randn(hidden, generator=g).to(torch.bfloat16)
+    weights = torch.full((k,), 1.0 / k)
+    starts = list(range(0, n - k + 1, k)) or [0]
+
+    def one_pass() -> None:
+        for s in starts:
+            cpu_kernel.moe_decode_q8(x, q13, d13, q2, d2, torch.arange(s, s + k), weights)
+
+    one_pass()
+    t = _repeat(run, one_pass, 0.3 * run.share[step])
+    return per_expert * k * len(starts) / t
+
+
 # -- GPU ---------------------------------------------------------------------------------------
 
 
@@ -459,6 +485,10 @@ def calibrate(
             continue
         if name in ("bf16", "f32") and cpu_kernel.available():  # what the engine's decode runs
             bps = _cpu_fused(run, step, experts, hidden, expert_ffn, top_k, weight_bytes)
+        if name == "int8" and cpu_kernel.available() and hidden % 32 == 0 and expert_ffn % 32 == 0:
+            # GGUF Q8_0 experts: the engine keeps the blocks and runs the fused Q8_0 kernel
+            throughput["q8_0"] = _cpu_fused_q8(run, step, hidden, expert_ffn, top_k, weight_bytes)
+            run.report(f"CPU q8_0 (fused): {throughput['q8_0'] / 1e9:.1f} GB/s of weights")
         throughput[name] = bps
         bf16_experts = experts if name == "bf16" else bf16_experts
         del experts

@@ -74,7 +74,8 @@ def _bus_bytes(args: ModelArgs, placement: Placement, device: torch.device, dtyp
     if not (on_cpu(placement.default) or any(on_cpu(a) for k, a in placement.assignments.items()
                                              if k.kind == "expert")):
         return 0
-    return bus.SLOTS * 3 * args.expert_ffn * args.hidden * dtype_bytes
+    slots = bus.SLOTS * 3 * args.expert_ffn * args.hidden * dtype_bytes
+    return slots + 3 * args.expert_ffn * args.hidden * 34 // 32  # and staging for one Q8_0 expert
 
 
 def _is_host_oom(exc: BaseException) -> bool:
@@ -269,14 +270,19 @@ class Engine:
         shape13, shape2 = (2 * a.expert_ffn, a.hidden), (a.hidden, a.expert_ffn)
         self.experts[layer] = lx  # reachable for _free() if a later allocation fails
         loader.unit = UnitKey(layer, "expert", 0)
+        keep_q8 = COMPUTE in tiers and self._keeps_q8_0(lx, layer)
         for tier in (RESIDENT, COMPUTE, STREAM):
-            lx.alloc_tier(tier, tiers.count(tier), shape13, shape2)
+            lx.alloc_tier(tier, 0 if tier == COMPUTE and keep_q8 else tiers.count(tier), shape13, shape2)
+        if keep_q8:
+            lx.alloc_q8(tiers.count(COMPUTE), shape13, shape2)
         rows = [0, 0, 0]
         units = self.inventory.units
         for e, tier in enumerate(tiers):
             key = UnitKey(layer, "expert", e)
             loader.begin(key, units[key].nbytes if key in units else 0)
-            if source is not None:  # moving between tiers: copy from where the expert is now
+            if tier == COMPUTE and keep_q8:  # the file's blocks as they are (also when moving)
+                lx.put_q8(e, rows[tier], self._fw.expert_q8_0(layer, e))
+            elif source is not None:  # moving between tiers: copy from where the expert is now
                 lx.put(e, tier, rows[tier], *source.weights(e))
             else:
                 w = self._fw.expert(layer, e)
@@ -286,7 +292,7 @@ class Engine:
         lx.finish()
         if self.cpu_format is not None and rows[COMPUTE]:
             self._attach_cpu_kernel(lx)
-        elif rows[COMPUTE] and self.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        elif rows[COMPUTE] and self.dtype in (torch.bfloat16, torch.float16, torch.float32) and not keep_q8:
             lx.fused_cpu = self._fused_cpu_kernel(loader)
         self._attach_bus(lx)
         return lx
@@ -304,11 +310,26 @@ class Engine:
             a = self.args
             self._bus = bus.BusShare(self.device, self.dtype, a.n_experts, (2 * a.expert_ffn, a.hidden),
                                      (a.hidden, a.expert_ffn), fraction)
-        if self._bus.pin(lx, lx.w13[COMPUTE], lx.w2[COMPUTE]):
+        if self._bus.pin(lx, *lx.cpu_stacks()):
             lx.bus = self._bus
             log.debug("layer %d: bus share %.2f of its CPU-selected experts", lx.layer, self._bus.fraction)
         else:
             log.warning("layer %d: CPU experts not page-locked, no bus share", lx.layer)
+
+    def _keeps_q8_0(self, lx: LayerExperts, layer: int) -> bool:
+        """Whether ``layer``'s CPU-computed experts stay in the GGUF's Q8_0 blocks (half the bytes
+        of bf16 for the CPU to read, and for the bus to carry): the file stores them so, no CPU
+        format was asked for, plain SwiGLU experts with sizes in whole blocks, the fused CPU kernel
+        runs here, and ``WORKBENCH_KEEP_Q8_0`` is not ``0``."""
+        a = self.args
+        if (self.cpu_format is not None or lx.bias or lx.act[0] != "silu" or a.expert_ffn % 32 or a.hidden % 32
+                or os.environ.get("WORKBENCH_KEEP_Q8_0", "1") == "0"):
+            return False
+        if self._fw.expert_q8_0(layer, 0) is None:
+            return False
+        from . import cpu_kernel
+
+        return cpu_kernel.available()
 
     @staticmethod
     def _fused_cpu_kernel(loader: _Loader) -> bool:

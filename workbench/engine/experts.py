@@ -107,6 +107,7 @@ class LayerExperts:
         self.cache_b13: torch.Tensor | None = None
         self.cache_b2: torch.Tensor | None = None
         self.cpu_kernel = None  # optional CPU-format kernel for the compute tier (cpu_formats.CpuExperts)
+        self.q8: list[torch.Tensor] | None = None  # compute tier kept in the file's Q8_0: q13, d13, q2, d2
         self.fused_cpu = False  # decode the compute tier with cpu_kernel.moe_decode (set by the engine)
         self.bus = None  # bus.BusShare: decode sends some CPU-selected experts over the bus (set by the engine)
         self.fast_gpu = os.environ.get("WORKBENCH_GPU_KERNELS", "1") != "0"  # one-token resident experts in Triton
@@ -135,6 +136,32 @@ class LayerExperts:
                 self.cache_b2 = torch.empty((n, shape2[0]), dtype=self.dtype, device=self.device)
             self.cache_expert = [-1] * n
 
+    def alloc_q8(self, count: int, shape13: tuple[int, int], shape2: tuple[int, int]) -> None:
+        """Keep the compute tier's ``count`` experts in GGUF Q8_0 blocks instead of float stacks:
+        ``q13 [count, 2I, H]`` int8, ``d13 [count, 2I, H/32]`` float16, ``q2 [count, H, I]``,
+        ``d2 [count, H, I/32]`` (before ``put_q8``)."""
+        (n13, k13), (n2, k2) = shape13, shape2
+        self.q8 = [torch.empty((count, n13, k13), dtype=torch.int8), torch.empty((count, n13, k13 // 32), dtype=torch.float16),
+                   torch.empty((count, n2, k2), dtype=torch.int8), torch.empty((count, n2, k2 // 32), dtype=torch.float16)]
+        self.w13[COMPUTE] = self.w2[COMPUTE] = None
+
+    def put_q8(self, expert: int, row: int, w: dict) -> None:
+        """Copy expert ``expert``'s Q8_0 blocks (``layouts.FamilyWeights.expert_q8_0``) into row ``row``."""
+        q13, d13, q2, d2 = self.q8
+        _copy_halves(q13[row], w["q13"])
+        _copy_halves(d13[row], w["d13"])
+        q2[row].copy_(w["q2"])
+        d2[row].copy_(w["d2"])
+        self.tier[expert] = COMPUTE
+        self.local[expert] = row
+
+    def _q8_rows(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Q8_0 compute stacks' rows ``rows`` dequantized: ``w13 [n, 2I, H]``, ``w2 [n, H, I]`` in
+        the layer's dtype."""
+        q13, d13, q2, d2 = self.q8
+        idx = torch.as_tensor(np.asarray(rows, dtype=np.int64))
+        return _dequant_q8(q13[idx], d13[idx], self.dtype), _dequant_q8(q2[idx], d2[idx], self.dtype)
+
     def put(self, expert: int, tier: int, row: int, w13: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
             w2: torch.Tensor, b13=None, b2=None) -> None:
         """Copy expert ``expert``'s weights into row ``row`` of ``tier``'s stack: ``w13 [2I, H]`` or its
@@ -155,6 +182,9 @@ class LayerExperts:
         if tier == COMPUTE and self.cpu_kernel is not None:
             ex = self.cpu_kernel.experts[row]
             return ex.gate_up.dequantize(), ex.down.dequantize(), None, None
+        if tier == COMPUTE and self.q8 is not None:
+            w13, w2 = self._q8_rows([row])
+            return w13[0], w2[0], None, None
         if not self.bias:
             return self.w13[tier][row], self.w2[tier][row], None, None
         return self.w13[tier][row], self.w2[tier][row], self.b13[tier][row], self.b2[tier][row]
@@ -191,6 +221,8 @@ class LayerExperts:
                         cpu += n
         if self.cpu_kernel is not None:
             cpu += self.cpu_kernel.nbytes
+        if self.q8 is not None:
+            cpu += sum(t.numel() * t.element_size() for t in self.q8)
         for t in (self.cache_w13, self.cache_w2, self.cache_b13, self.cache_b2):
             if t is not None:
                 cache += t.numel() * t.element_size()
@@ -205,6 +237,8 @@ class LayerExperts:
         tiers = (STREAM, COMPUTE) if self.bus is not None else (STREAM,)  # the bus share pins the CPU tier
         n = sum(t.numel() * t.element_size() for tier in tiers
                 for t in (self.w13[tier], self.w2[tier], self.b13[tier], self.b2[tier]) if t is not None)
+        if self.bus is not None and self.q8 is not None:
+            n += sum(t.numel() * t.element_size() for t in self.q8)
         staging = getattr(self, "staging", None)  # made by finish()
         return n + (staging.nbytes if staging is not None else 0)
 
@@ -322,7 +356,7 @@ class LayerExperts:
                 sent, cpu_sel = cpu_sel[:m], cpu_sel[m:]
                 experts = ids_host[sent]
                 bus_y = self.bus.run(x, ids.reshape(-1), weights.reshape(-1), experts, self.local[experts],
-                                     self.w13[COMPUTE], self.w2[COMPUTE])
+                                     self.cpu_stacks())
         if cpu_sel.size:
             out.add_(self.staging.to_device(self._run_cpu(host[2], token_host, host[1], ids_host, cpu_sel,
                                                           scale_input)))
@@ -339,6 +373,13 @@ class LayerExperts:
             tok = torch.from_numpy(token[sel])
             y = self.cpu_kernel(x[tok], torch.from_numpy(rows), flat_w[torch.from_numpy(sel)], scale_input)
             out.index_add_(0, tok, y.to(out.dtype))
+        elif self.q8 is not None and x.shape[0] == 1 and not scale_input:  # decode on the file's Q8_0 blocks
+            weights = flat_w[torch.from_numpy(sel)]
+            out[0].copy_(cpu_kernel.moe_decode_q8(x[0], *self.q8, rows, weights))
+        elif self.q8 is not None:  # a prompt: the rows it uses, dequantized once
+            uniq, local = np.unique(rows, return_inverse=True)
+            w13, w2 = self._q8_rows(uniq)
+            _grouped_host(x, sel, token, local.reshape(-1), flat_w, out, scale_input, w13, w2, None, None, self.act)
         elif x.shape[0] == 1 and not scale_input and not self.bias and self.act[0] == "silu":
             # decode: one token, each selected expert once
             w13, w2 = self.w13[COMPUTE], self.w2[COMPUTE]
@@ -355,6 +396,10 @@ class LayerExperts:
                           self.b13[COMPUTE], self.b2[COMPUTE], self.act)
         return out
 
+    def cpu_stacks(self) -> list[torch.Tensor]:
+        """The compute tier's host stacks: ``[w13, w2]``, or ``[q13, d13, q2, d2]`` in Q8_0."""
+        return list(self.q8) if self.q8 is not None else [self.w13[COMPUTE], self.w2[COMPUTE]]
+
     def _run_fetched(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
                      sel: np.ndarray, out: torch.Tensor, scale_input: bool) -> np.ndarray:
         """Prefill with a bus share: the CPU-tier experts that ``bus.fetch_tokens`` or more of the pairs
@@ -368,7 +413,7 @@ class LayerExperts:
         n = self.bus.half_slots
         for b, start in enumerate(range(0, hot.size, n)):
             batch = hot[start:start + n]
-            base = self.bus.fetch(b % 2, batch, self.local[batch], self.w13[COMPUTE], self.w2[COMPUTE])
+            base = self.bus.fetch(b % 2, batch, self.local[batch], self.cpu_stacks())
             in_batch = np.isin(experts, batch)
             slot = base + np.searchsorted(batch, experts[in_batch])  # batch is sorted
             _grouped_host(x, sel[in_batch], token, slot, flat_w, out, scale_input, self.bus.w13, self.bus.w2,
@@ -436,6 +481,14 @@ def _grouped_host(x: torch.Tensor, pairs: np.ndarray, token: np.ndarray, rows: n
     if not scale_input:
         ys = ys * ws
     out.index_add_(0, tok_t, ys)
+
+
+def _dequant_q8(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Q8_0 blocks ``q [..., N, K]`` int8 and ``d [..., N, K/32]`` float16 -> ``d * q`` in ``dtype``
+    (computed in float32, like gguf-py)."""
+    shape = q.shape
+    vals = q.reshape(*shape[:-1], -1, 32).float() * d.float()[..., None]
+    return vals.reshape(shape).to(dtype)
 
 
 def _h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:

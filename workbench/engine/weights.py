@@ -92,6 +92,31 @@ class WeightReader:
             return t.view(_TORCH_VIEW[dtype]) if dtype in _TORCH_VIEW else t
         return _dequantize(data, dtype, shape, name)
 
+    def q8_0(self, name: str, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A Q8_0 tensor's blocks as they are stored: ``(q int8 [..., K], d float16 [..., K/32])``
+        (value = d * q per 32 values along the last axis; views of the file), or None if ``name``
+        is not stored as Q8_0. ``expert`` as in ``tensor``."""
+        info = self.info(name)
+        if info.dtype.upper() != "Q8_0":
+            return None
+        shape = tuple(info.shape)
+        start, nbytes = info.offset, info.nbytes
+        if expert is not None:
+            if not 0 <= expert < shape[0]:
+                raise ModelFormatError(f"{name}: expert {expert} out of range 0..{shape[0] - 1}")
+            nbytes //= shape[0]
+            start += expert * nbytes
+            shape = shape[1:]
+        raw = self._file(info.file)
+        if start + nbytes > raw.shape[0]:
+            raise ModelFormatError(f"{info.file.name} is truncated: tensor {name} ends past the end of the file")
+        blocks = raw[start:start + nbytes].reshape(-1, 34)  # per block: float16 d, then 32 int8
+        d = blocks[:, :2].copy().view(np.float16).reshape(*shape[:-1], shape[-1] // 32)
+        q = blocks[:, 2:].view(np.int8).reshape(shape)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a read-only view of the file
+            return torch.from_numpy(q), torch.from_numpy(d)
+
     def close(self) -> None:
         self._maps.clear()
 
