@@ -15,7 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -116,12 +116,24 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 // GGUF Q8_0: blocks of 32 int8 values q with one float16 scale d (value = d * q). The engine keeps
 // a matrix [N, K] as qs int8 [N, K] and ds float16 [N, K / 32]; K is a multiple of 32.
-typedef int8_t vi8 __attribute__((vector_size(LANES)));
-
+// int8 -> f32 by the CPU's sign extension and conversion (compilers scalarise the generic form).
 inline vf32 load_vec(const int8_t* p) {
-  vi8 h;
-  std::memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(h, vf32);
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf32>(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  const __m256 hi =
+      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  vf32 v;
+  std::memcpy(&v, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+  return v;
+#else
+  vf32 v;
+  for (int64_t l = 0; l < LANES; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+#endif
 }
 
 inline float half_to_float(const Half* p) {
