@@ -143,3 +143,20 @@ def test_side_by_side_command(model, tmp_path):
                  "--llama-n-cpu-moe", "1", "--threads", "1", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     assert d["llama_cpp"][0]["ok"] and d["runs"][0]["ok"]
+
+
+def test_planner_leaves_room_for_what_the_engine_dequantizes(tiny_gguf, monkeypatch):
+    """A Q8_0 file: the planner counts units at file size; the engine dequantizes the non-expert ones
+    to bf16 and keeps the experts' blocks (or dequantizes those too when told not to keep them)."""
+    from workbench.core.readers import open_model
+    from workbench.engine.bench import dequantized_extra_bytes
+
+    inv = open_model(tiny_gguf("qwen3_moe", "Q8_0", hidden_size=64, moe_intermediate_size=32, intermediate_size=64,
+                               mlp_only_layers=[]))
+    quant = [(k, u) for k, u in inv.units.items() if any(t.tensor.dtype == "Q8_0" for t in u.tensors)]
+    others = sum(2 * u.n_params - u.nbytes for k, u in quant if k.kind != "expert")
+    experts = sum(2 * u.n_params - u.nbytes for k, u in quant if k.kind == "expert")
+    assert others > 0 and experts > 0
+    assert dequantized_extra_bytes(inv, torch.bfloat16) == others
+    monkeypatch.setenv("WORKBENCH_KEEP_Q8_0", "0")
+    assert dequantized_extra_bytes(inv, torch.bfloat16) == others + experts

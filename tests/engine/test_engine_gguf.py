@@ -82,8 +82,9 @@ def test_quantized_gguf_matches_transformers_on_dequantized_weights(model_type, 
     ref = transformers_on_gguf(tiny_hf_model(model_type, **sizes), path)
     for name in ("resident", "mixed", "compute"):
         engine = Engine.load(inv, placements(inv)[name], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
-        if name != "resident" and tensor_type == "Q8_0":  # the CPU's experts stay in the file's blocks
+        if tensor_type == "Q8_0" and model_type == "qwen3_moe":  # experts stay in the file's blocks
             assert all(lx.q8 is not None for lx in engine.experts.values() if lx.n_tier[1])
+            assert all(lx.q8_res is not None for lx in engine.experts.values() if lx.n_tier[0])
         check(engine, ref)
         engine.close()
 
@@ -97,6 +98,11 @@ def test_q8_0_cpu_experts_compute_what_their_dequantized_copies_compute(tiny_ggu
     runs = {}
     for keep in ("1", "0"):
         monkeypatch.setenv("WORKBENCH_KEEP_Q8_0", keep)
+        engine = Engine.load(inv, p["resident"], device=TEST_DEVICE, dtype=torch.float32, max_context=64)
+        assert all((lx.q8_res is not None) == (keep == "1") for lx in engine.experts.values())
+        runs[f"resident{keep}"] = (engine.forward(torch.tensor(PROMPT), 0), greedy_tokens(engine, PROMPT, 8),
+                                   engine.memory_report()["gpu:0"])
+        engine.close()
         engine = Engine.load(inv, p["compute"], device=TEST_DEVICE, dtype=torch.float32, max_context=64)
         assert all((lx.q8 is not None) == (keep == "1") for lx in engine.experts.values())
         logits = engine.forward(torch.tensor(PROMPT), 0)
@@ -110,6 +116,9 @@ def test_q8_0_cpu_experts_compute_what_their_dequantized_copies_compute(tiny_ggu
         engine.close()
     assert rel_err(runs["1"][0], runs["0"][0]) < 1e-5
     assert runs["1"][1] == runs["0"][1]
+    assert rel_err(runs["resident1"][0], runs["resident0"][0]) < 1e-5
+    assert runs["resident1"][1] == runs["resident0"][1]
+    assert runs["resident1"][2] < runs["resident0"][2]  # int8 blocks on the accelerator, not float32
 
 
 def test_mxfp4_gpt_oss_matches_transformers_on_gguf_dequantized_experts(tiny_model_dir, tiny_hf_model, tmp_path):

@@ -80,3 +80,42 @@ def test_decode_attention_matches_float64(dtype, n_heads, n_kv, hd, S, pos):
     assert out.dtype == dtype and out.shape == (1, n_heads * hd)
     err = float((out.double() - ref).abs().max() / ref.abs().max())
     assert err < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("H,F_,E,k", [(64, 32, 6, 2), (96, 64, 5, 3), (2048, 768, 16, 8)])
+def test_experts_one_token_on_q8_0_blocks_match_ggufs_dequantization(H, F_, E, k):
+    """Q8_0 stacks (int8 values, a float16 scale per 32) read in place give what gguf-py's dequantized
+    weights give."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    if DEV == "cpu" and H > 512:
+        pytest.skip("the interpreter is slow at this size")
+    g = torch.Generator().manual_seed(H + k)
+
+    def q8(w):
+        rows = w.reshape(-1, w.shape[-1]).numpy().astype(np.float32)
+        raw = quantize(rows, GGMLQuantizationType.Q8_0)
+        blocks = raw.reshape(rows.shape[0], -1, 34)
+        d = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]).reshape(*w.shape[:-1], -1)
+        q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8)).reshape(w.shape)
+        ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).astype(np.float64)).reshape(w.shape)
+        return q.to(DEV), d.to(DEV), ref.to(DEV)
+
+    q13, d13, r13 = q8(torch.randn(E, 2 * F_, H, generator=g) / H ** 0.5)
+    q2, d2, r2 = q8(torch.randn(E, H, F_, generator=g) / F_ ** 0.5)
+    x = torch.randn(1, H, generator=g).to(DEV, torch.bfloat16)
+    ids = torch.randperm(E, generator=g)[:k].to(DEV)
+    scale = (torch.rand(k, generator=g) + 0.1).to(DEV, torch.bfloat16)
+    rowmap = torch.arange(E, device=DEV).flip(0)
+    rowmap[ids[0]] = -1
+    out = gpu_kernels.experts_one_token(x, ids, scale, rowmap, q13, q2, d13, d2)
+    ref = torch.zeros(1, H, dtype=torch.float64, device=DEV)
+    for e, s in zip(ids.tolist(), scale.double().tolist()):
+        r = int(rowmap[e])
+        if r >= 0:
+            h = x.double() @ r13[r].T
+            ref += s * ((F.silu(h[:, :F_]) * h[:, F_:]) @ r2[r].T)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, H)
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-2

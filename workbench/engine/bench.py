@@ -275,7 +275,7 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
     inv = open_model(model)
     spec = inv.spec
     stats = ExpertStats(spec.n_layers, max(1, spec.n_experts), max(1, spec.n_experts_active))
-    budget = Budget((budget_bytes,), margin=margin_bytes)
+    budget = Budget((budget_bytes,), margin=margin_bytes + dequantized_extra_bytes(inv, dtype))
     runs = []
     todo = [("all-gpu", None)] if all_gpu else []
     todo += [(s, budget) for s in strategies]
@@ -303,6 +303,24 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
         runs.append(run)
         log.info("%s: decode %s tok/s (predicted %s)", label, run.decode_tps, run.predicted_decode_tps)
     return runs
+
+
+def dequantized_extra_bytes(inv, dtype: torch.dtype) -> int:
+    """GPU bytes our engine holds beyond the file's for the units the planner counts at file size:
+    quantized units are dequantized to ``dtype`` at load (except routed experts stored as Q8_0, which
+    stay Q8_0: ``engine.keeps_q8_0``), so the planner leaves that much free."""
+    from .engine import keeps_q8_0
+    from .families import ModelArgs
+
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    experts_kept = keeps_q8_0(inv, ModelArgs.from_config(inv.family, inv.config), None)
+    extra = 0
+    for key, unit in inv.units.items():
+        quantized = any(t.tensor.dtype.upper() not in ("F32", "F16", "BF16") for t in unit.tensors)
+        if not quantized or (key.kind == "expert" and experts_kept):
+            continue
+        extra += max(0, unit.n_params * dtype_bytes - unit.nbytes)
+    return extra
 
 
 RUN_COLUMNS = [("placement", "label"), ("peak GPU GiB", "peak_gpu_gib"), ("fits", "fits"),

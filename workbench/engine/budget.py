@@ -16,13 +16,15 @@ log = logging.getLogger(__name__)
 
 
 def check_placement(inventory: Inventory, args: ModelArgs, placement: Placement, n_accelerators: int,
-                    dtype_bytes: int, max_context: int, vram_budget: int | None, extra_bytes: int = 0) -> dict[str, int]:
+                    dtype_bytes: int, max_context: int, vram_budget: int | None, extra_bytes: int = 0,
+                    experts_as_stored: bool = False) -> dict[str, int]:
     """Validate ``placement`` for ``inventory``; return the predicted bytes ``{"accelerator", "cpu"}``.
 
     Raises PlacementError naming the first problem: a unit the model lacks, a ``gpu:N`` beyond the
     ``n_accelerators`` present, streamed experts with ``stream_slots == 0``, or an accelerator need
     (weights in the engine's dtype + KV cache for ``max_context`` + stream cache + ``extra_bytes``, the
-    bus share's slots) over ``vram_budget``.
+    bus share's slots) over ``vram_budget``. ``experts_as_stored``: routed experts keep the file's
+    bytes (GGUF Q8_0 blocks) instead of the engine's dtype.
     """
     problems = validate(placement, inventory, n_accelerators)
     if problems:
@@ -32,7 +34,7 @@ def check_placement(inventory: Inventory, args: ModelArgs, placement: Placement,
     expert_params = 0
     kept = []
     for key, unit in inventory.units.items():
-        nbytes = unit.n_params * dtype_bytes
+        nbytes = unit.nbytes if experts_as_stored and key.kind == "expert" else unit.n_params * dtype_bytes
         a = placement.get(key)
         if key.kind == "expert":
             expert_params = max(expert_params, unit.n_params)

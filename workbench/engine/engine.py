@@ -63,6 +63,18 @@ class HostMemoryError(WorkbenchError):
     """Host RAM ran out while loading (CPU expert stacks, pinned stream copies); everything was freed."""
 
 
+def keeps_q8_0(inventory: Inventory, args: ModelArgs, cpu_format: str | None) -> bool:
+    """Whether the engine keeps this model's routed experts in their GGUF Q8_0 blocks on the GPU
+    and the CPU instead of dequantizing them at load: every expert tensor is Q8_0, plain SwiGLU
+    experts without biases whose sizes fill whole 32-value blocks, no CPU format asked for, and
+    ``WORKBENCH_KEEP_Q8_0`` is not ``0``."""
+    if (cpu_format is not None or args.expert_bias or args.expert_act != "silu" or not args.n_experts
+            or args.expert_ffn % 32 or args.hidden % 32 or os.environ.get("WORKBENCH_KEEP_Q8_0", "1") == "0"):
+        return False
+    tensors = [t for k, u in inventory.units.items() if k.kind == "expert" for t in u.tensors]
+    return bool(tensors) and all(t.tensor.dtype.upper() == "Q8_0" for t in tensors)
+
+
 def _bus_bytes(args: ModelArgs, placement: Placement, device: torch.device, dtype_bytes: int, share: float) -> int:
     """Device bytes of the bus share's slots (``bus.BusShare``) when the engine will make one: on CUDA,
     with experts computed on the CPU and a ``share`` above 0."""
@@ -151,7 +163,8 @@ class Engine:
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
         bus_share = bus.fraction_from_env() if bus_share is None else min(1.0, max(0.0, float(bus_share)))
         bus_bytes = 0 if cpu_format is not None else _bus_bytes(args, placement, device, dtype_bytes, bus_share)
-        predicted = check_placement(inventory, args, placement, 1, dtype_bytes, max_context, vram_budget, bus_bytes)
+        predicted = check_placement(inventory, args, placement, 1, dtype_bytes, max_context, vram_budget, bus_bytes,
+                                    keeps_q8_0(inventory, args, cpu_format))
         self = object.__new__(cls)
         self.inventory, self.args, self.device, self.dtype = inventory, args, device, dtype
         self.max_context, self.vocab_size = max_context, args.vocab
@@ -270,18 +283,22 @@ class Engine:
         shape13, shape2 = (2 * a.expert_ffn, a.hidden), (a.hidden, a.expert_ffn)
         self.experts[layer] = lx  # reachable for _free() if a later allocation fails
         loader.unit = UnitKey(layer, "expert", 0)
-        keep_q8 = COMPUTE in tiers and self._keeps_q8_0(lx, layer)
+        q8_res = RESIDENT in tiers and self._keeps_q8_0(lx, layer)
+        keep_q8 = COMPUTE in tiers and self._keeps_q8_0(lx, layer) and self._cpu_q8_kernel()
         for tier in (RESIDENT, COMPUTE, STREAM):
-            lx.alloc_tier(tier, 0 if tier == COMPUTE and keep_q8 else tiers.count(tier), shape13, shape2)
+            kept = (tier == COMPUTE and keep_q8) or (tier == RESIDENT and q8_res)
+            lx.alloc_tier(tier, 0 if kept else tiers.count(tier), shape13, shape2)
         if keep_q8:
             lx.alloc_q8(tiers.count(COMPUTE), shape13, shape2)
+        if q8_res:
+            lx.alloc_q8_resident(tiers.count(RESIDENT), shape13, shape2)
         rows = [0, 0, 0]
         units = self.inventory.units
         for e, tier in enumerate(tiers):
             key = UnitKey(layer, "expert", e)
             loader.begin(key, units[key].nbytes if key in units else 0)
-            if tier == COMPUTE and keep_q8:  # the file's blocks as they are (also when moving)
-                lx.put_q8(e, rows[tier], self._fw.expert_q8_0(layer, e))
+            if (tier == COMPUTE and keep_q8) or (tier == RESIDENT and q8_res):  # the file's blocks as they are
+                lx.put_q8(e, rows[tier], self._fw.expert_q8_0(layer, e), tier)
             elif source is not None:  # moving between tiers: copy from where the expert is now
                 lx.put(e, tier, rows[tier], *source.weights(e))
             else:
@@ -317,16 +334,13 @@ class Engine:
             log.warning("layer %d: CPU experts not page-locked, no bus share", lx.layer)
 
     def _keeps_q8_0(self, lx: LayerExperts, layer: int) -> bool:
-        """Whether ``layer``'s CPU-computed experts stay in the GGUF's Q8_0 blocks (half the bytes
-        of bf16 for the CPU to read, and for the bus to carry): the file stores them so, no CPU
-        format was asked for, plain SwiGLU experts with sizes in whole blocks, the fused CPU kernel
-        runs here, and ``WORKBENCH_KEEP_Q8_0`` is not ``0``."""
-        a = self.args
-        if (self.cpu_format is not None or lx.bias or lx.act[0] != "silu" or a.expert_ffn % 32 or a.hidden % 32
-                or os.environ.get("WORKBENCH_KEEP_Q8_0", "1") == "0"):
-            return False
-        if self._fw.expert_q8_0(layer, 0) is None:
-            return False
+        """Whether ``layer``'s routed experts stay in the GGUF's Q8_0 blocks (half the bytes of bf16
+        to hold on the GPU, for the CPU to read and for the bus to carry): see ``keeps_q8_0``, and the
+        file stores this layer's experts so."""
+        return keeps_q8_0(self.inventory, self.args, self.cpu_format) and self._fw.expert_q8_0(layer, 0) is not None
+
+    @staticmethod
+    def _cpu_q8_kernel() -> bool:
         from . import cpu_kernel
 
         return cpu_kernel.available()
@@ -483,7 +497,8 @@ class Engine:
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
         check_placement(self.inventory, self.args, placement, 1, dtype_bytes, self.max_context, vram,
                         0 if self._bus is not None or self.cpu_format is not None
-                        else _bus_bytes(self.args, placement, self.device, dtype_bytes, self.bus_share))
+                        else _bus_bytes(self.args, placement, self.device, dtype_bytes, self.bus_share),
+                        keeps_q8_0(self.inventory, self.args, self.cpu_format))
         changed = [layer for layer in self.args.moe_layers
                    if placement.stream_slots != self.placement.stream_slots
                    or any(placement.get(UnitKey(layer, "expert", e)) != self.placement.get(UnitKey(layer, "expert", e))

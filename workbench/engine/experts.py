@@ -108,6 +108,7 @@ class LayerExperts:
         self.cache_b2: torch.Tensor | None = None
         self.cpu_kernel = None  # optional CPU-format kernel for the compute tier (cpu_formats.CpuExperts)
         self.q8: list[torch.Tensor] | None = None  # compute tier kept in the file's Q8_0: q13, d13, q2, d2
+        self.q8_res: list[torch.Tensor] | None = None  # resident tier likewise, on the accelerator
         self.fused_cpu = False  # decode the compute tier with cpu_kernel.moe_decode (set by the engine)
         self.bus = None  # bus.BusShare: decode sends some CPU-selected experts over the bus (set by the engine)
         self.fast_gpu = os.environ.get("WORKBENCH_GPU_KERNELS", "1") != "0"  # one-token resident experts in Triton
@@ -145,15 +146,35 @@ class LayerExperts:
                    torch.empty((count, n2, k2), dtype=torch.int8), torch.empty((count, n2, k2 // 32), dtype=torch.float16)]
         self.w13[COMPUTE] = self.w2[COMPUTE] = None
 
-    def put_q8(self, expert: int, row: int, w: dict) -> None:
-        """Copy expert ``expert``'s Q8_0 blocks (``layouts.FamilyWeights.expert_q8_0``) into row ``row``."""
-        q13, d13, q2, d2 = self.q8
+    def put_q8(self, expert: int, row: int, w: dict, tier: int = COMPUTE) -> None:
+        """Copy expert ``expert``'s Q8_0 blocks (``layouts.FamilyWeights.expert_q8_0``) into row ``row``
+        of ``tier`` (COMPUTE or RESIDENT)."""
+        q13, d13, q2, d2 = self.q8 if tier == COMPUTE else self.q8_res
         _copy_halves(q13[row], w["q13"])
         _copy_halves(d13[row], w["d13"])
         q2[row].copy_(w["q2"])
         d2[row].copy_(w["d2"])
-        self.tier[expert] = COMPUTE
+        self.tier[expert] = tier
         self.local[expert] = row
+
+    def alloc_q8_resident(self, count: int, shape13: tuple[int, int], shape2: tuple[int, int]) -> None:
+        """Keep the resident tier's ``count`` experts in GGUF Q8_0 blocks on the accelerator (the
+        one-token Triton kernels read them in place; other steps dequantize the stack)."""
+        (n13, k13), (n2, k2) = shape13, shape2
+        dev = self.device
+        self.q8_res = [torch.empty((count, n13, k13), dtype=torch.int8, device=dev),
+                       torch.empty((count, n13, k13 // 32), dtype=torch.float16, device=dev),
+                       torch.empty((count, n2, k2), dtype=torch.int8, device=dev),
+                       torch.empty((count, n2, k2 // 32), dtype=torch.float16, device=dev)]
+        self.w13[RESIDENT] = self.w2[RESIDENT] = None
+
+    def resident_stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The resident tier as float stacks ``w13 [R, 2I, H]``, ``w2 [R, H, I]`` (Q8_0: dequantized
+        for this call)."""
+        if self.q8_res is None:
+            return self.w13[RESIDENT], self.w2[RESIDENT]
+        q13, d13, q2, d2 = self.q8_res
+        return _dequant_q8(q13, d13, self.dtype), _dequant_q8(q2, d2, self.dtype)
 
     def _q8_rows(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """The Q8_0 compute stacks' rows ``rows`` dequantized: ``w13 [n, 2I, H]``, ``w2 [n, H, I]`` in
@@ -185,6 +206,9 @@ class LayerExperts:
         if tier == COMPUTE and self.q8 is not None:
             w13, w2 = self._q8_rows([row])
             return w13[0], w2[0], None, None
+        if tier == RESIDENT and self.q8_res is not None:
+            q13, d13, q2, d2 = self.q8_res
+            return (_dequant_q8(q13[row], d13[row], self.dtype), _dequant_q8(q2[row], d2[row], self.dtype), None, None)
         if not self.bias:
             return self.w13[tier][row], self.w2[tier][row], None, None
         return self.w13[tier][row], self.w2[tier][row], self.b13[tier][row], self.b2[tier][row]
@@ -223,6 +247,8 @@ class LayerExperts:
             cpu += self.cpu_kernel.nbytes
         if self.q8 is not None:
             cpu += sum(t.numel() * t.element_size() for t in self.q8)
+        if self.q8_res is not None:
+            acc += sum(t.numel() * t.element_size() for t in self.q8_res)
         for t in (self.cache_w13, self.cache_w2, self.cache_b13, self.cache_b2):
             if t is not None:
                 cache += t.numel() * t.element_size()
@@ -297,7 +323,11 @@ class LayerExperts:
                 and (self._small(T, k) or not self.needs_host)):
             # one token on CUDA: the selected resident rows read in place (Triton), others skipped
             rowmap = self.res_map_dev if self.needs_host else self.local_dev
-            out = gpu_kernels.experts_one_token(x, flat_ids, flat_w, rowmap, self.w13[0], self.w2[0])
+            if self.q8_res is not None:  # GGUF Q8_0 blocks read in place
+                q13, d13, q2, d2 = self.q8_res
+                out = gpu_kernels.experts_one_token(x, flat_ids, flat_w, rowmap, q13, q2, d13, d2)
+            else:
+                out = gpu_kernels.experts_one_token(x, flat_ids, flat_w, rowmap, self.w13[0], self.w2[0])
             return out if extra is None else out + extra()
         if T == 1:  # one token: its k pairs read x as a view and sum with one reduction
             xt = x.expand(k, x.shape[1])
@@ -307,12 +337,14 @@ class LayerExperts:
             xt = x[token]
             pair_sum = lambda y: torch.zeros_like(x).index_add_(0, token, y)  # noqa: E731
         if not self.needs_host:
-            out = pair_sum(grouped(xt, self.local_dev[flat_ids], flat_w, self.w13[0], self.w2[0], scale_input,
+            w13, w2 = self.resident_stacks()
+            out = pair_sum(grouped(xt, self.local_dev[flat_ids], flat_w, w13, w2, scale_input,
                                    self.b13[0], self.b2[0], self.act))
             return out if extra is None else out + extra()
         if self._small(T, k) and self.n_tier[RESIDENT]:  # resident experts before the sync: masked
             res = self.res_mask_dev[flat_ids]
-            y = grouped(xt, self.res_row_dev[flat_ids], flat_w * res, self.w13[0], self.w2[0], scale_input,
+            w13, w2 = self.resident_stacks()
+            y = grouped(xt, self.res_row_dev[flat_ids], flat_w * res, w13, w2, scale_input,
                         self.b13[0], self.b2[0], self.act)
             if scale_input and self.bias:  # a zero input still gives the biases
                 y = y * res[:, None]
@@ -342,7 +374,7 @@ class LayerExperts:
             pairs = np.nonzero(tiers == RESIDENT)[0]
             if pairs.size:
                 _grouped_host(x, pairs, token_host, self.local[ids_host[pairs]], flat_w, out, scale_input,
-                              self.w13[0], self.w2[0], self.b13[0], self.b2[0], self.act)
+                              *self.resident_stacks(), self.b13[0], self.b2[0], self.act)
         str_sel = np.nonzero(tiers == STREAM)[0]
         if str_sel.size:
             self._run_streamed(x, token_host, flat_w, ids_host, str_sel, out, scale_input)

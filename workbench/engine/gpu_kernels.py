@@ -71,9 +71,10 @@ def usable(t: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, K, stride_e, stride_n,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[j, n] = w[rowmap[ids[j]], n, :] . x  (float32), zero where the pair is inactive."""
+    def _gate_up_kernel(x_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, K, stride_e, stride_n,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr):
+        """out[j, n] = w[rowmap[ids[j]], n, :] . x  (float32), zero where the pair is inactive. ``Q8``:
+        ``w`` int8 and ``d_ptr`` its float16 scales, one per 32 values along K (GGUF Q8_0)."""
         pair = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row = tl.load(rowmap_ptr + tl.load(ids_ptr + pair))
@@ -86,13 +87,16 @@ if triton is not None:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             xk = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             m = (offs_n[:, None] < n_lim) & (offs_k[None, :] < K)
-            w = tl.load(w_base + offs_k[None, :], mask=m, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+            w = tl.load(w_base + offs_k[None, :], mask=m, other=0).to(tl.float32)
+            if Q8:
+                w = w * tl.load(d_ptr + (row * stride_e + offs_n[:, None] * stride_n + offs_k[None, :]) // 32,
+                                mask=m, other=0.0).to(tl.float32)
+            acc += tl.sum(w * xk[None, :], axis=1)
         tl.store(out_ptr + pair * N + offs_n, acc, mask=offs_n < N)
 
     @triton.jit
-    def _down_sum_kernel(h_ptr, w_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, FFN, stride_e, stride_n,
-                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _down_sum_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, FFN, stride_e, stride_n,
+                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr):
         """out[n] = sum_j scale[j] * w[row_j, n, :] . (silu(h[j, :FFN]) * h[j, FFN:]), in out's dtype:
         the pairs are summed here, so no reduction or cast follows."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,8 +117,11 @@ if triton is not None:
                 u = tl.load(h_base + FFN + offs_k, mask=km, other=0.0)
                 a = g * tl.sigmoid(g) * u
                 m = (offs_n[:, None] < n_lim) & km[None, :]
-                w = tl.load(w_base + offs_k[None, :], mask=m, other=0.0)
-                part += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+                w = tl.load(w_base + offs_k[None, :], mask=m, other=0).to(tl.float32)
+                if Q8:
+                    w = w * tl.load(d_ptr + (row * stride_e + offs_n[:, None] * stride_n + offs_k[None, :]) // 32,
+                                    mask=m, other=0.0).to(tl.float32)
+                part += tl.sum(w * a[None, :], axis=1)
             acc += tl.where(active, part * s, 0.0)
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
@@ -268,23 +275,29 @@ def qkv_rope_cache(qkv: torch.Tensor, norm: torch.Tensor | None, cos: torch.Tens
 
 
 def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, rowmap: torch.Tensor,
-                      w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                      w13: torch.Tensor, w2: torch.Tensor, d13: torch.Tensor | None = None,
+                      d2: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU experts of one token, weighted and summed: ``[1, H]`` in ``x.dtype``.
 
     ``x [1, H]``; ``ids``/``scale [k]``: the selected experts and their routing weights;
     ``rowmap [E]`` int64: each expert's row in ``w13 [R, 2I, H]`` (gate rows first) and
     ``w2 [R, H, I]``, or -1 when it lives elsewhere (that pair adds nothing and reads nothing).
+    With ``d13 [R, 2I, H/32]`` / ``d2 [R, H, I/32]`` (float16) the stacks are GGUF Q8_0: ``w13``/``w2``
+    int8 values, one scale per 32 along the input axis (contiguous stacks).
     No host sync; capturable in a CUDA graph.
     """
     k = ids.shape[0]
     _, n13, H = w13.shape
     i = w2.shape[2]
+    q8 = d13 is not None
     h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
-    _gate_up_kernel[(k, triton.cdiv(n13, BLOCK_N))](x, w13, ids, rowmap, scale, h, n13, H, w13.stride(0),
-                                                    w13.stride(1), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    _gate_up_kernel[(k, triton.cdiv(n13, BLOCK_N))](x, w13, d13 if q8 else w13, ids, rowmap, scale, h, n13, H,
+                                                    w13.stride(0), w13.stride(1), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                                                    Q8=q8)
     out = torch.empty((1, H), dtype=x.dtype, device=x.device)
-    _down_sum_kernel[(triton.cdiv(H, DOWN_BLOCK_N),)](h, w2, ids, rowmap, scale, out, H, i, w2.stride(0),
-                                                      w2.stride(1), K=k, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=BLOCK_K)
+    _down_sum_kernel[(triton.cdiv(H, DOWN_BLOCK_N),)](h, w2, d2 if q8 else w2, ids, rowmap, scale, out, H, i,
+                                                      w2.stride(0), w2.stride(1), K=k, BLOCK_N=DOWN_BLOCK_N,
+                                                      BLOCK_K=BLOCK_K, Q8=q8)
     return out
 
 
