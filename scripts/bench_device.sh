@@ -8,12 +8,18 @@
 # skewed; llama-bench --n-cpu-moe 16 (the 12 GiB budget), 24 and all on GPU), s1more (-ot
 # variants and --n-cpu-moe 14/15/17), cpu (CPU expert formats),
 # uniform (S1 reskewed to uniform routing; llama-bench), q8, q4 (S1 as Q8_0 / Q4_K; llama-bench),
-# nommap (llama-bench -lm none: weights read into buffers, not mmap'd), engine (`workbench bench
+# nommap (llama-bench -lm none: weights read into buffers, not mmap'd), tests (tests/engine on CUDA),
+# calibrate ($OUT/h200.json, then the profile of the stages after it), engine (`workbench bench
 # run`: llama.cpp -lm none at --n-cpu-moe 16 and all-GPU, then our n-cpu-moe, frequency, balanced
-# and all-GPU, with the ratios), pack (llama-bench binary
+# and all-GPU, with the ratios), engine_uniform (the same, routers rewritten uniform), engine_q8
+# (S1 as Q8_0, llama.cpp at --n-cpu-moe 8), pack (llama-bench binary
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it).
 # At most 8 files come back per call: choose the stages of one call accordingly.
-# BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (128 / 3) and BENCH_MARGIN (0) tune the engine stage.
+# BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (64 / 2), BENCH_MARGIN (512MiB) and LLAMA_N_CPU_MOE tune
+# the side-by-side stages. A full session run is two calls (the carried files must stay under 64 MiB):
+#   OUT=$OUT scripts/bench_device.sh tests                                       # carry .whl_engine
+#   OUT=$OUT scripts/bench_device.sh build calibrate engine engine_uniform engine_q8  # carry .llamacpp/pack,
+#                                                                               # .llamacpp/whl (gguf)
 # BENCH_TIME_S (default 540) bounds the whole script: llama-bench configurations that would start
 # too late are skipped and reported as such.
 set -uo pipefail
@@ -25,9 +31,11 @@ budget_s="${BENCH_TIME_S:-540}"
 left() { echo $(( budget_s - ($(date +%s) - t0) )); }
 log() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/device.log"; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site"
-if [ -d .llamacpp/whl ] && ! python3 -c "import gguf" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .llamacpp/whl/*.whl
-fi
+for whl in .whl_engine .llamacpp/whl; do  # transformers and gguf wheels, as pinned here
+    if [ -d "$whl" ] && ls "$whl"/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl"/*.whl; break
+    fi
+done
 models="${BENCH_MODELS:-/dev/shm/wb}"
 layers="${BENCH_LAYERS:+--layers $BENCH_LAYERS}"  # dry runs: fewer layers
 mkdir -p "$models"
@@ -100,16 +108,38 @@ stage_nommap() {  # llama.cpp reading the model into (pinned) buffers instead of
     lbench "S1 bf16 skewed, -lm none" llamacpp_s1_skew_nommap.json --model "$models/s1.gguf" \
         --n-cpu-moe 16,24,17 --all-gpu "--llama-args=-lm none"
 }
-stage_engine() {  # llama.cpp (-lm none) then our engine on the same file, one command, side by side
-    [ -f "$models/s1.gguf" ] || { log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; }
-    local side=()
-    wait_build && side=(--llama-bench .llamacpp/bin/llama-bench --llama-n-cpu-moe 16 "--llama-args=-lm none")
+side_by_side() {  # file label json strategies [args...]: llama.cpp (-lm none) then our engine, one command
+    local file="$1" label="$2" json="$3" strategies="$4" side=() prof=bench-h200
+    shift 4
+    wait_build && side=(--llama-bench .llamacpp/bin/llama-bench --llama-n-cpu-moe "${LLAMA_N_CPU_MOE:-16}" "--llama-args=-lm none")
+    [ -f "$OUT/h200.json" ] && prof="$OUT/h200.json"
     local tl=$(( $(left) - 20 ))
-    log "side by side ($tl s left)"
-    wb run --model "$models/s1.gguf" --budget 12GiB --margin "${BENCH_MARGIN:-0}" \
-        --strategies n-cpu-moe,frequency,balanced --all-gpu -n "${BENCH_ENGINE_GEN:-128}" \
-        -r "${BENCH_ENGINE_REPEATS:-3}" --time-limit "$tl" "${side[@]}" \
-        --json "$OUT/engine_s1_skew.json" | tee -a "$OUT/device.log"
+    log "side by side: $label ($tl s left)"
+    wb run --model "$file" --budget 12GiB --margin "${BENCH_MARGIN:-512MiB}" --profile "$prof" \
+        --strategies "$strategies" -p 512 -n "${BENCH_ENGINE_GEN:-64}" -r "${BENCH_ENGINE_REPEATS:-2}" \
+        --time-limit "$tl" "${side[@]}" "$@" --json "$OUT/$json" | tee -a "$OUT/device.log"
+}
+stage_tests() {  # the engine's tests on CUDA (carry .whl_engine: transformers and gguf as pinned here)
+    log "tests"; WORKBENCH_TEST_DEVICE=cuda timeout "${TESTS_TIME_S:-240}" python3 -m pytest -q -p no:cacheprovider \
+        tests/engine >"$OUT/cuda_tests.txt" 2>&1; log "tests rc $?"; tail -3 "$OUT/cuda_tests.txt" | tee -a "$OUT/device.log"
+}
+stage_calibrate() {  # the profile the later stages predict with ($OUT/h200.json)
+    log "calibrate"; python3 -m workbench calibrate -o "$OUT/h200.json" 2>>"$OUT/device.log" | tail -4 | tee -a "$OUT/device.log"
+}
+stage_engine() {  # S1 skewed: llama.cpp and ours, with all on the GPU too
+    [ -f "$models/s1.gguf" ] || { log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; }
+    side_by_side "$models/s1.gguf" "S1 bf16 skewed" engine_s1_skew.json n-cpu-moe,frequency,balanced --all-gpu
+}
+stage_engine_uniform() {  # the same file with uniform routing
+    [ -f "$models/s1.gguf" ] || { log "writing S1"; wb write -o "$models/s1.gguf" --shape s1 $layers --uniform; }
+    wb reskew "$models/s1.gguf" --uniform | tee -a "$OUT/device.log"
+    side_by_side "$models/s1.gguf" "S1 bf16 uniform" engine_s1_uniform.json "n-cpu-moe,frequency"
+}
+stage_engine_q8() {  # S1 as Q8_0 for both engines (ours keeps the experts' Q8_0 blocks)
+    rm -f "$models"/s1.gguf
+    log "writing S1 Q8_0"; wb write -o "$models/s1_q8.gguf" --shape s1 $layers --weights q8_0 | tee -a "$OUT/device.log"
+    LLAMA_N_CPU_MOE="${LLAMA_N_CPU_MOE:-8}" side_by_side "$models/s1_q8.gguf" "S1 Q8_0 skewed" engine_s1_q8.json "n-cpu-moe,frequency"
+    rm -f "$models"/s1_q8.gguf
 }
 
 {
