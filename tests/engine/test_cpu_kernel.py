@@ -289,3 +289,43 @@ def test_q8_0_bad_input_is_refused(kernel, bad, match):
     args.update(bad)
     with pytest.raises(RuntimeError, match=match):
         kernel.moe_decode_q8(**args)
+
+
+def _q4_k_blocks(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q4_K rows ``[n, k/256*144]`` uint8 (finite, small float16 d and dmin) and gguf-py's
+    dequantization of them, float64 ``[n, k]``."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = torch.randint(0, 256, (n, k // 256, 144), dtype=torch.uint8, generator=gen).numpy()
+    d = (np.abs(torch.randn(n, k // 256, 2, generator=gen).numpy()) * 1e-2 + 1e-3).astype(np.float16)
+    raw[..., 0:4] = d.view(np.uint8).reshape(n, k // 256, 4)  # d and dmin
+    ref = dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q4_K).astype(np.float64)
+    return torch.from_numpy(raw.reshape(n, -1).copy()), torch.from_numpy(ref)
+
+
+@pytest.mark.parametrize("H,ffn,rows", [(256, 256, [0, 2, 2]), (2048, 768, [3, 1, 0, 2]), (512, 256, [1])])
+def test_q4_k_matches_ggufs_dequantization(kernel, H, ffn, rows):
+    gen = torch.Generator().manual_seed(H + ffn)
+    E = 4
+    b13, r13 = _q4_k_blocks(E * 2 * ffn, H, gen)
+    b2, r2 = _q4_k_blocks(E * H, ffn, gen)
+    b13, r13 = b13.reshape(E, 2 * ffn, -1), r13.reshape(E, 2 * ffn, H)
+    b2, r2 = b2.reshape(E, H, -1), r2.reshape(E, H, ffn)
+    x = torch.randn(H, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(len(rows), generator=gen) + 0.5
+    y = kernel.moe_decode_q4k(x, b13, b2, torch.tensor(rows), weights)
+    ref = torch.zeros(H, dtype=torch.float64)
+    for r, wt in zip(rows, weights.double().tolist()):
+        h = r13[r] @ x.double()
+        ref += wt * (r2[r] @ (torch.nn.functional.silu(h[:ffn]) * h[ffn:]))
+    assert relative_error(y, ref) < 1e-5
+
+
+def test_q4_k_bad_input_is_refused(kernel):
+    b13, b2 = torch.zeros(2, 512, 144, dtype=torch.uint8), torch.zeros(2, 256, 144, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=r"rows\[0\] = 2 is outside"):
+        kernel.moe_decode_q4k(torch.ones(256), b13, b2, torch.tensor([2]), torch.ones(1))
+    with pytest.raises(RuntimeError, match="H a multiple of 256"):
+        kernel.moe_decode_q4k(torch.ones(128), b13, b2, torch.tensor([0]), torch.ones(1))

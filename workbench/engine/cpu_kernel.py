@@ -148,6 +148,53 @@ def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: tor
     return mod.moe_decode_q8(x.contiguous(), q13, d13, q2, d2, rows, weights)
 
 
+def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: torch.Tensor | np.ndarray,
+                   weights: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """``moe_decode`` for experts kept as GGUF Q4_K blocks (super-blocks of 256 values in 144 bytes:
+    4.5 bits a value), read as they are.
+
+    Args:
+        x: ``[H]`` bfloat16, float16 or float32.
+        b13: ``[E, 2I, H/256*144]`` uint8: the gate (first ``I`` rows) and up rows' raw blocks.
+        b2: ``[E, H, I/256*144]`` uint8: the down rows'. ``H`` and ``I`` multiples of 256, contiguous.
+        rows, weights: as in ``moe_decode``.
+
+    Returns ``[H]`` float32. Raises RuntimeError as ``moe_decode`` does.
+    """
+    mod = _load()
+    if mod is None:
+        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_failed}")
+    import torch
+
+    rows = torch.as_tensor(rows, dtype=torch.int64)
+    weights = torch.as_tensor(weights).to(torch.float32)
+
+    def fail(msg: str):
+        raise RuntimeError(f"moe_decode_q4k: {msg}")
+
+    if not all(t.device.type == "cpu" for t in (x, b13, b2, rows, weights)):
+        fail("every tensor must be on the CPU")
+    H = x.shape[0] if x.dim() == 1 else -1
+    if H <= 0 or H % 256 or str(x.dtype) not in _FLOATS:
+        fail(f"x must be bfloat16, float16 or float32 [H] with H a multiple of 256, got {x.dtype} {list(x.shape)}")
+    if b13.dim() != 3 or b2.dim() != 3 or b13.dtype != torch.uint8 or b2.dtype != torch.uint8:
+        fail(f"b13 and b2 must be uint8 [E, 2I, H/256*144] and [E, H, I/256*144], got {list(b13.shape)} and "
+             f"{list(b2.shape)}")
+    E, ffn = b13.shape[0], b13.shape[1] // 2
+    if (ffn <= 0 or ffn % 256 or tuple(b13.shape) != (E, 2 * ffn, H // 256 * 144)
+            or tuple(b2.shape) != (E, H, ffn // 256 * 144)):
+        fail(f"b13 must be [E, 2I, {H // 256 * 144}] and b2 [E, {H}, I/256*144] with I a multiple of 256, got "
+             f"{list(b13.shape)} and {list(b2.shape)}")
+    if not (b13.is_contiguous() and b2.is_contiguous()):
+        fail("the weight stacks must be contiguous")
+    if rows.dim() != 1 or weights.dim() != 1 or weights.shape[0] != rows.shape[0]:
+        fail(f"rows must be int64 [n] and weights float32 [n], got {list(rows.shape)} and {list(weights.shape)}")
+    for j, r in enumerate(rows.tolist()):
+        if not 0 <= r < E:
+            fail(f"rows[{j}] = {r} is outside [0, {E})")
+    return mod.moe_decode_q4k(x.contiguous(), b13, b2, ffn, rows, weights)
+
+
 _checked: set[tuple] = set()
 """Weight stacks that passed the checks, by what the checks read (device, address, shape, strides,
 dtype; no reference kept): a decode step calls with the same stacks every token."""

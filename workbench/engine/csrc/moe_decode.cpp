@@ -157,10 +157,84 @@ inline float dot_q8(const int8_t* q, const Half* d, const float* x, int64_t K) {
   return s;
 }
 
+// GGUF Q4_K: super-blocks of 256 values, 144 bytes each: float16 d and dmin, 12 bytes of 6-bit
+// scales and minimums for 8 sub-blocks of 32, then 128 bytes of 4-bit values (in each 64-value
+// chunk, the low nibbles of 32 bytes are values 0..31 and the high nibbles values 32..63).
+// value = d * sc[j] * q - dmin * m[j]. A matrix [N, K] is kept as its raw bytes [N, K / 256 * 144].
+inline void nibbles(const uint8_t* p, vf32& lo, vf32& hi) {  // 16 bytes -> low and high nibbles
+#if defined(__AVX512F__)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  lo = reinterpret_cast<vf32>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, mask))));
+  hi = reinterpret_cast<vf32>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask))));
+#else
+  for (int64_t l = 0; l < LANES; ++l) {
+    lo[l] = static_cast<float>(p[l] & 0x0F);
+    hi[l] = static_cast<float>(p[l] >> 4);
+  }
+#endif
+}
+
+inline float hsum(vf32 v) {
+  float s = 0.f;
+  for (int64_t l = 0; l < LANES; ++l) s += v[l];
+  return s;
+}
+
+// dot of one Q4_K row with x[0:K]; xsum[K/32] holds the sums of x over each 32-value block.
+inline float dot_q4k(const uint8_t* row, const float* x, const float* xsum, int64_t K) {
+  vf32 acc = {};
+  float mins = 0.f;
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* b = row + 144 * sb;
+    const float d = half_to_float(reinterpret_cast<const Half*>(b));
+    const float dmin = half_to_float(reinterpret_cast<const Half*>(b + 2));
+    const uint8_t* sc = b + 4;
+    const uint8_t* qs = b + 16;
+    const float* xb = x + 256 * sb;
+    const float* xs = xsum + 8 * sb;
+    for (int64_t c = 0; c < 4; ++c) {
+      const int64_t j0 = 2 * c, j1 = 2 * c + 1;
+      int s0, m0, s1, m1;
+      if (j0 < 4) {
+        s0 = sc[j0] & 63, m0 = sc[j0 + 4] & 63;
+      } else {
+        s0 = (sc[j0 + 4] & 0xF) | ((sc[j0 - 4] >> 6) << 4), m0 = (sc[j0 + 4] >> 4) | ((sc[j0] >> 6) << 4);
+      }
+      if (j1 < 4) {
+        s1 = sc[j1] & 63, m1 = sc[j1 + 4] & 63;
+      } else {
+        s1 = (sc[j1 + 4] & 0xF) | ((sc[j1 - 4] >> 6) << 4), m1 = (sc[j1 + 4] >> 4) | ((sc[j1] >> 6) << 4);
+      }
+      vf32 lo0, hi0, lo1, hi1;
+      nibbles(qs + 32 * c, lo0, hi0);
+      nibbles(qs + 32 * c + 16, lo1, hi1);
+      const float* xc = xb + 64 * c;
+      acc += (d * s0) * (lo0 * load_vec(xc) + lo1 * load_vec(xc + LANES)) +
+             (d * s1) * (hi0 * load_vec(xc + 32) + hi1 * load_vec(xc + 32 + LANES));
+      mins += dmin * (m0 * xs[j0] + m1 * xs[j1]);
+    }
+  }
+  return hsum(acc) - mins;
+}
+
+inline void block_sums(const float* x, int64_t K, float* out) {  // out[K/32]
+  for (int64_t b = 0; b < K / 32; ++b) {
+    float s = 0.f;
+    for (int64_t i = 0; i < 32; ++i) s += x[32 * b + i];
+    out[b] = s;
+  }
+}
+
 // The fused decode over any weight layout: dot13(j, r) = row r of expert j's w13 . x (r < 2I, gate
 // rows first), dot2(j, o, a) = row o of expert j's w2 . a.
-template <typename Dot13, typename Dot2>
-void decode_rows(const float* weights, int64_t n, int64_t H, int64_t I, float* out, Dot13 dot13, Dot2 dot2) {
+struct NoHook {
+  void operator()(const float*) const {}
+};
+
+template <typename Dot13, typename Dot2, typename Hook = NoHook>
+void decode_rows(const float* weights, int64_t n, int64_t H, int64_t I, float* out, Dot13 dot13, Dot2 dot2,
+                 Hook between = Hook()) {
   std::vector<float> act(static_cast<size_t>(n * I));  // silu(g) * u per expert, [n, I]
   float* a = act.data();
 
@@ -177,6 +251,8 @@ void decode_rows(const float* weights, int64_t n, int64_t H, int64_t I, float* o
       p += len;
     }
   });
+
+  between(a);  // e.g. per-block sums of the activations, which Q4_K's minimums need
 
   // pass 2: a task owns output rows [begin, end) and walks the experts one after another, streaming
   // one contiguous block of each expert's down matrix
@@ -212,6 +288,22 @@ void decode_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t*
                 const int64_t off = rows[j] * e2 + o * I;
                 return dot_q8(q2 + off, d2 + off / 32, aj, I);
               });
+}
+
+void decode_q4k(const float* x, const uint8_t* b13, const uint8_t* b2, const int64_t* rows, const float* weights,
+                int64_t n, int64_t H, int64_t I, float* out) {
+  const int64_t row13 = H / 256 * 144, row2 = I / 256 * 144;  // bytes per matrix row
+  std::vector<float> xsum(static_cast<size_t>(H / 32)), asum(static_cast<size_t>(n * (I / 32)));
+  block_sums(x, H, xsum.data());
+  decode_rows(
+      weights, n, H, I, out,
+      [&](int64_t j, int64_t r) { return dot_q4k(b13 + (rows[j] * 2 * I + r) * row13, x, xsum.data(), H); },
+      [&](int64_t j, int64_t o, const float* aj) {
+        return dot_q4k(b2 + (rows[j] * H + o) * row2, aj, asum.data() + j * (I / 32), I);
+      },
+      [&](const float* a) {
+        for (int64_t j = 0; j < n; ++j) block_sums(a + j * I, I, asum.data() + j * (I / 32));
+      });
 }
 
 at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
@@ -291,6 +383,32 @@ at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::T
   return out;
 }
 
+// Q4_K experts as raw blocks: b13 uint8 [E, 2I, H/256*144], b2 uint8 [E, H, I/256*144]; H, I multiples
+// of 256. The Python wrapper checks the input; these checks only guard the reads.
+at::Tensor moe_decode_q4k(const at::Tensor& x, const at::Tensor& b13, const at::Tensor& b2, int64_t I,
+                          const at::Tensor& rows, const at::Tensor& weights) {
+  const int64_t H = x.numel(), E = b13.size(0);
+  TORCH_CHECK(H % 256 == 0 && I % 256 == 0 && I > 0 && b13.dim() == 3 && b2.dim() == 3 && b13.size(1) == 2 * I &&
+                  b13.size(2) == H / 256 * 144 && b2.size(0) == E && b2.size(1) == H && b2.size(2) == I / 256 * 144 &&
+                  b13.scalar_type() == at::kByte && b2.scalar_type() == at::kByte && b13.is_contiguous() &&
+                  b2.is_contiguous(),
+              "moe_decode_q4k: bad weight stacks");
+  TORCH_CHECK(x.dim() == 1 && rows.dim() == 1 && rows.scalar_type() == at::kLong && weights.dim() == 1 &&
+                  weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
+              "moe_decode_q4k: bad x, rows or weights");
+  const at::Tensor r = rows.contiguous(), wt = weights.contiguous();
+  const int64_t n = r.size(0);
+  const int64_t* rp = r.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) TORCH_CHECK(rp[j] >= 0 && rp[j] < E, "moe_decode_q4k: row out of range");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::zeros({H}, x.options().dtype(at::kFloat));
+  if (n == 0) return out;
+  py::gil_scoped_release nogil;
+  decode_q4k(xf.data_ptr<float>(), b13.data_ptr<uint8_t>(), b2.data_ptr<uint8_t>(), rp, wt.data_ptr<float>(), n, H, I,
+             out.data_ptr<float>());
+  return out;
+}
+
 // Threads that at::parallel_for gives a large range here (1 when the build lacks OpenMP).
 int64_t parallel_threads() {
   std::atomic<int64_t> tasks{0};
@@ -310,6 +428,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "d2 f16 [E, H, I/32], rows [n] int64, weights [n] f32 -> [H] f32",
         py::arg("x"), py::arg("q13"), py::arg("d13"), py::arg("q2"), py::arg("d2"), py::arg("rows"),
         py::arg("weights"));
+  m.def("moe_decode_q4k", &moe_decode_q4k,
+        "moe_decode with GGUF Q4_K experts as raw blocks: x [H], b13 uint8 [E, 2I, H/256*144], b2 uint8 "
+        "[E, H, I/256*144], I, rows [n] int64, weights [n] f32 -> [H] f32",
+        py::arg("x"), py::arg("b13"), py::arg("b2"), py::arg("I"), py::arg("rows"), py::arg("weights"));
   m.def("parallel_threads", &parallel_threads, "Tasks at::parallel_for runs a large range in (a build check)",
         py::call_guard<py::gil_scoped_release>());
 }
