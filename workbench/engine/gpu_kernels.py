@@ -71,10 +71,35 @@ def usable(t: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _q4k_values(base, k, m):
+        """GGUF Q4_K values at input positions ``k`` (any shape) of the rows whose raw bytes start at
+        ``base`` (same shape, uint8 pointers), where ``m`` (else 0, nothing read):
+        ``d * sc[j] * q - dmin * m[j]`` in float32."""
+        sb = base + (k // 256) * 144
+        w = k % 256
+        p = w % 64
+        q = tl.load(sb + 16 + (w // 64) * 32 + p % 32, mask=m, other=0).to(tl.int32)
+        q = (q >> ((p // 32) * 4)) & 0xF
+        j = w // 32
+        sc = sb + 4
+        a = tl.load(sc + j, mask=m, other=0).to(tl.int32)
+        b = tl.load(sc + j + 4, mask=m, other=0).to(tl.int32)
+        c = tl.load(sc + tl.where(j >= 4, j - 4, j), mask=m, other=0).to(tl.int32)
+        scale = tl.where(j < 4, a & 63, (b & 0xF) | ((c >> 6) << 4))
+        mn = tl.where(j < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
+        d = (tl.load(sb, mask=m, other=0).to(tl.uint16)
+             | (tl.load(sb + 1, mask=m, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True)
+        dm = (tl.load(sb + 2, mask=m, other=0).to(tl.uint16)
+              | (tl.load(sb + 3, mask=m, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True)
+        v = d.to(tl.float32) * scale.to(tl.float32) * q.to(tl.float32) - dm.to(tl.float32) * mn.to(tl.float32)
+        return tl.where(m, v, 0.0)
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, K, stride_e, stride_n,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr):
-        """out[j, n] = w[rowmap[ids[j]], n, :] . x  (float32), zero where the pair is inactive. ``Q8``:
-        ``w`` int8 and ``d_ptr`` its float16 scales, one per 32 values along K (GGUF Q8_0)."""
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr):
+        """out[j, n] = w[rowmap[ids[j]], n, :] . x  (float32), zero where the pair is inactive. ``FMT``
+        1: ``w`` int8 and ``d_ptr`` its float16 scales, one per 32 values along K (GGUF Q8_0); 2:
+        ``w`` the rows' raw GGUF Q4_K bytes (``stride_n`` bytes a row)."""
         pair = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row = tl.load(rowmap_ptr + tl.load(ids_ptr + pair))
@@ -87,8 +112,11 @@ if triton is not None:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             xk = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             m = (offs_n[:, None] < n_lim) & (offs_k[None, :] < K)
-            w = tl.load(w_base + offs_k[None, :], mask=m, other=0).to(tl.float32)
-            if Q8:
+            if FMT == 2:
+                w = _q4k_values(w_base + 0 * offs_k[None, :], offs_k[None, :], m)
+            else:
+                w = tl.load(w_base + offs_k[None, :], mask=m, other=0).to(tl.float32)
+            if FMT == 1:
                 w = w * tl.load(d_ptr + (row * stride_e + offs_n[:, None] * stride_n + offs_k[None, :]) // 32,
                                 mask=m, other=0.0).to(tl.float32)
             acc += tl.sum(w * xk[None, :], axis=1)
@@ -96,7 +124,7 @@ if triton is not None:
 
     @triton.jit
     def _down_sum_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, FFN, stride_e, stride_n,
-                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, Q8: tl.constexpr):
+                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr):
         """out[n] = sum_j scale[j] * w[row_j, n, :] . (silu(h[j, :FFN]) * h[j, FFN:]), in out's dtype:
         the pairs are summed here, so no reduction or cast follows."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -117,8 +145,11 @@ if triton is not None:
                 u = tl.load(h_base + FFN + offs_k, mask=km, other=0.0)
                 a = g * tl.sigmoid(g) * u
                 m = (offs_n[:, None] < n_lim) & km[None, :]
-                w = tl.load(w_base + offs_k[None, :], mask=m, other=0).to(tl.float32)
-                if Q8:
+                if FMT == 2:
+                    w = _q4k_values(w_base + 0 * offs_k[None, :], offs_k[None, :], m)
+                else:
+                    w = tl.load(w_base + offs_k[None, :], mask=m, other=0).to(tl.float32)
+                if FMT == 1:
                     w = w * tl.load(d_ptr + (row * stride_e + offs_n[:, None] * stride_n + offs_k[None, :]) // 32,
                                     mask=m, other=0.0).to(tl.float32)
                 part += tl.sum(w * a[None, :], axis=1)
@@ -276,28 +307,31 @@ def qkv_rope_cache(qkv: torch.Tensor, norm: torch.Tensor | None, cos: torch.Tens
 
 def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, rowmap: torch.Tensor,
                       w13: torch.Tensor, w2: torch.Tensor, d13: torch.Tensor | None = None,
-                      d2: torch.Tensor | None = None) -> torch.Tensor:
+                      d2: torch.Tensor | None = None, fmt: str = "") -> torch.Tensor:
     """SwiGLU experts of one token, weighted and summed: ``[1, H]`` in ``x.dtype``.
 
     ``x [1, H]``; ``ids``/``scale [k]``: the selected experts and their routing weights;
     ``rowmap [E]`` int64: each expert's row in ``w13 [R, 2I, H]`` (gate rows first) and
     ``w2 [R, H, I]``, or -1 when it lives elsewhere (that pair adds nothing and reads nothing).
     With ``d13 [R, 2I, H/32]`` / ``d2 [R, H, I/32]`` (float16) the stacks are GGUF Q8_0: ``w13``/``w2``
-    int8 values, one scale per 32 along the input axis (contiguous stacks).
+    int8 values, one scale per 32 along the input axis (contiguous stacks). ``fmt="q4_k"``: ``w13``
+    ``[R, 2I, H/256*144]`` and ``w2 [R, H, I/256*144]`` are the rows' raw GGUF Q4_K bytes (uint8).
     No host sync; capturable in a CUDA graph.
     """
     k = ids.shape[0]
-    _, n13, H = w13.shape
-    i = w2.shape[2]
+    n13 = w13.shape[1]
+    H = w2.shape[1]
+    i = w2.shape[2] // 144 * 256 if fmt == "q4_k" else w2.shape[2]
     q8 = d13 is not None
+    code = 2 if fmt == "q4_k" else 1 if q8 else 0
     h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
     _gate_up_kernel[(k, triton.cdiv(n13, BLOCK_N))](x, w13, d13 if q8 else w13, ids, rowmap, scale, h, n13, H,
                                                     w13.stride(0), w13.stride(1), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                                    Q8=q8)
+                                                    FMT=code)
     out = torch.empty((1, H), dtype=x.dtype, device=x.device)
     _down_sum_kernel[(triton.cdiv(H, DOWN_BLOCK_N),)](h, w2, d2 if q8 else w2, ids, rowmap, scale, out, H, i,
                                                       w2.stride(0), w2.stride(1), K=k, BLOCK_N=DOWN_BLOCK_N,
-                                                      BLOCK_K=BLOCK_K, Q8=q8)
+                                                      BLOCK_K=BLOCK_K, FMT=code)
     return out
 
 
