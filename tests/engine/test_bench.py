@@ -158,5 +158,5 @@ def test_planner_leaves_room_for_what_the_engine_dequantizes(tiny_gguf, monkeypa
     experts = sum(2 * u.n_params - u.nbytes for k, u in quant if k.kind == "expert")
     assert others > 0 and experts > 0
     assert dequantized_extra_bytes(inv, torch.bfloat16) == others
-    monkeypatch.setenv("WORKBENCH_KEEP_Q8_0", "0")
+    monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", "0")
     assert dequantized_extra_bytes(inv, torch.bfloat16) == others + experts

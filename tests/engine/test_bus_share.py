@@ -55,7 +55,8 @@ def _share(engine, fraction: float) -> bus.BusShare:
                          (a.hidden, a.expert_ffn), fraction)
     for lx in engine.experts.values():
         if lx.n_tier[COMPUTE]:
-            assert share.pin(lx, *lx.cpu_stacks())
+            kept = (lx.kept, lx.n13, lx.k13, lx.k2) if lx.kept_cpu is not None else None
+            assert share.pin(lx, lx.cpu_stacks(), kept)
             lx.bus = share
     return share
 
@@ -97,14 +98,16 @@ def test_prefill_fetches_the_experts_many_tokens_select(fetch_tokens, tiny_model
         assert tokens == reference_tokens(model, PROMPT, N_NEW)
 
 
-def test_q8_0_experts_travel_as_blocks_and_compute_as_their_dequantization(tiny_gguf, monkeypatch):
-    """CPU experts kept in Q8_0: the bus carries the blocks and the device dequantizes them; logits and
-    tokens match the same experts dequantized at load and computed on the CPU."""
-    sizes = {"hidden_size": 64, "moe_intermediate_size": 32, "intermediate_size": 64, "mlp_only_layers": []}
-    inv = open_inventory(tiny_gguf("qwen3_moe", "Q8_0", **sizes))
+@pytest.mark.parametrize("tensor_type,width", [("Q8_0", 64), ("Q4_K", 256)])
+def test_kept_blocks_travel_as_blocks_and_compute_as_their_dequantization(tensor_type, width, tiny_gguf, monkeypatch):
+    """CPU experts kept in the file's blocks: the bus carries the blocks and the device dequantizes
+    them; logits and tokens match the same experts dequantized at load and computed on the CPU."""
+    sizes = {"hidden_size": width, "moe_intermediate_size": width // 2 if tensor_type == "Q8_0" else width,
+             "intermediate_size": width, "mlp_only_layers": []}
+    inv = open_inventory(tiny_gguf("qwen3_moe", tensor_type, **sizes))
     runs = []
     for keep in ("1", "0"):
-        monkeypatch.setenv("WORKBENCH_KEEP_Q8_0", keep)
+        monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", keep)
         engine = decode_step_engine(inv, placements(inv)["compute"])
         try:
             share = _share(engine, 1.0 if keep == "1" else 0.0)
@@ -112,7 +115,7 @@ def test_q8_0_experts_travel_as_blocks_and_compute_as_their_dequantization(tiny_
             logits = engine.forward(torch.tensor(PROMPT), 0)
             runs.append((logits, greedy_tokens(engine, PROMPT, N_NEW)))
             if keep == "1":
-                assert share.copied > 0 and all(lx.q8 is not None for lx in engine.experts.values())
+                assert share.copied > 0 and all(lx.kept_cpu is not None for lx in engine.experts.values())
         finally:
             engine.close()
     assert rel_err(runs[0][0], runs[1][0]) < (1e-5 if TEST_DTYPE == torch.float32 else LOGITS_RTOL)

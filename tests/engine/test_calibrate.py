@@ -46,6 +46,8 @@ def test_cpu_calibration_in_budget_with_progress():
     assert {"bf16", "f32"} <= expected
     if "int8" in expected and cpu_kernel.available() and HIDDEN % 32 == 0 and FFN % 32 == 0:
         expected.add("q8_0")  # GGUF Q8_0 experts, timed with the fused Q8_0 kernel
+    if "int4" in expected and cpu_kernel.available() and HIDDEN % 256 == 0 and FFN % 256 == 0:
+        expected.add("q4_k")
     assert set(prof.cpu_expert_throughput) == expected
     assert all(v > 1e6 for v in prof.cpu_expert_throughput.values())
     assert prof.host_read_bandwidth > 1e8 and prof.cpu_flops > 1e7
@@ -142,3 +144,13 @@ def test_cli_takes_the_expert_shape_from_a_model(tiny_model_dir, capsys):
     prof = json.loads(capsys.readouterr().out)
     assert f"expert {spec.hidden_size} x {spec.expert_ffn}" in prof["source"]
     assert main(["calibrate", "--model", str(path / "missing")]) == 2
+
+
+@pytest.mark.skipif(not cpu_kernel.available(), reason="the fused CPU kernel does not build here")
+def test_kept_quant_formats_are_timed_with_their_fused_kernels():
+    """Q8_0 and Q4_K experts (kept as blocks by the engine) get their own CPU rates for the cost model."""
+    prof = calibrate(256, 256, budget_s=2.0, weight_bytes=4 << 20, use_cuda=False, formats=["bf16", "int8", "int4"])
+    for fmt in ("q8_0", "q4_k"):
+        if fmt == "q8_0" and "int8" not in format_table() or fmt == "q4_k" and "int4" not in format_table():
+            continue
+        assert prof.cpu_expert_throughput[fmt] > 1e6

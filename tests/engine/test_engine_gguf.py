@@ -83,32 +83,38 @@ def test_quantized_gguf_matches_transformers_on_dequantized_weights(model_type, 
     for name in ("resident", "mixed", "compute"):
         engine = Engine.load(inv, placements(inv)[name], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
         if tensor_type == "Q8_0" and model_type == "qwen3_moe":  # experts stay in the file's blocks
-            assert all(lx.q8 is not None for lx in engine.experts.values() if lx.n_tier[1])
-            assert all(lx.q8_res is not None for lx in engine.experts.values() if lx.n_tier[0])
+            assert all(lx.kept_cpu is not None for lx in engine.experts.values() if lx.n_tier[1])
+            assert all(lx.kept_res is not None for lx in engine.experts.values() if lx.n_tier[0])
         check(engine, ref)
         engine.close()
 
 
-def test_q8_0_cpu_experts_compute_what_their_dequantized_copies_compute(tiny_gguf, monkeypatch):
-    """The CPU tier kept in Q8_0 blocks (decode: the fused Q8_0 kernel; prompts: rows dequantized on
-    use; moving tiers) gives the logits of the same experts dequantized at load."""
-    sizes = dict(QUANT_SIZES, mlp_only_layers=[])
-    inv = open_inventory(tiny_gguf("qwen3_moe", "Q8_0", **sizes))
+# Sizes in whole Q4_K super-blocks (256 values).
+Q4_K_SIZES = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "mlp_only_layers": []}
+
+
+@pytest.mark.parametrize("tensor_type,sizes", [("Q8_0", dict(QUANT_SIZES, mlp_only_layers=[])), ("Q4_K", Q4_K_SIZES)])
+def test_kept_blocks_compute_what_their_dequantized_copies_compute(tensor_type, sizes, tiny_gguf, monkeypatch):
+    """Experts kept in the file's blocks (CPU decode: the fused kernel for the format; GPU decode: the
+    Triton kernels; prompts: rows dequantized on use; moving tiers) give the logits and tokens of
+    the same experts dequantized at load, resident and on the CPU."""
+    inv = open_inventory(tiny_gguf("qwen3_moe", tensor_type, **sizes))
     p = placements(inv)
     runs = {}
     for keep in ("1", "0"):
-        monkeypatch.setenv("WORKBENCH_KEEP_Q8_0", keep)
+        monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", keep)
         engine = Engine.load(inv, p["resident"], device=TEST_DEVICE, dtype=torch.float32, max_context=64)
-        assert all((lx.q8_res is not None) == (keep == "1") for lx in engine.experts.values())
+        assert all((lx.kept_res is not None) == (keep == "1") for lx in engine.experts.values())
         runs[f"resident{keep}"] = (engine.forward(torch.tensor(PROMPT), 0), greedy_tokens(engine, PROMPT, 8),
                                    engine.memory_report()["gpu:0"])
         engine.close()
         engine = Engine.load(inv, p["compute"], device=TEST_DEVICE, dtype=torch.float32, max_context=64)
-        assert all((lx.q8 is not None) == (keep == "1") for lx in engine.experts.values())
+        assert all((lx.kept_cpu is not None) == (keep == "1") for lx in engine.experts.values())
         logits = engine.forward(torch.tensor(PROMPT), 0)
         tokens = greedy_tokens(engine, PROMPT, 8)
         if keep == "1":
             lx = next(iter(engine.experts.values()))
+            assert lx.kept == tensor_type.lower()
             assert lx.nbytes["cpu"] < 0.6 * 4 * sum(inv.units[k].n_params for k in inv.expert_keys(lx.layer))
             engine.apply_placement(p["mixed"])  # Q8_0 rows move to the accelerator dequantized
             assert greedy_tokens(engine, PROMPT, 8) == tokens

@@ -24,7 +24,7 @@ def check_placement(inventory: Inventory, args: ModelArgs, placement: Placement,
     ``n_accelerators`` present, streamed experts with ``stream_slots == 0``, or an accelerator need
     (weights in the engine's dtype + KV cache for ``max_context`` + stream cache + ``extra_bytes``, the
     bus share's slots) over ``vram_budget``. ``experts_as_stored``: routed experts keep the file's
-    bytes (GGUF Q8_0 blocks) instead of the engine's dtype.
+    bytes (kept GGUF Q8_0 / Q4_K blocks) instead of the engine's dtype.
     """
     problems = validate(placement, inventory, n_accelerators)
     if problems:

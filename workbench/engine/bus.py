@@ -35,6 +35,8 @@ from workbench.core.costmodel import BUS_SHARE as DEFAULT_FRACTION
 from workbench.core.costmodel import BUS_SLOTS as SLOTS
 from workbench.core.costmodel import PREFILL_FETCH_TOKENS
 
+from . import blocks
+
 log = logging.getLogger(__name__)
 
 
@@ -85,25 +87,30 @@ class BusShare:
         self.ready = [torch.cuda.Event() for _ in range(2)] if self.cuda else None  # prefill: two halves
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
         self.fetch_tokens = PREFILL_FETCH_TOKENS
-        self._q8: list[torch.Tensor] | None = None
+        self._kept: tuple | None = None
+        self._staging: list[torch.Tensor] = []
         self._set: list[int] = []
         self.registered: dict[int, list[torch.Tensor]] = {}  # by id() of the owner (a LayerExperts)
         self.copied = 0  # experts sent over the bus so far
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the slots (and of the staging for one Q8_0 expert, once a layer has one)."""
-        staging = sum(t.numel() * t.element_size() for t in self._q8) if self._q8 is not None else 0
+        """Device bytes of the slots (and of the staging for one kept expert's blocks, once a layer has them)."""
+        staging = sum(t.numel() * t.element_size() for t in self._staging)
         return (self.w13.numel() + self.w2.numel()) * self.w13.element_size() + staging
 
     def share(self, n: int) -> int:
         """How many of ``n`` CPU-selected experts of one token go over the bus."""
         return min(self.slots, n, int(n * self.fraction + 0.5))
 
-    def pin(self, owner, *stacks: torch.Tensor) -> bool:
-        """Page-lock ``owner``'s CPU-tier stacks; True when all of them are (then it may share)."""
-        if len(stacks) == 4 and self._q8 is None:  # Q8_0 stacks: device staging for one expert's blocks
-            self._q8 = [torch.empty(t.shape[1:], dtype=t.dtype, device=self.device) for t in stacks]
+    def pin(self, owner, stacks: list[torch.Tensor], kept: tuple | None = None) -> bool:
+        """Page-lock ``owner``'s CPU-tier ``stacks``; True when all of them are (then it may share).
+        ``kept``: ``(format, tensors of w13, K of w13, K of w2)`` when the stacks are kept quantized
+        blocks (``LayerExperts.alloc_kept``): the device then stages one expert's blocks and
+        dequantizes them into a slot."""
+        if kept is not None and self._kept is None:
+            self._kept = kept
+            self._staging = [torch.empty(t.shape[1:], dtype=t.dtype, device=self.device) for t in stacks]
         if not self.cuda:
             return True
         ok = True
@@ -132,17 +139,17 @@ class BusShare:
 
     def _load(self, slot: int, row: int, src: list[torch.Tensor]) -> None:
         """Queue on the current stream the copy of row ``row`` of the pinned host stacks ``src`` into
-        slot ``slot``: ``[w13, w2]`` as they are, or Q8_0 ``[q13, d13, q2, d2]`` (half the bytes over
-        the bus) dequantized on the device."""
-        if len(src) == 2:
+        slot ``slot``: float ``[w13, w2]`` as they are, or kept blocks (half or a quarter of the bytes
+        over the bus) dequantized on the device."""
+        if src[0].is_floating_point():
             self.w13[slot].copy_(src[0][row], non_blocking=True)
             self.w2[slot].copy_(src[1][row], non_blocking=True)
             return
-        for buf, t in zip(self._q8, src):  # staging made by pin()
+        for buf, t in zip(self._staging, src):  # staging made by pin()
             buf.copy_(t[row], non_blocking=True)
-        q13, d13, q2, d2 = self._q8
-        for dst, q, d in ((self.w13[slot], q13, d13), (self.w2[slot], q2, d2)):
-            dst.copy_((q.view(q.shape[0], -1, 32).float() * d.float()[..., None]).view(q.shape))
+        fmt, n, k13, k2 = self._kept
+        self.w13[slot].copy_(blocks.dequantize(fmt, self._staging[:n], k13, self.w13.dtype))
+        self.w2[slot].copy_(blocks.dequantize(fmt, self._staging[n:], k2, self.w2.dtype))
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: np.ndarray,
             rows: np.ndarray, src: list[torch.Tensor]) -> torch.Tensor:

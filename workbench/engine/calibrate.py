@@ -236,6 +236,31 @@ def _cpu_fused_q8(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weigh
     return per_expert * k * len(starts) / t
 
 
+def _cpu_fused_q4k(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weight_bytes: int) -> float:
+    """Bytes/s of Q4_K blocks the fused Q4_K decode kernel (``cpu_kernel.moe_decode_q4k``) reaches,
+    ``top_k`` experts per call, over a pool as large as ``_cpu_fused``'s."""
+    per_expert = 3 * hidden * ffn * 144 // 256
+    pool = int(min(max(weight_bytes, 2 << 30), psutil.virtual_memory().available // 8))
+    n = max(top_k, min(512, pool // per_expert))
+    g = torch.Generator().manual_seed(0)
+    b13 = torch.randint(0, 256, (n, 2 * ffn, hidden // 256 * 144), dtype=torch.uint8, generator=g)
+    b2 = torch.randint(0, 256, (n, hidden, ffn // 256 * 144), dtype=torch.uint8, generator=g)
+    for b in (b13, b2):  # small finite float16 d and dmin (0x1400: about 1e-3)
+        b.view(n, b.shape[1], -1, 144)[..., 0:4] = torch.tensor([0x00, 0x14, 0x00, 0x14], dtype=torch.uint8)
+    k = min(top_k, n)
+    x = torch.randn(hidden, generator=g).to(torch.bfloat16)
+    weights = torch.full((k,), 1.0 / k)
+    starts = list(range(0, n - k + 1, k)) or [0]
+
+    def one_pass() -> None:
+        for s in starts:
+            cpu_kernel.moe_decode_q4k(x, b13, b2, torch.arange(s, s + k), weights)
+
+    one_pass()
+    t = _repeat(run, one_pass, 0.3 * run.share[step])
+    return per_expert * k * len(starts) / t
+
+
 # -- GPU ---------------------------------------------------------------------------------------
 
 
@@ -489,6 +514,10 @@ def calibrate(
             # GGUF Q8_0 experts: the engine keeps the blocks and runs the fused Q8_0 kernel
             throughput["q8_0"] = _cpu_fused_q8(run, step, hidden, expert_ffn, top_k, weight_bytes)
             run.report(f"CPU q8_0 (fused): {throughput['q8_0'] / 1e9:.1f} GB/s of weights")
+        if name == "int4" and cpu_kernel.available() and hidden % 256 == 0 and expert_ffn % 256 == 0:
+            # GGUF Q4_K experts: kept as blocks, the fused Q4_K kernel
+            throughput["q4_k"] = _cpu_fused_q4k(run, step, hidden, expert_ffn, top_k, weight_bytes)
+            run.report(f"CPU q4_k (fused): {throughput['q4_k'] / 1e9:.1f} GB/s of weights")
         throughput[name] = bps
         bf16_experts = experts if name == "bf16" else bf16_experts
         del experts

@@ -31,7 +31,7 @@ from workbench.core.inventory import Inventory
 from workbench.core.placement import Placement, is_gpu
 from workbench.core.units import KINDS, UnitKey
 
-from . import bus, gpu_kernels
+from . import blocks, bus, gpu_kernels
 from .budget import check_placement
 from .experts import COMPUTE, RESIDENT, STREAM, LayerExperts
 from .families import ModelArgs
@@ -63,16 +63,19 @@ class HostMemoryError(WorkbenchError):
     """Host RAM ran out while loading (CPU expert stacks, pinned stream copies); everything was freed."""
 
 
-def keeps_q8_0(inventory: Inventory, args: ModelArgs, cpu_format: str | None) -> bool:
-    """Whether the engine keeps this model's routed experts in their GGUF Q8_0 blocks on the GPU
-    and the CPU instead of dequantizing them at load: every expert tensor is Q8_0, plain SwiGLU
-    experts without biases whose sizes fill whole 32-value blocks, no CPU format asked for, and
-    ``WORKBENCH_KEEP_Q8_0`` is not ``0``."""
+def kept_format(inventory: Inventory, args: ModelArgs, cpu_format: str | None) -> str | None:
+    """The quantized format (``blocks.FORMATS``: ``q8_0`` or ``q4_k``) in which the engine keeps this
+    model's routed experts on the GPU and the CPU instead of dequantizing them at load, or None:
+    every expert tensor is stored in that one format, plain SwiGLU experts without biases whose sizes
+    fill whole blocks, no CPU format asked for, and ``WORKBENCH_KEEP_QUANTS`` is not ``0``."""
     if (cpu_format is not None or args.expert_bias or args.expert_act != "silu" or not args.n_experts
-            or args.expert_ffn % 32 or args.hidden % 32 or os.environ.get("WORKBENCH_KEEP_Q8_0", "1") == "0"):
-        return False
-    tensors = [t for k, u in inventory.units.items() if k.kind == "expert" for t in u.tensors]
-    return bool(tensors) and all(t.tensor.dtype.upper() == "Q8_0" for t in tensors)
+            or os.environ.get("WORKBENCH_KEEP_QUANTS", "1") == "0"):
+        return None
+    types = {t.tensor.dtype.upper() for k, u in inventory.units.items() if k.kind == "expert" for t in u.tensors}
+    fmt = blocks.FORMATS.get(types.pop()) if len(types) == 1 else None
+    if fmt is None or args.expert_ffn % blocks.BLOCK[fmt] or args.hidden % blocks.BLOCK[fmt]:
+        return None
+    return fmt
 
 
 def _bus_bytes(args: ModelArgs, placement: Placement, device: torch.device, dtype_bytes: int, share: float) -> int:
@@ -87,7 +90,7 @@ def _bus_bytes(args: ModelArgs, placement: Placement, device: torch.device, dtyp
                                              if k.kind == "expert")):
         return 0
     slots = bus.SLOTS * 3 * args.expert_ffn * args.hidden * dtype_bytes
-    return slots + 3 * args.expert_ffn * args.hidden * 34 // 32  # and staging for one Q8_0 expert
+    return slots + 3 * args.expert_ffn * args.hidden * 34 // 32  # and staging for one kept expert's blocks
 
 
 def _is_host_oom(exc: BaseException) -> bool:
@@ -164,7 +167,7 @@ class Engine:
         bus_share = bus.fraction_from_env() if bus_share is None else min(1.0, max(0.0, float(bus_share)))
         bus_bytes = 0 if cpu_format is not None else _bus_bytes(args, placement, device, dtype_bytes, bus_share)
         predicted = check_placement(inventory, args, placement, 1, dtype_bytes, max_context, vram_budget, bus_bytes,
-                                    keeps_q8_0(inventory, args, cpu_format))
+                                    kept_format(inventory, args, cpu_format) is not None)
         self = object.__new__(cls)
         self.inventory, self.args, self.device, self.dtype = inventory, args, device, dtype
         self.max_context, self.vocab_size = max_context, args.vocab
@@ -283,22 +286,23 @@ class Engine:
         shape13, shape2 = (2 * a.expert_ffn, a.hidden), (a.hidden, a.expert_ffn)
         self.experts[layer] = lx  # reachable for _free() if a later allocation fails
         loader.unit = UnitKey(layer, "expert", 0)
-        q8_res = RESIDENT in tiers and self._keeps_q8_0(lx, layer)
-        keep_q8 = COMPUTE in tiers and self._keeps_q8_0(lx, layer) and self._cpu_q8_kernel()
+        fmt = self._kept_format(layer)
+        kept_res = RESIDENT in tiers and fmt is not None
+        kept_cpu = COMPUTE in tiers and fmt is not None and self._cpu_block_kernel()
         for tier in (RESIDENT, COMPUTE, STREAM):
-            kept = (tier == COMPUTE and keep_q8) or (tier == RESIDENT and q8_res)
+            kept = (tier == COMPUTE and kept_cpu) or (tier == RESIDENT and kept_res)
             lx.alloc_tier(tier, 0 if kept else tiers.count(tier), shape13, shape2)
-        if keep_q8:
-            lx.alloc_q8(tiers.count(COMPUTE), shape13, shape2)
-        if q8_res:
-            lx.alloc_q8_resident(tiers.count(RESIDENT), shape13, shape2)
+        if kept_cpu:
+            lx.alloc_kept(fmt, COMPUTE, tiers.count(COMPUTE), shape13, shape2)
+        if kept_res:
+            lx.alloc_kept(fmt, RESIDENT, tiers.count(RESIDENT), shape13, shape2)
         rows = [0, 0, 0]
         units = self.inventory.units
         for e, tier in enumerate(tiers):
             key = UnitKey(layer, "expert", e)
             loader.begin(key, units[key].nbytes if key in units else 0)
-            if (tier == COMPUTE and keep_q8) or (tier == RESIDENT and q8_res):  # the file's blocks as they are
-                lx.put_q8(e, rows[tier], self._fw.expert_q8_0(layer, e), tier)
+            if (tier == COMPUTE and kept_cpu) or (tier == RESIDENT and kept_res):  # the file's blocks as they are
+                lx.put_kept(e, rows[tier], self._fw.expert_blocks(layer, e), tier)
             elif source is not None:  # moving between tiers: copy from where the expert is now
                 lx.put(e, tier, rows[tier], *source.weights(e))
             else:
@@ -309,7 +313,7 @@ class Engine:
         lx.finish()
         if self.cpu_format is not None and rows[COMPUTE]:
             self._attach_cpu_kernel(lx)
-        elif rows[COMPUTE] and self.dtype in (torch.bfloat16, torch.float16, torch.float32) and not keep_q8:
+        elif rows[COMPUTE] and self.dtype in (torch.bfloat16, torch.float16, torch.float32) and not kept_cpu:
             lx.fused_cpu = self._fused_cpu_kernel(loader)
         self._attach_bus(lx)
         return lx
@@ -327,20 +331,22 @@ class Engine:
             a = self.args
             self._bus = bus.BusShare(self.device, self.dtype, a.n_experts, (2 * a.expert_ffn, a.hidden),
                                      (a.hidden, a.expert_ffn), fraction)
-        if self._bus.pin(lx, *lx.cpu_stacks()):
+        if self._bus.pin(lx, lx.cpu_stacks(), (lx.kept, lx.n13, lx.k13, lx.k2) if lx.kept_cpu is not None else None):
             lx.bus = self._bus
             log.debug("layer %d: bus share %.2f of its CPU-selected experts", lx.layer, self._bus.fraction)
         else:
             log.warning("layer %d: CPU experts not page-locked, no bus share", lx.layer)
 
-    def _keeps_q8_0(self, lx: LayerExperts, layer: int) -> bool:
-        """Whether ``layer``'s routed experts stay in the GGUF's Q8_0 blocks (half the bytes of bf16
-        to hold on the GPU, for the CPU to read and for the bus to carry): see ``keeps_q8_0``, and the
-        file stores this layer's experts so."""
-        return keeps_q8_0(self.inventory, self.args, self.cpu_format) and self._fw.expert_q8_0(layer, 0) is not None
+    def _kept_format(self, layer: int) -> str | None:
+        """The format ``layer``'s routed experts stay in (see ``kept_format``; the file stores this
+        layer's experts so): half (Q8_0) or a quarter (Q4_K) of bf16's bytes to hold on the GPU, for
+        the CPU to read and for the bus to carry."""
+        fmt = kept_format(self.inventory, self.args, self.cpu_format)
+        w = self._fw.expert_blocks(layer, 0) if fmt is not None else None
+        return fmt if w is not None and w["fmt"] == fmt else None
 
     @staticmethod
-    def _cpu_q8_kernel() -> bool:
+    def _cpu_block_kernel() -> bool:
         from . import cpu_kernel
 
         return cpu_kernel.available()
@@ -498,7 +504,7 @@ class Engine:
         check_placement(self.inventory, self.args, placement, 1, dtype_bytes, self.max_context, vram,
                         0 if self._bus is not None or self.cpu_format is not None
                         else _bus_bytes(self.args, placement, self.device, dtype_bytes, self.bus_share),
-                        keeps_q8_0(self.inventory, self.args, self.cpu_format))
+                        kept_format(self.inventory, self.args, self.cpu_format) is not None)
         changed = [layer for layer in self.args.moe_layers
                    if placement.stream_slots != self.placement.stream_slots
                    or any(placement.get(UnitKey(layer, "expert", e)) != self.placement.get(UnitKey(layer, "expert", e))

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernel, gpu_kernels
+from . import blocks, cpu_kernel, gpu_kernels
 
 RESIDENT, COMPUTE, STREAM = 0, 1, 2
 TIER_NAMES = ("resident", "compute", "stream")
@@ -107,8 +107,9 @@ class LayerExperts:
         self.cache_b13: torch.Tensor | None = None
         self.cache_b2: torch.Tensor | None = None
         self.cpu_kernel = None  # optional CPU-format kernel for the compute tier (cpu_formats.CpuExperts)
-        self.q8: list[torch.Tensor] | None = None  # compute tier kept in the file's Q8_0: q13, d13, q2, d2
-        self.q8_res: list[torch.Tensor] | None = None  # resident tier likewise, on the accelerator
+        self.kept: str | None = None  # blocks.FORMATS value: experts kept in the file's quantized blocks
+        self.kept_cpu: list[torch.Tensor] | None = None  # compute tier's kept stacks: w13's tensors then w2's
+        self.kept_res: list[torch.Tensor] | None = None  # resident tier likewise, on the accelerator
         self.fused_cpu = False  # decode the compute tier with cpu_kernel.moe_decode (set by the engine)
         self.bus = None  # bus.BusShare: decode sends some CPU-selected experts over the bus (set by the engine)
         self.fast_gpu = os.environ.get("WORKBENCH_GPU_KERNELS", "1") != "0"  # one-token resident experts in Triton
@@ -137,51 +138,46 @@ class LayerExperts:
                 self.cache_b2 = torch.empty((n, shape2[0]), dtype=self.dtype, device=self.device)
             self.cache_expert = [-1] * n
 
-    def alloc_q8(self, count: int, shape13: tuple[int, int], shape2: tuple[int, int]) -> None:
-        """Keep the compute tier's ``count`` experts in GGUF Q8_0 blocks instead of float stacks:
-        ``q13 [count, 2I, H]`` int8, ``d13 [count, 2I, H/32]`` float16, ``q2 [count, H, I]``,
-        ``d2 [count, H, I/32]`` (before ``put_q8``)."""
-        (n13, k13), (n2, k2) = shape13, shape2
-        self.q8 = [torch.empty((count, n13, k13), dtype=torch.int8), torch.empty((count, n13, k13 // 32), dtype=torch.float16),
-                   torch.empty((count, n2, k2), dtype=torch.int8), torch.empty((count, n2, k2 // 32), dtype=torch.float16)]
-        self.w13[COMPUTE] = self.w2[COMPUTE] = None
+    def alloc_kept(self, fmt: str, tier: int, count: int, shape13: tuple[int, int], shape2: tuple[int, int]) -> None:
+        """Keep ``tier``'s (COMPUTE or RESIDENT) ``count`` experts in the file's quantized blocks of
+        ``fmt`` (``blocks.FORMATS``) instead of float stacks (before ``put_kept``): ``w13``'s tensors
+        then ``w2``'s, each ``[count, ...]`` as ``blocks.alloc`` lays them out."""
+        dev = self.device if tier == RESIDENT else None
+        parts = blocks.alloc(fmt, (count,), *shape13, dev) + blocks.alloc(fmt, (count,), *shape2, dev)
+        self.kept, self.n13 = fmt, len(parts) // 2
+        self.k13, self.k2 = shape13[1], shape2[1]
+        if tier == COMPUTE:
+            self.kept_cpu = parts
+        else:
+            self.kept_res = parts
+        self.w13[tier] = self.w2[tier] = None
 
-    def put_q8(self, expert: int, row: int, w: dict, tier: int = COMPUTE) -> None:
-        """Copy expert ``expert``'s Q8_0 blocks (``layouts.FamilyWeights.expert_q8_0``) into row ``row``
-        of ``tier`` (COMPUTE or RESIDENT)."""
-        q13, d13, q2, d2 = self.q8 if tier == COMPUTE else self.q8_res
-        _copy_halves(q13[row], w["q13"])
-        _copy_halves(d13[row], w["d13"])
-        q2[row].copy_(w["q2"])
-        d2[row].copy_(w["d2"])
+    def put_kept(self, expert: int, row: int, w: dict, tier: int = COMPUTE) -> None:
+        """Copy expert ``expert``'s blocks (``layouts.FamilyWeights.expert_blocks``: ``{"w13": (gate
+        tensors, up tensors), "w2": down tensors}``) into row ``row`` of ``tier``."""
+        parts = self.kept_cpu if tier == COMPUTE else self.kept_res
+        n = self.n13
+        for dst, gate, up in zip(parts[:n], *w["w13"]):
+            _copy_halves(dst[row], (gate, up))
+        for dst, src in zip(parts[n:], w["w2"]):
+            dst[row].copy_(src)
         self.tier[expert] = tier
         self.local[expert] = row
 
-    def alloc_q8_resident(self, count: int, shape13: tuple[int, int], shape2: tuple[int, int]) -> None:
-        """Keep the resident tier's ``count`` experts in GGUF Q8_0 blocks on the accelerator (the
-        one-token Triton kernels read them in place; other steps dequantize the stack)."""
-        (n13, k13), (n2, k2) = shape13, shape2
-        dev = self.device
-        self.q8_res = [torch.empty((count, n13, k13), dtype=torch.int8, device=dev),
-                       torch.empty((count, n13, k13 // 32), dtype=torch.float16, device=dev),
-                       torch.empty((count, n2, k2), dtype=torch.int8, device=dev),
-                       torch.empty((count, n2, k2 // 32), dtype=torch.float16, device=dev)]
-        self.w13[RESIDENT] = self.w2[RESIDENT] = None
+    def _dequant(self, parts: list[torch.Tensor], rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kept stacks ``parts`` (rows ``rows`` of them, or all) as float ``w13 [n, 2I, H]``, ``w2 [n, H, I]``."""
+        if rows is not None:
+            parts = blocks.take(parts, torch.as_tensor(np.asarray(rows, dtype=np.int64), device=parts[0].device))
+        n = self.n13
+        return (blocks.dequantize(self.kept, parts[:n], self.k13, self.dtype),
+                blocks.dequantize(self.kept, parts[n:], self.k2, self.dtype))
 
     def resident_stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The resident tier as float stacks ``w13 [R, 2I, H]``, ``w2 [R, H, I]`` (Q8_0: dequantized
-        for this call)."""
-        if self.q8_res is None:
+        """The resident tier as float stacks ``w13 [R, 2I, H]``, ``w2 [R, H, I]`` (kept blocks:
+        dequantized for this call)."""
+        if self.kept_res is None:
             return self.w13[RESIDENT], self.w2[RESIDENT]
-        q13, d13, q2, d2 = self.q8_res
-        return _dequant_q8(q13, d13, self.dtype), _dequant_q8(q2, d2, self.dtype)
-
-    def _q8_rows(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """The Q8_0 compute stacks' rows ``rows`` dequantized: ``w13 [n, 2I, H]``, ``w2 [n, H, I]`` in
-        the layer's dtype."""
-        q13, d13, q2, d2 = self.q8
-        idx = torch.as_tensor(np.asarray(rows, dtype=np.int64))
-        return _dequant_q8(q13[idx], d13[idx], self.dtype), _dequant_q8(q2[idx], d2[idx], self.dtype)
+        return self._dequant(self.kept_res)
 
     def put(self, expert: int, tier: int, row: int, w13: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
             w2: torch.Tensor, b13=None, b2=None) -> None:
@@ -203,12 +199,10 @@ class LayerExperts:
         if tier == COMPUTE and self.cpu_kernel is not None:
             ex = self.cpu_kernel.experts[row]
             return ex.gate_up.dequantize(), ex.down.dequantize(), None, None
-        if tier == COMPUTE and self.q8 is not None:
-            w13, w2 = self._q8_rows([row])
+        kept = self.kept_cpu if tier == COMPUTE else self.kept_res if tier == RESIDENT else None
+        if kept is not None:
+            w13, w2 = self._dequant(kept, [row])
             return w13[0], w2[0], None, None
-        if tier == RESIDENT and self.q8_res is not None:
-            q13, d13, q2, d2 = self.q8_res
-            return (_dequant_q8(q13[row], d13[row], self.dtype), _dequant_q8(q2[row], d2[row], self.dtype), None, None)
         if not self.bias:
             return self.w13[tier][row], self.w2[tier][row], None, None
         return self.w13[tier][row], self.w2[tier][row], self.b13[tier][row], self.b2[tier][row]
@@ -245,10 +239,10 @@ class LayerExperts:
                         cpu += n
         if self.cpu_kernel is not None:
             cpu += self.cpu_kernel.nbytes
-        if self.q8 is not None:
-            cpu += sum(t.numel() * t.element_size() for t in self.q8)
-        if self.q8_res is not None:
-            acc += sum(t.numel() * t.element_size() for t in self.q8_res)
+        if self.kept_cpu is not None:
+            cpu += sum(t.numel() * t.element_size() for t in self.kept_cpu)
+        if self.kept_res is not None:
+            acc += sum(t.numel() * t.element_size() for t in self.kept_res)
         for t in (self.cache_w13, self.cache_w2, self.cache_b13, self.cache_b2):
             if t is not None:
                 cache += t.numel() * t.element_size()
@@ -263,8 +257,8 @@ class LayerExperts:
         tiers = (STREAM, COMPUTE) if self.bus is not None else (STREAM,)  # the bus share pins the CPU tier
         n = sum(t.numel() * t.element_size() for tier in tiers
                 for t in (self.w13[tier], self.w2[tier], self.b13[tier], self.b2[tier]) if t is not None)
-        if self.bus is not None and self.q8 is not None:
-            n += sum(t.numel() * t.element_size() for t in self.q8)
+        if self.bus is not None and self.kept_cpu is not None:
+            n += sum(t.numel() * t.element_size() for t in self.kept_cpu)
         staging = getattr(self, "staging", None)  # made by finish()
         return n + (staging.nbytes if staging is not None else 0)
 
@@ -323,9 +317,11 @@ class LayerExperts:
                 and (self._small(T, k) or not self.needs_host)):
             # one token on CUDA: the selected resident rows read in place (Triton), others skipped
             rowmap = self.res_map_dev if self.needs_host else self.local_dev
-            if self.q8_res is not None:  # GGUF Q8_0 blocks read in place
-                q13, d13, q2, d2 = self.q8_res
+            if self.kept == "q8_0" and self.kept_res is not None:  # the file's blocks read in place
+                q13, d13, q2, d2 = self.kept_res
                 out = gpu_kernels.experts_one_token(x, flat_ids, flat_w, rowmap, q13, q2, d13, d2)
+            elif self.kept_res is not None:
+                out = gpu_kernels.experts_one_token(x, flat_ids, flat_w, rowmap, *self.kept_res, fmt=self.kept)
             else:
                 out = gpu_kernels.experts_one_token(x, flat_ids, flat_w, rowmap, self.w13[0], self.w2[0])
             return out if extra is None else out + extra()
@@ -405,12 +401,13 @@ class LayerExperts:
             tok = torch.from_numpy(token[sel])
             y = self.cpu_kernel(x[tok], torch.from_numpy(rows), flat_w[torch.from_numpy(sel)], scale_input)
             out.index_add_(0, tok, y.to(out.dtype))
-        elif self.q8 is not None and x.shape[0] == 1 and not scale_input:  # decode on the file's Q8_0 blocks
+        elif self.kept_cpu is not None and x.shape[0] == 1 and not scale_input:  # decode on the file's blocks
             weights = flat_w[torch.from_numpy(sel)]
-            out[0].copy_(cpu_kernel.moe_decode_q8(x[0], *self.q8, rows, weights))
-        elif self.q8 is not None:  # a prompt: the rows it uses, dequantized once
+            kernel = cpu_kernel.moe_decode_q8 if self.kept == "q8_0" else cpu_kernel.moe_decode_q4k
+            out[0].copy_(kernel(x[0], *self.kept_cpu, rows, weights))
+        elif self.kept_cpu is not None:  # a prompt: the rows it uses, dequantized once
             uniq, local = np.unique(rows, return_inverse=True)
-            w13, w2 = self._q8_rows(uniq)
+            w13, w2 = self._dequant(self.kept_cpu, uniq)
             _grouped_host(x, sel, token, local.reshape(-1), flat_w, out, scale_input, w13, w2, None, None, self.act)
         elif x.shape[0] == 1 and not scale_input and not self.bias and self.act[0] == "silu":
             # decode: one token, each selected expert once
@@ -429,8 +426,8 @@ class LayerExperts:
         return out
 
     def cpu_stacks(self) -> list[torch.Tensor]:
-        """The compute tier's host stacks: ``[w13, w2]``, or ``[q13, d13, q2, d2]`` in Q8_0."""
-        return list(self.q8) if self.q8 is not None else [self.w13[COMPUTE], self.w2[COMPUTE]]
+        """The compute tier's host stacks: ``[w13, w2]``, or the kept blocks' tensors (``alloc_kept``)."""
+        return list(self.kept_cpu) if self.kept_cpu is not None else [self.w13[COMPUTE], self.w2[COMPUTE]]
 
     def _run_fetched(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
                      sel: np.ndarray, out: torch.Tensor, scale_input: bool) -> np.ndarray:
@@ -513,14 +510,6 @@ def _grouped_host(x: torch.Tensor, pairs: np.ndarray, token: np.ndarray, rows: n
     if not scale_input:
         ys = ys * ws
     out.index_add_(0, tok_t, ys)
-
-
-def _dequant_q8(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Q8_0 blocks ``q [..., N, K]`` int8 and ``d [..., N, K/32]`` float16 -> ``d * q`` in ``dtype``
-    (computed in float32, like gguf-py)."""
-    shape = q.shape
-    vals = q.reshape(*shape[:-1], -1, 32).float() * d.float()[..., None]
-    return vals.reshape(shape).to(dtype)
 
 
 def _h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:

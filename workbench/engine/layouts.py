@@ -166,17 +166,17 @@ class FamilyWeights:
         b = self.reader.tensor(m + "gate_up_proj_bias", e)
         return {"b13": (b[::2], b[1::2]), "b2": self.reader.tensor(m + "down_proj_bias", e)}
 
-    def expert_q8_0(self, layer: int, e: int) -> dict | None:
-        """Expert ``e`` of ``layer`` in the GGUF's Q8_0 blocks, as stored: ``{"q13": (gate, up),
-        "d13": (gate, up), "q2": down, "d2": down}`` (``q`` int8 ``[N, K]``, ``d`` float16
-        ``[N, K/32]``), or None unless the file is a GGUF holding all three expert matrices as Q8_0."""
+    def expert_blocks(self, layer: int, e: int) -> dict | None:
+        """Expert ``e`` of ``layer`` in the GGUF's quantized blocks, as stored (``WeightReader.blocks``):
+        ``{"fmt": "q8_0" | "q4_k", "w13": (gate tensors, up tensors), "w2": down tensors}``, or None
+        unless the file is a GGUF holding all three expert matrices in the same kept format."""
         if not self.gguf:
             return None
-        parts = [self.reader.q8_0(f"blk.{layer}.ffn_{p}_exps.weight", e) for p in ("gate", "up", "down")]
-        if any(p is None for p in parts):
+        parts = [self.reader.blocks(f"blk.{layer}.ffn_{p}_exps.weight", e) for p in ("gate", "up", "down")]
+        if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
             return None
-        (qg, dg), (qu, du), (qd, dd) = parts
-        return {"q13": (qg, qu), "d13": (dg, du), "q2": qd, "d2": dd}
+        (fmt, g), (_, u), (_, d) = parts
+        return {"fmt": fmt, "w13": (g, u), "w2": d}
 
     def expert(self, layer: int, e: int) -> dict:
         """Expert ``e`` of ``layer``: ``{"w13": (gate [I, H], up [I, H]), "w2": [H, I]}`` (CPU views of

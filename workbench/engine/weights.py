@@ -92,12 +92,15 @@ class WeightReader:
             return t.view(_TORCH_VIEW[dtype]) if dtype in _TORCH_VIEW else t
         return _dequantize(data, dtype, shape, name)
 
-    def q8_0(self, name: str, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A Q8_0 tensor's blocks as they are stored: ``(q int8 [..., K], d float16 [..., K/32])``
-        (value = d * q per 32 values along the last axis; views of the file), or None if ``name``
-        is not stored as Q8_0. ``expert`` as in ``tensor``."""
+    def blocks(self, name: str, expert: int | None = None) -> tuple[str, list[torch.Tensor]] | None:
+        """A tensor stored in a format the engine keeps (``blocks.FORMATS``), as stored: ``("q8_0",
+        [q int8 [..., K], d float16 [..., K/32]])`` or ``("q4_k", [raw uint8 [..., K/256*144]])``, or
+        None for other storage types. ``expert`` as in ``tensor``."""
+        from .blocks import FORMATS
+
         info = self.info(name)
-        if info.dtype.upper() != "Q8_0":
+        fmt = FORMATS.get(info.dtype.upper())
+        if fmt is None:
             return None
         shape = tuple(info.shape)
         start, nbytes = info.offset, info.nbytes
@@ -110,12 +113,15 @@ class WeightReader:
         raw = self._file(info.file)
         if start + nbytes > raw.shape[0]:
             raise ModelFormatError(f"{info.file.name} is truncated: tensor {name} ends past the end of the file")
-        blocks = raw[start:start + nbytes].reshape(-1, 34)  # per block: float16 d, then 32 int8
-        d = blocks[:, :2].copy().view(np.float16).reshape(*shape[:-1], shape[-1] // 32)
-        q = blocks[:, 2:].view(np.int8).reshape(shape)
+        data = raw[start:start + nbytes]
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a read-only view of the file
-            return torch.from_numpy(q), torch.from_numpy(d)
+            warnings.simplefilter("ignore")  # read-only views of the file
+            if fmt == "q4_k":
+                return fmt, [torch.from_numpy(data.reshape(*shape[:-1], -1))]
+            b = data.reshape(-1, 34)  # per block: float16 d, then 32 int8
+            d = b[:, :2].copy().view(np.float16).reshape(*shape[:-1], shape[-1] // 32)
+            q = b[:, 2:].view(np.int8).reshape(shape)
+            return fmt, [torch.from_numpy(q), torch.from_numpy(d)]
 
     def close(self) -> None:
         self._maps.clear()
