@@ -12,13 +12,13 @@
 # calibrate ($OUT/h200.json, then the profile of the stages after it), engine (`workbench bench
 # run`: llama.cpp -lm none at --n-cpu-moe 16 and all-GPU, then our n-cpu-moe, frequency, balanced
 # and all-GPU, with the ratios), engine_uniform (the same, routers rewritten uniform), engine_q8
-# (S1 as Q8_0, llama.cpp at --n-cpu-moe 8), pack (llama-bench binary
+# (S1 as Q8_0, llama.cpp at --n-cpu-moe 8), engine_q4 (S1 as Q4_K), pack (llama-bench binary
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it).
 # At most 8 files come back per call: choose the stages of one call accordingly.
 # BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (64 / 2), BENCH_MARGIN (512MiB) and LLAMA_N_CPU_MOE tune
 # the side-by-side stages. A full session run is two calls (the carried files must stay under 64 MiB):
 #   OUT=$OUT scripts/bench_device.sh tests                                       # carry .whl_engine
-#   OUT=$OUT scripts/bench_device.sh build calibrate engine engine_uniform engine_q8  # carry .llamacpp/pack,
+#   OUT=$OUT scripts/bench_device.sh build calibrate engine engine_uniform engine_q8 engine_q4  # carry .llamacpp/pack,
 #                                                                               # .llamacpp/whl (gguf)
 # BENCH_TIME_S (default 540) bounds the whole script: llama-bench configurations that would start
 # too late are skipped and reported as such.
@@ -134,6 +134,12 @@ stage_engine_uniform() {  # the same file with uniform routing
     [ -f "$models/s1.gguf" ] || { log "writing S1"; wb write -o "$models/s1.gguf" --shape s1 $layers --uniform; }
     wb reskew "$models/s1.gguf" --uniform | tee -a "$OUT/device.log"
     side_by_side "$models/s1.gguf" "S1 bf16 uniform" engine_s1_uniform.json "n-cpu-moe,frequency"
+}
+stage_engine_q4() {  # S1 as Q4_K for both engines (ours keeps the experts' Q4_K blocks); it nearly fits in 12 GiB
+    rm -f "$models"/s1.gguf
+    log "writing S1 Q4_K"; wb write -o "$models/s1_q4.gguf" --shape s1 $layers --weights q4_k | tee -a "$OUT/device.log"
+    LLAMA_N_CPU_MOE="${LLAMA_N_CPU_MOE:-0,2}" side_by_side "$models/s1_q4.gguf" "S1 Q4_K skewed" engine_s1_q4.json "n-cpu-moe,frequency"
+    rm -f "$models"/s1_q4.gguf
 }
 stage_engine_q8() {  # S1 as Q8_0 for both engines (ours keeps the experts' Q8_0 blocks)
     rm -f "$models"/s1.gguf
