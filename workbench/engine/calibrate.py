@@ -185,80 +185,70 @@ def _cpu_expert(run: _Run, step: str, pack: Callable, hidden: int, ffn: int, wei
     return per_expert * len(experts) / t, t / len(experts), experts
 
 
-def _cpu_fused(run: _Run, step: str, experts: list, hidden: int, ffn: int, top_k: int,
-               weight_bytes: int) -> float:
-    """Bytes/s of expert weights the fused decode kernel (``cpu_kernel.moe_decode``) reaches,
-    ``top_k`` experts per call as in a decode step, over at least 2 GiB of experts (if RAM allows;
-    server CPUs have L3 caches of hundreds of MiB, which flatter a smaller pool) stacked as
-    ``[E, 2I, H]`` / ``[E, H, I]`` (copies of the first packed expert)."""
-    p1, p2 = experts[0]  # bf16/f32 formats keep the plain weight in ``data``
+def _pool_experts(per_expert: int, top_k: int, weight_bytes: int) -> int:
+    """Experts in a timing pool of at least 2 GiB (if RAM allows; server CPUs have L3 caches of
+    hundreds of MiB, which flatter a smaller pool)."""
     pool = int(min(max(weight_bytes, 2 << 30), psutil.virtual_memory().available // 8))
-    n = max(top_k, min(512, pool // (p1.nbytes + p2.nbytes)))
-    w13 = p1.data.expand(n, *p1.data.shape).clone()
-    w2 = p2.data.expand(n, *p2.data.shape).clone()
+    return max(top_k, min(512, pool // per_expert))
+
+
+def _time_fused(run: _Run, step: str, n: int, top_k: int, per_expert: int, call) -> float:
+    """Bytes/s of ``call(rows, weights)`` over a pool of ``n`` experts of ``per_expert`` bytes,
+    ``top_k`` distinct experts per call as in a decode step, each pass reading the whole pool."""
     k = min(top_k, n)
-    x = torch.randn(hidden).to(w13.dtype)
     weights = torch.full((k,), 1.0 / k)
     starts = list(range(0, n - k + 1, k)) or [0]
 
     def one_pass() -> None:
         for s in starts:
-            cpu_kernel.moe_decode(x, w13, w2, torch.arange(s, s + k), weights)
+            call(torch.arange(s, s + k), weights)
 
     one_pass()
     t = _repeat(run, one_pass, 0.3 * run.share[step])
-    return w13[0].numel() * 3 * w13.element_size() * k * len(starts) / t
+    return per_expert * k * len(starts) / t
+
+
+def _cpu_fused(run: _Run, step: str, experts: list, hidden: int, ffn: int, top_k: int,
+               weight_bytes: int) -> float:
+    """Bytes/s of expert weights the fused decode kernel (``cpu_kernel.moe_decode``) reaches, over
+    a ``_pool_experts`` pool stacked as ``[E, 2I, H]`` / ``[E, H, I]`` (copies of the first packed
+    expert)."""
+    p1, p2 = experts[0]  # bf16/f32 formats keep the plain weight in ``data``
+    n = _pool_experts(p1.nbytes + p2.nbytes, top_k, weight_bytes)
+    w13 = p1.data.expand(n, *p1.data.shape).clone()
+    w2 = p2.data.expand(n, *p2.data.shape).clone()
+    x = torch.randn(hidden).to(w13.dtype)
+    per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()  # gate, up and down
+    return _time_fused(run, step, n, top_k, per_expert, lambda r, w: cpu_kernel.moe_decode(x, w13, w2, r, w))
 
 
 def _cpu_fused_q8(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weight_bytes: int) -> float:
     """Bytes/s of Q8_0 expert blocks (int8 values and float16 scales) the fused Q8_0 decode kernel
-    (``cpu_kernel.moe_decode_q8``) reaches, ``top_k`` experts per call, over a pool as large as
-    ``_cpu_fused``'s."""
+    (``cpu_kernel.moe_decode_q8``) reaches over a ``_pool_experts`` pool."""
     per_expert = 3 * hidden * ffn * 34 // 32
-    pool = int(min(max(weight_bytes, 2 << 30), psutil.virtual_memory().available // 8))
-    n = max(top_k, min(512, pool // per_expert))
+    n = _pool_experts(per_expert, top_k, weight_bytes)
     g = torch.Generator().manual_seed(0)
     q13 = torch.randint(-127, 128, (n, 2 * ffn, hidden), dtype=torch.int8, generator=g)
     q2 = torch.randint(-127, 128, (n, hidden, ffn), dtype=torch.int8, generator=g)
     d13 = torch.full((n, 2 * ffn, hidden // 32), 1e-3, dtype=torch.float16)
     d2 = torch.full((n, hidden, ffn // 32), 1e-3, dtype=torch.float16)
-    k = min(top_k, n)
     x = torch.randn(hidden, generator=g).to(torch.bfloat16)
-    weights = torch.full((k,), 1.0 / k)
-    starts = list(range(0, n - k + 1, k)) or [0]
-
-    def one_pass() -> None:
-        for s in starts:
-            cpu_kernel.moe_decode_q8(x, q13, d13, q2, d2, torch.arange(s, s + k), weights)
-
-    one_pass()
-    t = _repeat(run, one_pass, 0.3 * run.share[step])
-    return per_expert * k * len(starts) / t
+    return _time_fused(run, step, n, top_k, per_expert,
+                       lambda r, w: cpu_kernel.moe_decode_q8(x, q13, d13, q2, d2, r, w))
 
 
 def _cpu_fused_q4k(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weight_bytes: int) -> float:
-    """Bytes/s of Q4_K blocks the fused Q4_K decode kernel (``cpu_kernel.moe_decode_q4k``) reaches,
-    ``top_k`` experts per call, over a pool as large as ``_cpu_fused``'s."""
+    """Bytes/s of Q4_K blocks the fused Q4_K decode kernel (``cpu_kernel.moe_decode_q4k``) reaches
+    over a ``_pool_experts`` pool."""
     per_expert = 3 * hidden * ffn * 144 // 256
-    pool = int(min(max(weight_bytes, 2 << 30), psutil.virtual_memory().available // 8))
-    n = max(top_k, min(512, pool // per_expert))
+    n = _pool_experts(per_expert, top_k, weight_bytes)
     g = torch.Generator().manual_seed(0)
     b13 = torch.randint(0, 256, (n, 2 * ffn, hidden // 256 * 144), dtype=torch.uint8, generator=g)
     b2 = torch.randint(0, 256, (n, hidden, ffn // 256 * 144), dtype=torch.uint8, generator=g)
     for b in (b13, b2):  # small finite float16 d and dmin (0x1400: about 1e-3)
         b.view(n, b.shape[1], -1, 144)[..., 0:4] = torch.tensor([0x00, 0x14, 0x00, 0x14], dtype=torch.uint8)
-    k = min(top_k, n)
     x = torch.randn(hidden, generator=g).to(torch.bfloat16)
-    weights = torch.full((k,), 1.0 / k)
-    starts = list(range(0, n - k + 1, k)) or [0]
-
-    def one_pass() -> None:
-        for s in starts:
-            cpu_kernel.moe_decode_q4k(x, b13, b2, torch.arange(s, s + k), weights)
-
-    one_pass()
-    t = _repeat(run, one_pass, 0.3 * run.share[step])
-    return per_expert * k * len(starts) / t
+    return _time_fused(run, step, n, top_k, per_expert, lambda r, w: cpu_kernel.moe_decode_q4k(x, b13, b2, r, w))
 
 
 # -- GPU ---------------------------------------------------------------------------------------

@@ -113,17 +113,9 @@ def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: tor
 
     Returns ``[H]`` float32. Raises RuntimeError as ``moe_decode`` does.
     """
-    mod = _load()
-    if mod is None:
-        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_failed}")
     import torch
 
-    rows = torch.as_tensor(rows, dtype=torch.int64)
-    weights = torch.as_tensor(weights).to(torch.float32)
-
-    def fail(msg: str):
-        raise RuntimeError(f"moe_decode_q8: {msg}")
-
+    mod, rows, weights, fail = _prepare("moe_decode_q8", rows, weights)
     if not all(t.device.type == "cpu" for t in (x, q13, d13, q2, d2, rows, weights)):
         fail("every tensor must be on the CPU")
     if q13.dim() != 3 or q2.dim() != 3 or q13.dtype != torch.int8 or q2.dtype != torch.int8:
@@ -140,12 +132,30 @@ def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: tor
         fail("the weight stacks must be contiguous")
     if x.dim() != 1 or x.shape[0] != H or str(x.dtype) not in _FLOATS:
         fail(f"x must be bfloat16, float16 or float32 [H] = [{H}], got {x.dtype} {list(x.shape)}")
+    _check_rows(rows, weights, E, fail)
+    return mod.moe_decode_q8(x.contiguous(), q13, d13, q2, d2, rows, weights)
+
+
+def _prepare(name: str, rows, weights):
+    """The extension (or RuntimeError), ``rows`` as int64 and ``weights`` as float32 tensors, and a
+    ``fail(message)`` that raises RuntimeError naming ``name``."""
+    mod = _load()
+    if mod is None:
+        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_failed}")
+    import torch
+
+    def fail(msg: str):
+        raise RuntimeError(f"{name}: {msg}")
+
+    return mod, torch.as_tensor(rows, dtype=torch.int64), torch.as_tensor(weights).to(torch.float32), fail
+
+
+def _check_rows(rows, weights, E: int, fail) -> None:
     if rows.dim() != 1 or weights.dim() != 1 or weights.shape[0] != rows.shape[0]:
         fail(f"rows must be int64 [n] and weights float32 [n], got {list(rows.shape)} and {list(weights.shape)}")
     for j, r in enumerate(rows.tolist()):
         if not 0 <= r < E:
             fail(f"rows[{j}] = {r} is outside [0, {E})")
-    return mod.moe_decode_q8(x.contiguous(), q13, d13, q2, d2, rows, weights)
 
 
 def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: torch.Tensor | np.ndarray,
@@ -161,17 +171,9 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
 
     Returns ``[H]`` float32. Raises RuntimeError as ``moe_decode`` does.
     """
-    mod = _load()
-    if mod is None:
-        raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_failed}")
     import torch
 
-    rows = torch.as_tensor(rows, dtype=torch.int64)
-    weights = torch.as_tensor(weights).to(torch.float32)
-
-    def fail(msg: str):
-        raise RuntimeError(f"moe_decode_q4k: {msg}")
-
+    mod, rows, weights, fail = _prepare("moe_decode_q4k", rows, weights)
     if not all(t.device.type == "cpu" for t in (x, b13, b2, rows, weights)):
         fail("every tensor must be on the CPU")
     H = x.shape[0] if x.dim() == 1 else -1
@@ -187,11 +189,7 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
              f"{list(b13.shape)} and {list(b2.shape)}")
     if not (b13.is_contiguous() and b2.is_contiguous()):
         fail("the weight stacks must be contiguous")
-    if rows.dim() != 1 or weights.dim() != 1 or weights.shape[0] != rows.shape[0]:
-        fail(f"rows must be int64 [n] and weights float32 [n], got {list(rows.shape)} and {list(weights.shape)}")
-    for j, r in enumerate(rows.tolist()):
-        if not 0 <= r < E:
-            fail(f"rows[{j}] = {r} is outside [0, {E})")
+    _check_rows(rows, weights, E, fail)
     return mod.moe_decode_q4k(x.contiguous(), b13, b2, ffn, rows, weights)
 
 

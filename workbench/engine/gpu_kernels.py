@@ -95,6 +95,20 @@ if triton is not None:
         return tl.where(m, v, 0.0)
 
     @triton.jit
+    def _weight_tile(w_base, d_ptr, row, stride_e, stride_n, offs_n, offs_k, m, FMT: tl.constexpr):
+        """The float32 weights ``[rows offs_n, inputs offs_k]`` of one expert row of a stack (0 where
+        ``m`` is False, nothing read there): float stacks, Q8_0 (``FMT`` 1: int8 values, scales at
+        ``d_ptr``) or raw Q4_K rows (``FMT`` 2)."""
+        if FMT == 2:
+            w = _q4k_values(w_base + 0 * offs_k[None, :], offs_k[None, :], m)
+        else:
+            w = tl.load(w_base + offs_k[None, :], mask=m, other=0).to(tl.float32)
+        if FMT == 1:
+            w = w * tl.load(d_ptr + (row * stride_e + offs_n[:, None] * stride_n + offs_k[None, :]) // 32,
+                            mask=m, other=0.0).to(tl.float32)
+        return w
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, K, stride_e, stride_n,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr):
         """out[j, n] = w[rowmap[ids[j]], n, :] . x  (float32), zero where the pair is inactive. ``FMT``
@@ -112,13 +126,7 @@ if triton is not None:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             xk = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             m = (offs_n[:, None] < n_lim) & (offs_k[None, :] < K)
-            if FMT == 2:
-                w = _q4k_values(w_base + 0 * offs_k[None, :], offs_k[None, :], m)
-            else:
-                w = tl.load(w_base + offs_k[None, :], mask=m, other=0).to(tl.float32)
-            if FMT == 1:
-                w = w * tl.load(d_ptr + (row * stride_e + offs_n[:, None] * stride_n + offs_k[None, :]) // 32,
-                                mask=m, other=0.0).to(tl.float32)
+            w = _weight_tile(w_base, d_ptr, row, stride_e, stride_n, offs_n, offs_k, m, FMT)
             acc += tl.sum(w * xk[None, :], axis=1)
         tl.store(out_ptr + pair * N + offs_n, acc, mask=offs_n < N)
 
@@ -145,13 +153,7 @@ if triton is not None:
                 u = tl.load(h_base + FFN + offs_k, mask=km, other=0.0)
                 a = g * tl.sigmoid(g) * u
                 m = (offs_n[:, None] < n_lim) & km[None, :]
-                if FMT == 2:
-                    w = _q4k_values(w_base + 0 * offs_k[None, :], offs_k[None, :], m)
-                else:
-                    w = tl.load(w_base + offs_k[None, :], mask=m, other=0).to(tl.float32)
-                if FMT == 1:
-                    w = w * tl.load(d_ptr + (row * stride_e + offs_n[:, None] * stride_n + offs_k[None, :]) // 32,
-                                    mask=m, other=0.0).to(tl.float32)
+                w = _weight_tile(w_base, d_ptr, row, stride_e, stride_n, offs_n, offs_k, m, FMT)
                 part += tl.sum(w * a[None, :], axis=1)
             acc += tl.where(active, part * s, 0.0)
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)

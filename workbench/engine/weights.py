@@ -63,12 +63,9 @@ class WeightReader:
             self._maps[path] = m
         return m
 
-    def tensor(self, name: str, expert: int | None = None) -> torch.Tensor:
-        """Tensor ``name`` on the CPU, in its stored dtype (F32/F16/BF16) or dequantized to float32.
-
-        With ``expert`` given, axis 0 of the stored tensor stacks the experts and only expert
-        ``expert``'s contiguous byte range is read; the result drops that axis.
-        """
+    def _bytes(self, name: str, expert: int | None) -> tuple[np.ndarray, tuple[int, ...]]:
+        """The stored bytes of tensor ``name`` (of expert ``expert`` of a stacked one: axis 0 dropped)
+        as a view of the file, and the logical shape they hold."""
         info = self.info(name)
         shape = tuple(info.shape)
         start, nbytes = info.offset, info.nbytes
@@ -82,8 +79,16 @@ class WeightReader:
         raw = self._file(info.file)
         if start + nbytes > raw.shape[0]:
             raise ModelFormatError(f"{info.file.name} is truncated: tensor {name} ends past the end of the file")
-        data = raw[start : start + nbytes]
-        dtype = info.dtype.upper()
+        return raw[start:start + nbytes], shape
+
+    def tensor(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """Tensor ``name`` on the CPU, in its stored dtype (F32/F16/BF16) or dequantized to float32.
+
+        With ``expert`` given, axis 0 of the stored tensor stacks the experts and only expert
+        ``expert``'s contiguous byte range is read; the result drops that axis.
+        """
+        data, shape = self._bytes(name, expert)
+        dtype = self.info(name).dtype.upper()
         if dtype in _PLAIN:
             arr = data.view(_PLAIN[dtype]).reshape(shape)
             with warnings.catch_warnings():
@@ -98,22 +103,10 @@ class WeightReader:
         None for other storage types. ``expert`` as in ``tensor``."""
         from .blocks import FORMATS
 
-        info = self.info(name)
-        fmt = FORMATS.get(info.dtype.upper())
+        fmt = FORMATS.get(self.info(name).dtype.upper())
         if fmt is None:
             return None
-        shape = tuple(info.shape)
-        start, nbytes = info.offset, info.nbytes
-        if expert is not None:
-            if not 0 <= expert < shape[0]:
-                raise ModelFormatError(f"{name}: expert {expert} out of range 0..{shape[0] - 1}")
-            nbytes //= shape[0]
-            start += expert * nbytes
-            shape = shape[1:]
-        raw = self._file(info.file)
-        if start + nbytes > raw.shape[0]:
-            raise ModelFormatError(f"{info.file.name} is truncated: tensor {name} ends past the end of the file")
-        data = raw[start:start + nbytes]
+        data, shape = self._bytes(name, expert)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only views of the file
             if fmt == "q4_k":
