@@ -291,31 +291,37 @@ def test_q8_0_bad_input_is_refused(kernel, bad, match):
         kernel.moe_decode_q8(**args)
 
 
-def _q4_k_blocks(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random Q4_K rows ``[n, k/256*144]`` uint8 (finite, small float16 d and dmin) and gguf-py's
-    dequantization of them, float64 ``[n, k]``."""
+def _q4_k_blocks(n: int, k: int, gen: torch.Generator, fmt: str = "q4_k") -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q4_K (or Q6_K) rows ``[n, k/256*bytes]`` uint8 (finite, small float16 d and dmin) and
+    gguf-py's dequantization of them, float64 ``[n, k]``."""
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    raw = torch.randint(0, 256, (n, k // 256, 144), dtype=torch.uint8, generator=gen).numpy()
+    size = {"q4_k": 144, "q6_k": 210}[fmt]
+    raw = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=gen).numpy()
     d = (np.abs(torch.randn(n, k // 256, 2, generator=gen).numpy()) * 1e-2 + 1e-3).astype(np.float16)
-    raw[..., 0:4] = d.view(np.uint8).reshape(n, k // 256, 4)  # d and dmin
-    ref = dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q4_K).astype(np.float64)
+    at = slice(0, 4) if fmt == "q4_k" else slice(208, 210)  # Q4_K: d and dmin first; Q6_K: d last
+    raw[..., at] = d.view(np.uint8).reshape(n, k // 256, 4)[..., : at.stop - at.start]
+    qtype = GGMLQuantizationType.Q4_K if fmt == "q4_k" else GGMLQuantizationType.Q6_K
+    ref = dequantize(raw.reshape(n, -1), qtype).astype(np.float64)
     return torch.from_numpy(raw.reshape(n, -1).copy()), torch.from_numpy(ref)
 
 
-@pytest.mark.parametrize("H,ffn,rows", [(256, 256, [0, 2, 2]), (2048, 768, [3, 1, 0, 2]), (512, 256, [1])])
-def test_q4_k_matches_ggufs_dequantization(kernel, H, ffn, rows):
+@pytest.mark.parametrize("H,ffn,rows,fmt13,fmt2", [
+    (256, 256, [0, 2, 2], "q4_k", "q4_k"), (2048, 768, [3, 1, 0, 2], "q4_k", "q4_k"), (512, 256, [1], "q4_k", "q4_k"),
+    (256, 256, [0, 3], "q4_k", "q6_k"), (512, 256, [2, 1], "q6_k", "q6_k"),  # Q4_K_M: some down matrices in Q6_K
+])
+def test_q4_k_matches_ggufs_dequantization(kernel, H, ffn, rows, fmt13, fmt2):
     gen = torch.Generator().manual_seed(H + ffn)
     E = 4
-    b13, r13 = _q4_k_blocks(E * 2 * ffn, H, gen)
-    b2, r2 = _q4_k_blocks(E * H, ffn, gen)
+    b13, r13 = _q4_k_blocks(E * 2 * ffn, H, gen, fmt13)
+    b2, r2 = _q4_k_blocks(E * H, ffn, gen, fmt2)
     b13, r13 = b13.reshape(E, 2 * ffn, -1), r13.reshape(E, 2 * ffn, H)
     b2, r2 = b2.reshape(E, H, -1), r2.reshape(E, H, ffn)
     x = torch.randn(H, generator=gen).to(torch.bfloat16)
     weights = torch.rand(len(rows), generator=gen) + 0.5
-    y = kernel.moe_decode_q4k(x, b13, b2, torch.tensor(rows), weights)
+    y = kernel.moe_decode_q4k(x, b13, b2, torch.tensor(rows), weights, fmt13, fmt2)
     ref = torch.zeros(H, dtype=torch.float64)
     for r, wt in zip(rows, weights.double().tolist()):
         h = r13[r] @ x.double()

@@ -158,15 +158,20 @@ def _check_rows(rows, weights, E: int, fail) -> None:
             fail(f"rows[{j}] = {r} is outside [0, {E})")
 
 
+KQUANT_BYTES = {"q4_k": 144, "q6_k": 210}
+"""Bytes per 256-value super-block of the k-quant formats ``moe_decode_q4k`` reads."""
+
+
 def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: torch.Tensor | np.ndarray,
-                   weights: torch.Tensor | np.ndarray) -> torch.Tensor:
-    """``moe_decode`` for experts kept as GGUF Q4_K blocks (super-blocks of 256 values in 144 bytes:
-    4.5 bits a value), read as they are.
+                   weights: torch.Tensor | np.ndarray, fmt13: str = "q4_k", fmt2: str = "q4_k") -> torch.Tensor:
+    """``moe_decode`` for experts kept as GGUF k-quant blocks, read as they are: Q4_K (super-blocks of
+    256 values in 144 bytes, 4.5 bits a value) or Q6_K (210 bytes, 6.6 bits), chosen per matrix
+    (``fmt13`` for gate and up, ``fmt2`` for down: Q4_K_M files store some down matrices as Q6_K).
 
     Args:
         x: ``[H]`` bfloat16, float16 or float32.
-        b13: ``[E, 2I, H/256*144]`` uint8: the gate (first ``I`` rows) and up rows' raw blocks.
-        b2: ``[E, H, I/256*144]`` uint8: the down rows'. ``H`` and ``I`` multiples of 256, contiguous.
+        b13: ``[E, 2I, H/256*bytes]`` uint8: the gate (first ``I`` rows) and up rows' raw blocks.
+        b2: ``[E, H, I/256*bytes]`` uint8: the down rows'. ``H`` and ``I`` multiples of 256, contiguous.
         rows, weights: as in ``moe_decode``.
 
     Returns ``[H]`` float32. Raises RuntimeError as ``moe_decode`` does.
@@ -174,23 +179,27 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
     import torch
 
     mod, rows, weights, fail = _prepare("moe_decode_q4k", rows, weights)
+    if fmt13 not in KQUANT_BYTES or fmt2 not in KQUANT_BYTES:
+        fail(f"formats must be q4_k or q6_k, got {fmt13} and {fmt2}")
+    n13, n2 = KQUANT_BYTES[fmt13], KQUANT_BYTES[fmt2]
     if not all(t.device.type == "cpu" for t in (x, b13, b2, rows, weights)):
         fail("every tensor must be on the CPU")
     H = x.shape[0] if x.dim() == 1 else -1
     if H <= 0 or H % 256 or str(x.dtype) not in _FLOATS:
         fail(f"x must be bfloat16, float16 or float32 [H] with H a multiple of 256, got {x.dtype} {list(x.shape)}")
     if b13.dim() != 3 or b2.dim() != 3 or b13.dtype != torch.uint8 or b2.dtype != torch.uint8:
-        fail(f"b13 and b2 must be uint8 [E, 2I, H/256*144] and [E, H, I/256*144], got {list(b13.shape)} and "
+        fail(f"b13 and b2 must be uint8 [E, 2I, H/256*bytes] and [E, H, I/256*bytes], got {list(b13.shape)} and "
              f"{list(b2.shape)}")
     E, ffn = b13.shape[0], b13.shape[1] // 2
-    if (ffn <= 0 or ffn % 256 or tuple(b13.shape) != (E, 2 * ffn, H // 256 * 144)
-            or tuple(b2.shape) != (E, H, ffn // 256 * 144)):
-        fail(f"b13 must be [E, 2I, {H // 256 * 144}] and b2 [E, {H}, I/256*144] with I a multiple of 256, got "
+    if (ffn <= 0 or ffn % 256 or tuple(b13.shape) != (E, 2 * ffn, H // 256 * n13)
+            or tuple(b2.shape) != (E, H, ffn // 256 * n2)):
+        fail(f"b13 must be [E, 2I, {H // 256 * n13}] and b2 [E, {H}, I/256*{n2}] with I a multiple of 256, got "
              f"{list(b13.shape)} and {list(b2.shape)}")
     if not (b13.is_contiguous() and b2.is_contiguous()):
         fail("the weight stacks must be contiguous")
     _check_rows(rows, weights, E, fail)
-    return mod.moe_decode_q4k(x.contiguous(), b13, b2, ffn, rows, weights)
+    codes = {"q4_k": 0, "q6_k": 1}
+    return mod.moe_decode_kq(x.contiguous(), b13, codes[fmt13], b2, codes[fmt2], ffn, rows, weights)
 
 
 _checked: set[tuple] = set()

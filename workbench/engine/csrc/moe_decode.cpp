@@ -218,6 +218,58 @@ inline float dot_q4k(const uint8_t* row, const float* x, const float* xsum, int6
   return hsum(acc) - mins;
 }
 
+// GGUF Q6_K: super-blocks of 256 values, 210 bytes each: 128 bytes of low 4 bits, 64 bytes of high
+// 2 bits, 16 int8 scales (one per 16 values), float16 d. In each 128-value half, group g (32 values)
+// takes nibble g / 2 of low bytes (g % 2) * 32 + l and bits 2g of high byte l; value = d * sc * (q - 32).
+inline void q6_group(const uint8_t* ql, const uint8_t* qh, int64_t g, vf32& a, vf32& b) {  // 32 values
+#if defined(__AVX512F__)
+  const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03);
+  for (int64_t half = 0; half < 2; ++half) {
+    __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + (g % 2) * 32 + 16 * half));
+    if (g >= 2) lo = _mm_srli_epi16(lo, 4);
+    __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16 * half));
+    hi = _mm_and_si128(_mm_srli_epi16(hi, static_cast<int>(2 * g)), m2);
+    const __m128i q = _mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(hi, 4));
+    const vf32 v = reinterpret_cast<vf32>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))) - 32.f;
+    (half == 0 ? a : b) = v;
+  }
+#else
+  for (int64_t l = 0; l < 2 * LANES; ++l) {
+    const int lo = (ql[(g % 2) * 32 + l] >> (4 * (g / 2))) & 0x0F;
+    const int hi = (qh[l] >> (2 * g)) & 0x03;
+    (l < LANES ? a : b)[l % LANES] = static_cast<float>((lo | (hi << 4)) - 32);
+  }
+#endif
+}
+
+inline float dot_q6k(const uint8_t* row, const float* x, const float*, int64_t K) {
+  vf32 acc = {};
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* b = row + 210 * sb;
+    const float d = half_to_float(reinterpret_cast<const Half*>(b + 208));
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int64_t h = 0; h < 2; ++h) {
+      const uint8_t* ql = b + 64 * h;
+      const uint8_t* qh = b + 128 + 32 * h;
+      const float* xh = x + 256 * sb + 128 * h;
+      for (int64_t g = 0; g < 4; ++g) {
+        vf32 a, c;
+        q6_group(ql, qh, g, a, c);
+        const int64_t s = 8 * h + 2 * g;
+        acc += (d * sc[s]) * (a * load_vec(xh + 32 * g)) + (d * sc[s + 1]) * (c * load_vec(xh + 32 * g + LANES));
+      }
+    }
+  }
+  return hsum(acc);
+}
+
+// k-quant formats by code: 0 Q4_K, 1 Q6_K; bytes per 256 values.
+inline int64_t kq_bytes(int64_t fmt) { return fmt == 0 ? 144 : 210; }
+
+inline float dot_kq(int64_t fmt, const uint8_t* row, const float* x, const float* xsum, int64_t K) {
+  return fmt == 0 ? dot_q4k(row, x, xsum, K) : dot_q6k(row, x, xsum, K);
+}
+
 inline void block_sums(const float* x, int64_t K, float* out) {  // out[K/32]
   for (int64_t b = 0; b < K / 32; ++b) {
     float s = 0.f;
@@ -290,16 +342,16 @@ void decode_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t*
               });
 }
 
-void decode_q4k(const float* x, const uint8_t* b13, const uint8_t* b2, const int64_t* rows, const float* weights,
-                int64_t n, int64_t H, int64_t I, float* out) {
-  const int64_t row13 = H / 256 * 144, row2 = I / 256 * 144;  // bytes per matrix row
+void decode_kq(const float* x, const uint8_t* b13, int64_t f13, const uint8_t* b2, int64_t f2, const int64_t* rows,
+               const float* weights, int64_t n, int64_t H, int64_t I, float* out) {
+  const int64_t row13 = H / 256 * kq_bytes(f13), row2 = I / 256 * kq_bytes(f2);  // bytes per matrix row
   std::vector<float> xsum(static_cast<size_t>(H / 32)), asum(static_cast<size_t>(n * (I / 32)));
   block_sums(x, H, xsum.data());
   decode_rows(
       weights, n, H, I, out,
-      [&](int64_t j, int64_t r) { return dot_q4k(b13 + (rows[j] * 2 * I + r) * row13, x, xsum.data(), H); },
+      [&](int64_t j, int64_t r) { return dot_kq(f13, b13 + (rows[j] * 2 * I + r) * row13, x, xsum.data(), H); },
       [&](int64_t j, int64_t o, const float* aj) {
-        return dot_q4k(b2 + (rows[j] * H + o) * row2, aj, asum.data() + j * (I / 32), I);
+        return dot_kq(f2, b2 + (rows[j] * H + o) * row2, aj, asum.data() + j * (I / 32), I);
       },
       [&](const float* a) {
         for (int64_t j = 0; j < n; ++j) block_sums(a + j * I, I, asum.data() + j * (I / 32));
@@ -383,29 +435,32 @@ at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::T
   return out;
 }
 
-// Q4_K experts as raw blocks: b13 uint8 [E, 2I, H/256*144], b2 uint8 [E, H, I/256*144]; H, I multiples
-// of 256. The Python wrapper checks the input; these checks only guard the reads.
-at::Tensor moe_decode_q4k(const at::Tensor& x, const at::Tensor& b13, const at::Tensor& b2, int64_t I,
-                          const at::Tensor& rows, const at::Tensor& weights) {
+// k-quant experts as raw blocks (f13 / f2: 0 Q4_K, 1 Q6_K): b13 uint8 [E, 2I, H/256*bytes], b2 uint8
+// [E, H, I/256*bytes]; H, I multiples of 256. The Python wrapper checks the input; these checks only
+// guard the reads.
+at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13, const at::Tensor& b2, int64_t f2,
+                         int64_t I, const at::Tensor& rows, const at::Tensor& weights) {
   const int64_t H = x.numel(), E = b13.size(0);
+  TORCH_CHECK((f13 == 0 || f13 == 1) && (f2 == 0 || f2 == 1), "moe_decode_kq: unknown format");
   TORCH_CHECK(H % 256 == 0 && I % 256 == 0 && I > 0 && b13.dim() == 3 && b2.dim() == 3 && b13.size(1) == 2 * I &&
-                  b13.size(2) == H / 256 * 144 && b2.size(0) == E && b2.size(1) == H && b2.size(2) == I / 256 * 144 &&
+                  b13.size(2) == H / 256 * kq_bytes(f13) && b2.size(0) == E && b2.size(1) == H &&
+                  b2.size(2) == I / 256 * kq_bytes(f2) &&
                   b13.scalar_type() == at::kByte && b2.scalar_type() == at::kByte && b13.is_contiguous() &&
                   b2.is_contiguous(),
-              "moe_decode_q4k: bad weight stacks");
+              "moe_decode_kq: bad weight stacks");
   TORCH_CHECK(x.dim() == 1 && rows.dim() == 1 && rows.scalar_type() == at::kLong && weights.dim() == 1 &&
                   weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
-              "moe_decode_q4k: bad x, rows or weights");
+              "moe_decode_kq: bad x, rows or weights");
   const at::Tensor r = rows.contiguous(), wt = weights.contiguous();
   const int64_t n = r.size(0);
   const int64_t* rp = r.data_ptr<int64_t>();
-  for (int64_t j = 0; j < n; ++j) TORCH_CHECK(rp[j] >= 0 && rp[j] < E, "moe_decode_q4k: row out of range");
+  for (int64_t j = 0; j < n; ++j) TORCH_CHECK(rp[j] >= 0 && rp[j] < E, "moe_decode_kq: row out of range");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::zeros({H}, x.options().dtype(at::kFloat));
   if (n == 0) return out;
   py::gil_scoped_release nogil;
-  decode_q4k(xf.data_ptr<float>(), b13.data_ptr<uint8_t>(), b2.data_ptr<uint8_t>(), rp, wt.data_ptr<float>(), n, H, I,
-             out.data_ptr<float>());
+  decode_kq(xf.data_ptr<float>(), b13.data_ptr<uint8_t>(), f13, b2.data_ptr<uint8_t>(), f2, rp, wt.data_ptr<float>(), n,
+            H, I, out.data_ptr<float>());
   return out;
 }
 
@@ -428,10 +483,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "d2 f16 [E, H, I/32], rows [n] int64, weights [n] f32 -> [H] f32",
         py::arg("x"), py::arg("q13"), py::arg("d13"), py::arg("q2"), py::arg("d2"), py::arg("rows"),
         py::arg("weights"));
-  m.def("moe_decode_q4k", &moe_decode_q4k,
-        "moe_decode with GGUF Q4_K experts as raw blocks: x [H], b13 uint8 [E, 2I, H/256*144], b2 uint8 "
-        "[E, H, I/256*144], I, rows [n] int64, weights [n] f32 -> [H] f32",
-        py::arg("x"), py::arg("b13"), py::arg("b2"), py::arg("I"), py::arg("rows"), py::arg("weights"));
+  m.def("moe_decode_kq", &moe_decode_kq,
+        "moe_decode with GGUF k-quant experts as raw blocks (formats 0 Q4_K, 1 Q6_K): x [H], b13 uint8 "
+        "[E, 2I, H/256*bytes], f13, b2 uint8 [E, H, I/256*bytes], f2, I, rows [n] int64, weights [n] f32 -> [H] f32",
+        py::arg("x"), py::arg("b13"), py::arg("f13"), py::arg("b2"), py::arg("f2"), py::arg("I"), py::arg("rows"),
+        py::arg("weights"));
   m.def("parallel_threads", &parallel_threads, "Tasks at::parallel_for runs a large range in (a build check)",
         py::call_guard<py::gil_scoped_release>());
 }
