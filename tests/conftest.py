@@ -75,7 +75,8 @@ def tiny_gguf(_tiny_cache, tiny_model_dir):
 
             src = tiny_model_dir(model_type, **overrides)
             out = _tiny_cache["root"] / f"{key[0]}-{tensor_type}.gguf"
-            _tiny_cache["ggufs"][key] = write_gguf(src, out, tensor_type)[0]
+            main, _, down = tensor_type.partition("+")  # "Q4_K+Q6_K": expert down matrices in Q6_K
+            _tiny_cache["ggufs"][key] = write_gguf(src, out, main, expert_down_type=down or None)[0]
         return _tiny_cache["ggufs"][key]
 
     return make

@@ -55,8 +55,7 @@ def _share(engine, fraction: float) -> bus.BusShare:
                          (a.hidden, a.expert_ffn), fraction)
     for lx in engine.experts.values():
         if lx.n_tier[COMPUTE]:
-            kept = (lx.kept, lx.n13, lx.k13, lx.k2) if lx.kept_cpu is not None else None
-            assert share.pin(lx, lx.cpu_stacks(), kept)
+            assert share.pin(lx, lx.cpu_stacks(), lx.kept_layout())
             lx.bus = share
     return share
 

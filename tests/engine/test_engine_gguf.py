@@ -93,7 +93,8 @@ def test_quantized_gguf_matches_transformers_on_dequantized_weights(model_type, 
 Q4_K_SIZES = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "mlp_only_layers": []}
 
 
-@pytest.mark.parametrize("tensor_type,sizes", [("Q8_0", dict(QUANT_SIZES, mlp_only_layers=[])), ("Q4_K", Q4_K_SIZES)])
+@pytest.mark.parametrize("tensor_type,sizes", [("Q8_0", dict(QUANT_SIZES, mlp_only_layers=[])), ("Q4_K", Q4_K_SIZES),
+                                               ("Q4_K+Q6_K", Q4_K_SIZES)])
 def test_kept_blocks_compute_what_their_dequantized_copies_compute(tensor_type, sizes, tiny_gguf, monkeypatch):
     """Experts kept in the file's blocks (CPU decode: the fused kernel for the format; GPU decode: the
     Triton kernels; prompts: rows dequantized on use; moving tiers) give the logits and tokens of
@@ -114,7 +115,8 @@ def test_kept_blocks_compute_what_their_dequantized_copies_compute(tensor_type, 
         tokens = greedy_tokens(engine, PROMPT, 8)
         if keep == "1":
             lx = next(iter(engine.experts.values()))
-            assert lx.kept == tensor_type.lower()
+            main, _, down = tensor_type.lower().partition("+")
+            assert lx.kept == (main, down or main)
             assert lx.nbytes["cpu"] < 0.6 * 4 * sum(inv.units[k].n_params for k in inv.expert_keys(lx.layer))
             engine.apply_placement(p["mixed"])  # Q8_0 rows move to the accelerator dequantized
             assert greedy_tokens(engine, PROMPT, 8) == tokens

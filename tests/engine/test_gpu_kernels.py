@@ -121,24 +121,28 @@ def test_experts_one_token_on_q8_0_blocks_match_ggufs_dequantization(H, F_, E, k
     assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-2
 
 
-@pytest.mark.parametrize("H,F_,E,k", [(256, 256, 4, 2), (512, 256, 5, 3)])
-def test_experts_one_token_on_q4_k_blocks_match_ggufs_dequantization(H, F_, E, k):
-    """Q4_K rows as raw bytes, read in place (inactive pairs read nothing)."""
+@pytest.mark.parametrize("H,F_,E,k,fmt", [(256, 256, 4, 2, ("q4_k", "q4_k")), (512, 256, 5, 3, ("q4_k", "q4_k")),
+                                          (256, 256, 4, 2, ("q4_k", "q6_k")), (256, 256, 3, 2, ("q6_k", "q6_k"))])
+def test_experts_one_token_on_q4_k_blocks_match_ggufs_dequantization(H, F_, E, k, fmt):
+    """Q4_K / Q6_K rows as raw bytes, read in place (inactive pairs read nothing)."""
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     g = torch.Generator().manual_seed(H + F_)
 
-    def q4k(n, kk):
-        raw = torch.randint(0, 256, (n, kk // 256, 144), dtype=torch.uint8, generator=g).numpy()
+    def q4k(n, kk, f):
+        size = {"q4_k": 144, "q6_k": 210}[f]
+        raw = torch.randint(0, 256, (n, kk // 256, size), dtype=torch.uint8, generator=g).numpy()
         d = (np.abs(torch.randn(n, kk // 256, 2, generator=g).numpy()) * 1e-3 + 1e-4).astype(np.float16)
-        raw[..., 0:4] = d.view(np.uint8).reshape(n, kk // 256, 4)
-        ref = dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q4_K).astype(np.float64)
+        at = slice(0, 4) if f == "q4_k" else slice(208, 210)
+        raw[..., at] = d.view(np.uint8).reshape(n, kk // 256, 4)[..., : at.stop - at.start]
+        qtype = GGMLQuantizationType.Q4_K if f == "q4_k" else GGMLQuantizationType.Q6_K
+        ref = dequantize(raw.reshape(n, -1), qtype).astype(np.float64)
         return torch.from_numpy(raw.reshape(n, -1).copy()), torch.from_numpy(ref)
 
-    b13, r13 = q4k(E * 2 * F_, H)
-    b2, r2 = q4k(E * H, F_)
+    b13, r13 = q4k(E * 2 * F_, H, fmt[0])
+    b2, r2 = q4k(E * H, F_, fmt[1])
     b13, r13 = b13.reshape(E, 2 * F_, -1).to(DEV), r13.reshape(E, 2 * F_, H).to(DEV)
     b2, r2 = b2.reshape(E, H, -1).to(DEV), r2.reshape(E, H, F_).to(DEV)
     x = torch.randn(1, H, generator=g).to(DEV, torch.bfloat16)
@@ -146,7 +150,7 @@ def test_experts_one_token_on_q4_k_blocks_match_ggufs_dequantization(H, F_, E, k
     scale = (torch.rand(k, generator=g) + 0.1).to(DEV, torch.bfloat16)
     rowmap = torch.arange(E, device=DEV).flip(0)
     rowmap[ids[0]] = -1
-    out = gpu_kernels.experts_one_token(x, ids, scale, rowmap, b13, b2, fmt="q4_k")
+    out = gpu_kernels.experts_one_token(x, ids, scale, rowmap, b13, b2, fmt=fmt)
     ref = torch.zeros(1, H, dtype=torch.float64, device=DEV)
     for e, s in zip(ids.tolist(), scale.double().tolist()):
         r = int(rowmap[e])

@@ -101,16 +101,18 @@ def write_gguf(
     tensor_type: str = "F32",
     *,
     expert_type: str | None = None,
+    expert_down_type: str | None = None,
     split_max_tensors: int = 0,
     name: str | None = None,
 ) -> list[Path]:
     """Convert the HF folder ``hf_dir`` to GGUF at ``out_path``; returns the written file(s).
 
     ``tensor_type``: one of ``TENSOR_TYPES`` for 2-D+ tensors; ``expert_type`` overrides it for the
-    routed experts; ``split_max_tensors`` > 0 writes a split ``*-0000K-of-0000N.gguf`` set.
+    routed experts and ``expert_down_type`` for their down matrices (as Q4_K_M stores some in Q6_K);
+    ``split_max_tensors`` > 0 writes a split ``*-0000K-of-0000N.gguf`` set.
     """
     hf_dir, out_path = Path(hf_dir), Path(out_path)
-    for t in (tensor_type, expert_type or tensor_type):
+    for t in (tensor_type, expert_type or tensor_type, expert_down_type or tensor_type):
         if t not in TENSOR_TYPES:
             raise ValueError(f"unknown tensor type {t!r}: choose one of {', '.join(TENSOR_TYPES)}")
     config = json.loads((hf_dir / "config.json").read_text())
@@ -128,7 +130,10 @@ def write_gguf(
     _add_tokenizer(writer, hf_dir, c)
     for gname, data in _convert_tensors(arch, family, c, tensors):
         is_expert = "_exps." in gname
-        _add_tensor(writer, gname, data, (expert_type or tensor_type) if is_expert else tensor_type)
+        ttype = (expert_type or tensor_type) if is_expert else tensor_type
+        if is_expert and "ffn_down_exps" in gname and expert_down_type:
+            ttype = expert_down_type
+        _add_tensor(writer, gname, data, ttype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -308,12 +308,12 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
 def dequantized_extra_bytes(inv, dtype: torch.dtype) -> int:
     """GPU bytes our engine holds beyond the file's for the units the planner counts at file size:
     quantized units are dequantized to ``dtype`` at load (except routed experts the engine keeps in
-    their blocks: ``engine.kept_format``), so the planner leaves that much free."""
-    from .engine import kept_format
+    their blocks: ``engine.keeps_blocks``), so the planner leaves that much free."""
+    from .engine import keeps_blocks
     from .families import ModelArgs
 
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    experts_kept = kept_format(inv, ModelArgs.from_config(inv.family, inv.config), None) is not None
+    experts_kept = keeps_blocks(inv, ModelArgs.from_config(inv.family, inv.config), None)
     extra = 0
     for key, unit in inv.units.items():
         quantized = any(t.tensor.dtype.upper() not in ("F32", "F16", "BF16") for t in unit.tensors)

@@ -3,7 +3,10 @@
 A kept matrix ``[N, K]`` is a list of tensors (any device):
 
 - ``q8_0``: ``[q int8 [N, K], d float16 [N, K/32]]`` (value = d * q per 32 values along K);
-- ``q4_k``: ``[raw uint8 [N, K/256 * 144]]``, the rows' super-blocks as stored (4.5 bits a value).
+- ``q4_k``: ``[raw uint8 [N, K/256 * 144]]``, the rows' super-blocks as stored (4.5 bits a value);
+- ``q6_k``: ``[raw uint8 [N, K/256 * 210]]`` likewise (6.6 bits a value). Q4_K_M files store some
+  expert down matrices as Q6_K, so the format is chosen per matrix: gate and up share one, down
+  may differ (both k-quants, or both Q8_0).
 
 The fused CPU kernels (``cpu_kernel.moe_decode_q8`` / ``moe_decode_q4k``) and the one-token Triton
 kernels (``gpu_kernels.experts_one_token``) read them in place; every other step dequantizes the
@@ -14,9 +17,16 @@ from __future__ import annotations
 
 import torch
 
-FORMATS = {"Q8_0": "q8_0", "Q4_K": "q4_k"}
+FORMATS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
 """GGUF storage types the engine keeps -> the format names used here."""
-BLOCK = {"q8_0": 32, "q4_k": 256}
+BLOCK = {"q8_0": 32, "q4_k": 256, "q6_k": 256}
+KQUANTS = {"q4_k": 144, "q6_k": 210}
+"""Bytes per 256-value super-block."""
+
+
+def pairs_well(fmt13: str, fmt2: str) -> bool:
+    """Whether the kernels take gate/up in ``fmt13`` with down in ``fmt2``: both Q8_0, or both k-quants."""
+    return (fmt13 == fmt2 == "q8_0") or (fmt13 in KQUANTS and fmt2 in KQUANTS)
 """Values per block along K: a kept matrix needs K to be a multiple."""
 
 
@@ -25,7 +35,7 @@ def alloc(fmt: str, lead: tuple[int, ...], n: int, k: int, device=None) -> list[
     if fmt == "q8_0":
         return [torch.empty((*lead, n, k), dtype=torch.int8, device=device),
                 torch.empty((*lead, n, k // 32), dtype=torch.float16, device=device)]
-    return [torch.empty((*lead, n, k // 256 * 144), dtype=torch.uint8, device=device)]
+    return [torch.empty((*lead, n, k // 256 * KQUANTS[fmt]), dtype=torch.uint8, device=device)]
 
 
 def nbytes(parts: list[torch.Tensor]) -> int:
@@ -40,6 +50,8 @@ def dequantize(fmt: str, parts: list[torch.Tensor], k: int, dtype: torch.dtype) 
         return vals.reshape(q.shape).to(dtype)
     (raw,) = parts
     lead, nb = raw.shape[:-1], k // 256
+    if fmt == "q6_k":
+        return _q6_k(raw.reshape(-1, nb, 210), nb).reshape(*lead, k).to(dtype)
     b = raw.reshape(-1, nb, 144)
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # [R, nb, 1]
     dmin = b[..., 2:4].contiguous().view(torch.float16).float()
@@ -51,6 +63,18 @@ def dequantize(fmt: str, parts: list[torch.Tensor], k: int, dtype: torch.dtype) 
     q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(-1, nb, 8, 32).float()
     vals = d[..., None] * scale[..., None].float() * q - dmin[..., None] * mins[..., None].float()
     return vals.reshape(*lead, k).to(dtype)
+
+
+def _q6_k(b: torch.Tensor, nb: int) -> torch.Tensor:
+    """Q6_K super-blocks ``[R, nb, 210]`` -> float32 ``[R, nb, 256]``."""
+    ql = b[..., :128].to(torch.int32).reshape(-1, nb, 2, 1, 64)
+    ql = torch.cat([ql & 15, ql >> 4], dim=3).reshape(-1, nb, 2, 4, 32)  # per half: 4 groups of 32
+    qh = b[..., 128:192].to(torch.int32).reshape(-1, nb, 2, 1, 32)
+    qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=3)  # [R, nb, 2, 4, 32]
+    q = ((ql | (qh << 4)) - 32).float().reshape(-1, nb, 16, 16)
+    sc = b[..., 192:208].contiguous().view(torch.int8).float()  # [R, nb, 16]
+    d = b[..., 208:210].contiguous().view(torch.float16).float()  # [R, nb, 1]
+    return (d[..., None] * sc[..., None] * q).reshape(-1, nb, 256)
 
 
 def take(parts: list[torch.Tensor], rows) -> list[torch.Tensor]:

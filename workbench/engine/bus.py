@@ -87,8 +87,7 @@ class BusShare:
         self.ready = [torch.cuda.Event() for _ in range(2)] if self.cuda else None  # prefill: two halves
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
         self.fetch_tokens = PREFILL_FETCH_TOKENS
-        self._kept: tuple | None = None
-        self._staging: list[torch.Tensor] = []
+        self._staging: dict[tuple, list[torch.Tensor]] = {}
         self._set: list[int] = []
         self.registered: dict[int, list[torch.Tensor]] = {}  # by id() of the owner (a LayerExperts)
         self.copied = 0  # experts sent over the bus so far
@@ -96,7 +95,7 @@ class BusShare:
     @property
     def nbytes(self) -> int:
         """Device bytes of the slots (and of the staging for one kept expert's blocks, once a layer has them)."""
-        staging = sum(t.numel() * t.element_size() for t in self._staging)
+        staging = sum(t.numel() * t.element_size() for ts in self._staging.values() for t in ts)
         return (self.w13.numel() + self.w2.numel()) * self.w13.element_size() + staging
 
     def share(self, n: int) -> int:
@@ -105,12 +104,10 @@ class BusShare:
 
     def pin(self, owner, stacks: list[torch.Tensor], kept: tuple | None = None) -> bool:
         """Page-lock ``owner``'s CPU-tier ``stacks``; True when all of them are (then it may share).
-        ``kept``: ``(format, tensors of w13, K of w13, K of w2)`` when the stacks are kept quantized
-        blocks (``LayerExperts.alloc_kept``): the device then stages one expert's blocks and
-        dequantizes them into a slot."""
-        if kept is not None and self._kept is None:
-            self._kept = kept
-            self._staging = [torch.empty(t.shape[1:], dtype=t.dtype, device=self.device) for t in stacks]
+        ``kept``: ``LayerExperts.kept_layout()`` when the stacks are kept quantized blocks: the device
+        then stages one expert's blocks and dequantizes them into a slot."""
+        if kept is not None and kept not in self._staging:  # one staging per layout of blocks
+            self._staging[kept] = [torch.empty(t.shape[1:], dtype=t.dtype, device=self.device) for t in stacks]
         if not self.cuda:
             return True
         ok = True
@@ -137,7 +134,7 @@ class BusShare:
         """Host bytes page-locked by ``pin``."""
         return sum(t.numel() * t.element_size() for ts in self.registered.values() for t in ts)
 
-    def _load(self, slot: int, row: int, src: list[torch.Tensor]) -> None:
+    def _load(self, slot: int, row: int, src: list[torch.Tensor], kept: tuple | None = None) -> None:
         """Queue on the current stream the copy of row ``row`` of the pinned host stacks ``src`` into
         slot ``slot``: float ``[w13, w2]`` as they are, or kept blocks (half or a quarter of the bytes
         over the bus) dequantized on the device."""
@@ -145,16 +142,17 @@ class BusShare:
             self.w13[slot].copy_(src[0][row], non_blocking=True)
             self.w2[slot].copy_(src[1][row], non_blocking=True)
             return
-        for buf, t in zip(self._staging, src):  # staging made by pin()
+        staging = self._staging[kept]  # made by pin()
+        for buf, t in zip(staging, src):
             buf.copy_(t[row], non_blocking=True)
-        fmt, n, k13, k2 = self._kept
-        self.w13[slot].copy_(blocks.dequantize(fmt, self._staging[:n], k13, self.w13.dtype))
-        self.w2[slot].copy_(blocks.dequantize(fmt, self._staging[n:], k2, self.w2.dtype))
+        (f13, f2), n, k13, k2 = kept
+        self.w13[slot].copy_(blocks.dequantize(f13, staging[:n], k13, self.w13.dtype))
+        self.w2[slot].copy_(blocks.dequantize(f2, staging[n:], k2, self.w2.dtype))
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: np.ndarray,
-            rows: np.ndarray, src: list[torch.Tensor]) -> torch.Tensor:
+            rows: np.ndarray, src: list[torch.Tensor], kept: tuple | None = None) -> torch.Tensor:
         """Copy experts ``experts`` (host ids; their rows ``rows`` of the pinned host stacks ``src``,
-        see ``_load``) into the slots on the copy stream and queue, on the current stream after
+        with ``kept`` their layout if they are kept blocks, see ``_load``) into the slots on the copy stream and queue, on the current stream after
         the copies, their weighted sum for the token ``x [1, H]`` with routing ``ids``/``weights``
         ``[k]`` on the device: ``[1, H]`` (pairs of other experts read nothing). Does not wait."""
         from . import gpu_kernels
@@ -167,7 +165,7 @@ class BusShare:
                 self.stream.wait_event(self.free[0])
                 self.stream.wait_event(self.free[1])
             for slot, (e, r) in enumerate(zip(self._set, rows.tolist())):
-                self._load(slot, r, src)
+                self._load(slot, r, src, kept)
                 self.map_host[e] = slot
             self.map_dev.copy_(self.map_host, non_blocking=True)
             if self.cuda:
@@ -177,7 +175,8 @@ class BusShare:
         self.copied += len(self._set)
         return gpu_kernels.experts_one_token(x, ids, weights, self.map_dev, self.w13, self.w2)
 
-    def fetch(self, half: int, experts: np.ndarray, rows: np.ndarray, src: list[torch.Tensor]) -> int:
+    def fetch(self, half: int, experts: np.ndarray, rows: np.ndarray, src: list[torch.Tensor],
+              kept: tuple | None = None) -> int:
         """Prefill: copy experts (rows ``rows`` of the pinned stacks ``src``; at most ``slots // 2`` of them)
         into half ``half`` (0 or 1) of the slots on the copy stream, once the kernels that read that
         half before are done (``done_with``); the current stream waits for the copies. Returns the
@@ -188,7 +187,7 @@ class BusShare:
             if self.cuda:
                 self.stream.wait_event(self.free[half])
             for j, r in enumerate(rows.tolist()):
-                self._load(base + j, r, src)
+                self._load(base + j, r, src, kept)
             if self.cuda:
                 self.ready[half].record(self.stream)
         if self.cuda:

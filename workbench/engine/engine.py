@@ -63,19 +63,20 @@ class HostMemoryError(WorkbenchError):
     """Host RAM ran out while loading (CPU expert stacks, pinned stream copies); everything was freed."""
 
 
-def kept_format(inventory: Inventory, args: ModelArgs, cpu_format: str | None) -> str | None:
-    """The quantized format (``blocks.FORMATS``: ``q8_0`` or ``q4_k``) in which the engine keeps this
-    model's routed experts on the GPU and the CPU instead of dequantizing them at load, or None:
-    every expert tensor is stored in that one format, plain SwiGLU experts without biases whose sizes
-    fill whole blocks, no CPU format asked for, and ``WORKBENCH_KEEP_QUANTS`` is not ``0``."""
+def keeps_blocks(inventory: Inventory, args: ModelArgs, cpu_format: str | None) -> bool:
+    """Whether the engine keeps this model's routed experts in their GGUF quantized blocks on the GPU
+    and the CPU instead of dequantizing them at load: every expert tensor is Q8_0, or every one is
+    Q4_K or Q6_K (``blocks.FORMATS``), plain SwiGLU experts without biases whose sizes fill whole
+    blocks, no CPU format asked for, and ``WORKBENCH_KEEP_QUANTS`` is not ``0``."""
     if (cpu_format is not None or args.expert_bias or args.expert_act != "silu" or not args.n_experts
             or os.environ.get("WORKBENCH_KEEP_QUANTS", "1") == "0"):
-        return None
+        return False
     types = {t.tensor.dtype.upper() for k, u in inventory.units.items() if k.kind == "expert" for t in u.tensors}
-    fmt = blocks.FORMATS.get(types.pop()) if len(types) == 1 else None
-    if fmt is None or args.expert_ffn % blocks.BLOCK[fmt] or args.hidden % blocks.BLOCK[fmt]:
-        return None
-    return fmt
+    fmts = {blocks.FORMATS.get(t) for t in types}
+    if not fmts or None in fmts or ("q8_0" in fmts and len(fmts) > 1):
+        return False
+    block = max(blocks.BLOCK[f] for f in fmts)
+    return args.expert_ffn % block == 0 and args.hidden % block == 0
 
 
 def _bus_bytes(args: ModelArgs, placement: Placement, device: torch.device, dtype_bytes: int, share: float) -> int:
@@ -167,7 +168,7 @@ class Engine:
         bus_share = bus.fraction_from_env() if bus_share is None else min(1.0, max(0.0, float(bus_share)))
         bus_bytes = 0 if cpu_format is not None else _bus_bytes(args, placement, device, dtype_bytes, bus_share)
         predicted = check_placement(inventory, args, placement, 1, dtype_bytes, max_context, vram_budget, bus_bytes,
-                                    kept_format(inventory, args, cpu_format) is not None)
+                                    keeps_blocks(inventory, args, cpu_format))
         self = object.__new__(cls)
         self.inventory, self.args, self.device, self.dtype = inventory, args, device, dtype
         self.max_context, self.vocab_size = max_context, args.vocab
@@ -331,19 +332,20 @@ class Engine:
             a = self.args
             self._bus = bus.BusShare(self.device, self.dtype, a.n_experts, (2 * a.expert_ffn, a.hidden),
                                      (a.hidden, a.expert_ffn), fraction)
-        if self._bus.pin(lx, lx.cpu_stacks(), (lx.kept, lx.n13, lx.k13, lx.k2) if lx.kept_cpu is not None else None):
+        if self._bus.pin(lx, lx.cpu_stacks(), lx.kept_layout()):
             lx.bus = self._bus
             log.debug("layer %d: bus share %.2f of its CPU-selected experts", lx.layer, self._bus.fraction)
         else:
             log.warning("layer %d: CPU experts not page-locked, no bus share", lx.layer)
 
-    def _kept_format(self, layer: int) -> str | None:
-        """The format ``layer``'s routed experts stay in (see ``kept_format``; the file stores this
-        layer's experts so): half (Q8_0) or a quarter (Q4_K) of bf16's bytes to hold on the GPU, for
-        the CPU to read and for the bus to carry."""
-        fmt = kept_format(self.inventory, self.args, self.cpu_format)
-        w = self._fw.expert_blocks(layer, 0) if fmt is not None else None
-        return fmt if w is not None and w["fmt"] == fmt else None
+    def _kept_format(self, layer: int) -> tuple[str, str] | None:
+        """The formats ``(gate/up, down)`` ``layer``'s routed experts stay in (see ``keeps_blocks``):
+        a half (Q8_0) to a quarter (Q4_K) of bf16's bytes to hold on the GPU, for the CPU to read and
+        for the bus to carry."""
+        if not keeps_blocks(self.inventory, self.args, self.cpu_format):
+            return None
+        w = self._fw.expert_blocks(layer, 0)
+        return None if w is None else w["fmt"]
 
     @staticmethod
     def _cpu_block_kernel() -> bool:
@@ -504,7 +506,7 @@ class Engine:
         check_placement(self.inventory, self.args, placement, 1, dtype_bytes, self.max_context, vram,
                         0 if self._bus is not None or self.cpu_format is not None
                         else _bus_bytes(self.args, placement, self.device, dtype_bytes, self.bus_share),
-                        kept_format(self.inventory, self.args, self.cpu_format) is not None)
+                        keeps_blocks(self.inventory, self.args, self.cpu_format))
         changed = [layer for layer in self.args.moe_layers
                    if placement.stream_slots != self.placement.stream_slots
                    or any(placement.get(UnitKey(layer, "expert", e)) != self.placement.get(UnitKey(layer, "expert", e))

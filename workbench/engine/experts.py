@@ -107,7 +107,7 @@ class LayerExperts:
         self.cache_b13: torch.Tensor | None = None
         self.cache_b2: torch.Tensor | None = None
         self.cpu_kernel = None  # optional CPU-format kernel for the compute tier (cpu_formats.CpuExperts)
-        self.kept: str | None = None  # blocks.FORMATS value: experts kept in the file's quantized blocks
+        self.kept: tuple[str, str] | None = None  # formats (gate/up, down) of experts kept in the file's blocks
         self.kept_cpu: list[torch.Tensor] | None = None  # compute tier's kept stacks: w13's tensors then w2's
         self.kept_res: list[torch.Tensor] | None = None  # resident tier likewise, on the accelerator
         self.fused_cpu = False  # decode the compute tier with cpu_kernel.moe_decode (set by the engine)
@@ -138,13 +138,16 @@ class LayerExperts:
                 self.cache_b2 = torch.empty((n, shape2[0]), dtype=self.dtype, device=self.device)
             self.cache_expert = [-1] * n
 
-    def alloc_kept(self, fmt: str, tier: int, count: int, shape13: tuple[int, int], shape2: tuple[int, int]) -> None:
-        """Keep ``tier``'s (COMPUTE or RESIDENT) ``count`` experts in the file's quantized blocks of
-        ``fmt`` (``blocks.FORMATS``) instead of float stacks (before ``put_kept``): ``w13``'s tensors
-        then ``w2``'s, each ``[count, ...]`` as ``blocks.alloc`` lays them out."""
+    def alloc_kept(self, fmt: tuple[str, str], tier: int, count: int, shape13: tuple[int, int],
+                   shape2: tuple[int, int]) -> None:
+        """Keep ``tier``'s (COMPUTE or RESIDENT) ``count`` experts in the file's quantized blocks, gate
+        and up in ``fmt[0]``, down in ``fmt[1]`` (``blocks.FORMATS``), instead of float stacks (before
+        ``put_kept``): ``w13``'s tensors then ``w2``'s, each ``[count, ...]`` as ``blocks.alloc`` lays
+        them out."""
         dev = self.device if tier == RESIDENT else None
-        parts = blocks.alloc(fmt, (count,), *shape13, dev) + blocks.alloc(fmt, (count,), *shape2, dev)
-        self.kept, self.n13 = fmt, len(parts) // 2
+        p13 = blocks.alloc(fmt[0], (count,), *shape13, dev)
+        parts = p13 + blocks.alloc(fmt[1], (count,), *shape2, dev)
+        self.kept, self.n13 = tuple(fmt), len(p13)
         self.k13, self.k2 = shape13[1], shape2[1]
         if tier == COMPUTE:
             self.kept_cpu = parts
@@ -169,8 +172,12 @@ class LayerExperts:
         if rows is not None:
             parts = blocks.take(parts, torch.as_tensor(np.asarray(rows, dtype=np.int64), device=parts[0].device))
         n = self.n13
-        return (blocks.dequantize(self.kept, parts[:n], self.k13, self.dtype),
-                blocks.dequantize(self.kept, parts[n:], self.k2, self.dtype))
+        return (blocks.dequantize(self.kept[0], parts[:n], self.k13, self.dtype),
+                blocks.dequantize(self.kept[1], parts[n:], self.k2, self.dtype))
+
+    def kept_layout(self) -> tuple | None:
+        """``(formats, tensors of w13, K of w13, K of w2)`` of the CPU tier's kept blocks, or None."""
+        return (self.kept, self.n13, self.k13, self.k2) if self.kept_cpu is not None else None
 
     def resident_stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The resident tier as float stacks ``w13 [R, 2I, H]``, ``w2 [R, H, I]`` (kept blocks:
@@ -317,7 +324,7 @@ class LayerExperts:
                 and (self._small(T, k) or not self.needs_host)):
             # one token on CUDA: the selected resident rows read in place (Triton), others skipped
             rowmap = self.res_map_dev if self.needs_host else self.local_dev
-            if self.kept == "q8_0" and self.kept_res is not None:  # the file's blocks read in place
+            if self.kept is not None and self.kept[0] == "q8_0" and self.kept_res is not None:  # blocks in place
                 q13, d13, q2, d2 = self.kept_res
                 out = gpu_kernels.experts_one_token(x, flat_ids, flat_w, rowmap, q13, q2, d13, d2)
             elif self.kept_res is not None:
@@ -384,7 +391,7 @@ class LayerExperts:
                 sent, cpu_sel = cpu_sel[:m], cpu_sel[m:]
                 experts = ids_host[sent]
                 bus_y = self.bus.run(x, ids.reshape(-1), weights.reshape(-1), experts, self.local[experts],
-                                     self.cpu_stacks())
+                                     self.cpu_stacks(), self.kept_layout())
         if cpu_sel.size:
             out.add_(self.staging.to_device(self._run_cpu(host[2], token_host, host[1], ids_host, cpu_sel,
                                                           scale_input)))
@@ -403,8 +410,10 @@ class LayerExperts:
             out.index_add_(0, tok, y.to(out.dtype))
         elif self.kept_cpu is not None and x.shape[0] == 1 and not scale_input:  # decode on the file's blocks
             weights = flat_w[torch.from_numpy(sel)]
-            kernel = cpu_kernel.moe_decode_q8 if self.kept == "q8_0" else cpu_kernel.moe_decode_q4k
-            out[0].copy_(kernel(x[0], *self.kept_cpu, rows, weights))
+            if self.kept[0] == "q8_0":
+                out[0].copy_(cpu_kernel.moe_decode_q8(x[0], *self.kept_cpu, rows, weights))
+            else:
+                out[0].copy_(cpu_kernel.moe_decode_q4k(x[0], *self.kept_cpu, rows, weights, *self.kept))
         elif self.kept_cpu is not None:  # a prompt: the rows it uses, dequantized once
             uniq, local = np.unique(rows, return_inverse=True)
             w13, w2 = self._dequant(self.kept_cpu, uniq)
@@ -442,7 +451,7 @@ class LayerExperts:
         n = self.bus.half_slots
         for b, start in enumerate(range(0, hot.size, n)):
             batch = hot[start:start + n]
-            base = self.bus.fetch(b % 2, batch, self.local[batch], self.cpu_stacks())
+            base = self.bus.fetch(b % 2, batch, self.local[batch], self.cpu_stacks(), self.kept_layout())
             in_batch = np.isin(experts, batch)
             slot = base + np.searchsorted(batch, experts[in_batch])  # batch is sorted
             _grouped_host(x, sel[in_batch], token, slot, flat_w, out, scale_input, self.bus.w13, self.bus.w2,

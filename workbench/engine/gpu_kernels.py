@@ -95,12 +95,32 @@ if triton is not None:
         return tl.where(m, v, 0.0)
 
     @triton.jit
+    def _q6k_values(base, k, m):
+        """GGUF Q6_K values at input positions ``k`` of the rows whose raw bytes start at ``base``,
+        where ``m`` (else 0, nothing read): ``d * sc[w / 16] * (q - 32)`` in float32."""
+        sb = base + (k // 256) * 210
+        w = k % 256
+        r = w % 128
+        g = r // 32
+        half = w // 128
+        lo = tl.load(sb + half * 64 + (g % 2) * 32 + r % 32, mask=m, other=0).to(tl.int32)
+        hi = tl.load(sb + 128 + half * 32 + r % 32, mask=m, other=0).to(tl.int32)
+        q = (((lo >> ((g // 2) * 4)) & 0xF) | (((hi >> (2 * g)) & 3) << 4)) - 32
+        sc = tl.load(sb + 192 + w // 16, mask=m, other=0).to(tl.int32)
+        sc = tl.where(sc > 127, sc - 256, sc)  # int8
+        d = (tl.load(sb + 208, mask=m, other=0).to(tl.uint16)
+             | (tl.load(sb + 209, mask=m, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True)
+        return tl.where(m, d.to(tl.float32) * sc.to(tl.float32) * q.to(tl.float32), 0.0)
+
+    @triton.jit
     def _weight_tile(w_base, d_ptr, row, stride_e, stride_n, offs_n, offs_k, m, FMT: tl.constexpr):
         """The float32 weights ``[rows offs_n, inputs offs_k]`` of one expert row of a stack (0 where
         ``m`` is False, nothing read there): float stacks, Q8_0 (``FMT`` 1: int8 values, scales at
-        ``d_ptr``) or raw Q4_K rows (``FMT`` 2)."""
+        ``d_ptr``), raw Q4_K rows (``FMT`` 2) or raw Q6_K rows (``FMT`` 3)."""
         if FMT == 2:
             w = _q4k_values(w_base + 0 * offs_k[None, :], offs_k[None, :], m)
+        elif FMT == 3:
+            w = _q6k_values(w_base + 0 * offs_k[None, :], offs_k[None, :], m)
         else:
             w = tl.load(w_base + offs_k[None, :], mask=m, other=0).to(tl.float32)
         if FMT == 1:
@@ -309,31 +329,36 @@ def qkv_rope_cache(qkv: torch.Tensor, norm: torch.Tensor | None, cos: torch.Tens
 
 def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, rowmap: torch.Tensor,
                       w13: torch.Tensor, w2: torch.Tensor, d13: torch.Tensor | None = None,
-                      d2: torch.Tensor | None = None, fmt: str = "") -> torch.Tensor:
+                      d2: torch.Tensor | None = None, fmt: tuple[str, str] | None = None) -> torch.Tensor:
     """SwiGLU experts of one token, weighted and summed: ``[1, H]`` in ``x.dtype``.
 
     ``x [1, H]``; ``ids``/``scale [k]``: the selected experts and their routing weights;
     ``rowmap [E]`` int64: each expert's row in ``w13 [R, 2I, H]`` (gate rows first) and
     ``w2 [R, H, I]``, or -1 when it lives elsewhere (that pair adds nothing and reads nothing).
     With ``d13 [R, 2I, H/32]`` / ``d2 [R, H, I/32]`` (float16) the stacks are GGUF Q8_0: ``w13``/``w2``
-    int8 values, one scale per 32 along the input axis (contiguous stacks). ``fmt="q4_k"``: ``w13``
-    ``[R, 2I, H/256*144]`` and ``w2 [R, H, I/256*144]`` are the rows' raw GGUF Q4_K bytes (uint8).
+    int8 values, one scale per 32 along the input axis (contiguous stacks). ``fmt=(gate/up format,
+    down format)`` of ``"q4_k"``/``"q6_k"``: ``w13 [R, 2I, H/256*bytes]`` and ``w2 [R, H, I/256*bytes]``
+    are the rows' raw GGUF k-quant bytes (uint8).
     No host sync; capturable in a CUDA graph.
     """
     k = ids.shape[0]
     n13 = w13.shape[1]
     H = w2.shape[1]
-    i = w2.shape[2] // 144 * 256 if fmt == "q4_k" else w2.shape[2]
+    kq = {"q4_k": (2, 144), "q6_k": (3, 210)}
     q8 = d13 is not None
-    code = 2 if fmt == "q4_k" else 1 if q8 else 0
+    code13 = code2 = 1 if q8 else 0
+    i = w2.shape[2]
+    if fmt is not None:
+        (code13, _), (code2, size2) = kq[fmt[0]], kq[fmt[1]]
+        i = w2.shape[2] // size2 * 256
     h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
     _gate_up_kernel[(k, triton.cdiv(n13, BLOCK_N))](x, w13, d13 if q8 else w13, ids, rowmap, scale, h, n13, H,
                                                     w13.stride(0), w13.stride(1), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                                    FMT=code)
+                                                    FMT=code13)
     out = torch.empty((1, H), dtype=x.dtype, device=x.device)
     _down_sum_kernel[(triton.cdiv(H, DOWN_BLOCK_N),)](h, w2, d2 if q8 else w2, ids, rowmap, scale, out, H, i,
                                                       w2.stride(0), w2.stride(1), K=k, BLOCK_N=DOWN_BLOCK_N,
-                                                      BLOCK_K=BLOCK_K, FMT=code)
+                                                      BLOCK_K=BLOCK_K, FMT=code2)
     return out
 
 

@@ -14,6 +14,7 @@ import torch
 
 from workbench.core.errors import ModelFormatError
 
+from .blocks import pairs_well
 from .families import ModelArgs
 from .weights import WeightReader
 
@@ -168,15 +169,16 @@ class FamilyWeights:
 
     def expert_blocks(self, layer: int, e: int) -> dict | None:
         """Expert ``e`` of ``layer`` in the GGUF's quantized blocks, as stored (``WeightReader.blocks``):
-        ``{"fmt": "q8_0" | "q4_k", "w13": (gate tensors, up tensors), "w2": down tensors}``, or None
-        unless the file is a GGUF holding all three expert matrices in the same kept format."""
+        ``{"fmt": (gate/up format, down format), "w13": (gate tensors, up tensors), "w2": down tensors}``
+        (formats of ``blocks.FORMATS``), or None unless the file is a GGUF holding the three expert
+        matrices in formats the kernels pair (``blocks.pairs_well``)."""
         if not self.gguf:
             return None
         parts = [self.reader.blocks(f"blk.{layer}.ffn_{p}_exps.weight", e) for p in ("gate", "up", "down")]
-        if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+        if any(p is None for p in parts) or parts[0][0] != parts[1][0] or not pairs_well(parts[0][0], parts[2][0]):
             return None
-        (fmt, g), (_, u), (_, d) = parts
-        return {"fmt": fmt, "w13": (g, u), "w2": d}
+        (f13, g), (_, u), (f2, d) = parts
+        return {"fmt": (f13, f2), "w13": (g, u), "w2": d}
 
     def expert(self, layer: int, e: int) -> dict:
         """Expert ``e`` of ``layer``: ``{"w13": (gate [I, H], up [I, H]), "w2": [H, I]}`` (CPU views of

@@ -99,7 +99,8 @@ class WeightReader:
 
     def blocks(self, name: str, expert: int | None = None) -> tuple[str, list[torch.Tensor]] | None:
         """A tensor stored in a format the engine keeps (``blocks.FORMATS``), as stored: ``("q8_0",
-        [q int8 [..., K], d float16 [..., K/32]])`` or ``("q4_k", [raw uint8 [..., K/256*144]])``, or
+        [q int8 [..., K], d float16 [..., K/32]])``, ``("q4_k", [raw uint8 [..., K/256*144]])`` or
+        ``("q6_k", [raw uint8 [..., K/256*210]])``, or
         None for other storage types. ``expert`` as in ``tensor``."""
         from .blocks import FORMATS
 
@@ -109,7 +110,7 @@ class WeightReader:
         data, shape = self._bytes(name, expert)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only views of the file
-            if fmt == "q4_k":
+            if fmt != "q8_0":  # k-quants: the rows' super-blocks as stored
                 return fmt, [torch.from_numpy(data.reshape(*shape[:-1], -1))]
             b = data.reshape(-1, 34)  # per block: float16 d, then 32 int8
             d = b[:, :2].copy().view(np.float16).reshape(*shape[:-1], shape[-1] // 32)
