@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Where does a hybrid MoE layer's decode time go? Host-side phases of every host point, per token.
+
+Loads a GGUF under the planner's placement for a budget (or an ``n-cpu-moe``-like one), decodes a
+few steps after a prompt, and times on the host (``time.perf_counter``), per hybrid layer and token:
+
+- ``wait``: blocked on the layer's routing event (the GPU finishing attention and router);
+- ``bus``: enqueueing the bus share's copies and kernels;
+- ``cpu``: the fused CPU kernel call (the CPU experts themselves);
+- ``other``: the rest of the host point (routing read, index work, result copy and add);
+- ``outside``: the step's time outside host points and waits (graph launches, sampling, Python).
+``host_point`` is ``cpu + bus + other``; ``total`` is ``outside + wait + host_point``.
+
+    python scripts/profile_hybrid.py --model /dev/shm/s1.gguf --device cuda --budget 12GiB --strategy n-cpu-moe
+    python scripts/profile_hybrid.py            # locally: a small synthetic model, CPU accelerator
+
+Prints a table and writes JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from profile_decode import MID, n_cpu_moe_placement, planned_placements  # noqa: E402
+
+from workbench.core import synth  # noqa: E402
+from workbench.core.fmt import parse_size  # noqa: E402
+from workbench.core.readers import open_model  # noqa: E402
+from workbench.engine import Engine, bus, cpu_kernel  # noqa: E402
+from workbench.engine import experts as experts_mod  # noqa: E402
+
+
+class Phases:
+    """Host-time accumulators per phase, reset per step."""
+
+    def __init__(self):
+        self.step: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+
+    def add(self, name: str, seconds: float) -> None:
+        self.step[name] += seconds
+
+    def end_step(self, total: float) -> None:
+        s = self.step
+        s["other"] = max(0.0, s.get("host_point", 0.0) - s.get("cpu", 0.0) - s.get("bus", 0.0))
+        s["outside"] = max(0.0, total - s.get("host_point", 0.0) - s.get("wait", 0.0))
+        self.step["total"] = total
+        self.steps.append(dict(self.step))
+        self.step = defaultdict(float)
+
+
+def instrument(ph: Phases) -> None:
+    """Wrap the host point's pieces with timers (module-level functions and methods)."""
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                ph.add(name, time.perf_counter() - t)
+        return wrapper
+
+    le = experts_mod.LayerExperts
+    le.host_part = timed("host_point", le.host_part)
+    experts_mod.HostStaging.wait = timed("wait", experts_mod.HostStaging.wait)
+    bus.BusShare.run = timed("bus", bus.BusShare.run)
+    for name in ("moe_decode", "moe_decode_q8", "moe_decode_q4k"):
+        setattr(cpu_kernel, name, timed("cpu", getattr(cpu_kernel, name)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="GGUF file (default: a small synthetic model)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--budget", default=None, help="plan under this VRAM budget (else n-cpu-moe on 2/3 of layers)")
+    ap.add_argument("--margin", default="512MiB")
+    ap.add_argument("--strategy", default="n-cpu-moe")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    path = args.model
+    if path is None:
+        path = Path("/tmp/wb_profile/mid_4.gguf")
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            from dataclasses import replace
+
+            synth.write_gguf(path, replace(MID, n_layers=4), coverage_target=0.5)
+    inv = open_model(str(path))
+    if args.budget:
+        placement = planned_placements(inv, [args.strategy], parse_size(args.budget), parse_size(args.margin),
+                                       args.prompt, args.steps, "bench-h200")[args.strategy]
+    else:
+        placement = n_cpu_moe_placement(inv, (2 * len(inv.spec.moe_layers)) // 3)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    engine = Engine.load(inv, placement, device=args.device, dtype=dtype, max_context=args.prompt + args.steps + 16)
+    if args.device != "cuda":
+        engine.decode_mode = "static"  # the decode graphs' pieces, run eagerly
+    ph = Phases()
+    instrument(ph)
+    try:
+        toks = torch.randint(0, engine.vocab_size, (args.prompt + args.steps + 8,))
+        engine.forward(toks[:args.prompt], 0, last_only=True).argmax().item()
+        pos = args.prompt
+        for _ in range(4):  # warm-up (captures the graphs)
+            engine.forward(toks[pos:pos + 1], pos).argmax().item()
+            pos += 1
+        ph.steps.clear()
+        ph.step.clear()
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            engine.forward(toks[pos:pos + 1], pos).argmax().item()
+            ph.end_step(time.perf_counter() - t)
+            pos += 1
+        hybrid = sum(1 for lx in engine.experts.values() if lx.needs_host)
+    finally:
+        engine.close()
+    keys = ["total", "outside", "host_point", "wait", "cpu", "bus", "other"]
+    med = {k: statistics.median(s.get(k, 0.0) for s in ph.steps) for k in keys}
+    print(f"{inv.path.name}: {hybrid} hybrid layers, {args.steps} steps, medians per token (ms) and per hybrid layer (us)")
+    for k in keys:
+        per_layer = 1e6 * med[k] / max(1, hybrid) if k not in ("total", "outside") else float("nan")
+        print(f"  {k:11s} {1e3 * med[k]:8.2f} ms   {per_layer:8.0f} us/layer")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"hybrid_layers": hybrid, "median_s": med, "steps": ph.steps}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
