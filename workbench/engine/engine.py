@@ -67,8 +67,10 @@ def keeps_blocks(inventory: Inventory, args: ModelArgs, cpu_format: str | None) 
     """Whether the engine keeps this model's routed experts in their GGUF quantized blocks on the GPU
     and the CPU instead of dequantizing them at load: every expert tensor is Q8_0, or every one is
     Q4_K or Q6_K (``blocks.FORMATS``), plain SwiGLU experts without biases whose sizes fill whole
-    blocks, no CPU format asked for, and ``WORKBENCH_KEEP_QUANTS`` is not ``0``."""
+    blocks and whose routing weight scales the output (not Llama 4's input), no CPU format asked
+    for, and ``WORKBENCH_KEEP_QUANTS`` is not ``0``."""
     if (cpu_format is not None or args.expert_bias or args.expert_act != "silu" or not args.n_experts
+            or args.router == "sigmoid_topk_scale_input"  # Llama 4 scales the input: no in-place kernels
             or os.environ.get("WORKBENCH_KEEP_QUANTS", "1") == "0"):
         return False
     types = {t.tensor.dtype.upper() for k, u in inventory.units.items() if k.kind == "expert" for t in u.tensors}
