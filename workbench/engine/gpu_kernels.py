@@ -128,6 +128,16 @@ if triton is not None:
                             mask=m, other=0.0).to(tl.float32)
         return w
 
+    _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+    def _configs(options: list[tuple[int, int, int]]) -> list:
+        """Autotuning candidates ``(BLOCK_N, BLOCK_K, num_warps)``: Triton times them on the GPU at
+        the first call per shape (the decode step's eager warm-up, before graph capture) and keeps
+        the fastest; under the interpreter only the first. Few: each is compiled once per machine."""
+        return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in options[:1 if _INTERPRETED else None]]
+
+    @triton.autotune(configs=_configs([(16, 256, 4), (8, 256, 4), (32, 256, 4), (16, 512, 4), (32, 128, 8)]),
+                     key=["N", "K", "FMT"])
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, K, stride_e, stride_n,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr):
@@ -150,6 +160,8 @@ if triton is not None:
             acc += tl.sum(w * xk[None, :], axis=1)
         tl.store(out_ptr + pair * N + offs_n, acc, mask=offs_n < N)
 
+    @triton.autotune(configs=_configs([(8, 256, 4), (4, 256, 4), (16, 256, 4), (8, 512, 4), (16, 128, 8)]),
+                     key=["N", "FFN", "K", "FMT"])
     @triton.jit
     def _down_sum_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, FFN, stride_e, stride_n,
                          K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr):
@@ -303,9 +315,6 @@ if triton is not None:
                         tl.store(slot_pos_ptr + slot, pos)
 
 
-BLOCK_N, BLOCK_K = 16, 256
-DOWN_BLOCK_N = 8
-"""Rows of the summed down projection per program (``H / 8`` programs, each over all the pairs)."""
 
 
 def qkv_rope_cache(qkv: torch.Tensor, norm: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
@@ -352,13 +361,11 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
         (code13, _), (code2, size2) = kq[fmt[0]], kq[fmt[1]]
         i = w2.shape[2] // size2 * 256
     h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
-    _gate_up_kernel[(k, triton.cdiv(n13, BLOCK_N))](x, w13, d13 if q8 else w13, ids, rowmap, scale, h, n13, H,
-                                                    w13.stride(0), w13.stride(1), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                                    FMT=code13)
+    _gate_up_kernel[lambda meta: (k, triton.cdiv(n13, meta["BLOCK_N"]))](
+        x, w13, d13 if q8 else w13, ids, rowmap, scale, h, n13, H, w13.stride(0), w13.stride(1), FMT=code13)
     out = torch.empty((1, H), dtype=x.dtype, device=x.device)
-    _down_sum_kernel[(triton.cdiv(H, DOWN_BLOCK_N),)](h, w2, d2 if q8 else w2, ids, rowmap, scale, out, H, i,
-                                                      w2.stride(0), w2.stride(1), K=k, BLOCK_N=DOWN_BLOCK_N,
-                                                      BLOCK_K=BLOCK_K, FMT=code2)
+    _down_sum_kernel[lambda meta: (triton.cdiv(H, meta["BLOCK_N"]),)](
+        h, w2, d2 if q8 else w2, ids, rowmap, scale, out, H, i, w2.stride(0), w2.stride(1), K=k, FMT=code2)
     return out
 
 
