@@ -1,5 +1,6 @@
 """The one-kernel attention input of a static decode step (``gpu_kernels.qkv_rope_cache``: head
-norm, RoPE, KV cache write) and the flash-decoding attention (``gpu_kernels.decode_attention``) give
+norm, RoPE, KV cache write), the flash-decoding attention (``gpu_kernels.decode_attention``) and the
+residual adds fused with the next norm (``gpu_kernels.add_rms_norm``) give
 transformers' greedy tokens for the families that take it (plain
 and ring caches). On CUDA the engine uses it in its decode graphs; here it runs in Triton's
 interpreter, with q/k/v fused as on CUDA."""
@@ -30,9 +31,10 @@ def test_static_decode_with_one_kernel_attention_inputs(family, tiny_model_dir, 
     calls = []
     real = gpu_kernels.qkv_rope_cache
     monkeypatch.setattr(gpu_kernels, "qkv_rope_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
-    attn_calls = []
-    real_attn = gpu_kernels.decode_attention
+    attn_calls, norm_calls = [], []
+    real_attn, real_norm = gpu_kernels.decode_attention, gpu_kernels.add_rms_norm
     monkeypatch.setattr(gpu_kernels, "decode_attention", lambda *a, **k: attn_calls.append(1) or real_attn(*a, **k))
+    monkeypatch.setattr(gpu_kernels, "add_rms_norm", lambda *a, **k: norm_calls.append(1) or real_norm(*a, **k))
     inv = open_inventory(tiny_model_dir(family))
     engine = decode_step_engine(inv, placements(inv)["mixed"])
     try:
@@ -40,6 +42,7 @@ def test_static_decode_with_one_kernel_attention_inputs(family, tiny_model_dir, 
     finally:
         engine.close()
     assert calls  # the kernel ran
+    assert norm_calls  # residual adds fused with the next norm
     if family == "qwen3_moe":  # full attention: the flash-decoding kernels too (gpt-oss's sinks and windows: not)
         assert attn_calls
     if TEST_DTYPE == torch.float32:

@@ -159,3 +159,20 @@ def test_experts_one_token_on_q4_k_blocks_match_ggufs_dequantization(H, F_, E, k
             ref += s * ((F.silu(h[:, :F_]) * h[:, F_:]) @ r2[r].T)
     assert out.dtype == torch.bfloat16 and out.shape == (1, H)
     assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H", [64, 2048, 200])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, H):
+    g = torch.Generator().manual_seed(H)
+    a, b = (torch.randn(1, H, generator=g).to(DEV, dtype) for _ in range(2))
+    w = (torch.rand(H, generator=g) + 0.5).to(DEV, dtype)
+    s, n = gpu_kernels.add_rms_norm(a, b, w, 1e-6)
+    ref_s = a + b
+    ref_n = F.rms_norm(ref_s, (H,), w, 1e-6)
+    if dtype == torch.float32:
+        assert torch.equal(s, ref_s)
+    else:  # one bfloat16 step at most (Triton's interpreter rounds bfloat16 towards zero)
+        assert bool(((s.float() - ref_s.float()).abs() <= ref_s.float().abs() * 2 ** -7 + 1e-30).all())
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert float((n.float() - ref_n.float()).abs().max()) <= tol * float(ref_n.float().abs().max())

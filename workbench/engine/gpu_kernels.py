@@ -128,6 +128,21 @@ if triton is not None:
                             mask=m, other=0.0).to(tl.float32)
         return w
 
+    @triton.jit
+    def _add_norm_kernel(a_ptr, b_ptr, w_ptr, sum_ptr, norm_ptr, H, eps, BLOCK: tl.constexpr):
+        """One row: ``s = a + b`` (rounded to the output dtype, as a separate add would), and
+        ``s``'s RMS norm times ``w``."""
+        offs = tl.arange(0, BLOCK)
+        m = offs < H
+        a = tl.load(a_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        s = (a + b).to(sum_ptr.dtype.element_ty)  # PyTorch adds bfloat16 in float32 and rounds once
+        tl.store(sum_ptr + offs, s, mask=m)
+        sf = s.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / H + eps)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(norm_ptr + offs, (sf * inv * w).to(norm_ptr.dtype.element_ty), mask=m)
+
     _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
     def _configs(options: list[tuple[int, int, int]]) -> list:
@@ -367,6 +382,18 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     _down_sum_kernel[lambda meta: (triton.cdiv(H, meta["BLOCK_N"]),)](
         h, w2, d2 if q8 else w2, ids, rowmap, scale, out, H, i, w2.stride(0), w2.stride(1), K=k, FMT=code2)
     return out
+
+
+def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's residual add and the next RMS norm in one kernel: ``a``, ``b [1, H]`` (same dtype),
+    ``weight [H]`` -> ``(s = a + b, rms_norm(s) * weight)``, both ``[1, H]`` in ``a``'s dtype, ``s``
+    rounded before the norm as two separate ops would round it."""
+    H = a.shape[-1]
+    s = torch.empty_like(a)
+    n = torch.empty_like(a)
+    _add_norm_kernel[(1,)](a, b, weight, s, n, H, float(eps), BLOCK=triton.next_power_of_2(H))
+    return s, n
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,

@@ -28,6 +28,12 @@ from .moe import MoeBlock
 log = logging.getLogger(__name__)
 
 
+def _plain_norm(weight: torch.Tensor | None, like: torch.Tensor) -> bool:
+    """Whether ``weight`` is a plain RMS norm weight ``[H]`` in the activations' dtype (what the fused
+    add + norm kernel takes)."""
+    return weight is not None and weight.dim() == 1 and weight.shape[0] == like.shape[-1] and weight.dtype == like.dtype
+
+
 class DecodeStep:
     """Runs ``engine``'s one-token forward pass from fixed buffers; with ``capture`` as CUDA graphs,
     captured on the first call (which runs eagerly and returns its own result)."""
@@ -45,27 +51,45 @@ class DecodeStep:
     # -- the pieces of a step --------------------------------------------------------------------
 
     def _pieces(self) -> list[tuple[str, object]]:
+        """The step as pieces. Each residual add and the RMS norm after it are one kernel where the
+        norms allow (``gpu_kernels.add_rms_norm``): ``env["x"]`` is the residual stream and
+        ``env["xn"]`` its norm for the next layer's attention (or for the head)."""
         e, env = self.e, self.env
+        layers = e.layers
+        norms = [(layer.attn_norm, layer.eps) for layer in layers[1:]] + [(e.norm, e.args.rms_eps)]
+        fused = gpu_kernels.usable(e.embed) and all(
+            _plain_norm(w, e.embed) for layer in layers for w in (layer.attn_norm, layer.ffn_norm)) and \
+            _plain_norm(e.norm, e.embed)
+
+        def add_norm(a, b, w, eps):
+            if fused:
+                return gpu_kernels.add_rms_norm(a, b, w, eps)
+            s = a + b
+            return s, rms_norm(s, w, eps)
+
         pieces: list[tuple[str, object]] = []
 
         def embed():
             env["x"] = F.embedding(self.token, e.embed)
+            env["xn"] = rms_norm(env["x"], layers[0].attn_norm, layers[0].eps)
 
         pieces.append(("dev", embed))
-        for i, layer in enumerate(e.layers):
+        for i, layer in enumerate(layers):
             ffn = layer.ffn
+            after = norms[i]  # the norm of what follows this layer
             if not (isinstance(ffn, MoeBlock) and ffn.experts.needs_host):
-                def whole(layer=layer):
-                    h = layer.attend(env["x"], self.pos, None, e.rope)
-                    env["x"] = h + layer.ffn(rms_norm(h, layer.ffn_norm, layer.eps))
+                def whole(layer=layer, after=after):
+                    a = layer.attn(env["xn"], self.pos, None, e.rope)
+                    h, hn = add_norm(env["x"], a, layer.ffn_norm, layer.eps)
+                    env["x"], env["xn"] = add_norm(h, layer.ffn(hn), *after)
 
                 pieces.append(("dev", whole))
                 continue
             lx = ffn.experts
 
             def route(layer=layer, ffn=ffn, i=i):
-                h = layer.attend(env["x"], self.pos, None, e.rope)
-                hn = rms_norm(h, layer.ffn_norm, layer.eps)
+                a = layer.attn(env["xn"], self.pos, None, e.rope)
+                h, hn = add_norm(env["x"], a, layer.ffn_norm, layer.eps)
                 ids, w = ffn.route(hn)
                 env[i] = {"h": h, "hn": hn, "ids": ids, "w": w, "host": ffn.experts.stage(hn, ids, w, record=False)}
 
@@ -78,13 +102,13 @@ class DecodeStep:
                 ffn.experts.staging.wait()
                 ffn.experts.host_part(s["hn"], s["ids"], s["w"], s["host"], s["out"], ffn.scale_input)
 
-            def combine(i=i):
-                env["x"] = env[i]["h"] + env[i]["out"]
+            def combine(i=i, after=after):
+                env["x"], env["xn"] = add_norm(env[i]["h"], env[i]["out"], *after)
 
             pieces += [("dev", route), ("record", lx), ("dev", device), ("host", host), ("dev", combine)]
 
         def head():
-            env["logits"] = F.linear(rms_norm(env["x"], e.norm, e.args.rms_eps), e.lm_head).float()
+            env["logits"] = F.linear(env["xn"], e.lm_head).float()
 
         pieces.append(("dev", head))
         return pieces
