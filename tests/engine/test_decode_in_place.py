@@ -49,7 +49,8 @@ def test_static_decode_with_one_kernel_attention_inputs(family, tiny_model_dir, 
         assert tokens == reference_tokens(tiny_hf_model(family), PROMPT, N_NEW)
 
 
-def test_a_kernel_that_fails_turns_the_kernels_off_and_the_step_still_runs(tiny_model_dir, tiny_hf_model,
+@pytest.mark.parametrize("kernel", ["_route_kernel", "_add_norm_kernel"])
+def test_a_kernel_that_fails_turns_the_kernels_off_and_the_step_still_runs(kernel, tiny_model_dir, tiny_hf_model,
                                                                             monkeypatch):
     """A Triton kernel that does not build on some GPU must not cost the user the decode step."""
     monkeypatch.setattr(gpu_kernels, "_disabled", [])
@@ -60,7 +61,7 @@ def test_a_kernel_that_fails_turns_the_kernels_off_and_the_step_still_runs(tiny_
                 raise RuntimeError("PassManager::run failed")
             return launch
 
-    monkeypatch.setattr(gpu_kernels, "_route_kernel", Broken())
+    monkeypatch.setattr(gpu_kernels, kernel, Broken())
     inv = open_inventory(tiny_model_dir("qwen3_moe"))
     engine = decode_step_engine(inv, placements(inv)["mixed"])
     try:

@@ -62,7 +62,7 @@ class DecodeStep:
             _plain_norm(e.norm, e.embed)
 
         def add_norm(a, b, w, eps):
-            if fused:
+            if fused and gpu_kernels.available():  # off once a kernel failed here (``_eager``)
                 return gpu_kernels.add_rms_norm(a, b, w, eps)
             s = a + b
             return s, rms_norm(s, w, eps)
