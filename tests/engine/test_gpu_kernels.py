@@ -82,6 +82,30 @@ def test_decode_attention_matches_float64(dtype, n_heads, n_kv, hd, S, pos):
     assert err < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+def _token(H: int, E: int, k: int, g: torch.Generator):
+    """One bfloat16 token, ``k`` distinct experts of ``E`` with weights, rows stored in reverse and the
+    first selected expert on another tier (rowmap -1)."""
+    x = torch.randn(1, H, generator=g).to(DEV, torch.bfloat16)
+    ids = torch.randperm(E, generator=g)[:k].to(DEV)
+    scale = (torch.rand(k, generator=g) + 0.1).to(DEV, torch.bfloat16)
+    rowmap = torch.arange(E, device=DEV).flip(0)
+    rowmap[ids[0]] = -1
+    return x, ids, scale, rowmap
+
+
+def _check_against(out, x, ids, scale, rowmap, r13, r2) -> None:
+    """``out [1, H]`` bfloat16 within 1% of the float64 experts ``r13 [E, 2I, H]``, ``r2 [E, H, I]``."""
+    F_ = r2.shape[-1]
+    ref = torch.zeros(1, r2.shape[1], dtype=torch.float64, device=DEV)
+    for e, s in zip(ids.tolist(), scale.double().tolist()):
+        r = int(rowmap[e])
+        if r >= 0:
+            h = x.double() @ r13[r].T
+            ref += s * ((F.silu(h[:, :F_]) * h[:, F_:]) @ r2[r].T)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-2
+
+
 @pytest.mark.parametrize("H,F_,E,k", [(64, 32, 6, 2), (96, 64, 5, 3), (2048, 768, 16, 8)])
 def test_experts_one_token_on_q8_0_blocks_match_ggufs_dequantization(H, F_, E, k):
     """Q8_0 stacks (int8 values, a float16 scale per 32) read in place give what gguf-py's dequantized
@@ -105,20 +129,9 @@ def test_experts_one_token_on_q8_0_blocks_match_ggufs_dequantization(H, F_, E, k
 
     q13, d13, r13 = q8(torch.randn(E, 2 * F_, H, generator=g) / H ** 0.5)
     q2, d2, r2 = q8(torch.randn(E, H, F_, generator=g) / F_ ** 0.5)
-    x = torch.randn(1, H, generator=g).to(DEV, torch.bfloat16)
-    ids = torch.randperm(E, generator=g)[:k].to(DEV)
-    scale = (torch.rand(k, generator=g) + 0.1).to(DEV, torch.bfloat16)
-    rowmap = torch.arange(E, device=DEV).flip(0)
-    rowmap[ids[0]] = -1
+    x, ids, scale, rowmap = _token(H, E, k, g)
     out = gpu_kernels.experts_one_token(x, ids, scale, rowmap, q13, q2, d13, d2)
-    ref = torch.zeros(1, H, dtype=torch.float64, device=DEV)
-    for e, s in zip(ids.tolist(), scale.double().tolist()):
-        r = int(rowmap[e])
-        if r >= 0:
-            h = x.double() @ r13[r].T
-            ref += s * ((F.silu(h[:, :F_]) * h[:, F_:]) @ r2[r].T)
-    assert out.dtype == torch.bfloat16 and out.shape == (1, H)
-    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-2
+    _check_against(out, x, ids, scale, rowmap, r13, r2)
 
 
 @pytest.mark.parametrize("H,F_,E,k,fmt", [(256, 256, 4, 2, ("q4_k", "q4_k")), (512, 256, 5, 3, ("q4_k", "q4_k")),
@@ -145,20 +158,9 @@ def test_experts_one_token_on_q4_k_blocks_match_ggufs_dequantization(H, F_, E, k
     b2, r2 = q4k(E * H, F_, fmt[1])
     b13, r13 = b13.reshape(E, 2 * F_, -1).to(DEV), r13.reshape(E, 2 * F_, H).to(DEV)
     b2, r2 = b2.reshape(E, H, -1).to(DEV), r2.reshape(E, H, F_).to(DEV)
-    x = torch.randn(1, H, generator=g).to(DEV, torch.bfloat16)
-    ids = torch.randperm(E, generator=g)[:k].to(DEV)
-    scale = (torch.rand(k, generator=g) + 0.1).to(DEV, torch.bfloat16)
-    rowmap = torch.arange(E, device=DEV).flip(0)
-    rowmap[ids[0]] = -1
+    x, ids, scale, rowmap = _token(H, E, k, g)
     out = gpu_kernels.experts_one_token(x, ids, scale, rowmap, b13, b2, fmt=fmt)
-    ref = torch.zeros(1, H, dtype=torch.float64, device=DEV)
-    for e, s in zip(ids.tolist(), scale.double().tolist()):
-        r = int(rowmap[e])
-        if r >= 0:
-            h = x.double() @ r13[r].T
-            ref += s * ((F.silu(h[:, :F_]) * h[:, F_:]) @ r2[r].T)
-    assert out.dtype == torch.bfloat16 and out.shape == (1, H)
-    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-2
+    _check_against(out, x, ids, scale, rowmap, r13, r2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
