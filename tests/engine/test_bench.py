@@ -52,6 +52,7 @@ def test_cli_writes_json_and_table(model, tmp_path, capsys):
     assert rc == 0
     d = json.loads(out.read_text())
     assert d["runs"][0]["decode_tps"] > 0 and d["runs"][0]["prediction_error"] is not None
+    assert d["runs"][0]["engine_paths"] == {"bus_experts": 0, "kept": {}}  # bf16 file, no GPU: neither
     assert "| placement |" in capsys.readouterr().out
 
 
@@ -143,6 +144,22 @@ def test_side_by_side_command(model, tmp_path):
                  "--llama-n-cpu-moe", "1", "--threads", "1", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     assert d["llama_cpp"][0]["ok"] and d["runs"][0]["ok"]
+
+
+def test_engine_paths_name_the_kept_formats(tiny_gguf):
+    from workbench.core.placement import Placement
+    from workbench.core.readers import open_model
+    from workbench.engine import Engine
+    from workbench.engine.bench import engine_paths
+
+    inv = open_model(tiny_gguf("qwen3_moe", "Q4_K+Q6_K", hidden_size=256, moe_intermediate_size=256,
+                               intermediate_size=256, mlp_only_layers=[]))
+    engine = Engine.load(inv, Placement(), device="cpu", dtype=torch.float32, max_context=16)
+    try:
+        paths = engine_paths(engine)
+    finally:
+        engine.close()
+    assert paths["bus_experts"] == 0 and set(paths["kept"].values()) == {"q4_k+q6_k"}
 
 
 def test_planner_leaves_room_for_what_the_engine_dequantizes(tiny_gguf, monkeypatch):

@@ -133,6 +133,9 @@ class EngineRun:
     predicted_prefill_tps: float | None = None
     roofline_decode_tps: float | None = None
     roofline: dict = field(default_factory=dict)
+    engine_paths: dict = field(default_factory=dict)
+    """What the engine did on this placement: experts sent over the bus (``bus_experts``) and the
+    formats of the experts kept as quantized blocks (``kept``, by layer), for reading the figures."""
     coverage: list[float] = field(default_factory=list)
     load_s: float = 0.0
 
@@ -235,6 +238,7 @@ def run_placement(inv, placement: Placement, label: str, strategy: str, *, devic
             run.load_s = time.perf_counter() - t0
             m = measure_engine(engine, prompt=prompt, gen=gen, repeats=repeats)
             counts = engine.routing_counts()
+            run.engine_paths = engine_paths(engine)
             run.prefill_samples, run.decode_samples, run.ttft_samples = m["prefill"], m["decode"], m["ttft"]
             run.prefill_tps = float(np.median(m["prefill"]))
             run.decode_tps = float(np.median(m["decode"]))
@@ -252,6 +256,14 @@ def run_placement(inv, placement: Placement, label: str, strategy: str, *, devic
     if counts.any():
         run.coverage = [float(c) for c in synth.coverage(counts)]
     return run, counts
+
+
+def engine_paths(engine) -> dict:
+    """``{"bus_experts": experts the bus share copied so far, "kept": {layer: "gate/up format+down
+    format"}}`` of a loaded engine."""
+    share = getattr(engine, "_bus", None)
+    kept = {str(layer): "+".join(lx.kept) for layer, lx in engine.experts.items() if lx.kept is not None}
+    return {"bus_experts": share.copied if share is not None else 0, "kept": kept}
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
