@@ -358,6 +358,26 @@ void decode_kq(const float* x, const uint8_t* b13, int64_t f13, const uint8_t* b
       });
 }
 
+// What every entry point does after checking its weights: check rows against E, run
+// run(x f32, rows, weights f32, n, out f32 [H]) without the GIL, return out. Bad input is raised with
+// the GIL held (an exception leaving a GIL-released call crashed the process with PyTorch 2.11 on
+// Python 3.12).
+template <typename Run>
+at::Tensor checked_run(const char* name, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& weights,
+                          int64_t E, int64_t H, Run run) {
+  const at::Tensor r = rows.contiguous(), wt = weights.contiguous();
+  const int64_t n = r.size(0);
+  const int64_t* rp = r.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j)
+    TORCH_CHECK(rp[j] >= 0 && rp[j] < E, name, ": rows[", j, "] = ", rp[j], " is outside [0, ", E, ")");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::zeros({H}, x.options().dtype(at::kFloat));
+  if (n == 0) return out;
+  py::gil_scoped_release nogil;
+  run(xf.data_ptr<float>(), rp, wt.data_ptr<float>(), n, out.data_ptr<float>());
+  return out;
+}
+
 at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                       const at::Tensor& rows, const at::Tensor& weights) {
   TORCH_CHECK(w13.device().is_cpu() && w2.device().is_cpu() && x.device().is_cpu() &&
@@ -380,31 +400,18 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "moe_decode: rows must be int64 [n]");
   TORCH_CHECK(weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
               "moe_decode: weights must be float32 [n] with n = len(rows) = ", rows.size(0));
-  const at::Tensor r = rows.contiguous(), wt = weights.contiguous();
-  const int64_t n = r.size(0);
-  const int64_t* rp = r.data_ptr<int64_t>();
-  for (int64_t j = 0; j < n; ++j)
-    TORCH_CHECK(rp[j] >= 0 && rp[j] < E, "moe_decode: rows[", j, "] = ", rp[j], " is outside [0, ", E, ")");
-
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::zeros({H}, x.options().dtype(at::kFloat));
-  if (n == 0) return out;
-  // Bad input raised above with the GIL held (an exception leaving a GIL-released call crashed the
-  // process with PyTorch 2.11 on Python 3.12); the weight reads run without it.
-  py::gil_scoped_release nogil;
-  const float* xp = xf.data_ptr<float>();
-  const float* wp = wt.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  if (wtype == at::kBFloat16) {
-    decode(xp, reinterpret_cast<const uint16_t*>(w13.data_ptr()), reinterpret_cast<const uint16_t*>(w2.data_ptr()),
-           rp, wp, n, H, I, op);
-  } else if (wtype == at::kHalf) {
-    decode(xp, reinterpret_cast<const Half*>(w13.data_ptr()), reinterpret_cast<const Half*>(w2.data_ptr()), rp,
-           wp, n, H, I, op);
-  } else {
-    decode(xp, w13.data_ptr<float>(), w2.data_ptr<float>(), rp, wp, n, H, I, op);
-  }
-  return out;
+  return checked_run("moe_decode", x, rows, weights, E, H,
+                        [&](const float* xp, const int64_t* rp, const float* wp, int64_t n, float* op) {
+                          if (wtype == at::kBFloat16) {
+                            decode(xp, reinterpret_cast<const uint16_t*>(w13.data_ptr()),
+                                   reinterpret_cast<const uint16_t*>(w2.data_ptr()), rp, wp, n, H, I, op);
+                          } else if (wtype == at::kHalf) {
+                            decode(xp, reinterpret_cast<const Half*>(w13.data_ptr()),
+                                   reinterpret_cast<const Half*>(w2.data_ptr()), rp, wp, n, H, I, op);
+                          } else {
+                            decode(xp, w13.data_ptr<float>(), w2.data_ptr<float>(), rp, wp, n, H, I, op);
+                          }
+                        });
 }
 
 // Q8_0 experts: q13 int8 [E, 2I, H], d13 float16 [E, 2I, H/32], q2 int8 [E, H, I], d2 float16 [E, H, I/32].
@@ -421,18 +428,12 @@ at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::T
   TORCH_CHECK(x.dim() == 1 && x.size(0) == H && rows.dim() == 1 && rows.scalar_type() == at::kLong &&
                   weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
               "moe_decode_q8: bad x, rows or weights");
-  const at::Tensor r = rows.contiguous(), wt = weights.contiguous();
-  const int64_t n = r.size(0);
-  const int64_t* rp = r.data_ptr<int64_t>();
-  for (int64_t j = 0; j < n; ++j) TORCH_CHECK(rp[j] >= 0 && rp[j] < E, "moe_decode_q8: row out of range");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::zeros({H}, x.options().dtype(at::kFloat));
-  if (n == 0) return out;
-  py::gil_scoped_release nogil;
-  decode_q8(xf.data_ptr<float>(), q13.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d13.data_ptr()),
-            q2.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d2.data_ptr()), rp, wt.data_ptr<float>(), n, H, I,
-            out.data_ptr<float>());
-  return out;
+  return checked_run("moe_decode_q8", x, rows, weights, E, H,
+                        [&](const float* xp, const int64_t* rp, const float* wp, int64_t n, float* op) {
+                          decode_q8(xp, q13.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d13.data_ptr()),
+                                    q2.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d2.data_ptr()), rp, wp, n,
+                                    H, I, op);
+                        });
 }
 
 // k-quant experts as raw blocks (f13 / f2: 0 Q4_K, 1 Q6_K): b13 uint8 [E, 2I, H/256*bytes], b2 uint8
@@ -451,17 +452,11 @@ at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13
   TORCH_CHECK(x.dim() == 1 && rows.dim() == 1 && rows.scalar_type() == at::kLong && weights.dim() == 1 &&
                   weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
               "moe_decode_kq: bad x, rows or weights");
-  const at::Tensor r = rows.contiguous(), wt = weights.contiguous();
-  const int64_t n = r.size(0);
-  const int64_t* rp = r.data_ptr<int64_t>();
-  for (int64_t j = 0; j < n; ++j) TORCH_CHECK(rp[j] >= 0 && rp[j] < E, "moe_decode_kq: row out of range");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::zeros({H}, x.options().dtype(at::kFloat));
-  if (n == 0) return out;
-  py::gil_scoped_release nogil;
-  decode_kq(xf.data_ptr<float>(), b13.data_ptr<uint8_t>(), f13, b2.data_ptr<uint8_t>(), f2, rp, wt.data_ptr<float>(), n,
-            H, I, out.data_ptr<float>());
-  return out;
+  return checked_run("moe_decode_kq", x, rows, weights, E, H,
+                        [&](const float* xp, const int64_t* rp, const float* wp, int64_t n, float* op) {
+                          decode_kq(xp, b13.data_ptr<uint8_t>(), f13, b2.data_ptr<uint8_t>(), f2, rp, wp, n, H, I,
+                                    op);
+                        });
 }
 
 // Threads that at::parallel_for gives a large range here (1 when the build lacks OpenMP).
