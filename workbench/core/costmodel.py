@@ -425,7 +425,8 @@ class CostModel:
         launch = np.array([self._gpu(self._attn_gpu(base, layer)).launch_s for layer in range(L)])[:, None]
         gpu_t = gpu_t + cpu_left * self.engine.launches_cpu_return * launch
         p_cum = np.hstack([zeros, np.cumsum((self.p_sel[rows, order] * present), axis=1)])
-        cpu_t, bus_t, gpu_extra = self._bus_share(c_gain[:, -1:] - c_gain, b_cum_load(load, zeros), p_cum[:, -1:] - p_cum)
+        l_cum = np.hstack([zeros, np.cumsum(load, axis=1)])  # expected bytes per token
+        cpu_t, bus_t, gpu_extra = self._bus_share(c_gain[:, -1:] - c_gain, l_cum[:, -1:] - l_cum, p_cum[:, -1:] - p_cum)
         gpu_t = gpu_t + gpu_extra
         cpu_t = post.get("cpu", np.zeros(L))[:, None] + cpu_t
         t = pre[:, None] + np.maximum(np.maximum(gpu_t, cpu_t), bus_t) + sync[:, None] + cpu_left * self.profile.sync_s
@@ -503,13 +504,6 @@ class CostModel:
             out.append(LayerCost(layer, float(pre[layer]), float(gpu_t), float(cpu[layer]), float(bus[layer]),
                                  float(sync[layer])))
         return out
-
-
-def b_cum_load(load: np.ndarray, zeros: np.ndarray) -> np.ndarray:
-    """Expected bytes per token of the experts after the first ``k`` of each row of ``load [L, E]``, for
-    every ``k``: ``[L, E + 1]``."""
-    cum = np.hstack([zeros, np.cumsum(load, axis=1)])
-    return cum[:, -1:] - cum
 
 
 def lru_hit_probs(q: np.ndarray, slots: int) -> np.ndarray:

@@ -152,28 +152,42 @@ class BusShare:
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: np.ndarray,
             rows: np.ndarray, src: list[torch.Tensor], kept: tuple | None = None) -> torch.Tensor:
         """Copy experts ``experts`` (host ids; their rows ``rows`` of the pinned host stacks ``src``,
-        with ``kept`` their layout if they are kept blocks, see ``_load``) into the slots on the copy stream and queue, on the current stream after
-        the copies, their weighted sum for the token ``x [1, H]`` with routing ``ids``/``weights``
+        with ``kept`` their layout if they are kept blocks, see ``_load``) into the slots on the copy
+        stream and queue, on the current stream after the copies, their weighted sum for the token ``x [1, H]`` with routing ``ids``/``weights``
         ``[k]`` on the device: ``[1, H]`` (pairs of other experts read nothing). Does not wait."""
         from . import gpu_kernels
 
         for e in self._set:  # the previous step's copy of the map finished before this step's routing
             self.map_host[e] = -1
         self._set = [int(e) for e in experts]
-        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
-            if self.cuda:  # a prefill's grouped kernels may still read the slots
-                self.stream.wait_event(self.free[0])
-                self.stream.wait_event(self.free[1])
-            for slot, (e, r) in enumerate(zip(self._set, rows.tolist())):
-                self._load(slot, r, src, kept)
-                self.map_host[e] = slot
+        for slot, e in enumerate(self._set):
+            self.map_host[e] = slot
+
+        def then():
             self.map_dev.copy_(self.map_host, non_blocking=True)
-            if self.cuda:
-                self.done.record(self.stream)
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self.done)
-        self.copied += len(self._set)
+
+        # a prefill's grouped kernels may still read the slots
+        self._copy_in(0, rows, src, kept, self.free, self.done, then)
         return gpu_kernels.experts_one_token(x, ids, weights, self.map_dev, self.w13, self.w2)
+
+    def _copy_in(self, base: int, rows: np.ndarray, src: list[torch.Tensor], kept: tuple | None, after: list,
+                 done, then=None) -> None:
+        """On the copy stream, once the events ``after`` are reached: load rows ``rows`` of ``src`` into
+        slots ``base``, ``base + 1``, ..., run ``then()``, record ``done``; the current stream waits for
+        ``done``. Without CUDA the same work, in order."""
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            if self.cuda:
+                for ev in after:
+                    self.stream.wait_event(ev)
+            for j, r in enumerate(rows.tolist()):
+                self._load(base + j, r, src, kept)
+            if then is not None:
+                then()
+            if self.cuda:
+                done.record(self.stream)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        self.copied += len(rows)
 
     def fetch(self, half: int, experts: np.ndarray, rows: np.ndarray, src: list[torch.Tensor],
               kept: tuple | None = None) -> int:
@@ -183,16 +197,8 @@ class BusShare:
         first slot. Alternating halves lets one batch travel while the previous one computes."""
         n = self.half_slots
         base = half * n if 2 * n <= self.slots else 0
-        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
-            if self.cuda:
-                self.stream.wait_event(self.free[half])
-            for j, r in enumerate(rows.tolist()):
-                self._load(base + j, r, src, kept)
-            if self.cuda:
-                self.ready[half].record(self.stream)
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self.ready[half])
-        self.copied += len(experts)
+        self._copy_in(base, rows, src, kept, self.free[half:half + 1] if self.cuda else [],
+                      self.ready[half] if self.cuda else None)
         return base
 
     def done_with(self, half: int) -> None:

@@ -158,10 +158,6 @@ def _check_rows(rows, weights, E: int, fail) -> None:
             fail(f"rows[{j}] = {r} is outside [0, {E})")
 
 
-KQUANT_BYTES = {"q4_k": 144, "q6_k": 210}
-"""Bytes per 256-value super-block of the k-quant formats ``moe_decode_q4k`` reads."""
-
-
 def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: torch.Tensor | np.ndarray,
                    weights: torch.Tensor | np.ndarray, fmt13: str = "q4_k", fmt2: str = "q4_k") -> torch.Tensor:
     """``moe_decode`` for experts kept as GGUF k-quant blocks, read as they are: Q4_K (super-blocks of
@@ -179,9 +175,11 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
     import torch
 
     mod, rows, weights, fail = _prepare("moe_decode_q4k", rows, weights)
-    if fmt13 not in KQUANT_BYTES or fmt2 not in KQUANT_BYTES:
+    from .blocks import KQUANTS
+
+    if fmt13 not in KQUANTS or fmt2 not in KQUANTS:
         fail(f"formats must be q4_k or q6_k, got {fmt13} and {fmt2}")
-    n13, n2 = KQUANT_BYTES[fmt13], KQUANT_BYTES[fmt2]
+    n13, n2 = KQUANTS[fmt13], KQUANTS[fmt2]
     if not all(t.device.type == "cpu" for t in (x, b13, b2, rows, weights)):
         fail("every tensor must be on the CPU")
     H = x.shape[0] if x.dim() == 1 else -1

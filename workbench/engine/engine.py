@@ -169,8 +169,9 @@ class Engine:
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
         bus_share = bus.fraction_from_env() if bus_share is None else min(1.0, max(0.0, float(bus_share)))
         bus_bytes = 0 if cpu_format is not None else _bus_bytes(args, placement, device, dtype_bytes, bus_share)
+        keeps = keeps_blocks(inventory, args, cpu_format)
         predicted = check_placement(inventory, args, placement, 1, dtype_bytes, max_context, vram_budget, bus_bytes,
-                                    keeps_blocks(inventory, args, cpu_format))
+                                    keeps)
         self = object.__new__(cls)
         self.inventory, self.args, self.device, self.dtype = inventory, args, device, dtype
         self.max_context, self.vocab_size = max_context, args.vocab
@@ -178,7 +179,7 @@ class Engine:
         self._lock = threading.RLock()
         self.decode_mode = os.environ.get("WORKBENCH_DECODE", "auto")
         self._decoder = None
-        self._bus, self.bus_share = None, bus_share
+        self._bus, self.bus_share, self._keeps_blocks = None, bus_share, keeps
         self._reader = WeightReader(inventory)
         self._fw = FamilyWeights(self._reader, args)
         self.cpu_format, self._pool = cpu_format, None
@@ -344,7 +345,7 @@ class Engine:
         """The formats ``(gate/up, down)`` ``layer``'s routed experts stay in (see ``keeps_blocks``):
         a half (Q8_0) to a quarter (Q4_K) of bf16's bytes to hold on the GPU, for the CPU to read and
         for the bus to carry."""
-        if not keeps_blocks(self.inventory, self.args, self.cpu_format):
+        if not self._keeps_blocks:
             return None
         w = self._fw.expert_blocks(layer, 0)
         return None if w is None else w["fmt"]
@@ -508,7 +509,7 @@ class Engine:
         check_placement(self.inventory, self.args, placement, 1, dtype_bytes, self.max_context, vram,
                         0 if self._bus is not None or self.cpu_format is not None
                         else _bus_bytes(self.args, placement, self.device, dtype_bytes, self.bus_share),
-                        keeps_blocks(self.inventory, self.args, self.cpu_format))
+                        self._keeps_blocks)
         changed = [layer for layer in self.args.moe_layers
                    if placement.stream_slots != self.placement.stream_slots
                    or any(placement.get(UnitKey(layer, "expert", e)) != self.placement.get(UnitKey(layer, "expert", e))
@@ -523,7 +524,7 @@ class Engine:
                 block = self.layers[layer].ffn
                 old = block.experts
                 try:
-                    block.experts = self._build_experts(loader, placement, layer, source=block.experts)
+                    block.experts = self._build_experts(loader, placement, layer, source=old)
                 except torch.OutOfMemoryError:
                     failure = AcceleratorMemoryError(
                         f"out of memory on {self.device} while moving {loader.unit}; layers "

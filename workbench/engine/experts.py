@@ -261,11 +261,10 @@ class LayerExperts:
         tier's with a bus share, and the staging buffers; 0 elsewhere)."""
         if self.device.type != "cuda":
             return 0
-        tiers = (STREAM, COMPUTE) if self.bus is not None else (STREAM,)  # the bus share pins the CPU tier
-        n = sum(t.numel() * t.element_size() for tier in tiers
-                for t in (self.w13[tier], self.w2[tier], self.b13[tier], self.b2[tier]) if t is not None)
-        if self.bus is not None and self.kept_cpu is not None:
-            n += sum(t.numel() * t.element_size() for t in self.kept_cpu)
+        pinned = [self.w13[STREAM], self.w2[STREAM], self.b13[STREAM], self.b2[STREAM]]
+        if self.bus is not None:  # the bus share pins the CPU tier's stacks
+            pinned += self.cpu_stacks()
+        n = sum(t.numel() * t.element_size() for t in pinned if t is not None)
         staging = getattr(self, "staging", None)  # made by finish()
         return n + (staging.nbytes if staging is not None else 0)
 
@@ -390,8 +389,8 @@ class LayerExperts:
             if m:  # these travel and the GPU computes them while the CPU computes the rest
                 sent, cpu_sel = cpu_sel[:m], cpu_sel[m:]
                 experts = ids_host[sent]
-                bus_y = self.bus.run(x, ids.reshape(-1), weights.reshape(-1), experts, self.local[experts],
-                                     self.cpu_stacks(), self.kept_layout())
+                bus_y = self.bus.run(x, ids.reshape(-1), flat_w, experts, self.local[experts], self.cpu_stacks(),
+                                     self.kept_layout())
         if cpu_sel.size:
             out.add_(self.staging.to_device(self._run_cpu(host[2], token_host, host[1], ids_host, cpu_sel,
                                                           scale_input)))

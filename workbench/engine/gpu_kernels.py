@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from . import blocks
+
 log = logging.getLogger(__name__)
 
 try:  # Triton ships with PyTorch's CUDA wheels; a CPU-only install has none
@@ -368,13 +370,13 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     k = ids.shape[0]
     n13 = w13.shape[1]
     H = w2.shape[1]
-    kq = {"q4_k": (2, 144), "q6_k": (3, 210)}
     q8 = d13 is not None
     code13 = code2 = 1 if q8 else 0
     i = w2.shape[2]
     if fmt is not None:
-        (code13, _), (code2, size2) = kq[fmt[0]], kq[fmt[1]]
-        i = w2.shape[2] // size2 * 256
+        code = {"q4_k": 2, "q6_k": 3}  # the kernels' FMT
+        code13, code2 = code[fmt[0]], code[fmt[1]]
+        i = w2.shape[2] // blocks.KQUANTS[fmt[1]] * 256
     h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
     _gate_up_kernel[lambda meta: (k, triton.cdiv(n13, meta["BLOCK_N"]))](
         x, w13, d13 if q8 else w13, ids, rowmap, scale, h, n13, H, w13.stride(0), w13.stride(1), FMT=code13)
