@@ -9,6 +9,8 @@
 # variants and --n-cpu-moe 14/15/17), cpu (CPU expert formats),
 # uniform (S1 reskewed to uniform routing; llama-bench), q8, q4 (S1 as Q8_0 / Q4_K; llama-bench),
 # nommap (llama-bench -lm none: weights read into buffers, not mmap'd), tests (tests/engine on CUDA),
+# write (the S1 skewed file only), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
+# 12 GiB, then scripts/profile_decode.py into $OUT/decode),
 # calibrate ($OUT/h200.json, then the profile of the stages after it), engine (`workbench bench
 # run`: llama.cpp -lm none at --n-cpu-moe 16 and all-GPU, then our n-cpu-moe, frequency, balanced
 # and all-GPU, with the ratios), engine_uniform (the same, routers rewritten uniform), engine_q8
@@ -97,7 +99,7 @@ stage_q4() {
     rm -f "$models"/s1_q4.gguf
 }
 stage_pack() {  # the binary in parts of < 16 MB (files from $OUT come back up to 16 MiB each)
-    [ -x .llamacpp/bin/llama-bench ] || return
+    wait_build || return
     tar -C .llamacpp -cf - bin COMMIT | xz -T4 -6 | split -b 15000000 -d - "$OUT/llama-bench.tar.xz.part-"
     log "packed llama-bench: $(cat "$OUT"/llama-bench.tar.xz.part-* | wc -c) bytes in $(ls "$OUT"/llama-bench.tar.xz.part-* | wc -l) parts"
     log "next time: copy them to .llamacpp/pack/ and carry .llamacpp/pack instead of building"
@@ -122,6 +124,20 @@ side_by_side() {  # file label json strategies [args...]: llama.cpp (-lm none) t
 stage_tests() {  # the engine's tests on CUDA (carry .whl_engine: transformers and gguf as pinned here)
     log "tests"; WORKBENCH_TEST_DEVICE=cuda timeout "${TESTS_TIME_S:-240}" python3 -m pytest -q -p no:cacheprovider \
         tests/engine >"$OUT/cuda_tests.txt" 2>&1; log "tests rc $?"; tail -3 "$OUT/cuda_tests.txt" | tee -a "$OUT/device.log"
+}
+stage_write() {  # the S1 skewed file only
+    [ -f "$models/s1.gguf" ] || { log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5 | tee -a "$OUT/device.log"; }
+}
+stage_profile() {  # host-time phases of hybrid layers (scripts/profile_hybrid.py) and the decode profile,
+    stage_write     # as one file $OUT/profile.tar.gz (few files come back per call)
+    local p=/tmp/wb_profile_out; rm -rf "$p"; mkdir -p "$p"
+    for st in n-cpu-moe frequency; do
+        log "profile_hybrid $st"; timeout 150 python3 scripts/profile_hybrid.py --model "$models/s1.gguf" --device cuda \
+            --budget 12GiB --strategy "$st" --json "$p/hybrid_$st.json" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
+    done
+    log "profile_decode"; timeout 200 python3 scripts/profile_decode.py --model "$models/s1.gguf" --device cuda \
+        --budget 12GiB --margin 512MiB --out "$p/decode" 2>>"$OUT/device.log" | tail -30 | tee -a "$OUT/device.log"
+    tar -C "$p" -czf "$OUT/profile.tar.gz" .
 }
 stage_calibrate() {  # the profile the later stages predict with ($OUT/h200.json)
     log "calibrate"; python3 -m workbench calibrate -o "$OUT/h200.json" 2>>"$OUT/device.log" | tail -4 | tee -a "$OUT/device.log"
