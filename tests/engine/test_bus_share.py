@@ -16,6 +16,7 @@ from tests.engine.engine_helpers import (
     TEST_DTYPE,
     decode_step_engine,
     greedy_tokens,
+    logits_tolerance,
     open_inventory,
     placements,
     reference_logits,
@@ -92,7 +93,8 @@ def test_prefill_fetches_the_experts_many_tokens_select(fetch_tokens, tiny_model
     finally:
         engine.close()
     model = tiny_hf_model("qwen3_moe")
-    assert rel_err(logits, reference_logits(model, PROMPT)) < LOGITS_RTOL
+    ref = reference_logits(model, PROMPT)
+    assert rel_err(logits, ref) < logits_tolerance(model, PROMPT, ref)  # bf16: this model has a near-tie
     if TEST_DTYPE == torch.float32:
         assert tokens == reference_tokens(model, PROMPT, N_NEW)
 
@@ -135,3 +137,18 @@ def test_the_cpu_stacks_are_page_locked_and_released(tiny_model_dir):
     engine.apply_placement(p["resident"])  # the old stacks are released before they go
     assert not old.is_pinned() and engine._bus is None  # no layer shares the bus: slots freed
     engine.close()
+
+
+@pytest.mark.skipif(TEST_DEVICE == "cpu", reason="page-locking needs CUDA")
+def test_a_share_dropped_without_close_releases_its_page_locks():
+    """A range left page-locked after its memory is freed breaks later copies from memory mapped there
+    ("invalid argument"), so a share that is dropped unclosed still unlocks the stacks before they go."""
+    import gc
+
+    stack = torch.randn(4, 64, 32)
+    share = bus.BusShare(torch.device(TEST_DEVICE), torch.float32, 4, (64, 32), (32, 32), 0.5)
+    assert share.pin(object(), [stack]) and stack.is_pinned()
+    del share
+    gc.collect()
+    assert not stack.is_pinned()
+    assert torch.randn(1 << 20).to(TEST_DEVICE).shape == (1 << 20,)  # copies from pageable memory still work

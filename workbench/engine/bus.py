@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -69,6 +70,21 @@ def unregister(t: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
+def _unregister_all(registered: dict[int, list[torch.Tensor]], device: torch.device) -> None:
+    """Release every page lock in ``registered`` (which keeps the stacks alive until then). A range
+    left registered after its memory is freed makes later copies from memory mapped there fail
+    with "invalid argument", so this also runs when a share is dropped without ``close``."""
+    if not any(registered.values()):
+        registered.clear()
+        return
+    with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone already
+        torch.cuda.synchronize(device)  # no copy from them still in flight
+    for owner in list(registered):
+        for t in registered.pop(owner):
+            with contextlib.suppress(Exception):
+                unregister(t)
+
+
 class BusShare:
     """Device slots for experts fetched over the bus in one decode step, shared by every layer (a
     layer's copies start after its routing is known, so the previous layer's kernel has finished
@@ -90,6 +106,7 @@ class BusShare:
         self._staging: dict[tuple, list[torch.Tensor]] = {}
         self._set: list[int] = []
         self.registered: dict[int, list[torch.Tensor]] = {}  # by id() of the owner (a LayerExperts)
+        self._release_all = weakref.finalize(self, _unregister_all, self.registered, device)
         self.copied = 0  # experts sent over the bus so far
 
     @property
@@ -213,9 +230,4 @@ class BusShare:
 
     def close(self) -> None:
         """Release every page lock (the engine calls this before freeing the stacks)."""
-        for owner in list(self.registered):
-            mine = self.registered.pop(owner)
-            if mine:
-                torch.cuda.synchronize(self.device)
-            for t in mine:
-                unregister(t)
+        self._release_all()
