@@ -281,8 +281,9 @@ class LayerExperts:
         routing (and of ``x`` when the CPU computes experts) into pinned buffers and record an event,
         (2) launch the resident experts (decode: masked gather, no host data needed) and ``extra``,
         (3) wait for the event (the one host sync of the layer), (4) compute the CPU experts on this
-        thread while the accelerator runs (2), fetch streamed experts, (5) add the CPU result
-        through a pinned buffer without waiting.
+        thread while the accelerator runs (2) (with a bus share: on the worker thread, while this one
+        queues the bus's copies), fetch streamed experts, (5) add the CPU result through a pinned
+        buffer without waiting.
         """
         host = self.stage(x, ids, weights)
         out = self.device_part(x, ids, weights, scale_input, extra)
@@ -383,19 +384,29 @@ class LayerExperts:
         cpu_sel = np.nonzero(tiers == COMPUTE)[0]
         if cpu_sel.size and self.bus is not None and T > 1:  # experts many tokens select: to the GPU once
             cpu_sel = self._run_fetched(x, token_host, flat_w, ids_host, cpu_sel, out, scale_input)
-        bus_y = None
+        bus_y = cpu_job = None
         if cpu_sel.size and self.bus is not None and T == 1 and not scale_input and gpu_kernels.usable(x):
             m = self.bus.share(cpu_sel.size)
             if m:  # these travel and the GPU computes them while the CPU computes the rest
                 sent, cpu_sel = cpu_sel[:m], cpu_sel[m:]
+                if cpu_sel.size and self.worker is not None:  # the CPU starts now, not after the queueing
+                    cpu_job = self.worker.submit(self._run_cpu_in, torch.is_inference_mode_enabled(), host[2],
+                                                 token_host, host[1], ids_host, cpu_sel, scale_input)
                 experts = ids_host[sent]
                 bus_y = self.bus.run(x, ids.reshape(-1), flat_w, experts, self.local[experts], self.cpu_stacks(),
                                      self.kept_layout())
-        if cpu_sel.size:
+        if cpu_job is not None:
+            out.add_(self.staging.to_device(cpu_job.result()))
+        elif cpu_sel.size:
             out.add_(self.staging.to_device(self._run_cpu(host[2], token_host, host[1], ids_host, cpu_sel,
                                                           scale_input)))
         if bus_y is not None:
             out.add_(bus_y)
+
+    def _run_cpu_in(self, inference: bool, *args) -> torch.Tensor:
+        """``_run_cpu`` on another thread, in the caller's inference mode (a per-thread state)."""
+        with torch.inference_mode(inference), torch.no_grad():
+            return self._run_cpu(*args)
 
     def _run_cpu(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
                  sel: np.ndarray, scale_input: bool) -> torch.Tensor:
