@@ -97,6 +97,7 @@ class BusShare:
         self.w2 = torch.empty((slots, *shape2), dtype=dtype, device=device)
         self.cuda = device.type == "cuda"  # elsewhere (tests: Triton's interpreter) the copies are plain
         self.map_host = torch.full((n_experts,), -1, dtype=torch.int64, pin_memory=self.cuda)
+        self._map_np = self.map_host.numpy()  # the same memory, written without per-item tensor calls
         self.map_dev = torch.full((n_experts,), -1, dtype=torch.int64, device=device)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.done = torch.cuda.Event() if self.cuda else None
@@ -104,7 +105,7 @@ class BusShare:
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
         self.fetch_tokens = PREFILL_FETCH_TOKENS
         self._staging: dict[tuple, list[torch.Tensor]] = {}
-        self._set: list[int] = []
+        self._set = np.zeros(0, dtype=np.int64)
         self.registered: dict[int, list[torch.Tensor]] = {}  # by id() of the owner (a LayerExperts)
         self._release_all = weakref.finalize(self, _unregister_all, self.registered, device)
         self.copied = 0  # experts sent over the bus so far
@@ -174,11 +175,10 @@ class BusShare:
         ``[k]`` on the device: ``[1, H]`` (pairs of other experts read nothing). Does not wait."""
         from . import gpu_kernels
 
-        for e in self._set:  # the previous step's copy of the map finished before this step's routing
-            self.map_host[e] = -1
-        self._set = [int(e) for e in experts]
-        for slot, e in enumerate(self._set):
-            self.map_host[e] = slot
+        m = self._map_np  # the previous step's copy of the map finished before this step's routing
+        m[self._set] = -1
+        self._set = np.asarray(experts, dtype=np.int64)
+        m[self._set] = np.arange(len(self._set))
 
         def then():
             self.map_dev.copy_(self.map_host, non_blocking=True)
@@ -192,18 +192,26 @@ class BusShare:
         """On the copy stream, once the events ``after`` are reached: load rows ``rows`` of ``src`` into
         slots ``base``, ``base + 1``, ..., run ``then()``, record ``done``; the current stream waits for
         ``done``. Without CUDA the same work, in order."""
-        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
-            if self.cuda:
-                for ev in after:
-                    self.stream.wait_event(ev)
+        if not self.cuda:
             for j, r in enumerate(rows.tolist()):
                 self._load(base + j, r, src, kept)
             if then is not None:
                 then()
-            if self.cuda:
-                done.record(self.stream)
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(done)
+            self.copied += len(rows)
+            return
+        cur = torch.cuda.current_stream(self.device)  # once: each call costs ~10 µs of host time
+        torch.cuda.set_stream(self.stream)
+        try:
+            for ev in after:
+                self.stream.wait_event(ev)
+            for j, r in enumerate(rows.tolist()):
+                self._load(base + j, r, src, kept)
+            if then is not None:
+                then()
+            done.record(self.stream)
+        finally:
+            torch.cuda.set_stream(cur)
+        cur.wait_event(done)
         self.copied += len(rows)
 
     def fetch(self, half: int, experts: np.ndarray, rows: np.ndarray, src: list[torch.Tensor],

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import blocks, cpu_kernel, gpu_kernels
+from . import blocks, cpu_kernel, gpu_kernels, prefill_kernels
 
 RESIDENT, COMPUTE, STREAM = 0, 1, 2
 TIER_NAMES = ("resident", "compute", "stream")
@@ -71,15 +71,23 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
         order = torch.argsort(rows, stable=True)
         counts = torch.bincount(rows, minlength=w13.shape[0]).tolist()
         xs = x[order]
-        parts = []
-        start = 0
-        for r, c in enumerate(counts):
-            if c:
-                parts.append(expert_ffn(xs[start:start + c], w13[r], w2[r], None if b13 is None else b13[r],
-                                        None if b2 is None else b2[r], act))
-                start += c
+        ys = None
+        if prefill_kernels.usable_for(x, w13, w2, b13, b2, act):  # every expert in two kernels
+            c = np.asarray(counts, dtype=np.int64)
+            used = np.nonzero(c)[0]
+            ys = prefill_kernels.run_or_none(xs, prefill_kernels.tile_table((np.cumsum(c) - c)[used], c[used], used),
+                                             w13, w2)
+        if ys is None:
+            parts = []
+            start = 0
+            for r, c in enumerate(counts):
+                if c:
+                    parts.append(expert_ffn(xs[start:start + c], w13[r], w2[r], None if b13 is None else b13[r],
+                                            None if b2 is None else b2[r], act))
+                    start += c
+            ys = torch.cat(parts)
         out = torch.empty_like(x)
-        out[order] = torch.cat(parts)
+        out[order] = ys
     return out if scale_input else out * scale
 
 
@@ -427,7 +435,8 @@ class LayerExperts:
         elif self.kept_cpu is not None:  # a prompt: the rows it uses, dequantized once
             uniq, local = np.unique(rows, return_inverse=True)
             w13, w2 = self._dequant(self.kept_cpu, uniq)
-            _grouped_host(x, sel, token, local.reshape(-1), flat_w, out, scale_input, w13, w2, None, None, self.act)
+            _grouped_host(x, sel, token, local.reshape(-1), flat_w, out, scale_input, w13, w2, None, None, self.act,
+                          on_host=True)
         elif x.shape[0] == 1 and not scale_input and not self.bias and self.act[0] == "silu":
             # decode: one token, each selected expert once
             w13, w2 = self.w13[COMPUTE], self.w2[COMPUTE]
@@ -441,7 +450,7 @@ class LayerExperts:
                     out.add_(F.linear(F.silu(h[:, :i]).mul_(h[:, i:]), w2[r]), alpha=wt)
         else:
             _grouped_host(x, sel, token, rows, flat_w, out, scale_input, self.w13[COMPUTE], self.w2[COMPUTE],
-                          self.b13[COMPUTE], self.b2[COMPUTE], self.act)
+                          self.b13[COMPUTE], self.b2[COMPUTE], self.act, on_host=True)
         return out
 
     def cpu_stacks(self) -> list[torch.Tensor]:
@@ -506,12 +515,12 @@ class LayerExperts:
 
 def _grouped_host(x: torch.Tensor, pairs: np.ndarray, token: np.ndarray, rows: np.ndarray, flat_w: torch.Tensor,
                   out: torch.Tensor, scale_input: bool, w13: torch.Tensor, w2: torch.Tensor,
-                  b13: torch.Tensor | None, b2: torch.Tensor | None, act: tuple) -> None:
+                  b13: torch.Tensor | None, b2: torch.Tensor | None, act: tuple, on_host: bool = False) -> None:
     """Add to ``out [T, H]`` the experts of ``pairs`` (indices into the flat ``[T*k]`` selections;
     ``token [T*k]`` host; ``rows [len(pairs)]`` host rows of ``w13``/``w2``) with weights
     ``flat_w [T*k]``. Pairs are grouped by expert on the host (no host sync): each expert's weights
     are read once, in place (no gathered copy); index tensors reach the accelerator through pinned
-    memory without waiting."""
+    memory without waiting. ``on_host``: the CPU tier's stacks (never the accelerator's kernels)."""
     order = np.argsort(rows, kind="stable")
     pairs, rows = pairs[order], rows[order]
     uniq, starts, counts = np.unique(rows, return_index=True, return_counts=True)
@@ -522,10 +531,14 @@ def _grouped_host(x: torch.Tensor, pairs: np.ndarray, token: np.ndarray, rows: n
     ws = flat_w[pair_t].to(x.dtype)[:, None]
     if scale_input:
         xs = xs * ws
-    ys = torch.empty_like(xs)
-    for r, s, c in zip(uniq.tolist(), starts.tolist(), counts.tolist()):
-        ys[s:s + c] = expert_ffn(xs[s:s + c], w13[r], w2[r], None if b13 is None else b13[r],
-                                 None if b2 is None else b2[r], act)
+    ys = None
+    if not on_host and prefill_kernels.usable_for(x, w13, w2, b13, b2, act):  # every expert in two kernels
+        ys = prefill_kernels.run_or_none(xs, prefill_kernels.tile_table(starts, counts, uniq), w13, w2)
+    if ys is None:
+        ys = torch.empty_like(xs)
+        for r, s, c in zip(uniq.tolist(), starts.tolist(), counts.tolist()):
+            ys[s:s + c] = expert_ffn(xs[s:s + c], w13[r], w2[r], None if b13 is None else b13[r],
+                                     None if b2 is None else b2[r], act)
     if not scale_input:
         ys = ys * ws
     out.index_add_(0, tok_t, ys)

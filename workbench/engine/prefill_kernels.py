@@ -1,0 +1,158 @@
+"""A grouped GEMM for a prompt's routed experts on CUDA: every expert of a layer in two kernels.
+
+A prompt of ``T`` tokens makes ``T * k`` (token, expert) pairs. Sorted by expert, the pairs of one
+expert are a small matrix product against that expert's weights; one ``F.linear`` pair per expert
+costs ~6 kernel launches, ~128 experts per layer at the Qwen3-30B-A3B shape: the launches, not the
+GPU, set the prefill rate. ``swiglu_grouped`` runs them all in two kernels over a tile table (each
+tile: one expert's row in the stacks and up to ``BLOCK_M`` of its consecutive pairs): gate and up
+projections with SiLU·up in the epilogue, then the down projection. Each weight tile is read once
+per tile of pairs.
+
+``usable_for`` says when it applies (SwiGLU without biases, float weights, Triton usable); any
+failure to build or launch turns it off for the process (``disable``) and the caller's per-expert
+loop takes over, leaving the decode kernels of ``gpu_kernels`` alone. ``WORKBENCH_PREFILL_KERNELS=0``
+turns them off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from . import gpu_kernels
+
+log = logging.getLogger(__name__)
+
+BLOCK_M = 32
+"""Pairs per tile (a prompt of 512 tokens gives ~32 pairs per expert at 8 of 128 experts)."""
+
+_disabled: list[str] = []
+
+triton = gpu_kernels.triton
+if triton is not None:
+    import triton.language as tl
+
+    _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+    def _configs() -> list:
+        """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` candidates, timed at the first call per shape
+        (under the interpreter only the first)."""
+        options = [(64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3)]
+        return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+                for n, k, w, s in options[:1 if _INTERPRETED else None]]
+
+    @triton.autotune(configs=_configs(), key=["N", "K", "SWIGLU"])
+    @triton.jit
+    def _grouped_kernel(x_ptr, w_ptr, tiles_ptr, out_ptr, N, K, stride_e, stride_n, stride_x,
+                        SWIGLU: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Tile ``t`` (``tiles[t] = (row, start, count)``), outputs ``n`` of block ``pid(1)``:
+        ``out[start + m, n] = x[start + m] . w[row, n]`` for ``m < count``, or with ``SWIGLU``
+        ``silu(x . w[row, n]) * (x . w[row, N + n])`` (gate rows first, then up)."""
+        t = tl.program_id(0)
+        row = tl.load(tiles_ptr + 3 * t).to(tl.int64)
+        start = tl.load(tiles_ptr + 3 * t + 1).to(tl.int64)
+        count = tl.load(tiles_ptr + 3 * t + 2)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < count
+        n_ok = offs_n < N
+        x_rows = x_ptr + (start + offs_m)[:, None] * stride_x
+        w_cols = w_ptr + row * stride_e + offs_n[None, :].to(tl.int64) * stride_n  # [1, BN]: k runs down
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            k_ok = kk < K
+            xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wm = k_ok[:, None] & n_ok[None, :]
+            w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)
+            if SWIGLU:
+                wu = tl.load(w_cols + N * stride_n + kk[:, None], mask=wm, other=0.0)
+            if F32_DOT:  # float32 weights (no tf32), or the interpreter (whose bfloat16 dot is wrong)
+                xt = xt.to(tl.float32)
+                acc += tl.dot(xt, w.to(tl.float32), input_precision="ieee")
+                if SWIGLU:
+                    acc_up += tl.dot(xt, wu.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(xt, w)
+                if SWIGLU:
+                    acc_up += tl.dot(xt, wu)
+        if SWIGLU:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        out = out_ptr + (start + offs_m)[:, None] * N + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def available() -> bool:
+    """Whether the grouped kernels may run (Triton usable, they did not fail here, and
+    ``WORKBENCH_PREFILL_KERNELS`` is not ``0``)."""
+    return (not _disabled and gpu_kernels.available()
+            and os.environ.get("WORKBENCH_PREFILL_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off"))
+
+
+def disable(reason: str) -> None:
+    """Stop using these kernels in this process (the per-expert loop takes over)."""
+    if not _disabled:
+        log.warning("grouped prefill kernels off, one matrix product per expert instead: %s", reason[:300])
+    _disabled.append(reason)
+
+
+def usable_for(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13, b2, act: tuple) -> bool:
+    """Whether ``swiglu_grouped`` takes these: SwiGLU without biases, float stacks of ``x``'s dtype
+    with contiguous rows, on CUDA (or under Triton's interpreter)."""
+    return (available() and gpu_kernels.usable(x) and act[0] == "silu" and b13 is None and b2 is None
+            and w13.is_floating_point() and w13.dtype == w2.dtype == x.dtype
+            and w13.stride(2) == 1 and w2.stride(2) == 1 and w13.device == x.device)
+
+
+def tile_table(starts: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Tiles ``[n_tiles, 3]`` int32 ``(row, start, count)``: each run of pairs (``starts``/``counts``
+    into the sorted pairs, ``rows`` its expert's row in the stacks) cut into pieces of ``BLOCK_M``."""
+    per = (counts + BLOCK_M - 1) // BLOCK_M
+    run = np.repeat(np.arange(len(counts)), per)
+    piece = np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)
+    start = starts[run] + piece * BLOCK_M
+    count = np.minimum(BLOCK_M, counts[run] - piece * BLOCK_M)
+    return np.stack([rows[run], start, count], axis=1).astype(np.int32)
+
+
+def swiglu_grouped(xs: torch.Tensor, tiles: np.ndarray, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """``xs [n, H]`` (pairs sorted so that each tile's pairs are consecutive), ``tiles`` from
+    ``tile_table``, ``w13 [R, 2I, H]`` (gate rows first), ``w2 [R, H, I]`` -> ``[n, H]`` in ``xs``'s
+    dtype: each pair's SwiGLU expert output (unweighted). Queued without a host sync.
+
+    Raises what Triton raises when a kernel fails to build or launch (``gpu_kernels.failed_here``).
+    """
+    xs = xs.contiguous()
+    n, H = xs.shape
+    i = w2.shape[2]
+    dev = xs.device
+    tiles_t = torch.from_numpy(np.ascontiguousarray(tiles))
+    tiles_t = tiles_t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else tiles_t
+    f32 = xs.dtype == torch.float32 or not xs.is_cuda
+    h = torch.empty((n, i), dtype=xs.dtype, device=dev)
+    nt = tiles.shape[0]
+    _grouped_kernel[lambda meta: (nt, triton.cdiv(i, meta["BLOCK_N"]))](
+        xs, w13, tiles_t, h, i, H, w13.stride(0), w13.stride(1), xs.stride(0), SWIGLU=True, F32_DOT=f32,
+        BLOCK_M=BLOCK_M)
+    out = torch.empty((n, H), dtype=xs.dtype, device=dev)
+    _grouped_kernel[lambda meta: (nt, triton.cdiv(H, meta["BLOCK_N"]))](
+        h, w2, tiles_t, out, H, i, w2.stride(0), w2.stride(1), h.stride(0), SWIGLU=False, F32_DOT=f32,
+        BLOCK_M=BLOCK_M)
+    return out
+
+
+def run_or_none(xs: torch.Tensor, tiles: np.ndarray, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
+    """``swiglu_grouped``, or None (and the kernels off for the process) if they fail to build or run."""
+    try:
+        return swiglu_grouped(xs, tiles, w13, w2)
+    except Exception as exc:  # a Triton build or launch failure: fall back, keep serving
+        if not gpu_kernels.failed_here(exc):
+            raise
+        disable(f"{type(exc).__name__}: {exc}")
+        return None
