@@ -166,6 +166,34 @@ def test_runs_without_the_gil(kernel):
     assert len(during) >= 5, f"{len(during)} ticks in {1000 * (end - start):.0f} ms of kernel call"
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0"])
+def test_a_background_run_returns_at_once_and_gives_the_same_result(kernel, fmt):
+    """The run starts on the extension's thread; this thread goes on (no GIL needed there) and
+    ``wait`` hands over the same sum as a call on this thread."""
+    gen = torch.Generator().manual_seed(6)
+    w13, w2 = random_experts(4, 2048, 768, torch.bfloat16, gen)
+    x, weights = torch.randn(2048, generator=gen), torch.rand(64, generator=gen)
+    rows = torch.arange(4).repeat(16)  # 600 MB of weight reads: tens of ms
+    if fmt == "q8_0":
+        def q8(w):  # symmetric int8 per 32 values, as GGUF Q8_0 stores them
+            b = w.float().reshape(*w.shape[:-1], -1, 32)
+            d = (b.abs().amax(-1) / 127).clamp_min(1e-8).half()
+            return (b / d.float()[..., None]).round().to(torch.int8).reshape(w.shape), d
+        args = (*q8(w13), *q8(w2))
+        run = lambda bg: kernel.moe_decode_q8(x, *args, rows, weights, background=bg)  # noqa: E731
+    else:
+        run = lambda bg: kernel.moe_decode(x, w13, w2, rows, weights, background=bg)  # noqa: E731
+    inline = run(0)
+    start = time.perf_counter()
+    pending = run(1)
+    returned = time.perf_counter() - start
+    kernel.wait()
+    took = time.perf_counter() - start
+    assert returned < took / 4, f"returned after {1e3 * returned:.1f} ms of {1e3 * took:.1f}"
+    assert torch.equal(pending, inline)
+    kernel.wait()  # nothing running: returns at once
+
+
 def test_takes_says_which_weights_the_kernel_accepts():
     w13, w2 = torch.ones(4, 64, 32, dtype=torch.bfloat16), torch.ones(4, 32, 32, dtype=torch.bfloat16)
     assert cpu_kernel.takes(w13, w2)

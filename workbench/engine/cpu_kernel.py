@@ -62,7 +62,7 @@ def unavailable_reason() -> str | None:
 
 
 def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor | np.ndarray,
-               weights: torch.Tensor | np.ndarray) -> torch.Tensor:
+               weights: torch.Tensor | np.ndarray, background: int = 0) -> torch.Tensor:
     """Weighted sum of the selected SwiGLU experts for one token, on the CPU.
 
     ``out = sum_j weights[j] * w2[rows[j]] @ (silu(g_j) * u_j)`` with ``[g_j; u_j] = w13[rows[j]] @ x``
@@ -75,6 +75,9 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
         w2: ``[E, H, I]`` down projections, the dtype of ``w13``, contiguous, on the CPU.
         rows: ``[n]`` indices into ``E`` (int64 tensor or array; repeats allowed, ``n`` may be 0).
         weights: ``[n]`` per-expert weights (converted to float32).
+        background: 0 to run on this thread; else the run starts on the extension's own thread on
+            ``background`` threads and this returns at once: the result is valid after ``wait()``
+            (one background run at a time; the weights must stay alive until then).
 
     Returns:
         ``[H]`` float32, accumulated in float32 throughout.
@@ -96,11 +99,12 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
     rows = torch.as_tensor(rows, dtype=torch.int64)
     weights = torch.as_tensor(weights).to(torch.float32)
     _check(x, w13, w2, rows, weights)
-    return mod.moe_decode(x.contiguous(), w13, w2, rows, weights)
+    return mod.moe_decode(x.contiguous(), w13, w2, rows, weights, int(background))
 
 
 def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: torch.Tensor, d2: torch.Tensor,
-                  rows: torch.Tensor | np.ndarray, weights: torch.Tensor | np.ndarray) -> torch.Tensor:
+                  rows: torch.Tensor | np.ndarray, weights: torch.Tensor | np.ndarray, background: int = 0
+                  ) -> torch.Tensor:
     """``moe_decode`` for experts kept in GGUF's Q8_0 blocks (``value = d * q`` per 32 values along
     the input axis), read as they are: half the bytes of bf16.
 
@@ -109,7 +113,7 @@ def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: tor
         q13: ``[E, 2I, H]`` int8 and ``d13``: ``[E, 2I, H/32]`` float16: gate (first ``I`` rows) and up.
         q2: ``[E, H, I]`` int8 and ``d2``: ``[E, H, I/32]`` float16: down. ``H`` and ``I`` multiples of 32,
             all contiguous, on the CPU.
-        rows, weights: as in ``moe_decode``.
+        rows, weights, background: as in ``moe_decode``.
 
     Returns ``[H]`` float32. Raises RuntimeError as ``moe_decode`` does.
     """
@@ -133,7 +137,7 @@ def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: tor
     if x.dim() != 1 or x.shape[0] != H or str(x.dtype) not in _FLOATS:
         fail(f"x must be bfloat16, float16 or float32 [H] = [{H}], got {x.dtype} {list(x.shape)}")
     _check_rows(rows, weights, E, fail)
-    return mod.moe_decode_q8(x.contiguous(), q13, d13, q2, d2, rows, weights)
+    return mod.moe_decode_q8(x.contiguous(), q13, d13, q2, d2, rows, weights, int(background))
 
 
 def _prepare(name: str, rows, weights):
@@ -159,7 +163,8 @@ def _check_rows(rows, weights, E: int, fail) -> None:
 
 
 def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: torch.Tensor | np.ndarray,
-                   weights: torch.Tensor | np.ndarray, fmt13: str = "q4_k", fmt2: str = "q4_k") -> torch.Tensor:
+                   weights: torch.Tensor | np.ndarray, fmt13: str = "q4_k", fmt2: str = "q4_k",
+                   background: int = 0) -> torch.Tensor:
     """``moe_decode`` for experts kept as GGUF k-quant blocks, read as they are: Q4_K (super-blocks of
     256 values in 144 bytes, 4.5 bits a value) or Q6_K (210 bytes, 6.6 bits), chosen per matrix
     (``fmt13`` for gate and up, ``fmt2`` for down: Q4_K_M files store some down matrices as Q6_K).
@@ -168,7 +173,7 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
         x: ``[H]`` bfloat16, float16 or float32.
         b13: ``[E, 2I, H/256*bytes]`` uint8: the gate (first ``I`` rows) and up rows' raw blocks.
         b2: ``[E, H, I/256*bytes]`` uint8: the down rows'. ``H`` and ``I`` multiples of 256, contiguous.
-        rows, weights: as in ``moe_decode``.
+        rows, weights, background: as in ``moe_decode``.
 
     Returns ``[H]`` float32. Raises RuntimeError as ``moe_decode`` does.
     """
@@ -197,7 +202,18 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
         fail("the weight stacks must be contiguous")
     _check_rows(rows, weights, E, fail)
     codes = {"q4_k": 0, "q6_k": 1}
-    return mod.moe_decode_kq(x.contiguous(), b13, codes[fmt13], b2, codes[fmt2], ffn, rows, weights)
+    return mod.moe_decode_kq(x.contiguous(), b13, codes[fmt13], b2, codes[fmt2], ffn, rows, weights,
+                             int(background))
+
+
+def wait() -> None:
+    """Wait for the run started with ``background`` (returns at once if none is running).
+
+    Raises:
+        RuntimeError: the run failed (its result is undefined).
+    """
+    if not _module.wait_background():
+        raise RuntimeError("the fused CPU decode kernel failed in its background run")
 
 
 _checked: set[tuple] = set()

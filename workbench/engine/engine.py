@@ -190,12 +190,7 @@ class Engine:
                 raise WorkbenchError(f"CPU weight format {cpu_format!r} is not available here; "
                                      f"available: {', '.join(available_formats())}")
             self._pool = ExpertPool(cpu_workers)
-        # decode steps with a bus share compute their CPU experts here while this thread queues the
-        # bus copies; on CUDA it leaves a core to this thread (a parallel pass waits for its slowest
-        # thread, and a thread sharing a core with the one queueing the copies is the slowest)
-        threads = max(1, torch.get_num_threads() - 1) if device.type == "cuda" else torch.get_num_threads()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts",
-                                          initializer=torch.set_num_threads, initargs=(threads,))
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
         total = sum(u.nbytes for u in inventory.units.values())
         loader = _Loader(device, dtype, total, progress, cancel)
         failure = None

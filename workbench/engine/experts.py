@@ -289,7 +289,7 @@ class LayerExperts:
         routing (and of ``x`` when the CPU computes experts) into pinned buffers and record an event,
         (2) launch the resident experts (decode: masked gather, no host data needed) and ``extra``,
         (3) wait for the event (the one host sync of the layer), (4) compute the CPU experts on this
-        thread while the accelerator runs (2) (with a bus share: on the worker thread, while this one
+        thread while the accelerator runs (2) (with a bus share: on the CPU kernel's own thread, while this one
         queues the bus's copies), fetch streamed experts, (5) add the CPU result through a pinned
         buffer without waiting.
         """
@@ -392,46 +392,43 @@ class LayerExperts:
         cpu_sel = np.nonzero(tiers == COMPUTE)[0]
         if cpu_sel.size and self.bus is not None and T > 1:  # experts many tokens select: to the GPU once
             cpu_sel = self._run_fetched(x, token_host, flat_w, ids_host, cpu_sel, out, scale_input)
-        bus_y = cpu_job = None
+        bus_y = finish = None
         if cpu_sel.size and self.bus is not None and T == 1 and not scale_input and gpu_kernels.usable(x):
             m = self.bus.share(cpu_sel.size)
             if m:  # these travel and the GPU computes them while the CPU computes the rest
                 sent, cpu_sel = cpu_sel[:m], cpu_sel[m:]
-                if cpu_sel.size and self.worker is not None:  # the CPU starts now, not after the queueing
-                    cpu_job = self.worker.submit(self._run_cpu_in, torch.is_inference_mode_enabled(), host[2],
-                                                 token_host, host[1], ids_host, cpu_sel, scale_input)
+                if cpu_sel.size:  # the CPU starts first, on its own thread, while this one queues the bus
+                    finish = self._start_cpu(host[2], token_host, host[1], ids_host, cpu_sel, scale_input,
+                                             background=True)
                 experts = ids_host[sent]
                 bus_y = self.bus.run(x, ids.reshape(-1), flat_w, experts, self.local[experts], self.cpu_stacks(),
                                      self.kept_layout())
-        if cpu_job is not None:
-            out.add_(self.staging.to_device(cpu_job.result()))
-        elif cpu_sel.size:
-            out.add_(self.staging.to_device(self._run_cpu(host[2], token_host, host[1], ids_host, cpu_sel,
-                                                          scale_input)))
+        if finish is None and cpu_sel.size:
+            finish = self._start_cpu(host[2], token_host, host[1], ids_host, cpu_sel, scale_input)
+        if finish is not None:
+            out.add_(self.staging.to_device(finish()))
         if bus_y is not None:
             out.add_(bus_y)
 
-    def _run_cpu_in(self, inference: bool, *args) -> torch.Tensor:
-        """``_run_cpu`` on another thread, in the caller's inference mode (a per-thread state)."""
-        with torch.inference_mode(inference), torch.no_grad():
-            return self._run_cpu(*args)
-
-    def _run_cpu(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
-                 sel: np.ndarray, scale_input: bool) -> torch.Tensor:
-        """The CPU tier's pairs ``sel`` on this thread: host ``x [T, H]`` -> summed ``[T, H]`` (pinned
-        when the accelerator is CUDA)."""
+    def _start_cpu(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
+                   sel: np.ndarray, scale_input: bool, background: bool = False):
+        """The CPU tier's pairs ``sel``: host ``x [T, H]`` -> a function returning the summed ``[T, H]``
+        (pinned when the accelerator is CUDA). ``background``: a decode step's fused kernel starts on
+        its own thread (``cpu_kernel``'s background run) and the function waits for it; everything
+        else runs here before this returns."""
         out = self.staging.buffer("cpu_out", tuple(x.shape), x.dtype).zero_()
         rows = self.local[ids_host[sel]]
+        fused = None  # a fused decode kernel's call, given the rows' weights
         if self.cpu_kernel is not None:
             tok = torch.from_numpy(token[sel])
             y = self.cpu_kernel(x[tok], torch.from_numpy(rows), flat_w[torch.from_numpy(sel)], scale_input)
             out.index_add_(0, tok, y.to(out.dtype))
         elif self.kept_cpu is not None and x.shape[0] == 1 and not scale_input:  # decode on the file's blocks
-            weights = flat_w[torch.from_numpy(sel)]
             if self.kept[0] == "q8_0":
-                out[0].copy_(cpu_kernel.moe_decode_q8(x[0], *self.kept_cpu, rows, weights))
+                fused = lambda w, bg: cpu_kernel.moe_decode_q8(x[0], *self.kept_cpu, rows, w, background=bg)  # noqa: E731
             else:
-                out[0].copy_(cpu_kernel.moe_decode_q4k(x[0], *self.kept_cpu, rows, weights, *self.kept))
+                fused = lambda w, bg: cpu_kernel.moe_decode_q4k(x[0], *self.kept_cpu, rows, w, *self.kept,  # noqa: E731
+                                                                background=bg)
         elif self.kept_cpu is not None:  # a prompt: the rows it uses, dequantized once
             uniq, local = np.unique(rows, return_inverse=True)
             w13, w2 = self._dequant(self.kept_cpu, uniq)
@@ -440,18 +437,29 @@ class LayerExperts:
         elif x.shape[0] == 1 and not scale_input and not self.bias and self.act[0] == "silu":
             # decode: one token, each selected expert once
             w13, w2 = self.w13[COMPUTE], self.w2[COMPUTE]
-            weights = flat_w[torch.from_numpy(sel)]
             if self.fused_cpu:  # the fused C++ kernel: every selected expert in one call near RAM bandwidth
-                out[0].copy_(cpu_kernel.moe_decode(x[0], w13, w2, rows, weights))
+                fused = lambda w, bg: cpu_kernel.moe_decode(x[0], w13, w2, rows, w, background=bg)  # noqa: E731
             else:  # five ops per expert, no grouping or gathers
                 i = w2.shape[2]
-                for r, wt in zip(rows.tolist(), weights.tolist()):
+                for r, wt in zip(rows.tolist(), flat_w[torch.from_numpy(sel)].tolist()):
                     h = F.linear(x, w13[r])  # [1, 2I]
                     out.add_(F.linear(F.silu(h[:, :i]).mul_(h[:, i:]), w2[r]), alpha=wt)
         else:
             _grouped_host(x, sel, token, rows, flat_w, out, scale_input, self.w13[COMPUTE], self.w2[COMPUTE],
                           self.b13[COMPUTE], self.b2[COMPUTE], self.act, on_host=True)
-        return out
+        if fused is None:
+            return lambda: out
+        weights = flat_w[torch.from_numpy(sel)]
+        if not background:
+            out[0].copy_(fused(weights, 0))
+            return lambda: out
+        pending = fused(weights, _background_threads())
+
+        def finish():
+            cpu_kernel.wait()
+            out[0].copy_(pending)
+            return out
+        return finish
 
     def cpu_stacks(self) -> list[torch.Tensor]:
         """The compute tier's host stacks: ``[w13, w2]``, or the kept blocks' tensors (``alloc_kept``)."""
@@ -511,6 +519,12 @@ class LayerExperts:
         self.cache_expert[slot] = expert
         self.lru[expert] = slot
         return slot
+
+
+def _background_threads() -> int:
+    """Threads of a background CPU run: all but one (the caller's thread queues GPU work meanwhile;
+    a parallel pass waits for its slowest thread, and one sharing a core is the slowest)."""
+    return max(1, torch.get_num_threads() - 1)
 
 
 def _grouped_host(x: torch.Tensor, pairs: np.ndarray, token: np.ndarray, rows: np.ndarray, flat_w: torch.Tensor,

@@ -15,6 +15,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -358,13 +366,91 @@ void decode_kq(const float* x, const uint8_t* b13, int64_t f13, const uint8_t* b
       });
 }
 
+// One job at a time on a persistent native thread, so that a decode step's CPU experts run while
+// the Python thread queues other work (the bus share's copies) without either waiting for the GIL:
+// no Python runs on this thread. It sleeps between jobs; the caller spins briefly in ``wait`` before
+// it sleeps. Never destroyed (a joinable std::thread destroyed at exit would terminate the process).
+class Background {
+ public:
+  void submit(std::function<void()> job, int threads) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!started_) {
+        std::thread([this] { loop(); }).detach();
+        started_ = true;
+      }
+      job_ = std::move(job);
+      threads_ = threads;
+      state_.store(1);
+    }
+    cv_.notify_one();
+  }
+  // Blocks until the submitted job is done (call without the GIL); false if it threw.
+  bool wait() {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(300);
+    while (state_.load() == 1 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait(lk, [this] { return state_.load() != 1; });
+    state_.store(0);
+    return ok_;
+  }
+
+ private:
+  void loop() {
+    int current = -1;
+    for (;;) {
+      std::function<void()> job;
+      int threads;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [this] { return state_.load() == 1; });
+        job = std::move(job_);
+        threads = threads_;
+      }
+#ifdef _OPENMP
+      if (threads != current) {
+        at::init_num_threads();
+        omp_set_num_threads(threads);  // this thread's team only
+        current = threads;
+      }
+#endif
+      bool ok = true;
+      try {
+        job();
+      } catch (...) {
+        ok = false;
+      }
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        ok_ = ok;
+        state_.store(2);
+      }
+      done_cv_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::function<void()> job_;
+  std::atomic<int> state_{0};  // 0 idle, 1 submitted, 2 done
+  int threads_ = 1;
+  bool ok_ = true, started_ = false;
+};
+
+Background& background() {
+  static Background* bg = new Background();
+  return *bg;
+}
+
 // What every entry point does after checking its weights: check rows against E, run
-// run(x f32, rows, weights f32, n, out f32 [H]) without the GIL, return out. Bad input is raised with
-// the GIL held (an exception leaving a GIL-released call crashed the process with PyTorch 2.11 on
+// run(x f32, rows, weights f32, n, out f32 [H]) without the GIL, return out. With ``threads`` > 0
+// the run goes to the background thread on that many threads and ``out`` is valid after
+// ``wait_background()``; ``run`` must then hold its tensors by value. Bad input is raised with the
+// GIL held (an exception leaving a GIL-released call crashed the process with PyTorch 2.11 on
 // Python 3.12).
 template <typename Run>
 at::Tensor checked_run(const char* name, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& weights,
-                          int64_t E, int64_t H, Run run) {
+                          int64_t E, int64_t H, int64_t threads, Run run) {
   const at::Tensor r = rows.contiguous(), wt = weights.contiguous();
   const int64_t n = r.size(0);
   const int64_t* rp = r.data_ptr<int64_t>();
@@ -372,14 +458,25 @@ at::Tensor checked_run(const char* name, const at::Tensor& x, const at::Tensor& 
     TORCH_CHECK(rp[j] >= 0 && rp[j] < E, name, ": rows[", j, "] = ", rp[j], " is outside [0, ", E, ")");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::zeros({H}, x.options().dtype(at::kFloat));
+  if (threads > 0) {
+    background().submit(
+        [xf, r, wt, out, n, run]() {
+          run(xf.data_ptr<float>(), r.data_ptr<int64_t>(), wt.data_ptr<float>(), n, out.data_ptr<float>());
+        },
+        static_cast<int>(threads));
+    return out;
+  }
   if (n == 0) return out;
   py::gil_scoped_release nogil;
   run(xf.data_ptr<float>(), rp, wt.data_ptr<float>(), n, out.data_ptr<float>());
   return out;
 }
 
+// Waits for the background run (the GIL released); false if it failed.
+bool wait_background() { return background().wait(); }
+
 at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                      const at::Tensor& rows, const at::Tensor& weights) {
+                      const at::Tensor& rows, const at::Tensor& weights, int64_t threads) {
   TORCH_CHECK(w13.device().is_cpu() && w2.device().is_cpu() && x.device().is_cpu() &&
                   rows.device().is_cpu() && weights.device().is_cpu(),
               "moe_decode: every tensor must be on the CPU");
@@ -400,8 +497,8 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "moe_decode: rows must be int64 [n]");
   TORCH_CHECK(weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
               "moe_decode: weights must be float32 [n] with n = len(rows) = ", rows.size(0));
-  return checked_run("moe_decode", x, rows, weights, E, H,
-                        [&](const float* xp, const int64_t* rp, const float* wp, int64_t n, float* op) {
+  return checked_run("moe_decode", x, rows, weights, E, H, threads,
+                        [=](const float* xp, const int64_t* rp, const float* wp, int64_t n, float* op) {
                           if (wtype == at::kBFloat16) {
                             decode(xp, reinterpret_cast<const uint16_t*>(w13.data_ptr()),
                                    reinterpret_cast<const uint16_t*>(w2.data_ptr()), rp, wp, n, H, I, op);
@@ -417,7 +514,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
 // Q8_0 experts: q13 int8 [E, 2I, H], d13 float16 [E, 2I, H/32], q2 int8 [E, H, I], d2 float16 [E, H, I/32].
 // The Python wrapper checks the input; these checks only guard the reads.
 at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::Tensor& d13, const at::Tensor& q2,
-                         const at::Tensor& d2, const at::Tensor& rows, const at::Tensor& weights) {
+                         const at::Tensor& d2, const at::Tensor& rows, const at::Tensor& weights, int64_t threads) {
   const int64_t E = q13.size(0), I = q13.size(1) / 2, H = q13.size(2);
   TORCH_CHECK(q13.dim() == 3 && q2.dim() == 3 && q13.size(1) == 2 * I && H % 32 == 0 && I % 32 == 0 &&
                   q2.size(0) == E && q2.size(1) == H && q2.size(2) == I && d13.numel() * 32 == q13.numel() &&
@@ -428,8 +525,8 @@ at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::T
   TORCH_CHECK(x.dim() == 1 && x.size(0) == H && rows.dim() == 1 && rows.scalar_type() == at::kLong &&
                   weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
               "moe_decode_q8: bad x, rows or weights");
-  return checked_run("moe_decode_q8", x, rows, weights, E, H,
-                        [&](const float* xp, const int64_t* rp, const float* wp, int64_t n, float* op) {
+  return checked_run("moe_decode_q8", x, rows, weights, E, H, threads,
+                        [=](const float* xp, const int64_t* rp, const float* wp, int64_t n, float* op) {
                           decode_q8(xp, q13.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d13.data_ptr()),
                                     q2.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d2.data_ptr()), rp, wp, n,
                                     H, I, op);
@@ -440,7 +537,7 @@ at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::T
 // [E, H, I/256*bytes]; H, I multiples of 256. The Python wrapper checks the input; these checks only
 // guard the reads.
 at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13, const at::Tensor& b2, int64_t f2,
-                         int64_t I, const at::Tensor& rows, const at::Tensor& weights) {
+                         int64_t I, const at::Tensor& rows, const at::Tensor& weights, int64_t threads) {
   const int64_t H = x.numel(), E = b13.size(0);
   TORCH_CHECK((f13 == 0 || f13 == 1) && (f2 == 0 || f2 == 1), "moe_decode_kq: unknown format");
   TORCH_CHECK(H % 256 == 0 && I % 256 == 0 && I > 0 && b13.dim() == 3 && b2.dim() == 3 && b13.size(1) == 2 * I &&
@@ -452,8 +549,8 @@ at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13
   TORCH_CHECK(x.dim() == 1 && rows.dim() == 1 && rows.scalar_type() == at::kLong && weights.dim() == 1 &&
                   weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
               "moe_decode_kq: bad x, rows or weights");
-  return checked_run("moe_decode_kq", x, rows, weights, E, H,
-                        [&](const float* xp, const int64_t* rp, const float* wp, int64_t n, float* op) {
+  return checked_run("moe_decode_kq", x, rows, weights, E, H, threads,
+                        [=](const float* xp, const int64_t* rp, const float* wp, int64_t n, float* op) {
                           decode_kq(xp, b13.data_ptr<uint8_t>(), f13, b2.data_ptr<uint8_t>(), f2, rp, wp, n, H, I,
                                     op);
                         });
@@ -472,17 +569,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_decode", &moe_decode,
         "Fused batch-1 routed experts: x [H], w13 [E, 2I, H], w2 [E, H, I] (bf16, f16 or f32), rows [n] int64, "
         "weights [n] f32 -> [H] f32",
-        py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("rows"), py::arg("weights"));
+        py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("rows"), py::arg("weights"), py::arg("threads") = 0);
   m.def("moe_decode_q8", &moe_decode_q8,
         "moe_decode with GGUF Q8_0 experts: x [H], q13 int8 [E, 2I, H], d13 f16 [E, 2I, H/32], q2 int8 [E, H, I], "
         "d2 f16 [E, H, I/32], rows [n] int64, weights [n] f32 -> [H] f32",
         py::arg("x"), py::arg("q13"), py::arg("d13"), py::arg("q2"), py::arg("d2"), py::arg("rows"),
-        py::arg("weights"));
+        py::arg("weights"), py::arg("threads") = 0);
   m.def("moe_decode_kq", &moe_decode_kq,
         "moe_decode with GGUF k-quant experts as raw blocks (formats 0 Q4_K, 1 Q6_K): x [H], b13 uint8 "
         "[E, 2I, H/256*bytes], f13, b2 uint8 [E, H, I/256*bytes], f2, I, rows [n] int64, weights [n] f32 -> [H] f32",
         py::arg("x"), py::arg("b13"), py::arg("f13"), py::arg("b2"), py::arg("f2"), py::arg("I"), py::arg("rows"),
-        py::arg("weights"));
+        py::arg("weights"), py::arg("threads") = 0);
+  m.def("wait_background", &wait_background,
+        "Wait for the run started with threads > 0; False if it failed (its output is then undefined)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, "Tasks at::parallel_for runs a large range in (a build check)",
         py::call_guard<py::gil_scoped_release>());
 }
