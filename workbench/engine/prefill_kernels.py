@@ -82,8 +82,11 @@ if triton is not None:
                 acc += tl.dot(xt, w)
                 if SWIGLU:
                     acc_up += tl.dot(xt, wu)
-        if SWIGLU:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if SWIGLU:  # rounded where F.linear, silu and mul round (their bfloat16 results), no more
+            ty = out_ptr.dtype.element_ty
+            g = acc.to(ty).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+            acc = act * acc_up.to(ty).to(tl.float32)
         out = out_ptr + (start + offs_m)[:, None] * N + offs_n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
