@@ -52,7 +52,7 @@ def test_grouped_uses_the_kernels_for_many_pairs_and_matches_the_loop(monkeypatc
     scale = torch.rand(n, generator=g).to(TEST_DEVICE)
     calls = []
     real = prefill_kernels.swiglu_grouped
-    monkeypatch.setattr(prefill_kernels, "swiglu_grouped", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(prefill_kernels, "swiglu_grouped", lambda *a, **k: calls.append(1) or real(*a, **k))
     got = grouped(x, rows, scale, w13, w2, scale_input=False)
     assert calls
     monkeypatch.setattr(prefill_kernels, "_disabled", ["off for the reference"])
@@ -75,3 +75,60 @@ def test_a_failing_kernel_turns_the_kernels_off_and_the_loop_answers(monkeypatch
     assert not prefill_kernels.available() and out.shape == (n, H)
     ref = torch.stack([expert_ffn(x[j:j + 1], w13[r], w2[r])[0] for j, r in enumerate(rows.tolist())])
     assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", [("q8_0", "q8_0"), ("q4_k", "q4_k"), ("q4_k", "q6_k")])
+def test_blocks_are_read_in_place_like_their_dequantized_stacks(fmt):
+    """Experts kept as GGUF blocks give what their dequantized stacks give (no stack is made)."""
+    from tests.engine.test_blocks import _random_kquant
+    from tests.engine.test_cpu_kernel import _q8_0
+    from workbench.engine import blocks
+
+    g = torch.Generator().manual_seed(2)
+    E, H, F = 3, 256, 256
+
+    def kept(f: str, n: int, k: int) -> list[torch.Tensor]:  # [E, n, k] as the engine keeps it
+        if f == "q8_0":
+            return list(_q8_0(torch.randn(E, n, k, generator=g) / k ** 0.5)[:2])
+        return [torch.from_numpy(_random_kquant(f, E * n, k)).reshape(E, n, -1)]
+
+    p13, p2 = kept(fmt[0], 2 * F, H), kept(fmt[1], H, F)
+    d13 = blocks.dequantize(fmt[0], p13, H, torch.float32)
+    d2 = blocks.dequantize(fmt[1], p2, F, torch.float32)
+    counts = np.array([40, 0, 7])
+    rows = np.repeat(np.arange(E), counts)
+    xs = (torch.randn(len(rows), H, generator=g) * (1 if fmt[0] == "q8_0" else 1e-2)).to(TEST_DEVICE)
+    used = np.nonzero(counts)[0]
+    tiles = prefill_kernels.tile_table((np.cumsum(counts) - counts)[used], counts[used], used)
+    dev = lambda ts: [t.to(TEST_DEVICE) for t in ts]  # noqa: E731
+    if fmt[0] == "q8_0":
+        got = prefill_kernels.swiglu_grouped(xs, tiles, dev(p13)[0], dev(p2)[0], dev(p13)[1], dev(p2)[1], fmt=fmt)
+    else:
+        got = prefill_kernels.swiglu_grouped(xs, tiles, dev(p13)[0], dev(p2)[0], fmt=fmt)
+    ref = prefill_kernels.swiglu_grouped(xs, tiles, d13.to(TEST_DEVICE), d2.to(TEST_DEVICE))
+    assert float((got.float() - ref.float()).abs().max() / ref.float().abs().max()) < 1e-5
+
+
+def test_a_prompt_reads_resident_blocks_in_place(tiny_gguf, monkeypatch):
+    """A prompt over experts kept as Q8_0 blocks on the accelerator dequantizes no stack (a whole
+    layer's would cost ~1.2 GB of GPU memory at the Qwen3-30B-A3B shape) and gives the logits of the
+    same experts dequantized at load."""
+    from tests.engine.engine_helpers import PROMPT, open_inventory, placements, rel_err
+    from workbench.engine import Engine
+    from workbench.engine.experts import LayerExperts
+
+    sizes = {"hidden_size": 64, "moe_intermediate_size": 32, "intermediate_size": 64, "mlp_only_layers": []}
+    inv = open_inventory(tiny_gguf("qwen3_moe", "Q8_0", **sizes))
+    logits = {}
+    for keep in ("1", "0"):
+        monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", keep)
+        engine = Engine.load(inv, placements(inv)["resident"], device=TEST_DEVICE, dtype=torch.float32, max_context=64)
+        try:
+            if keep == "1":
+                assert all(lx.kept_res is not None for lx in engine.experts.values())
+                monkeypatch.setattr(LayerExperts, "_dequant", lambda *a: pytest.fail("a stack was dequantized"))
+            logits[keep] = engine.forward(torch.tensor(PROMPT), 0)
+            monkeypatch.undo()
+        finally:
+            engine.close()
+    assert rel_err(logits["1"], logits["0"]) < 1e-5

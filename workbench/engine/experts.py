@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -48,15 +50,38 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13=None, b
     return F.linear(activate(F.linear(x, w13, b13), act), w2, b2)
 
 
-def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-            scale_input: bool, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-            act: tuple = ("silu",)) -> torch.Tensor:
-    """Expert outputs for pairs ``(x[i], rows[i])``, weighted by ``scale [n]``; ``rows`` index ``w13``.
+class KeptStacks(NamedTuple):
+    """A tier's experts kept as GGUF blocks, for the grouped prompt kernels: ``args`` as
+    ``prefill_kernels.swiglu_grouped`` takes them (``w13, w2`` and for Q8_0 ``d13, d2``), ``fmt`` (gate/up,
+    down), and ``dequant()`` giving float stacks ``(w13, w2)`` where the kernels cannot run."""
+
+    args: tuple
+    fmt: tuple
+    dequant: Callable
+
+
+def _kernel_or_stacks(x, n: int, least: int, w13, w2, b13, act, kept: KeptStacks | None):
+    """``(w13, w2, kept)``: ``kept`` when the grouped kernels read its blocks for ``n`` pairs (more than
+    ``least``), else float stacks (``kept`` dequantized when given)."""
+    if kept is None:
+        return w13, w2, None
+    if n > least and prefill_kernels.takes_blocks(x, kept.fmt, act, b13 is not None):
+        return None, None, kept
+    return (*kept.dequant(), None)
+
+
+def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch.Tensor | None,
+            w2: torch.Tensor | None, scale_input: bool, b13: torch.Tensor | None = None,
+            b2: torch.Tensor | None = None, act: tuple = ("silu",), kept: KeptStacks | None = None) -> torch.Tensor:
+    """Expert outputs for pairs ``(x[i], rows[i])``, weighted by ``scale [n]``; ``rows`` index ``w13``
+    (or, with ``kept`` instead of ``w13``/``w2``, the kept blocks' stacks).
 
     ``x [n, H]`` -> ``[n, H]``. Small ``n``: one gather + batched matmul, no host sync. Larger ``n``:
-    pairs sorted by expert, one matmul per expert (reads the per-expert counts on the host).
+    pairs sorted by expert, every expert in two grouped kernels where they run (else one matmul per
+    expert); reads the per-expert counts on the host.
     """
     n = x.shape[0]
+    w13, w2, kept = _kernel_or_stacks(x, n, GATHER_MAX_ROWS, w13, w2, b13, act, kept)
     scale = scale.to(x.dtype)[:, None]
     if scale_input:
         x = x * scale
@@ -69,14 +94,17 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
             out = out + b2[rows]
     else:
         order = torch.argsort(rows, stable=True)
-        counts = torch.bincount(rows, minlength=w13.shape[0]).tolist()
+        counts = torch.bincount(rows, minlength=(w13 if kept is None else kept.args[0]).shape[0]).tolist()
         xs = x[order]
         ys = None
-        if prefill_kernels.usable_for(x, w13, w2, b13, b2, act):  # every expert in two kernels
+        if kept is not None or prefill_kernels.usable_for(x, w13, w2, b13, b2, act):  # every expert in two kernels
             c = np.asarray(counts, dtype=np.int64)
             used = np.nonzero(c)[0]
-            ys = prefill_kernels.run_or_none(xs, prefill_kernels.tile_table((np.cumsum(c) - c)[used], c[used], used),
-                                             w13, w2)
+            tiles = prefill_kernels.tile_table((np.cumsum(c) - c)[used], c[used], used)
+            ys = prefill_kernels.run_or_none(xs, tiles, *((w13, w2) if kept is None else kept.args),
+                                             fmt=None if kept is None else kept.fmt)
+            if ys is None and kept is not None:
+                w13, w2 = kept.dequant()
         if ys is None:
             parts = []
             start = 0
@@ -186,6 +214,14 @@ class LayerExperts:
     def kept_layout(self) -> tuple | None:
         """``(formats, tensors of w13, K of w13, K of w2)`` of the CPU tier's kept blocks, or None."""
         return (self.kept, self.n13, self.k13, self.k2) if self.kept_cpu is not None else None
+
+    def resident_kept(self) -> KeptStacks | None:
+        """The resident tier's kept blocks for the grouped prompt kernels (None: float stacks)."""
+        if self.kept_res is None:
+            return None
+        p = self.kept_res
+        args = (p[0], p[2], p[1], p[3]) if self.kept[0] == "q8_0" else (p[0], p[1])
+        return KeptStacks(args, self.kept, lambda: self._dequant(self.kept_res))
 
     def resident_stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The resident tier as float stacks ``w13 [R, 2I, H]``, ``w2 [R, H, I]`` (kept blocks:
@@ -348,9 +384,10 @@ class LayerExperts:
             xt = x[token]
             pair_sum = lambda y: torch.zeros_like(x).index_add_(0, token, y)  # noqa: E731
         if not self.needs_host:
-            w13, w2 = self.resident_stacks()
+            kept = self.resident_kept()
+            w13, w2 = (None, None) if kept is not None else self.resident_stacks()
             out = pair_sum(grouped(xt, self.local_dev[flat_ids], flat_w, w13, w2, scale_input,
-                                   self.b13[0], self.b2[0], self.act))
+                                   self.b13[0], self.b2[0], self.act, kept=kept))
             return out if extra is None else out + extra()
         if self._small(T, k) and self.n_tier[RESIDENT]:  # resident experts before the sync: masked
             res = self.res_mask_dev[flat_ids]
@@ -384,8 +421,10 @@ class LayerExperts:
         if not self._small(T, k) and self.n_tier[RESIDENT]:
             pairs = np.nonzero(tiers == RESIDENT)[0]
             if pairs.size:
+                kept = self.resident_kept()
+                w13, w2 = (None, None) if kept is not None else self.resident_stacks()
                 _grouped_host(x, pairs, token_host, self.local[ids_host[pairs]], flat_w, out, scale_input,
-                              *self.resident_stacks(), self.b13[0], self.b2[0], self.act)
+                              w13, w2, self.b13[0], self.b2[0], self.act, kept=kept)
         str_sel = np.nonzero(tiers == STREAM)[0]
         if str_sel.size:
             self._run_streamed(x, token_host, flat_w, ids_host, str_sel, out, scale_input)
@@ -529,12 +568,15 @@ def _background_threads() -> int:
 
 def _grouped_host(x: torch.Tensor, pairs: np.ndarray, token: np.ndarray, rows: np.ndarray, flat_w: torch.Tensor,
                   out: torch.Tensor, scale_input: bool, w13: torch.Tensor, w2: torch.Tensor,
-                  b13: torch.Tensor | None, b2: torch.Tensor | None, act: tuple, on_host: bool = False) -> None:
+                  b13: torch.Tensor | None, b2: torch.Tensor | None, act: tuple, on_host: bool = False,
+                  kept: KeptStacks | None = None) -> None:
     """Add to ``out [T, H]`` the experts of ``pairs`` (indices into the flat ``[T*k]`` selections;
     ``token [T*k]`` host; ``rows [len(pairs)]`` host rows of ``w13``/``w2``) with weights
     ``flat_w [T*k]``. Pairs are grouped by expert on the host (no host sync): each expert's weights
     are read once, in place (no gathered copy); index tensors reach the accelerator through pinned
-    memory without waiting. ``on_host``: the CPU tier's stacks (never the accelerator's kernels)."""
+    memory without waiting. ``on_host``: the CPU tier's stacks (never the accelerator's kernels);
+    ``kept``: blocks instead of ``w13``/``w2`` (see ``grouped``)."""
+    w13, w2, kept = _kernel_or_stacks(x, len(pairs), 0, w13, w2, b13, act, kept)
     order = np.argsort(rows, kind="stable")
     pairs, rows = pairs[order], rows[order]
     uniq, starts, counts = np.unique(rows, return_index=True, return_counts=True)
@@ -546,8 +588,12 @@ def _grouped_host(x: torch.Tensor, pairs: np.ndarray, token: np.ndarray, rows: n
     if scale_input:
         xs = xs * ws
     ys = None
-    if not on_host and prefill_kernels.usable_for(x, w13, w2, b13, b2, act):  # every expert in two kernels
-        ys = prefill_kernels.run_or_none(xs, prefill_kernels.tile_table(starts, counts, uniq), w13, w2)
+    if kept is not None or (not on_host and prefill_kernels.usable_for(x, w13, w2, b13, b2, act)):
+        ys = prefill_kernels.run_or_none(xs, prefill_kernels.tile_table(starts, counts, uniq),
+                                         *((w13, w2) if kept is None else kept.args),
+                                         fmt=None if kept is None else kept.fmt)
+        if ys is None and kept is not None:
+            w13, w2 = kept.dequant()
     if ys is None:
         ys = torch.empty_like(xs)
         for r, s, c in zip(uniq.tolist(), starts.tolist(), counts.tolist()):

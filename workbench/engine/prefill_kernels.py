@@ -22,7 +22,7 @@ import os
 import numpy as np
 import torch
 
-from . import gpu_kernels
+from . import blocks, gpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +44,19 @@ if triton is not None:
         return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
                 for n, k, w, s in options[:1 if _INTERPRETED else None]]
 
-    @triton.autotune(configs=_configs(), key=["N", "K", "SWIGLU"])
+    _weight_tile = gpu_kernels._weight_tile
+
+    @triton.autotune(configs=_configs(), key=["N", "K", "SWIGLU", "FMT"])
     @triton.jit
-    def _grouped_kernel(x_ptr, w_ptr, tiles_ptr, out_ptr, N, K, stride_e, stride_n, stride_x,
-                        SWIGLU: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _grouped_kernel(x_ptr, w_ptr, d_ptr, tiles_ptr, out_ptr, N, K, stride_e, stride_n, stride_x,
+                        SWIGLU: tl.constexpr, F32_DOT: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Tile ``t`` (``tiles[t] = (row, start, count)``), outputs ``n`` of block ``pid(1)``:
         ``out[start + m, n] = x[start + m] . w[row, n]`` for ``m < count``, or with ``SWIGLU``
-        ``silu(x . w[row, n]) * (x . w[row, N + n])`` (gate rows first, then up)."""
+        ``silu(x . w[row, n]) * (x . w[row, N + n])`` (gate rows first, then up). ``FMT`` 0: float
+        stacks; 1: GGUF Q8_0 (int8 values, float16 scales at ``d_ptr``); 2 / 3: raw Q4_K / Q6_K rows
+        (``stride_n`` bytes a row), decoded in the tile and rounded to ``x``'s dtype as a
+        dequantized stack would be."""
         t = tl.program_id(0)
         row = tl.load(tiles_ptr + 3 * t).to(tl.int64)
         start = tl.load(tiles_ptr + 3 * t + 1).to(tl.int64)
@@ -63,16 +68,25 @@ if triton is not None:
         n_ok = offs_n < N
         x_rows = x_ptr + (start + offs_m)[:, None] * stride_x
         w_cols = w_ptr + row * stride_e + offs_n[None, :].to(tl.int64) * stride_n  # [1, BN]: k runs down
+        w_rows = w_ptr + row * stride_e + offs_n[:, None].to(tl.int64) * stride_n  # [BN, 1]: blocks' rows
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             k_ok = kk < K
             xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            wm = k_ok[:, None] & n_ok[None, :]
-            w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)
-            if SWIGLU:
-                wu = tl.load(w_cols + N * stride_n + kk[:, None], mask=wm, other=0.0)
+            if FMT == 0:
+                wm = k_ok[:, None] & n_ok[None, :]
+                w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)  # [BK, BN]
+                if SWIGLU:
+                    wu = tl.load(w_cols + N * stride_n + kk[:, None], mask=wm, other=0.0)
+            else:
+                mt = n_ok[:, None] & k_ok[None, :]
+                w = tl.trans(_weight_tile(w_rows, d_ptr, row, stride_e, stride_n, offs_n, kk, mt, FMT)
+                             .to(x_ptr.dtype.element_ty))
+                if SWIGLU:
+                    wu = tl.trans(_weight_tile(w_rows + N * stride_n, d_ptr, row, stride_e, stride_n, offs_n + N,
+                                               kk, mt, FMT).to(x_ptr.dtype.element_ty))
             if F32_DOT:  # float32 weights (no tf32), or the interpreter (whose bfloat16 dot is wrong)
                 xt = xt.to(tl.float32)
                 acc += tl.dot(xt, w.to(tl.float32), input_precision="ieee")
@@ -124,16 +138,33 @@ def tile_table(starts: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> np.n
     return np.stack([rows[run], start, count], axis=1).astype(np.int32)
 
 
-def swiglu_grouped(xs: torch.Tensor, tiles: np.ndarray, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+_FMT = {"q8_0": 1, "q4_k": 2, "q6_k": 3}  # the kernel's FMT
+
+
+def takes_blocks(x: torch.Tensor, fmt: tuple[str, str], act: tuple, bias: bool) -> bool:
+    """Whether ``swiglu_grouped`` reads experts kept as GGUF blocks of formats ``fmt`` (gate/up, down)
+    in place for activations like ``x``: SwiGLU without biases."""
+    return available() and gpu_kernels.usable(x) and act[0] == "silu" and not bias and all(f in _FMT for f in fmt)
+
+
+def swiglu_grouped(xs: torch.Tensor, tiles: np.ndarray, w13: torch.Tensor, w2: torch.Tensor,
+                   d13: torch.Tensor | None = None, d2: torch.Tensor | None = None,
+                   fmt: tuple[str, str] | None = None) -> torch.Tensor:
     """``xs [n, H]`` (pairs sorted so that each tile's pairs are consecutive), ``tiles`` from
     ``tile_table``, ``w13 [R, 2I, H]`` (gate rows first), ``w2 [R, H, I]`` -> ``[n, H]`` in ``xs``'s
     dtype: each pair's SwiGLU expert output (unweighted). Queued without a host sync.
+
+    Experts kept as GGUF blocks (``fmt`` = formats of gate/up and down): Q8_0 as ``w13``/``w2`` int8
+    values with ``d13 [R, 2I, H/32]``/``d2 [R, H, I/32]`` float16 scales; Q4_K/Q6_K as the rows' raw
+    bytes ``[R, 2I, H/256*bytes]``/``[R, H, I/256*bytes]`` uint8. They are decoded in the tiles, so no
+    dequantized stack is ever made.
 
     Raises what Triton raises when a kernel fails to build or launch (``gpu_kernels.failed_here``).
     """
     xs = xs.contiguous()
     n, H = xs.shape
-    i = w2.shape[2]
+    f13, f2 = (0, 0) if fmt is None else (_FMT[fmt[0]], _FMT[fmt[1]])
+    i = w2.shape[2] if f2 in (0, 1) else w2.shape[2] // blocks.KQUANTS[fmt[1]] * 256
     dev = xs.device
     tiles_t = torch.from_numpy(np.ascontiguousarray(tiles))
     tiles_t = tiles_t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else tiles_t
@@ -141,19 +172,19 @@ def swiglu_grouped(xs: torch.Tensor, tiles: np.ndarray, w13: torch.Tensor, w2: t
     h = torch.empty((n, i), dtype=xs.dtype, device=dev)
     nt = tiles.shape[0]
     _grouped_kernel[lambda meta: (nt, triton.cdiv(i, meta["BLOCK_N"]))](
-        xs, w13, tiles_t, h, i, H, w13.stride(0), w13.stride(1), xs.stride(0), SWIGLU=True, F32_DOT=f32,
-        BLOCK_M=BLOCK_M)
+        xs, w13, d13 if d13 is not None else w13, tiles_t, h, i, H, w13.stride(0), w13.stride(1), xs.stride(0),
+        SWIGLU=True, F32_DOT=f32, FMT=f13, BLOCK_M=BLOCK_M)
     out = torch.empty((n, H), dtype=xs.dtype, device=dev)
     _grouped_kernel[lambda meta: (nt, triton.cdiv(H, meta["BLOCK_N"]))](
-        h, w2, tiles_t, out, H, i, w2.stride(0), w2.stride(1), h.stride(0), SWIGLU=False, F32_DOT=f32,
-        BLOCK_M=BLOCK_M)
+        h, w2, d2 if d2 is not None else w2, tiles_t, out, H, i, w2.stride(0), w2.stride(1), h.stride(0),
+        SWIGLU=False, F32_DOT=f32, FMT=f2, BLOCK_M=BLOCK_M)
     return out
 
 
-def run_or_none(xs: torch.Tensor, tiles: np.ndarray, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
+def run_or_none(xs: torch.Tensor, tiles: np.ndarray, *stacks, **kw) -> torch.Tensor | None:
     """``swiglu_grouped``, or None (and the kernels off for the process) if they fail to build or run."""
     try:
-        return swiglu_grouped(xs, tiles, w13, w2)
+        return swiglu_grouped(xs, tiles, *stacks, **kw)
     except Exception as exc:  # a Triton build or launch failure: fall back, keep serving
         if not gpu_kernels.failed_here(exc):
             raise
