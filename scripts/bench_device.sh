@@ -22,6 +22,8 @@
 #   OUT=$OUT scripts/bench_device.sh tests                                       # carry .whl_engine
 #   OUT=$OUT scripts/bench_device.sh build calibrate engine engine_uniform engine_q8 engine_q4  # carry .llamacpp/pack,
 #                                                                               # .llamacpp/whl (gguf)
+# To skip stage calibrate (~90 s), carry a profile from an earlier call (e.g. .dev/h200.json, ignored)
+# and copy it to $OUT/h200.json first: the side-by-side stages predict with $OUT/h200.json when present.
 # BENCH_TIME_S (default 540) bounds the whole script: llama-bench configurations that would start
 # too late are skipped and reported as such.
 set -uo pipefail
