@@ -6,10 +6,12 @@ few steps after a prompt, and times on the host (``time.perf_counter``), per hyb
 
 - ``wait``: blocked on the layer's routing event (the GPU finishing attention and router);
 - ``bus``: enqueueing the bus share's copies and kernels;
-- ``cpu``: the fused CPU kernel call (the CPU experts themselves);
+- ``cpu``: the fused CPU kernel call (the CPU experts themselves; with a bus share only starting
+  them on the kernel's own thread), ``cpu_wait``: waiting for that background run after the bus's
+  copies are queued;
 - ``other``: the rest of the host point (routing read, index work, result copy and add);
 - ``outside``: the step's time outside host points and waits (graph launches, sampling, Python).
-``host_point`` is ``cpu + bus + other``; ``total`` is ``outside + wait + host_point``.
+``host_point`` is ``cpu + cpu_wait + bus + other``; ``total`` is ``outside + wait + host_point``.
 
     python scripts/profile_hybrid.py --model /dev/shm/s1.gguf --device cuda --budget 12GiB --strategy n-cpu-moe
     python scripts/profile_hybrid.py            # locally: a small synthetic model, CPU accelerator
@@ -52,7 +54,7 @@ class Phases:
 
     def end_step(self, total: float) -> None:
         s = self.step
-        s["other"] = max(0.0, s.get("host_point", 0.0) - s.get("cpu", 0.0) - s.get("bus", 0.0))
+        s["other"] = max(0.0, s.get("host_point", 0.0) - s.get("cpu", 0.0) - s.get("cpu_wait", 0.0) - s.get("bus", 0.0))
         s["outside"] = max(0.0, total - s.get("host_point", 0.0) - s.get("wait", 0.0))
         self.step["total"] = total
         self.steps.append(dict(self.step))
@@ -77,6 +79,7 @@ def instrument(ph: Phases) -> None:
     bus.BusShare.run = timed("bus", bus.BusShare.run)
     for name in ("moe_decode", "moe_decode_q8", "moe_decode_q4k"):
         setattr(cpu_kernel, name, timed("cpu", getattr(cpu_kernel, name)))
+    cpu_kernel.wait = timed("cpu_wait", cpu_kernel.wait)  # a background run's rest, after the bus is queued
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         hybrid = sum(1 for lx in engine.experts.values() if lx.needs_host)
     finally:
         engine.close()
-    keys = ["total", "outside", "host_point", "wait", "cpu", "bus", "other"]
+    keys = ["total", "outside", "host_point", "wait", "cpu", "cpu_wait", "bus", "other"]
     med = {k: statistics.median(s.get(k, 0.0) for s in ph.steps) for k in keys}
     print(f"{inv.path.name}: {hybrid} hybrid layers, {args.steps} steps, medians per token (ms) and per hybrid layer (us)")
     for k in keys:
