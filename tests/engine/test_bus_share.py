@@ -45,6 +45,15 @@ def test_fraction_from_the_environment(monkeypatch):
     assert bus.fraction_from_env() == bus.DEFAULT_FRACTION
 
 
+def test_prefill_fetch_threshold_from_the_environment(monkeypatch):
+    monkeypatch.setenv("WORKBENCH_PREFILL_FETCH_TOKENS", "40")
+    assert bus.fetch_tokens_from_env() == 40
+    monkeypatch.setenv("WORKBENCH_PREFILL_FETCH_TOKENS", "many")
+    assert bus.fetch_tokens_from_env() == bus.PREFILL_FETCH_TOKENS
+    monkeypatch.delenv("WORKBENCH_PREFILL_FETCH_TOKENS")
+    assert bus.fetch_tokens_from_env() == bus.PREFILL_FETCH_TOKENS
+
+
 def _share(engine, fraction: float) -> bus.BusShare:
     """The engine's share on CUDA; on a CPU accelerator one attached by hand, as the engine would."""
     if TEST_DEVICE != "cpu":

@@ -18,7 +18,8 @@ stacks are freed.
 Prefill chunks use the same slots differently: a CPU-tier expert that ``fetch_tokens`` or more
 tokens of the chunk select is copied to the GPU once and computed there for all of them (two halves
 of the slots alternate, so a batch travels while the previous one computes); the CPU computes the
-experts fewer tokens select, at the same time. Device slots:
+experts fewer tokens select, at the same time (``WORKBENCH_PREFILL_FETCH_TOKENS`` sets the threshold
+for measuring other splits). Device slots:
 ``costmodel.BUS_SLOTS`` experts per layer and token at most (38 MB at the Qwen3-30B-A3B shape).
 """
 
@@ -51,6 +52,18 @@ def fraction_from_env() -> float:
     except ValueError:
         log.warning("WORKBENCH_BUS_SHARE=%r is not a number; using %.2f", raw, DEFAULT_FRACTION)
         return DEFAULT_FRACTION
+
+
+def fetch_tokens_from_env() -> int:
+    """``WORKBENCH_PREFILL_FETCH_TOKENS``: how many of a prompt chunk's tokens must select a CPU-tier
+    expert for it to be fetched to the GPU (default ``costmodel.PREFILL_FETCH_TOKENS``, which the
+    cost model predicts with; for measuring other splits)."""
+    raw = os.environ.get("WORKBENCH_PREFILL_FETCH_TOKENS", "").strip()
+    try:
+        return max(1, int(raw)) if raw else PREFILL_FETCH_TOKENS
+    except ValueError:
+        log.warning("WORKBENCH_PREFILL_FETCH_TOKENS=%r is not a whole number; using %d", raw, PREFILL_FETCH_TOKENS)
+        return PREFILL_FETCH_TOKENS
 
 
 def register(t: torch.Tensor) -> bool:
@@ -103,7 +116,7 @@ class BusShare:
         self.done = torch.cuda.Event() if self.cuda else None
         self.ready = [torch.cuda.Event() for _ in range(2)] if self.cuda else None  # prefill: two halves
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
-        self.fetch_tokens = PREFILL_FETCH_TOKENS
+        self.fetch_tokens = fetch_tokens_from_env()
         self._staging: dict[tuple, list[torch.Tensor]] = {}
         self._set = np.zeros(0, dtype=np.int64)
         self.registered: dict[int, list[torch.Tensor]] = {}  # by id() of the owner (a LayerExperts)
