@@ -36,22 +36,17 @@ def test_share_splits_the_cpu_selected_experts(fraction, n, expect):
     assert share.share(n) == expect
 
 
-def test_fraction_from_the_environment(monkeypatch):
-    monkeypatch.setenv("WORKBENCH_BUS_SHARE", "0")
-    assert bus.fraction_from_env() == 0.0
-    monkeypatch.setenv("WORKBENCH_BUS_SHARE", "nonsense")
-    assert bus.fraction_from_env() == bus.DEFAULT_FRACTION
-    monkeypatch.delenv("WORKBENCH_BUS_SHARE")
-    assert bus.fraction_from_env() == bus.DEFAULT_FRACTION
-
-
-def test_prefill_fetch_threshold_from_the_environment(monkeypatch):
-    monkeypatch.setenv("WORKBENCH_PREFILL_FETCH_TOKENS", "40")
-    assert bus.fetch_tokens_from_env() == 40
-    monkeypatch.setenv("WORKBENCH_PREFILL_FETCH_TOKENS", "many")
-    assert bus.fetch_tokens_from_env() == bus.PREFILL_FETCH_TOKENS
-    monkeypatch.delenv("WORKBENCH_PREFILL_FETCH_TOKENS")
-    assert bus.fetch_tokens_from_env() == bus.PREFILL_FETCH_TOKENS
+@pytest.mark.parametrize("name,read,default,given,value", [
+    ("WORKBENCH_BUS_SHARE", bus.fraction_from_env, bus.DEFAULT_FRACTION, "0", 0.0),
+    ("WORKBENCH_PREFILL_FETCH_TOKENS", bus.fetch_tokens_from_env, bus.PREFILL_FETCH_TOKENS, "40", 40),
+])
+def test_settings_from_the_environment(name, read, default, given, value, monkeypatch):
+    monkeypatch.setenv(name, given)
+    assert read() == value
+    monkeypatch.setenv(name, "nonsense")
+    assert read() == default
+    monkeypatch.delenv(name)
+    assert read() == default
 
 
 def _share(engine, fraction: float) -> bus.BusShare:
