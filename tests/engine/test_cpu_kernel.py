@@ -194,6 +194,32 @@ def test_a_background_run_returns_at_once_and_gives_the_same_result(kernel, fmt)
     kernel.wait()  # nothing running: returns at once
 
 
+def test_background_runs_of_two_threads_do_not_replace_each_other(kernel):
+    """The extension holds one background job: a second thread's start waits for the first's
+    ``wait`` instead of replacing its job (two engines decoding at once)."""
+    gen = torch.Generator().manual_seed(7)
+    w13, w2 = random_experts(4, 256, 128, torch.float32, gen)
+    xs = [torch.randn(256, generator=gen) for _ in range(2)]
+    rows, weights = torch.tensor([0, 3, 1]), torch.rand(3, generator=gen)
+    expect = [kernel.moe_decode(x, w13, w2, rows, weights) for x in xs]
+    bad = []
+
+    def decode(j):
+        for _ in range(50):
+            y = kernel.moe_decode(xs[j], w13, w2, rows, weights, background=1)
+            time.sleep(0.0002)  # other work while it runs
+            kernel.wait()
+            if not torch.equal(y, expect[j]):
+                bad.append(j)
+
+    threads = [threading.Thread(target=decode, args=(j,)) for j in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+
+
 def test_takes_says_which_weights_the_kernel_accepts():
     w13, w2 = torch.ones(4, 64, 32, dtype=torch.bfloat16), torch.ones(4, 32, 32, dtype=torch.bfloat16)
     assert cpu_kernel.takes(w13, w2)

@@ -99,7 +99,7 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
     rows = torch.as_tensor(rows, dtype=torch.int64)
     weights = torch.as_tensor(weights).to(torch.float32)
     _check(x, w13, w2, rows, weights)
-    return mod.moe_decode(x.contiguous(), w13, w2, rows, weights, int(background))
+    return _start(lambda bg: mod.moe_decode(x.contiguous(), w13, w2, rows, weights, bg), background)
 
 
 def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: torch.Tensor, d2: torch.Tensor,
@@ -137,7 +137,7 @@ def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: tor
     if x.dim() != 1 or x.shape[0] != H or str(x.dtype) not in _FLOATS:
         fail(f"x must be bfloat16, float16 or float32 [H] = [{H}], got {x.dtype} {list(x.shape)}")
     _check_rows(rows, weights, E, fail)
-    return mod.moe_decode_q8(x.contiguous(), q13, d13, q2, d2, rows, weights, int(background))
+    return _start(lambda bg: mod.moe_decode_q8(x.contiguous(), q13, d13, q2, d2, rows, weights, bg), background)
 
 
 def _prepare(name: str, rows, weights):
@@ -202,17 +202,42 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
         fail("the weight stacks must be contiguous")
     _check_rows(rows, weights, E, fail)
     codes = {"q4_k": 0, "q6_k": 1}
-    return mod.moe_decode_kq(x.contiguous(), b13, codes[fmt13], b2, codes[fmt2], ffn, rows, weights,
-                             int(background))
+    return _start(lambda bg: mod.moe_decode_kq(x.contiguous(), b13, codes[fmt13], b2, codes[fmt2], ffn, rows,
+                                               weights, bg), background)
+
+
+_background = threading.Lock()
+"""Held from a background start to its ``wait``: the extension runs one background job at a time, so
+a second thread's start waits here instead of replacing the first thread's job."""
+
+
+def _start(call, background: int):
+    """``call(threads)`` on this thread (``background`` 0) or started in the background."""
+    if not background:
+        return call(0)
+    _background.acquire()
+    try:
+        return call(int(background))
+    except BaseException:
+        _background.release()
+        raise
 
 
 def wait() -> None:
-    """Wait for the run started with ``background`` (returns at once if none is running).
+    """Wait for the background run this thread started (returns at once if none is running). Every
+    background start must be followed by a ``wait`` on the same thread, also when other work between
+    them fails.
 
     Raises:
         RuntimeError: the run failed (its result is undefined).
     """
-    if not _module.wait_background():
+    if not _background.locked():
+        return
+    try:
+        ok = _module.wait_background()
+    finally:
+        _background.release()
+    if not ok:
         raise RuntimeError("the fused CPU decode kernel failed in its background run")
 
 

@@ -440,8 +440,13 @@ class LayerExperts:
                     finish = self._start_cpu(host[2], token_host, host[1], ids_host, cpu_sel, scale_input,
                                              background=True)
                 experts = ids_host[sent]
-                bus_y = self.bus.run(x, ids.reshape(-1), flat_w, experts, self.local[experts], self.cpu_stacks(),
-                                     self.kept_layout())
+                try:
+                    bus_y = self.bus.run(x, ids.reshape(-1), flat_w, experts, self.local[experts], self.cpu_stacks(),
+                                         self.kept_layout())
+                except BaseException:
+                    if finish is not None:
+                        finish()  # the background run ends before the error goes up
+                    raise
         if finish is None and cpu_sel.size:
             finish = self._start_cpu(host[2], token_host, host[1], ids_host, cpu_sel, scale_input)
         if finish is not None:
