@@ -132,3 +132,34 @@ def test_a_prompt_reads_resident_blocks_in_place(tiny_gguf, monkeypatch):
         finally:
             engine.close()
     assert rel_err(logits["1"], logits["0"]) < 1e-5
+
+
+@pytest.mark.parametrize("n", [5, 40])
+def test_grouped_over_kept_blocks_dequantizes_at_most_the_rows_it_uses(n):
+    """A few pairs (the gather path) dequantize only their rows; many go through the kernels, which
+    read the blocks in place. Both give what the dequantized stacks give."""
+    from tests.engine.test_cpu_kernel import _q8_0
+    from workbench.engine import blocks
+    from workbench.engine.experts import KeptStacks
+
+    g = torch.Generator().manual_seed(3)
+    E, H, F = 6, 64, 32
+    q13, d13, _ = _q8_0(torch.randn(E, 2 * F, H, generator=g) / H ** 0.5)
+    q2, d2, _ = _q8_0(torch.randn(E, H, F, generator=g) / F ** 0.5)
+    q13, d13, q2, d2 = (t.to(TEST_DEVICE) for t in (q13, d13, q2, d2))
+    asked = []
+
+    def dequant(rows=None):
+        asked.append(E if rows is None else len(rows))
+        take = (lambda ts: ts) if rows is None else (lambda ts: blocks.take(ts, rows))
+        return (blocks.dequantize("q8_0", take([q13, d13]), H, torch.float32),
+                blocks.dequantize("q8_0", take([q2, d2]), F, torch.float32))
+
+    kept = KeptStacks((q13, q2, d13, d2), ("q8_0", "q8_0"), dequant)
+    x = torch.randn(n, H, generator=g).to(TEST_DEVICE)
+    rows = torch.randint(0, E, (n,), generator=g).to(TEST_DEVICE)
+    scale = torch.rand(n, generator=g).to(TEST_DEVICE)
+    got = grouped(x, rows, scale, None, None, scale_input=False, kept=kept)
+    assert asked == ([n] if n <= 16 else [])
+    ref = grouped(x, rows, scale, *dequant(), scale_input=False)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5

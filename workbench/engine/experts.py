@@ -53,7 +53,8 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13=None, b
 class KeptStacks(NamedTuple):
     """A tier's experts kept as GGUF blocks, for the grouped prompt kernels: ``args`` as
     ``prefill_kernels.swiglu_grouped`` takes them (``w13, w2`` and for Q8_0 ``d13, d2``), ``fmt`` (gate/up,
-    down), and ``dequant()`` giving float stacks ``(w13, w2)`` where the kernels cannot run."""
+    down), and ``dequant(rows=None)`` giving float stacks ``(w13, w2)`` of all rows or of ``rows`` (an
+    index tensor on the blocks' device) where the kernels cannot run."""
 
     args: tuple
     fmt: tuple
@@ -81,6 +82,9 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
     expert); reads the per-expert counts on the host.
     """
     n = x.shape[0]
+    if kept is not None and n <= GATHER_MAX_ROWS:  # a few pairs: only their rows, dequantized
+        w13, w2 = kept.dequant(rows)
+        rows, kept = torch.arange(n, device=rows.device), None
     w13, w2, kept = _kernel_or_stacks(x, n, GATHER_MAX_ROWS, w13, w2, b13, act, kept)
     scale = scale.to(x.dtype)[:, None]
     if scale_input:
@@ -204,8 +208,11 @@ class LayerExperts:
         self.local[expert] = row
 
     def _dequant(self, parts: list[torch.Tensor], rows=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Kept stacks ``parts`` (rows ``rows`` of them, or all) as float ``w13 [n, 2I, H]``, ``w2 [n, H, I]``."""
-        if rows is not None:
+        """Kept stacks ``parts`` (rows ``rows`` of them: host ids or an index tensor; or all) as float
+        ``w13 [n, 2I, H]``, ``w2 [n, H, I]``."""
+        if isinstance(rows, torch.Tensor):  # an index on the blocks' device: no host round trip
+            parts = blocks.take(parts, rows.to(parts[0].device))
+        elif rows is not None:
             parts = blocks.take(parts, torch.as_tensor(np.asarray(rows, dtype=np.int64), device=parts[0].device))
         n = self.n13
         return (blocks.dequantize(self.kept[0], parts[:n], self.k13, self.dtype),
@@ -221,7 +228,7 @@ class LayerExperts:
             return None
         p = self.kept_res
         args = (p[0], p[2], p[1], p[3]) if self.kept[0] == "q8_0" else (p[0], p[1])
-        return KeptStacks(args, self.kept, lambda: self._dequant(self.kept_res))
+        return KeptStacks(args, self.kept, lambda rows=None: self._dequant(self.kept_res, rows))
 
     def resident_stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The resident tier as float stacks ``w13 [R, 2I, H]``, ``w2 [R, H, I]`` (kept blocks:
@@ -391,9 +398,10 @@ class LayerExperts:
             return out if extra is None else out + extra()
         if self._small(T, k) and self.n_tier[RESIDENT]:  # resident experts before the sync: masked
             res = self.res_mask_dev[flat_ids]
-            w13, w2 = self.resident_stacks()
+            kept = self.resident_kept()
+            w13, w2 = (None, None) if kept is not None else self.resident_stacks()
             y = grouped(xt, self.res_row_dev[flat_ids], flat_w * res, w13, w2, scale_input,
-                        self.b13[0], self.b2[0], self.act)
+                        self.b13[0], self.b2[0], self.act, kept=kept)
             if scale_input and self.bias:  # a zero input still gives the biases
                 y = y * res[:, None]
             out = pair_sum(y)
