@@ -1,10 +1,12 @@
-"""A fused C++ kernel for batch-1 (decode) routed experts on the CPU, built on first use.
+"""A fused C++ kernel for the routed experts the CPU computes, built on first use.
 
 At batch 1 an expert is a pair of matrix-vector products whose time is its weight bytes over the
 bandwidth the code reaches; five torch ops per expert (``F.linear``, ``silu``, ``mul``, ``F.linear``,
 ``add``) reach a third of what RAM gives. ``moe_decode`` does all selected experts of a layer in one
 call: one parallel pass over the gate+up rows of every selected expert, one over the output rows
-of the down projections, f32 accumulation, the GIL released while it runs.
+of the down projections, f32 accumulation, the GIL released while it runs. A prompt's pairs go
+through the same call (``x [T, H]`` with a token per pair): each weight row is read once and dotted
+with every token that selected its expert, so an expert few tokens pick costs about one read.
 
 The extension (``csrc/moe_decode.cpp``) is compiled with ``torch.utils.cpp_extension`` the first
 time ``available()`` is called (tens of seconds) into
@@ -62,14 +64,16 @@ def unavailable_reason() -> str | None:
 
 
 def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor | np.ndarray,
-               weights: torch.Tensor | np.ndarray, background: int = 0) -> torch.Tensor:
-    """Weighted sum of the selected SwiGLU experts for one token, on the CPU.
+               weights: torch.Tensor | np.ndarray, background: int = 0,
+               tokens: torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
+    """Weighted sum of the selected SwiGLU experts for one token (or for each token of a prompt), on
+    the CPU.
 
     ``out = sum_j weights[j] * w2[rows[j]] @ (silu(g_j) * u_j)`` with ``[g_j; u_j] = w13[rows[j]] @ x``
-    (``g_j`` the first ``I`` rows).
+    (``g_j`` the first ``I`` rows); with a 2-D ``x``, pair ``j`` reads and adds to row ``tokens[j]``.
 
     Args:
-        x: ``[H]`` bfloat16, float16 or float32 (made contiguous if needed).
+        x: ``[H]``, or ``[T, H]`` with ``tokens``; bfloat16, float16 or float32 (made contiguous if needed).
         w13: ``[E, 2I, H]`` fused gate (first ``I`` rows) and up projections, bfloat16, float16 or
             float32, contiguous, on the CPU.
         w2: ``[E, H, I]`` down projections, the dtype of ``w13``, contiguous, on the CPU.
@@ -78,9 +82,10 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
         background: 0 to run on this thread; else the run starts on the extension's own thread on
             ``background`` threads and this returns at once: the result is valid after ``wait()``
             (one background run at a time; the weights must stay alive until then).
+        tokens: ``[n]`` int64 rows of a 2-D ``x`` (one per pair); None for a 1-D ``x``.
 
     Returns:
-        ``[H]`` float32, accumulated in float32 throughout.
+        ``[H]`` (or ``[T, H]``) float32, accumulated in float32 throughout.
 
     Runs on the intra-op threads of the calling thread, like any torch op: a thread takes
     ``torch.set_num_threads``' value when it first runs a parallel op and changes it only by
@@ -99,23 +104,24 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
     rows = torch.as_tensor(rows, dtype=torch.int64)
     weights = torch.as_tensor(weights).to(torch.float32)
     _check(x, w13, w2, rows, weights)
-    return _start(lambda bg: mod.moe_decode(x.contiguous(), w13, w2, rows, weights, bg), background)
+    tokens = _tokens(x, tokens, rows, lambda msg: _raise("moe_decode", msg))
+    return _start(lambda bg: mod.moe_decode(x.contiguous(), w13, w2, rows, weights, bg, tokens), background)
 
 
 def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: torch.Tensor, d2: torch.Tensor,
-                  rows: torch.Tensor | np.ndarray, weights: torch.Tensor | np.ndarray, background: int = 0
-                  ) -> torch.Tensor:
+                  rows: torch.Tensor | np.ndarray, weights: torch.Tensor | np.ndarray, background: int = 0,
+                  tokens: torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
     """``moe_decode`` for experts kept in GGUF's Q8_0 blocks (``value = d * q`` per 32 values along
     the input axis), read as they are: half the bytes of bf16.
 
     Args:
-        x: ``[H]`` bfloat16, float16 or float32.
+        x: ``[H]``, or ``[T, H]`` with ``tokens``; bfloat16, float16 or float32.
         q13: ``[E, 2I, H]`` int8 and ``d13``: ``[E, 2I, H/32]`` float16: gate (first ``I`` rows) and up.
         q2: ``[E, H, I]`` int8 and ``d2``: ``[E, H, I/32]`` float16: down. ``H`` and ``I`` multiples of 32,
             all contiguous, on the CPU.
-        rows, weights, background: as in ``moe_decode``.
+        rows, weights, background, tokens: as in ``moe_decode``.
 
-    Returns ``[H]`` float32. Raises RuntimeError as ``moe_decode`` does.
+    Returns ``[H]`` (or ``[T, H]``) float32. Raises RuntimeError as ``moe_decode`` does.
     """
     import torch
 
@@ -134,10 +140,12 @@ def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: tor
         fail(f"d13 must be float16 [{E}, {2 * ffn}, {H // 32}] and d2 float16 [{E}, {H}, {ffn // 32}]")
     if not all(t.is_contiguous() for t in (q13, d13, q2, d2)):
         fail("the weight stacks must be contiguous")
-    if x.dim() != 1 or x.shape[0] != H or str(x.dtype) not in _FLOATS:
-        fail(f"x must be bfloat16, float16 or float32 [H] = [{H}], got {x.dtype} {list(x.shape)}")
+    if x.dim() not in (1, 2) or x.shape[-1] != H or str(x.dtype) not in _FLOATS:
+        fail(f"x must be bfloat16, float16 or float32 [H] or [T, H] with H = {H}, got {x.dtype} {list(x.shape)}")
     _check_rows(rows, weights, E, fail)
-    return _start(lambda bg: mod.moe_decode_q8(x.contiguous(), q13, d13, q2, d2, rows, weights, bg), background)
+    tokens = _tokens(x, tokens, rows, fail)
+    return _start(lambda bg: mod.moe_decode_q8(x.contiguous(), q13, d13, q2, d2, rows, weights, bg, tokens),
+                  background)
 
 
 def _prepare(name: str, rows, weights):
@@ -149,9 +157,36 @@ def _prepare(name: str, rows, weights):
     import torch
 
     def fail(msg: str):
-        raise RuntimeError(f"{name}: {msg}")
+        _raise(name, msg)
 
     return mod, torch.as_tensor(rows, dtype=torch.int64), torch.as_tensor(weights).to(torch.float32), fail
+
+
+def _raise(name: str, msg: str):
+    raise RuntimeError(f"{name}: {msg}")
+
+
+_NO_TOKENS: list = []  # one empty int64 tensor: a 1-D x's tokens
+
+
+def _tokens(x: torch.Tensor, tokens, rows: torch.Tensor, fail) -> torch.Tensor:
+    """``tokens`` as int64 ``[n]`` checked against a 2-D ``x``; an empty tensor for a 1-D ``x``."""
+    import torch
+
+    if x.dim() == 1:
+        if tokens is not None:
+            fail("tokens are for a 2-D x [T, H]")
+        if not _NO_TOKENS:
+            _NO_TOKENS.append(torch.empty(0, dtype=torch.int64))
+        return _NO_TOKENS[0]
+    if tokens is None:
+        fail(f"a 2-D x {list(x.shape)} needs tokens, one per pair")
+    tokens = torch.as_tensor(tokens, dtype=torch.int64)
+    if tokens.dim() != 1 or tokens.shape[0] != rows.shape[0]:
+        fail(f"tokens must be int64 [n] with n = len(rows) = {rows.shape[0]}, got {list(tokens.shape)}")
+    if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < x.shape[0]):
+        fail(f"tokens must lie in [0, {x.shape[0]})")
+    return tokens.contiguous()
 
 
 def _check_rows(rows, weights, E: int, fail) -> None:
@@ -164,18 +199,18 @@ def _check_rows(rows, weights, E: int, fail) -> None:
 
 def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: torch.Tensor | np.ndarray,
                    weights: torch.Tensor | np.ndarray, fmt13: str = "q4_k", fmt2: str = "q4_k",
-                   background: int = 0) -> torch.Tensor:
+                   background: int = 0, tokens: torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
     """``moe_decode`` for experts kept as GGUF k-quant blocks, read as they are: Q4_K (super-blocks of
     256 values in 144 bytes, 4.5 bits a value) or Q6_K (210 bytes, 6.6 bits), chosen per matrix
     (``fmt13`` for gate and up, ``fmt2`` for down: Q4_K_M files store some down matrices as Q6_K).
 
     Args:
-        x: ``[H]`` bfloat16, float16 or float32.
+        x: ``[H]``, or ``[T, H]`` with ``tokens``; bfloat16, float16 or float32.
         b13: ``[E, 2I, H/256*bytes]`` uint8: the gate (first ``I`` rows) and up rows' raw blocks.
         b2: ``[E, H, I/256*bytes]`` uint8: the down rows'. ``H`` and ``I`` multiples of 256, contiguous.
-        rows, weights, background: as in ``moe_decode``.
+        rows, weights, background, tokens: as in ``moe_decode``.
 
-    Returns ``[H]`` float32. Raises RuntimeError as ``moe_decode`` does.
+    Returns ``[H]`` (or ``[T, H]``) float32. Raises RuntimeError as ``moe_decode`` does.
     """
     import torch
 
@@ -187,9 +222,10 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
     n13, n2 = KQUANTS[fmt13], KQUANTS[fmt2]
     if not all(t.device.type == "cpu" for t in (x, b13, b2, rows, weights)):
         fail("every tensor must be on the CPU")
-    H = x.shape[0] if x.dim() == 1 else -1
+    H = x.shape[-1] if x.dim() in (1, 2) else -1
     if H <= 0 or H % 256 or str(x.dtype) not in _FLOATS:
-        fail(f"x must be bfloat16, float16 or float32 [H] with H a multiple of 256, got {x.dtype} {list(x.shape)}")
+        fail(f"x must be bfloat16, float16 or float32 [H] or [T, H] with H a multiple of 256, got {x.dtype} "
+             f"{list(x.shape)}")
     if b13.dim() != 3 or b2.dim() != 3 or b13.dtype != torch.uint8 or b2.dtype != torch.uint8:
         fail(f"b13 and b2 must be uint8 [E, 2I, H/256*bytes] and [E, H, I/256*bytes], got {list(b13.shape)} and "
              f"{list(b2.shape)}")
@@ -201,9 +237,10 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
     if not (b13.is_contiguous() and b2.is_contiguous()):
         fail("the weight stacks must be contiguous")
     _check_rows(rows, weights, E, fail)
+    tokens = _tokens(x, tokens, rows, fail)
     codes = {"q4_k": 0, "q6_k": 1}
     return _start(lambda bg: mod.moe_decode_kq(x.contiguous(), b13, codes[fmt13], b2, codes[fmt2], ffn, rows,
-                                               weights, bg), background)
+                                               weights, bg, tokens), background)
 
 
 _background = threading.Lock()
@@ -264,8 +301,8 @@ def _check(x, w13, w2, rows, weights) -> None:
         if len(_checked) > 4096:
             _checked.clear()
         _checked.add(key)
-    if x.dim() != 1 or x.shape[0] != H:
-        fail(f"x must be [H] = [{H}], got {list(x.shape)}")
+    if x.dim() not in (1, 2) or x.shape[-1] != H:
+        fail(f"x must be [H] or [T, H] with H = {H}, got {list(x.shape)}")
     if str(x.dtype) not in _FLOATS:
         fail(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     if rows.dim() != 1:

@@ -1,12 +1,15 @@
-// Batch-1 (decode) routed experts on the CPU, fused: gate+up, SiLU-gating and the weighted sum of
-// the down projections in one call, bandwidth bound on the weights.
+// Routed experts on the CPU, fused: gate+up, SiLU-gating and the weighted sum of the down
+// projections in one call, bandwidth bound on the weights. A decode step passes one token; a
+// prompt passes its tokens and the (token, expert) pairs the CPU computes.
 //
-// out[H] = sum_j weights[j] * w2[rows[j]] @ (silu(g_j) * u_j),  [g_j; u_j] = w13[rows[j]] @ x
+// out[t] = sum_{pairs p of token t} weights[p] * w2[rows[p]] @ (silu(g_p) * u_p),
+// [g_p; u_p] = w13[rows[p]] @ x[t]
 //
-// Two parallel passes over torch's intra-op pool (at::parallel_for, so torch.set_num_threads
-// governs it): (1) the n*I (gate row, up row) pairs of all selected experts at once, writing the
-// activations a[n, I]; (2) the H output rows, each thread summing its block of rows over the n
-// experts (no atomics). Everything is accumulated in f32. A bf16 weight becomes f32 by a 16-bit
+// The pairs are grouped by expert. Two parallel passes over torch's intra-op pool
+// (at::parallel_for, so torch.set_num_threads governs it): (1) the (gate row, up row) pairs of all
+// selected experts at once, each row read once and dotted with every token of its expert, writing
+// the activations a[n, I]; (2) the H output columns, each thread summing its block of columns over
+// the experts (no atomics). Everything is accumulated in f32. A bf16 weight becomes f32 by a 16-bit
 // shift, an f16 one by the CPU's conversion (F16C) or exact bit arithmetic; the dot products use
 // vector extensions, which the compiler maps onto AVX-512 or AVX2 (with -march=native) and fuses
 // into FMAs (-ffp-contract=fast).
@@ -33,7 +36,13 @@
 
 namespace {
 
-constexpr int64_t LANES = 16;  // f32 lanes of one vector: one AVX-512 register, two AVX2 ones
+// f32 lanes of one vector: one register of the widest kind -march allows. (A 16-lane vector on an
+// AVX2 machine is two registers, which GCC keeps in memory between loop iterations: 4x slower.)
+#if defined(__AVX512F__)
+constexpr int64_t LANES = 16;
+#else
+constexpr int64_t LANES = 8;
+#endif
 
 // GCC/Clang vector extensions: the compiler maps them onto the widest vectors -march allows.
 typedef float vf32 __attribute__((vector_size(4 * LANES)));
@@ -60,11 +69,9 @@ inline vf32 load_vec(const Half* p) {
 #if defined(__AVX512F__)
   return reinterpret_cast<vf32>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 #elif defined(__F16C__)
-  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  const __m256 h = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   vf32 v;
-  std::memcpy(&v, &lo, sizeof(lo));
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+  std::memcpy(&v, &h, sizeof(v));
   return v;
 #else
   vu16 h;
@@ -130,12 +137,9 @@ inline vf32 load_vec(const int8_t* p) {
   return reinterpret_cast<vf32>(
       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
 #elif defined(__AVX2__)
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  const __m256 hi =
-      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   vf32 v;
-  std::memcpy(&v, &lo, sizeof(lo));
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+  std::memcpy(&v, &f, sizeof(v));
   return v;
 #else
   vf32 v;
@@ -157,7 +161,8 @@ inline float dot_q8(const int8_t* q, const Half* d, const float* x, int64_t K) {
   vf32 acc = {};
   for (int64_t b = 0; b < K / 32; ++b) {
     const int64_t k = 32 * b;
-    const vf32 blk = load_vec(q + k) * load_vec(x + k) + load_vec(q + k + LANES) * load_vec(x + k + LANES);
+    vf32 blk = {};
+    for (int64_t v = 0; v < 32; v += LANES) blk += load_vec(q + k + v) * load_vec(x + k + v);
     acc += half_to_float(d + b) * blk;
   }
   float s = 0.f;
@@ -169,12 +174,19 @@ inline float dot_q8(const int8_t* q, const Half* d, const float* x, int64_t K) {
 // scales and minimums for 8 sub-blocks of 32, then 128 bytes of 4-bit values (in each 64-value
 // chunk, the low nibbles of 32 bytes are values 0..31 and the high nibbles values 32..63).
 // value = d * sc[j] * q - dmin * m[j]. A matrix [N, K] is kept as its raw bytes [N, K / 256 * 144].
-inline void nibbles(const uint8_t* p, vf32& lo, vf32& hi) {  // 16 bytes -> low and high nibbles
+inline void nibbles(const uint8_t* p, vf32& lo, vf32& hi) {  // LANES bytes -> low and high nibbles
 #if defined(__AVX512F__)
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(0x0F);
   lo = reinterpret_cast<vf32>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, mask))));
   hi = reinterpret_cast<vf32>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask))));
+#elif defined(__AVX2__)
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m256 l = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, mask)));
+  const __m256 h = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+  std::memcpy(&lo, &l, sizeof(lo));
+  std::memcpy(&hi, &h, sizeof(hi));
 #else
   for (int64_t l = 0; l < LANES; ++l) {
     lo[l] = static_cast<float>(p[l] & 0x0F);
@@ -214,12 +226,15 @@ inline float dot_q4k(const uint8_t* row, const float* x, const float* xsum, int6
       } else {
         s1 = (sc[j1 + 4] & 0xF) | ((sc[j1 - 4] >> 6) << 4), m1 = (sc[j1 + 4] >> 4) | ((sc[j1] >> 6) << 4);
       }
-      vf32 lo0, hi0, lo1, hi1;
-      nibbles(qs + 32 * c, lo0, hi0);
-      nibbles(qs + 32 * c + 16, lo1, hi1);
       const float* xc = xb + 64 * c;
-      acc += (d * s0) * (lo0 * load_vec(xc) + lo1 * load_vec(xc + LANES)) +
-             (d * s1) * (hi0 * load_vec(xc + 32) + hi1 * load_vec(xc + 32 + LANES));
+      vf32 low = {}, high = {};
+      for (int64_t j = 0; j < 32; j += LANES) {
+        vf32 lo, hi;
+        nibbles(qs + 32 * c + j, lo, hi);
+        low += lo * load_vec(xc + j);
+        high += hi * load_vec(xc + 32 + j);
+      }
+      acc += (d * s0) * low + (d * s1) * high;
       mins += dmin * (m0 * xs[j0] + m1 * xs[j1]);
     }
   }
@@ -229,24 +244,36 @@ inline float dot_q4k(const uint8_t* row, const float* x, const float* xsum, int6
 // GGUF Q6_K: super-blocks of 256 values, 210 bytes each: 128 bytes of low 4 bits, 64 bytes of high
 // 2 bits, 16 int8 scales (one per 16 values), float16 d. In each 128-value half, group g (32 values)
 // takes nibble g / 2 of low bytes (g % 2) * 32 + l and bits 2g of high byte l; value = d * sc * (q - 32).
-inline void q6_group(const uint8_t* ql, const uint8_t* qh, int64_t g, vf32& a, vf32& b) {  // 32 values
-#if defined(__AVX512F__)
+// Values j .. j + LANES - 1 of group g (j < 32).
+inline vf32 q6_values(const uint8_t* ql, const uint8_t* qh, int64_t g, int64_t j) {
+#if defined(__AVX512F__) || defined(__AVX2__)
   const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03);
-  for (int64_t half = 0; half < 2; ++half) {
-    __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + (g % 2) * 32 + 16 * half));
-    if (g >= 2) lo = _mm_srli_epi16(lo, 4);
-    __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16 * half));
-    hi = _mm_and_si128(_mm_srli_epi16(hi, static_cast<int>(2 * g)), m2);
-    const __m128i q = _mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(hi, 4));
-    const vf32 v = reinterpret_cast<vf32>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))) - 32.f;
-    (half == 0 ? a : b) = v;
-  }
+#if defined(__AVX512F__)
+  __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + (g % 2) * 32 + j));
+  __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + j));
 #else
-  for (int64_t l = 0; l < 2 * LANES; ++l) {
-    const int lo = (ql[(g % 2) * 32 + l] >> (4 * (g / 2))) & 0x0F;
-    const int hi = (qh[l] >> (2 * g)) & 0x03;
-    (l < LANES ? a : b)[l % LANES] = static_cast<float>((lo | (hi << 4)) - 32);
+  __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ql + (g % 2) * 32 + j));
+  __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qh + j));
+#endif
+  if (g >= 2) lo = _mm_srli_epi16(lo, 4);
+  hi = _mm_and_si128(_mm_srli_epi16(hi, static_cast<int>(2 * g)), m2);
+  const __m128i q = _mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(hi, 4));
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf32>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))) - 32.f;
+#else
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+  vf32 v;
+  std::memcpy(&v, &f, sizeof(v));
+  return v - 32.f;
+#endif
+#else
+  vf32 v;
+  for (int64_t l = 0; l < LANES; ++l) {
+    const int lo = (ql[(g % 2) * 32 + j + l] >> (4 * (g / 2))) & 0x0F;
+    const int hi = (qh[j + l] >> (2 * g)) & 0x03;
+    v[l] = static_cast<float>((lo | (hi << 4)) - 32);
   }
+  return v;
 #endif
 }
 
@@ -261,10 +288,9 @@ inline float dot_q6k(const uint8_t* row, const float* x, const float*, int64_t K
       const uint8_t* qh = b + 128 + 32 * h;
       const float* xh = x + 256 * sb + 128 * h;
       for (int64_t g = 0; g < 4; ++g) {
-        vf32 a, c;
-        q6_group(ql, qh, g, a, c);
-        const int64_t s = 8 * h + 2 * g;
-        acc += (d * sc[s]) * (a * load_vec(xh + 32 * g)) + (d * sc[s + 1]) * (c * load_vec(xh + 32 * g + LANES));
+        const int64_t s = 8 * h + 2 * g;  // one scale per 16 values
+        for (int64_t j = 0; j < 32; j += LANES)
+          acc += (d * sc[s + j / 16]) * (q6_values(ql, qh, g, j) * load_vec(xh + 32 * g + j));
       }
     }
   }
@@ -286,83 +312,125 @@ inline void block_sums(const float* x, int64_t K, float* out) {  // out[K/32]
   }
 }
 
-// The fused decode over any weight layout: dot13(j, r) = row r of expert j's w13 . x (r < 2I, gate
-// rows first), dot2(j, o, a) = row o of expert j's w2 . a.
+// The selected (token, expert) pairs grouped by expert: group g is pairs [start[g], start[g + 1])
+// of one weight row rows[g]; pair p reads token tok[p] (a row of x [T, H]) and has weight wt[p].
+// A decode step is T = 1 with one pair per group.
+struct Pairs {
+  std::vector<int64_t> start, rows, tok;
+  std::vector<float> wt;
+  int64_t groups() const { return static_cast<int64_t>(rows.size()); }
+  int64_t size() const { return static_cast<int64_t>(tok.size()); }
+};
+
+// Pairs from per-pair rows, tokens (nullptr: all token 0) and weights, stably sorted by row.
+Pairs group_pairs(const int64_t* rows, const int64_t* tok, const float* wt, int64_t n) {
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  for (int64_t p = 0; p < n; ++p) order[p] = p;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return rows[a] < rows[b]; });
+  Pairs g;
+  g.tok.reserve(n), g.wt.reserve(n);
+  for (int64_t q = 0; q < n; ++q) {
+    const int64_t p = order[q];
+    if (q == 0 || rows[p] != g.rows.back()) g.start.push_back(q), g.rows.push_back(rows[p]);
+    g.tok.push_back(tok ? tok[p] : 0);
+    g.wt.push_back(wt[p]);
+  }
+  g.start.push_back(n);
+  return g;
+}
+
+// The fused experts over any weight layout: dot13(g, r, p) = row r of group g's w13 . x[tok[p]]
+// (r < 2I, gate rows first), dot2(g, o, p, ap) = row o of group g's w2 . ap (= a[p], pair p's activations). out [T, H]
+// is zeroed.
+// Each weight row is read from memory once per call and dotted with every token of its group
+// while it sits in L1, so a prompt's expert hit by c tokens costs about one read of its weights.
 struct NoHook {
   void operator()(const float*) const {}
 };
 
 template <typename Dot13, typename Dot2, typename Hook = NoHook>
-void decode_rows(const float* weights, int64_t n, int64_t H, int64_t I, float* out, Dot13 dot13, Dot2 dot2,
-                 Hook between = Hook()) {
-  std::vector<float> act(static_cast<size_t>(n * I));  // silu(g) * u per expert, [n, I]
+void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13, Dot2 dot2, Hook between = Hook()) {
+  const int64_t G = pr.groups(), n = pr.size();
+  std::vector<float> act(static_cast<size_t>(n * I));  // silu(g) * u per pair, [n, I]
   float* a = act.data();
+  const int64_t* start = pr.start.data();
 
-  // pass 1: pair p = (expert j, row i) needs gate row i and up row I + i of expert j. A task reads
-  // its gate rows, then its up rows: one sequential stream at a time, which the hardware
-  // prefetchers follow best (interleaving rows of several pages measured 1.5x slower per core).
-  at::parallel_for(0, n * I, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> gate(static_cast<size_t>(end - begin));
+  // pass 1: item (group g, row i) needs gate row i and up row I + i of g's expert. A task reads its
+  // gate rows, then its up rows: one sequential stream at a time, which the hardware prefetchers
+  // follow best (interleaving rows of several pages measured 1.5x slower per core).
+  at::parallel_for(0, G * I, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> gate;
     for (int64_t p = begin; p < end;) {
-      const int64_t j = p / I, i0 = p % I, len = std::min(I - i0, end - p);
-      float* g = gate.data() + (p - begin);
-      for (int64_t q = 0; q < len; ++q) g[q] = dot13(j, i0 + q);
-      for (int64_t q = 0; q < len; ++q) a[p + q] = silu(g[q]) * dot13(j, I + i0 + q);
+      const int64_t g = p / I, i0 = p % I, len = std::min(I - i0, end - p);
+      const int64_t s = start[g], c = start[g + 1] - s;
+      gate.resize(static_cast<size_t>(len * c));
+      for (int64_t q = 0; q < len; ++q)
+        for (int64_t k = 0; k < c; ++k) gate[q * c + k] = dot13(g, i0 + q, s + k);
+      for (int64_t q = 0; q < len; ++q)
+        for (int64_t k = 0; k < c; ++k) a[(s + k) * I + i0 + q] = silu(gate[q * c + k]) * dot13(g, I + i0 + q, s + k);
       p += len;
     }
   });
 
   between(a);  // e.g. per-block sums of the activations, which Q4_K's minimums need
 
-  // pass 2: a task owns output rows [begin, end) and walks the experts one after another, streaming
-  // one contiguous block of each expert's down matrix
+  // pass 2: a task owns output columns [begin, end) of every token and walks the groups one after
+  // another, streaming one contiguous block of each expert's down matrix
+  const int64_t* tok = pr.tok.data();
+  const float* wt = pr.wt.data();
   at::parallel_for(0, H, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(static_cast<size_t>(end - begin), 0.f);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* aj = a + j * I;
-      const float wj = weights[j];
-      for (int64_t o = begin; o < end; ++o) acc[o - begin] += wj * dot2(j, o, aj);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t s = start[g], e = start[g + 1];
+      for (int64_t o = begin; o < end; ++o)
+        for (int64_t p = s; p < e; ++p) out[tok[p] * H + o] += wt[p] * dot2(g, o, p, a + p * I);
     }
-    std::memcpy(out + begin, acc.data(), sizeof(float) * (end - begin));
   });
 }
 
 template <typename W>
-void decode(const float* x, const W* w13, const W* w2, const int64_t* rows, const float* weights,
-            int64_t n, int64_t H, int64_t I, float* out) {
+void run_float(const float* x, const W* w13, const W* w2, const Pairs& pr, int64_t H, int64_t I, float* out) {
   const int64_t e13 = 2 * I * H, e2 = H * I;  // elements per expert
-  decode_rows(weights, n, H, I, out,
-              [&](int64_t j, int64_t r) { return dot(w13 + rows[j] * e13 + r * H, x, H); },
-              [&](int64_t j, int64_t o, const float* aj) { return dot(w2 + rows[j] * e2 + o * I, aj, I); });
+  const int64_t* rows = pr.rows.data();
+  const int64_t* tok = pr.tok.data();
+  grouped_rows(pr, H, I, out,
+               [&](int64_t g, int64_t r, int64_t p) { return dot(w13 + rows[g] * e13 + r * H, x + tok[p] * H, H); },
+               [&](int64_t g, int64_t o, int64_t, const float* ap) { return dot(w2 + rows[g] * e2 + o * I, ap, I); });
 }
 
-void decode_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2, const Half* d2,
-               const int64_t* rows, const float* weights, int64_t n, int64_t H, int64_t I, float* out) {
+void run_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2, const Half* d2, const Pairs& pr,
+            int64_t H, int64_t I, float* out) {
   const int64_t e13 = 2 * I * H, e2 = H * I;  // values per expert; scales: 1 per 32
-  decode_rows(weights, n, H, I, out,
-              [&](int64_t j, int64_t r) {
-                const int64_t off = rows[j] * e13 + r * H;
-                return dot_q8(q13 + off, d13 + off / 32, x, H);
-              },
-              [&](int64_t j, int64_t o, const float* aj) {
-                const int64_t off = rows[j] * e2 + o * I;
-                return dot_q8(q2 + off, d2 + off / 32, aj, I);
-              });
+  const int64_t* rows = pr.rows.data();
+  const int64_t* tok = pr.tok.data();
+  grouped_rows(pr, H, I, out,
+               [&](int64_t g, int64_t r, int64_t p) {
+                 const int64_t off = rows[g] * e13 + r * H;
+                 return dot_q8(q13 + off, d13 + off / 32, x + tok[p] * H, H);
+               },
+               [&](int64_t g, int64_t o, int64_t, const float* ap) {
+                 const int64_t off = rows[g] * e2 + o * I;
+                 return dot_q8(q2 + off, d2 + off / 32, ap, I);
+               });
 }
 
-void decode_kq(const float* x, const uint8_t* b13, int64_t f13, const uint8_t* b2, int64_t f2, const int64_t* rows,
-               const float* weights, int64_t n, int64_t H, int64_t I, float* out) {
+void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const uint8_t* b2, int64_t f2,
+            const Pairs& pr, int64_t H, int64_t I, float* out) {
   const int64_t row13 = H / 256 * kq_bytes(f13), row2 = I / 256 * kq_bytes(f2);  // bytes per matrix row
-  std::vector<float> xsum(static_cast<size_t>(H / 32)), asum(static_cast<size_t>(n * (I / 32)));
-  block_sums(x, H, xsum.data());
-  decode_rows(
-      weights, n, H, I, out,
-      [&](int64_t j, int64_t r) { return dot_kq(f13, b13 + (rows[j] * 2 * I + r) * row13, x, xsum.data(), H); },
-      [&](int64_t j, int64_t o, const float* aj) {
-        return dot_kq(f2, b2 + (rows[j] * H + o) * row2, aj, asum.data() + j * (I / 32), I);
+  const int64_t n = pr.size();
+  const int64_t* rows = pr.rows.data();
+  const int64_t* tok = pr.tok.data();
+  std::vector<float> xsum(static_cast<size_t>(T * (H / 32))), asum(static_cast<size_t>(n * (I / 32)));
+  for (int64_t t = 0; t < T; ++t) block_sums(x + t * H, H, xsum.data() + t * (H / 32));
+  grouped_rows(
+      pr, H, I, out,
+      [&](int64_t g, int64_t r, int64_t p) {
+        return dot_kq(f13, b13 + (rows[g] * 2 * I + r) * row13, x + tok[p] * H, xsum.data() + tok[p] * (H / 32), H);
+      },
+      [&](int64_t g, int64_t o, int64_t p, const float* ap) {
+        return dot_kq(f2, b2 + (rows[g] * H + o) * row2, ap, asum.data() + p * (I / 32), I);
       },
       [&](const float* a) {
-        for (int64_t j = 0; j < n; ++j) block_sums(a + j * I, I, asum.data() + j * (I / 32));
+        for (int64_t p = 0; p < n; ++p) block_sums(a + p * I, I, asum.data() + p * (I / 32));
       });
 }
 
@@ -442,41 +510,54 @@ Background& background() {
   return *bg;
 }
 
-// What every entry point does after checking its weights: check rows against E, run
-// run(x f32, rows, weights f32, n, out f32 [H]) without the GIL, return out. With ``threads`` > 0
-// the run goes to the background thread on that many threads and ``out`` is valid after
-// ``wait_background()``; ``run`` must then hold its tensors by value. Bad input is raised with the
-// GIL held (an exception leaving a GIL-released call crashed the process with PyTorch 2.11 on
+// What every entry point does after checking its weights: check rows against E and tokens against
+// T (x is [H], T = 1, tokens empty; or [T, H] with tokens [n]), group the pairs by row, run
+// run(x f32 [T, H], pairs, out f32 [T, H]) without the GIL, return out ([H] for a 1-D x). With
+// ``threads`` > 0 the run goes to the background thread on that many threads and ``out`` is valid
+// after ``wait_background()``; ``run`` must then hold its tensors by value. Bad input is raised with
+// the GIL held (an exception leaving a GIL-released call crashed the process with PyTorch 2.11 on
 // Python 3.12).
 template <typename Run>
-at::Tensor checked_run(const char* name, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& weights,
-                          int64_t E, int64_t H, int64_t threads, Run run) {
+at::Tensor checked_run(const char* name, const at::Tensor& x, const at::Tensor& tokens, const at::Tensor& rows,
+                       const at::Tensor& weights, int64_t E, int64_t H, int64_t threads, Run run) {
   const at::Tensor r = rows.contiguous(), wt = weights.contiguous();
-  const int64_t n = r.size(0);
+  const at::Tensor tk = tokens.defined() ? tokens.contiguous() : at::empty({0}, rows.options());
+  const int64_t n = r.size(0), T = x.dim() == 2 ? x.size(0) : 1;
+  TORCH_CHECK(x.dim() == 1 || (tk.numel() == n && tk.scalar_type() == at::kLong), name,
+              ": a 2-D x needs int64 tokens, one per pair");
   const int64_t* rp = r.data_ptr<int64_t>();
-  for (int64_t j = 0; j < n; ++j)
+  const int64_t* tp = tk.numel() ? tk.data_ptr<int64_t>() : nullptr;
+  for (int64_t j = 0; j < n; ++j) {
     TORCH_CHECK(rp[j] >= 0 && rp[j] < E, name, ": rows[", j, "] = ", rp[j], " is outside [0, ", E, ")");
+    TORCH_CHECK(!tp || (tp[j] >= 0 && tp[j] < T), name, ": tokens[", j, "] is outside [0, ", T, ")");
+  }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::zeros({H}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::zeros(x.dim() == 2 ? at::IntArrayRef({T, H}) : at::IntArrayRef({H}),
+                             x.options().dtype(at::kFloat));
+  Pairs pr = group_pairs(rp, tp, wt.data_ptr<float>(), n);
   if (threads > 0) {
-    background().submit(
-        [xf, r, wt, out, n, run]() {
-          run(xf.data_ptr<float>(), r.data_ptr<int64_t>(), wt.data_ptr<float>(), n, out.data_ptr<float>());
-        },
-        static_cast<int>(threads));
+    background().submit([xf, out, pr = std::move(pr), run]() { run(xf.data_ptr<float>(), pr, out.data_ptr<float>()); },
+                        static_cast<int>(threads));
     return out;
   }
   if (n == 0) return out;
   py::gil_scoped_release nogil;
-  run(xf.data_ptr<float>(), rp, wt.data_ptr<float>(), n, out.data_ptr<float>());
+  run(xf.data_ptr<float>(), pr, out.data_ptr<float>());
   return out;
 }
 
 // Waits for the background run (the GIL released); false if it failed.
 bool wait_background() { return background().wait(); }
 
-at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                      const at::Tensor& rows, const at::Tensor& weights, int64_t threads) {
+void check_x(const char* name, const at::Tensor& x, int64_t H) {
+  TORCH_CHECK((x.dim() == 1 || x.dim() == 2) && x.size(-1) == H, name, ": x must be [H] or [T, H] with H = ", H,
+              ", got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat,
+              name, ": x must be bfloat16, float16 or float32, got ", x.scalar_type());
+}
+
+at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& rows,
+                      const at::Tensor& weights, int64_t threads, const at::Tensor& tokens) {
   TORCH_CHECK(w13.device().is_cpu() && w2.device().is_cpu() && x.device().is_cpu() &&
                   rows.device().is_cpu() && weights.device().is_cpu(),
               "moe_decode: every tensor must be on the CPU");
@@ -491,30 +572,29 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
               "moe_decode: w13 and w2 must both be bfloat16, float16 or float32, got ", wtype, " and ",
               w2.scalar_type());
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "moe_decode: w13 and w2 must be contiguous");
-  TORCH_CHECK(x.dim() == 1 && x.size(0) == H, "moe_decode: x must be [H] = [", H, "], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat,
-              "moe_decode: x must be bfloat16, float16 or float32, got ", x.scalar_type());
+  check_x("moe_decode", x, H);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "moe_decode: rows must be int64 [n]");
   TORCH_CHECK(weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
               "moe_decode: weights must be float32 [n] with n = len(rows) = ", rows.size(0));
-  return checked_run("moe_decode", x, rows, weights, E, H, threads,
-                        [=](const float* xp, const int64_t* rp, const float* wp, int64_t n, float* op) {
-                          if (wtype == at::kBFloat16) {
-                            decode(xp, reinterpret_cast<const uint16_t*>(w13.data_ptr()),
-                                   reinterpret_cast<const uint16_t*>(w2.data_ptr()), rp, wp, n, H, I, op);
-                          } else if (wtype == at::kHalf) {
-                            decode(xp, reinterpret_cast<const Half*>(w13.data_ptr()),
-                                   reinterpret_cast<const Half*>(w2.data_ptr()), rp, wp, n, H, I, op);
-                          } else {
-                            decode(xp, w13.data_ptr<float>(), w2.data_ptr<float>(), rp, wp, n, H, I, op);
-                          }
-                        });
+  return checked_run("moe_decode", x, tokens, rows, weights, E, H, threads,
+                     [=](const float* xp, const Pairs& pr, float* op) {
+                       if (wtype == at::kBFloat16) {
+                         run_float(xp, reinterpret_cast<const uint16_t*>(w13.data_ptr()),
+                                   reinterpret_cast<const uint16_t*>(w2.data_ptr()), pr, H, I, op);
+                       } else if (wtype == at::kHalf) {
+                         run_float(xp, reinterpret_cast<const Half*>(w13.data_ptr()),
+                                   reinterpret_cast<const Half*>(w2.data_ptr()), pr, H, I, op);
+                       } else {
+                         run_float(xp, w13.data_ptr<float>(), w2.data_ptr<float>(), pr, H, I, op);
+                       }
+                     });
 }
 
 // Q8_0 experts: q13 int8 [E, 2I, H], d13 float16 [E, 2I, H/32], q2 int8 [E, H, I], d2 float16 [E, H, I/32].
 // The Python wrapper checks the input; these checks only guard the reads.
 at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::Tensor& d13, const at::Tensor& q2,
-                         const at::Tensor& d2, const at::Tensor& rows, const at::Tensor& weights, int64_t threads) {
+                         const at::Tensor& d2, const at::Tensor& rows, const at::Tensor& weights, int64_t threads,
+                         const at::Tensor& tokens) {
   const int64_t E = q13.size(0), I = q13.size(1) / 2, H = q13.size(2);
   TORCH_CHECK(q13.dim() == 3 && q2.dim() == 3 && q13.size(1) == 2 * I && H % 32 == 0 && I % 32 == 0 &&
                   q2.size(0) == E && q2.size(1) == H && q2.size(2) == I && d13.numel() * 32 == q13.numel() &&
@@ -522,23 +602,24 @@ at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::T
                   d13.scalar_type() == at::kHalf && d2.scalar_type() == at::kHalf && q13.is_contiguous() &&
                   q2.is_contiguous() && d13.is_contiguous() && d2.is_contiguous(),
               "moe_decode_q8: bad weight stacks");
-  TORCH_CHECK(x.dim() == 1 && x.size(0) == H && rows.dim() == 1 && rows.scalar_type() == at::kLong &&
-                  weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
-              "moe_decode_q8: bad x, rows or weights");
-  return checked_run("moe_decode_q8", x, rows, weights, E, H, threads,
-                        [=](const float* xp, const int64_t* rp, const float* wp, int64_t n, float* op) {
-                          decode_q8(xp, q13.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d13.data_ptr()),
-                                    q2.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d2.data_ptr()), rp, wp, n,
-                                    H, I, op);
-                        });
+  check_x("moe_decode_q8", x, H);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && weights.dim() == 1 &&
+                  weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
+              "moe_decode_q8: bad rows or weights");
+  return checked_run("moe_decode_q8", x, tokens, rows, weights, E, H, threads,
+                     [=](const float* xp, const Pairs& pr, float* op) {
+                       run_q8(xp, q13.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d13.data_ptr()),
+                              q2.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d2.data_ptr()), pr, H, I, op);
+                     });
 }
 
 // k-quant experts as raw blocks (f13 / f2: 0 Q4_K, 1 Q6_K): b13 uint8 [E, 2I, H/256*bytes], b2 uint8
 // [E, H, I/256*bytes]; H, I multiples of 256. The Python wrapper checks the input; these checks only
 // guard the reads.
 at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13, const at::Tensor& b2, int64_t f2,
-                         int64_t I, const at::Tensor& rows, const at::Tensor& weights, int64_t threads) {
-  const int64_t H = x.numel(), E = b13.size(0);
+                         int64_t I, const at::Tensor& rows, const at::Tensor& weights, int64_t threads,
+                         const at::Tensor& tokens) {
+  const int64_t H = x.size(-1), E = b13.size(0), T = x.dim() == 2 ? x.size(0) : 1;
   TORCH_CHECK((f13 == 0 || f13 == 1) && (f2 == 0 || f2 == 1), "moe_decode_kq: unknown format");
   TORCH_CHECK(H % 256 == 0 && I % 256 == 0 && I > 0 && b13.dim() == 3 && b2.dim() == 3 && b13.size(1) == 2 * I &&
                   b13.size(2) == H / 256 * kq_bytes(f13) && b2.size(0) == E && b2.size(1) == H &&
@@ -546,14 +627,14 @@ at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13
                   b13.scalar_type() == at::kByte && b2.scalar_type() == at::kByte && b13.is_contiguous() &&
                   b2.is_contiguous(),
               "moe_decode_kq: bad weight stacks");
-  TORCH_CHECK(x.dim() == 1 && rows.dim() == 1 && rows.scalar_type() == at::kLong && weights.dim() == 1 &&
+  check_x("moe_decode_kq", x, H);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && weights.dim() == 1 &&
                   weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
-              "moe_decode_kq: bad x, rows or weights");
-  return checked_run("moe_decode_kq", x, rows, weights, E, H, threads,
-                        [=](const float* xp, const int64_t* rp, const float* wp, int64_t n, float* op) {
-                          decode_kq(xp, b13.data_ptr<uint8_t>(), f13, b2.data_ptr<uint8_t>(), f2, rp, wp, n, H, I,
-                                    op);
-                        });
+              "moe_decode_kq: bad rows or weights");
+  return checked_run("moe_decode_kq", x, tokens, rows, weights, E, H, threads,
+                     [=](const float* xp, const Pairs& pr, float* op) {
+                       run_kq(xp, T, b13.data_ptr<uint8_t>(), f13, b2.data_ptr<uint8_t>(), f2, pr, H, I, op);
+                     });
 }
 
 // Threads that at::parallel_for gives a large range here (1 when the build lacks OpenMP).
@@ -567,19 +648,20 @@ int64_t parallel_threads() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_decode", &moe_decode,
-        "Fused batch-1 routed experts: x [H], w13 [E, 2I, H], w2 [E, H, I] (bf16, f16 or f32), rows [n] int64, "
-        "weights [n] f32 -> [H] f32",
-        py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("rows"), py::arg("weights"), py::arg("threads") = 0);
+        "Fused routed experts: x [H] (or [T, H] with tokens [n] int64), w13 [E, 2I, H], w2 [E, H, I] (bf16, f16 "
+        "or f32), rows [n] int64, weights [n] f32 -> [H] (or [T, H]) f32",
+        py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("rows"), py::arg("weights"), py::arg("threads") = 0,
+        py::arg("tokens") = at::Tensor());
   m.def("moe_decode_q8", &moe_decode_q8,
         "moe_decode with GGUF Q8_0 experts: x [H], q13 int8 [E, 2I, H], d13 f16 [E, 2I, H/32], q2 int8 [E, H, I], "
         "d2 f16 [E, H, I/32], rows [n] int64, weights [n] f32 -> [H] f32",
         py::arg("x"), py::arg("q13"), py::arg("d13"), py::arg("q2"), py::arg("d2"), py::arg("rows"),
-        py::arg("weights"), py::arg("threads") = 0);
+        py::arg("weights"), py::arg("threads") = 0, py::arg("tokens") = at::Tensor());
   m.def("moe_decode_kq", &moe_decode_kq,
         "moe_decode with GGUF k-quant experts as raw blocks (formats 0 Q4_K, 1 Q6_K): x [H], b13 uint8 "
         "[E, 2I, H/256*bytes], f13, b2 uint8 [E, H, I/256*bytes], f2, I, rows [n] int64, weights [n] f32 -> [H] f32",
         py::arg("x"), py::arg("b13"), py::arg("f13"), py::arg("b2"), py::arg("f2"), py::arg("I"), py::arg("rows"),
-        py::arg("weights"), py::arg("threads") = 0);
+        py::arg("weights"), py::arg("threads") = 0, py::arg("tokens") = at::Tensor());
   m.def("wait_background", &wait_background,
         "Wait for the run started with threads > 0; False if it failed (its output is then undefined)",
         py::call_guard<py::gil_scoped_release>());

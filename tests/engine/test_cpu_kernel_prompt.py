@@ -1,0 +1,124 @@
+"""The fused CPU kernel over a prompt's (token, expert) pairs: ``x [T, H]`` with a token per pair,
+against a float64 reference from the same values (and gguf-py's dequantization for blocks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workbench.engine import cpu_kernel
+
+from .test_cpu_kernel import _q4_k_blocks, _q8_0, random_experts, relative_error
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not cpu_kernel.available():
+        pytest.skip(f"fused CPU kernel unavailable here: {cpu_kernel.unavailable_reason()}")
+    return cpu_kernel
+
+
+def reference(x, w13, w2, tokens, rows, weights) -> torch.Tensor:
+    """``out[t] += weights[j] * w2[rows[j]] @ (silu(g) * u)`` for each pair ``j`` of token ``t``, float64."""
+    i = w2.shape[2]
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for t, r, wt in zip(tokens.tolist(), rows.tolist(), weights.tolist()):
+        h = w13[r].double() @ x[t].double()
+        out[t] += wt * (w2[r].double() @ (F.silu(h[:i]) * h[i:]))
+    return out
+
+
+def prompt_pairs(T: int, k: int, e: int, gen: torch.Generator):
+    """Each of ``T`` tokens picks ``k`` distinct experts of ``e`` (a skewed choice: low rows more often);
+    the pairs come in token order, as a router gives them: ``(tokens, rows, weights)``."""
+    p = torch.linspace(2.0, 0.2, e)
+    rows = torch.stack([torch.multinomial(p, k, generator=gen) for _ in range(T)]).reshape(-1)
+    tokens = torch.arange(T).repeat_interleave(k)
+    return tokens, rows, torch.rand(T * k, generator=gen) + 0.1
+
+
+@pytest.mark.parametrize("dtype,T,k,h,i", [
+    (torch.bfloat16, 5, 3, 64, 32), (torch.float32, 17, 4, 192, 96), (torch.float16, 9, 2, 100, 36),
+    (torch.bfloat16, 64, 8, 256, 128),
+])
+def test_prompt_pairs_match_float64_reference(kernel, dtype, T, k, h, i):
+    gen = torch.Generator().manual_seed(T * k + h)
+    e = 16
+    w13, w2 = random_experts(e, h, i, dtype, gen)
+    x = torch.randn(T, h, generator=gen).to(dtype)
+    tokens, rows, weights = prompt_pairs(T, k, e, gen)
+    y = kernel.moe_decode(x, w13, w2, rows, weights, tokens=tokens)
+    assert y.shape == (T, h) and y.dtype == torch.float32
+    assert relative_error(y, reference(x, w13, w2, tokens, rows, weights)) < 1e-5
+
+
+def test_a_subset_of_pairs_leaves_other_tokens_zero(kernel):
+    """The engine passes only the CPU's pairs: tokens none of them belong to get zeros."""
+    gen = torch.Generator().manual_seed(3)
+    w13, w2 = random_experts(8, 64, 32, torch.float32, gen)
+    x = torch.randn(6, 64, generator=gen)
+    tokens, rows, weights = torch.tensor([4, 1, 4]), torch.tensor([7, 7, 2]), torch.tensor([0.5, 2.0, 1.0])
+    y = kernel.moe_decode(x, w13, w2, rows, weights, tokens=tokens)
+    assert torch.count_nonzero(y[[0, 2, 3, 5]]) == 0
+    assert relative_error(y, reference(x, w13, w2, tokens, rows, weights)) < 1e-5
+
+
+def test_one_token_as_a_row_equals_the_decode_call(kernel):
+    gen = torch.Generator().manual_seed(4)
+    w13, w2 = random_experts(8, 192, 96, torch.bfloat16, gen)
+    x = torch.randn(192, generator=gen).to(torch.bfloat16)
+    rows, weights = torch.tensor([3, 0, 5]), torch.rand(3, generator=gen)
+    one = kernel.moe_decode(x, w13, w2, rows, weights)
+    as_prompt = kernel.moe_decode(x[None], w13, w2, rows, weights, tokens=torch.zeros(3, dtype=torch.int64))
+    assert torch.equal(as_prompt[0], one)
+
+
+def test_a_prompt_runs_in_the_background(kernel):
+    gen = torch.Generator().manual_seed(5)
+    w13, w2 = random_experts(8, 256, 128, torch.bfloat16, gen)
+    x = torch.randn(32, 256, generator=gen).to(torch.bfloat16)
+    tokens, rows, weights = prompt_pairs(32, 4, 8, gen)
+    inline = kernel.moe_decode(x, w13, w2, rows, weights, tokens=tokens)
+    pending = kernel.moe_decode(x, w13, w2, rows, weights, background=1, tokens=tokens)
+    kernel.wait()
+    assert torch.equal(pending, inline)
+
+
+def test_q8_0_prompt_matches_ggufs_dequantization(kernel):
+    gen = torch.Generator().manual_seed(6)
+    H, ffn, e, T = 64, 64, 6, 12
+    w13, w2 = random_experts(e, H, ffn, torch.float32, gen)
+    q13, d13, r13 = _q8_0(w13)
+    q2, d2, r2 = _q8_0(w2)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    tokens, rows, weights = prompt_pairs(T, 3, e, gen)
+    y = kernel.moe_decode_q8(x, q13, d13, q2, d2, rows, weights, tokens=tokens)
+    assert relative_error(y, reference(x, r13, r2, tokens, rows, weights)) < 1e-5
+
+
+@pytest.mark.parametrize("fmt2", ["q4_k", "q6_k"])
+def test_k_quant_prompt_matches_ggufs_dequantization(kernel, fmt2):
+    gen = torch.Generator().manual_seed(7)
+    H, ffn, e, T = 256, 256, 4, 10
+    b13, r13 = _q4_k_blocks(e * 2 * ffn, H, gen)
+    b2, r2 = _q4_k_blocks(e * H, ffn, gen, fmt2)
+    b13, r13 = b13.reshape(e, 2 * ffn, -1), r13.reshape(e, 2 * ffn, H)
+    b2, r2 = b2.reshape(e, H, -1), r2.reshape(e, H, ffn)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    tokens, rows, weights = prompt_pairs(T, 2, e, gen)
+    y = kernel.moe_decode_q4k(x, b13, b2, rows, weights, "q4_k", fmt2, tokens=tokens)
+    assert relative_error(y, reference(x, r13, r2, tokens, rows, weights)) < 1e-5
+
+
+@pytest.mark.parametrize("tokens,match", [
+    (None, "needs tokens"),
+    (torch.tensor([0, 3]), r"tokens must lie in \[0, 3\)"),
+    (torch.tensor([0]), "tokens must be int64 \\[n\\]"),
+])
+def test_bad_tokens_are_refused(kernel, tokens, match):
+    w13, w2 = torch.ones(4, 64, 64), torch.ones(4, 64, 32)
+    with pytest.raises(RuntimeError, match=match):
+        kernel.moe_decode(torch.ones(3, 64), w13, w2, torch.tensor([0, 1]), torch.ones(2), tokens=tokens)
+    with pytest.raises(RuntimeError, match="tokens are for a 2-D x"):
+        kernel.moe_decode(torch.ones(64), w13, w2, torch.tensor([0, 1]), torch.ones(2), tokens=torch.tensor([0, 0]))
