@@ -13,7 +13,8 @@
 # 12 GiB, then scripts/profile_decode.py into $OUT/decode),
 # calibrate ($OUT/h200.json, then the profile of the stages after it), engine (`workbench bench
 # run`: llama.cpp -lm none at --n-cpu-moe 16 and all-GPU, then our n-cpu-moe, frequency, balanced
-# and all-GPU, with the ratios), engine_uniform (the same, routers rewritten uniform), engine_q8
+# and all-GPU (BENCH_ALL_GPU=0: not all-GPU), with the ratios), kernel_tests (the fused CPU kernel's
+# tests on this machine's CPU), engine_uniform (the same, routers rewritten uniform), engine_q8
 # (S1 as Q8_0, llama.cpp at --n-cpu-moe 8), engine_q4 (S1 as Q4_K), pack (llama-bench binary
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it).
 # At most 8 files come back per call: choose the stages of one call accordingly.
@@ -146,7 +147,13 @@ stage_calibrate() {  # the profile the later stages predict with ($OUT/h200.json
 }
 stage_engine() {  # S1 skewed: llama.cpp and ours, with all on the GPU too
     [ -f "$models/s1.gguf" ] || { log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; }
-    side_by_side "$models/s1.gguf" "S1 bf16 skewed" engine_s1_skew.json n-cpu-moe,frequency,balanced --all-gpu
+    local all=(); [ "${BENCH_ALL_GPU:-1}" = 1 ] && all=(--all-gpu)
+    side_by_side "$models/s1.gguf" "S1 bf16 skewed" engine_s1_skew.json n-cpu-moe,frequency,balanced "${all[@]}"
+}
+stage_kernel_tests() {  # the fused CPU kernel's tests on this machine's CPU (no transformers needed)
+    log "kernel tests"; timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cpu_kernel.py \
+        tests/engine/test_cpu_kernel_prompt.py >"$OUT/kernel_tests.txt" 2>&1; log "kernel tests rc $?"
+    tail -3 "$OUT/kernel_tests.txt" | tee -a "$OUT/device.log"
 }
 stage_engine_uniform() {  # the same file with uniform routing
     [ -f "$models/s1.gguf" ] || { log "writing S1"; wb write -o "$models/s1.gguf" --shape s1 $layers --uniform; }

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 import time
 
@@ -141,16 +142,19 @@ def test_prefill_fetches_busy_experts_and_computes_rare_ones():
     inv = synth_inventory(1, 8, hidden=1024, expert_ffn=512, top_k=2)
     cm = CostModel(inv, h200_profile())
     p = placement_cpu_moe(inv)
-    short = cm.predict(p, prompt_tokens=1).prefill_layers[0]
-    assert short.cpu > 0 and short.bus == 0
+    short = cm.predict(p, prompt_tokens=2).prefill_layers[0]  # one token per expert: the CPU and the bus
+    assert short.cpu > 0 and short.bus > 0
     p_stream = Placement(stream_slots=1)
     p_stream.move(inv.expert_keys(), CPU_STREAM)
     long = cm.predict(p_stream, prompt_tokens=512).prefill_layers[0]
     assert long.bus > 0 and long.cpu == 0  # 128 tokens per expert: cheaper to copy it over pinned memory
     fetched = cm.predict(p, prompt_tokens=512).prefill_layers[0]  # CPU-compute experts, the bus share's rule
     assert fetched.bus > 0 and fetched.cpu == 0
-    few = cm.predict(p, prompt_tokens=40).prefill_layers[0]  # 10 tokens per expert: below the rule's 16
-    assert few.cpu > 0 and few.bus == 0
+    few = cm.predict(p, prompt_tokens=40).prefill_layers[0]  # 10 tokens per expert: below the rule's 16,
+    assert few.cpu == 0 and few.bus > 0  # but ten reads on the CPU against one copy
+    cm.engine = dataclasses.replace(cm.engine, bus_share=0.0)  # no bus share: the CPU computes them
+    alone = cm.predict(p, prompt_tokens=40).prefill_layers[0]
+    assert alone.cpu > 0 and alone.bus == 0
 
 
 def test_predict_is_fast_for_94_layers_by_256_experts():
@@ -312,3 +316,16 @@ def test_the_bus_share_speeds_up_cpu_experts_up_to_the_ram_bound():
     cpu_bytes = sum(cm.roofline(p)["cpu"][0] for _ in [0])
     expert_bytes = cpu_bytes - sum(nb for k, nb, _ in cm.other_units if p.get(k).tier == "cpu")
     assert sum(c.cpu for c in on.decode_layers) >= expert_bytes / hw.host_read_bandwidth * 0.999
+
+
+def test_prefill_fetch_splits_where_the_cpu_and_the_bus_finish_together():
+    from workbench.core.costmodel import prefill_fetch
+
+    counts = np.array([1, 1, 1, 1, 3, 40, 2, 1])
+    sent = prefill_fetch(counts, fetch_tokens=16, bus_share=0.5)  # a copy costs one read
+    assert sent[5]  # 40 tokens: always fetched
+    assert not sent[[0, 1, 2, 3]].all() and sent[4]  # the coldest stay, the hottest travel
+    cpu, bus = counts[~sent].sum(), sent.sum()
+    assert abs(cpu - bus) <= 1
+    assert not prefill_fetch(counts, 16, 0.0)[:5].any() and prefill_fetch(counts, 16, 1.0).all()
+    assert not prefill_fetch(counts, 10**9, 0.0).any()

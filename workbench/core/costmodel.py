@@ -50,9 +50,34 @@ kernel) read rates on the H200 machine: 55 and 67 GB/s)."""
 BUS_SLOTS = 4
 """Device slots for them: experts sent per layer and token at most."""
 PREFILL_FETCH_TOKENS = 16
-"""With the bus share, prefill copies a CPU-tier expert picked by at least this many tokens of a chunk
-to the GPU (pinned, once) instead of computing it on the CPU: about the CPU's bf16 GEMM rate over
-the bus's (1 TFLOP/s over 55 GB/s ~ 18 tokens) on the H200 machine."""
+"""With the bus share, prefill always copies a CPU-tier expert picked by at least this many tokens of
+a chunk to the GPU (pinned, once) instead of computing it on the CPU; of the others, ``prefill_fetch``
+splits by time."""
+
+
+def prefill_fetch(counts: np.ndarray, fetch_tokens: float, bus_share: float) -> np.ndarray:
+    """Which of one layer's CPU-tier experts a prompt chunk sends over the bus: a boolean mask like
+    ``counts`` (tokens of the chunk that select each expert).
+
+    An expert ``fetch_tokens`` or more tokens select always travels. Of the others the hottest travel
+    and the coldest stay with the CPU, split where the two lanes finish together: the CPU's time for
+    an expert is one weight read per token (its fused kernel is compute-bound per token), the bus's
+    is one copy of the expert, ``(1 - bus_share) / bus_share`` reads (``bus_share``: the bus's part of
+    the two lanes' summed read rates, as in decode; 0 sends no more, 1 sends all).
+    """
+    counts = np.asarray(counts, dtype=float)
+    fetch = counts >= fetch_tokens
+    rest = np.flatnonzero(~fetch)
+    if bus_share <= 0 or rest.size == 0:
+        return fetch
+    if bus_share >= 1:
+        return np.ones_like(fetch)
+    order = rest[np.argsort(counts[rest], kind="stable")]  # coldest first
+    cpu = np.concatenate([[0.0], np.cumsum(counts[order])])  # the CPU computing the m coldest
+    bus = (1 - bus_share) / bus_share * (fetch.sum() + order.size - np.arange(order.size + 1))
+    m = int(np.argmin(np.maximum(cpu, bus)))
+    fetch[order[m:]] = True
+    return fetch
 
 _QUANT_FAMILY = {"Q8": "int8", "I8": "int8", "INT8": "int8", "F8": "fp8", "FP8": "fp8"}
 
@@ -489,8 +514,14 @@ class CostModel:
         fetch = b * used / h2d + flops / g0.bf16_flops
         stream = grid == TIER_CPU_STREAM
         choose_cpu = on_cpu <= fetch
-        if self.engine.bus_share > 0:  # the engine's rule for CPU-compute experts: fetch the busy ones
-            choose_cpu = np.where(stream, choose_cpu, n_tok < PREFILL_FETCH_TOKENS)
+        if self.engine.bus_share > 0:  # the engine's rule for CPU-compute experts (prefill_fetch)
+            on_cpu = np.where(stream, on_cpu, b * np.maximum(used, n_tok) / self.expert_cpu_rate)
+            compute = host & ~stream
+            given_used = n_tok / np.maximum(used, 1e-12)  # tokens per expert when the chunk uses it
+            for layer in np.flatnonzero(compute.any(axis=1)):
+                cols = np.flatnonzero(compute[layer])
+                sent = prefill_fetch(given_used[layer, cols], PREFILL_FETCH_TOKENS, self.engine.bus_share)
+                choose_cpu[layer, cols] = ~sent
         if not self.engine.prefill_fetch_compute:
             choose_cpu |= ~stream
         if not self.engine.prefill_cpu_stream:

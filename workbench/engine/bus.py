@@ -15,11 +15,13 @@ stacks are freed.
 ``WORKBENCH_BUS_SHARE``: the fraction of a layer's CPU-selected experts sent over the bus (default
 ``costmodel.BUS_SHARE``, which the cost model predicts with); 0 turns the bus share off.
 
-Prefill chunks use the same slots differently: a CPU-tier expert that ``fetch_tokens`` or more
-tokens of the chunk select is copied to the GPU once and computed there for all of them (two halves
-of the slots alternate, so a batch travels while the previous one computes); the CPU computes the
-experts fewer tokens select, at the same time (``WORKBENCH_PREFILL_FETCH_TOKENS`` sets the threshold
-for measuring other splits). Device slots:
+Prefill chunks use the same slots differently: a CPU-tier expert that travels is copied to the GPU
+once and computed there for all of its tokens (two halves of the slots alternate, so a batch travels
+while the previous one computes). Those that ``fetch_tokens`` or more tokens of the chunk select
+always travel; of the others the hottest travel and the coldest stay with the CPU
+(``costmodel.prefill_fetch``: the CPU's fused kernel costs a weight read per token, a copy about
+``(1 - fraction) / fraction`` reads), and the CPU computes them on its own thread meanwhile.
+``WORKBENCH_PREFILL_FETCH_TOKENS`` sets the threshold for measuring other splits. Device slots:
 ``costmodel.BUS_SLOTS`` experts per layer and token at most (38 MB at the Qwen3-30B-A3B shape).
 """
 

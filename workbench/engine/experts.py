@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from workbench.core.costmodel import prefill_fetch
+
 from . import blocks, cpu_kernel, gpu_kernels, prefill_kernels
 
 RESIDENT, COMPUTE, STREAM = 0, 1, 2
@@ -437,9 +439,18 @@ class LayerExperts:
         if str_sel.size:
             self._run_streamed(x, token_host, flat_w, ids_host, str_sel, out, scale_input)
         cpu_sel = np.nonzero(tiers == COMPUTE)[0]
-        if cpu_sel.size and self.bus is not None and T > 1:  # experts many tokens select: to the GPU once
-            cpu_sel = self._run_fetched(x, token_host, flat_w, ids_host, cpu_sel, out, scale_input)
         bus_y = finish = None
+        if cpu_sel.size and self.bus is not None and T > 1:  # experts many tokens select: to the GPU once
+            sent, cpu_sel = self._prefill_split(ids_host, cpu_sel)
+            if cpu_sel.size and self._fused_cpu(scale_input):  # the CPU starts first, on its own thread
+                finish = self._start_cpu(host[2], token_host, host[1], ids_host, cpu_sel, scale_input,
+                                         background=True)
+            try:
+                self._run_fetched(x, token_host, flat_w, ids_host, sent, out, scale_input)
+            except BaseException:
+                if finish is not None:
+                    finish()  # the background run ends before the error goes up
+                raise
         if cpu_sel.size and self.bus is not None and T == 1 and not scale_input and gpu_kernels.usable(x):
             m = self.bus.share(cpu_sel.size)
             if m:  # these travel and the GPU computes them while the CPU computes the rest
@@ -470,32 +481,35 @@ class LayerExperts:
         else runs here before this returns."""
         out = self.staging.buffer("cpu_out", tuple(x.shape), x.dtype).zero_()
         rows = self.local[ids_host[sel]]
-        fused = None  # a fused decode kernel's call, given the rows' weights
+        fused = None  # a fused kernel's call, given the pairs' weights
+        one = x.shape[0] == 1  # decode: x [H]; a prompt: x [T, H] and a token per pair
+        xk, tok = (x[0], None) if one else (x, token[sel])
         if self.cpu_kernel is not None:
             tok = torch.from_numpy(token[sel])
             y = self.cpu_kernel(x[tok], torch.from_numpy(rows), flat_w[torch.from_numpy(sel)], scale_input)
             out.index_add_(0, tok, y.to(out.dtype))
-        elif self.kept_cpu is not None and x.shape[0] == 1 and not scale_input:  # decode on the file's blocks
+        elif self.kept_cpu is not None and self._fused_cpu(scale_input):  # the file's blocks, read in place
             if self.kept[0] == "q8_0":
-                fused = lambda w, bg: cpu_kernel.moe_decode_q8(x[0], *self.kept_cpu, rows, w, background=bg)  # noqa: E731
+                fused = lambda w, bg: cpu_kernel.moe_decode_q8(xk, *self.kept_cpu, rows, w, background=bg,  # noqa: E731
+                                                               tokens=tok)
             else:
-                fused = lambda w, bg: cpu_kernel.moe_decode_q4k(x[0], *self.kept_cpu, rows, w, *self.kept,  # noqa: E731
-                                                                background=bg)
+                fused = lambda w, bg: cpu_kernel.moe_decode_q4k(xk, *self.kept_cpu, rows, w, *self.kept,  # noqa: E731
+                                                                background=bg, tokens=tok)
         elif self.kept_cpu is not None:  # a prompt: the rows it uses, dequantized once
             uniq, local = np.unique(rows, return_inverse=True)
             w13, w2 = self._dequant(self.kept_cpu, uniq)
             _grouped_host(x, sel, token, local.reshape(-1), flat_w, out, scale_input, w13, w2, None, None, self.act,
                           on_host=True)
-        elif x.shape[0] == 1 and not scale_input and not self.bias and self.act[0] == "silu":
-            # decode: one token, each selected expert once
+        elif self._fused_cpu(scale_input):  # the fused C++ kernel: every selected expert in one call
             w13, w2 = self.w13[COMPUTE], self.w2[COMPUTE]
-            if self.fused_cpu:  # the fused C++ kernel: every selected expert in one call near RAM bandwidth
-                fused = lambda w, bg: cpu_kernel.moe_decode(x[0], w13, w2, rows, w, background=bg)  # noqa: E731
-            else:  # five ops per expert, no grouping or gathers
-                i = w2.shape[2]
-                for r, wt in zip(rows.tolist(), flat_w[torch.from_numpy(sel)].tolist()):
-                    h = F.linear(x, w13[r])  # [1, 2I]
-                    out.add_(F.linear(F.silu(h[:, :i]).mul_(h[:, i:]), w2[r]), alpha=wt)
+            fused = lambda w, bg: cpu_kernel.moe_decode(xk, w13, w2, rows, w, background=bg, tokens=tok)  # noqa: E731
+        elif one and not scale_input and not self.bias and self.act[0] == "silu":
+            # decode without the kernel: five ops per expert, no grouping or gathers
+            w13, w2 = self.w13[COMPUTE], self.w2[COMPUTE]
+            i = w2.shape[2]
+            for r, wt in zip(rows.tolist(), flat_w[torch.from_numpy(sel)].tolist()):
+                h = F.linear(x, w13[r])  # [1, 2I]
+                out.add_(F.linear(F.silu(h[:, :i]).mul_(h[:, i:]), w2[r]), alpha=wt)
         else:
             _grouped_host(x, sel, token, rows, flat_w, out, scale_input, self.w13[COMPUTE], self.w2[COMPUTE],
                           self.b13[COMPUTE], self.b2[COMPUTE], self.act, on_host=True)
@@ -503,30 +517,46 @@ class LayerExperts:
             return lambda: out
         weights = flat_w[torch.from_numpy(sel)]
         if not background:
-            out[0].copy_(fused(weights, 0))
+            out.view(-1).copy_(fused(weights, 0).view(-1))
             return lambda: out
         pending = fused(weights, _background_threads())
 
         def finish():
             cpu_kernel.wait()
-            out[0].copy_(pending)
+            out.view(-1).copy_(pending.view(-1))
             return out
         return finish
+
+    def _fused_cpu(self, scale_input: bool) -> bool:
+        """Whether the fused C++ kernel computes this layer's CPU tier (decode and prompts alike)."""
+        if self.cpu_kernel is not None or scale_input:
+            return False
+        if self.kept_cpu is not None:
+            return True
+        return self.fused_cpu and not self.bias and self.act[0] == "silu"
 
     def cpu_stacks(self) -> list[torch.Tensor]:
         """The compute tier's host stacks: ``[w13, w2]``, or the kept blocks' tensors (``alloc_kept``)."""
         return list(self.kept_cpu) if self.kept_cpu is not None else [self.w13[COMPUTE], self.w2[COMPUTE]]
 
-    def _run_fetched(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
-                     sel: np.ndarray, out: torch.Tensor, scale_input: bool) -> np.ndarray:
-        """Prefill with a bus share: the CPU-tier experts that ``bus.fetch_tokens`` or more of the pairs
-        ``sel`` select are copied to the GPU slots (a few at a time) and their pairs added to ``out``
-        there, queued without waiting; returns the pairs left to the CPU."""
+    def _prefill_split(self, ids_host: np.ndarray, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill with a bus share: the CPU-tier pairs ``sel`` split into those whose experts travel to
+        the GPU (``costmodel.prefill_fetch``: the busy ones, and the hotter ones until the bus and the
+        CPU finish together) and those the CPU computes: ``(sent, cpu)``."""
         experts = ids_host[sel]
         uniq, counts = np.unique(experts, return_counts=True)
-        hot = uniq[counts >= self.bus.fetch_tokens]
+        hot = uniq[prefill_fetch(counts, self.bus.fetch_tokens, self.bus.fraction)]
+        travels = np.isin(experts, hot)
+        return sel[travels], sel[~travels]
+
+    def _run_fetched(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
+                     sel: np.ndarray, out: torch.Tensor, scale_input: bool) -> None:
+        """Copy the experts of the pairs ``sel`` to the GPU slots (a few at a time) and add their pairs
+        to ``out`` there, queued without waiting."""
+        experts = ids_host[sel]
+        hot = np.unique(experts)
         if not hot.size:
-            return sel
+            return
         n = self.bus.half_slots
         for b, start in enumerate(range(0, hot.size, n)):
             batch = hot[start:start + n]
@@ -536,7 +566,6 @@ class LayerExperts:
             _grouped_host(x, sel[in_batch], token, slot, flat_w, out, scale_input, self.bus.w13, self.bus.w2,
                           None, None, self.act)
             self.bus.done_with(b % 2)
-        return sel[~np.isin(experts, hot)]
 
     def _run_streamed(self, x, token, flat_w, ids_host, sel, out, scale_input) -> None:
         needed = list(dict.fromkeys(ids_host[sel].tolist()))  # unique, in first-use order
