@@ -13,6 +13,7 @@ import torch
 from workbench.cli import main
 from workbench.core import synth
 from workbench.core.hardware import preset
+from workbench.core.readers import open_model
 from workbench.engine import bench, bench_llamacpp
 from workbench.engine.bench_measure import PeakSampler, markdown_table
 
@@ -52,7 +53,14 @@ def test_cli_writes_json_and_table(model, tmp_path, capsys):
     assert rc == 0
     d = json.loads(out.read_text())
     assert d["runs"][0]["decode_tps"] > 0 and d["runs"][0]["prediction_error"] is not None
-    assert d["runs"][0]["engine_paths"] == {"bus_experts": 0, "kept": {}}  # bf16 file, no GPU: neither
+    paths = d["runs"][0]["engine_paths"]
+    assert paths["bus_experts"] == 0 and paths["kept"] == {}  # bf16 file, no GPU: neither
+    tiers = paths["tiers"]  # n-cpu-moe: whole layers' experts on the CPU, the others resident
+    assert all(t[2] == 0 and 0 in t[:2] for t in tiers.values()) and any(t[1] for t in tiers.values())
+    cpu_layers = {layer for layer, t in tiers.items() if t[1]}
+    assert set(paths["cpu_selected"]) == cpu_layers  # each selects top_k CPU experts per token there
+    top_k = open_model(str(model)).spec.n_experts_active
+    assert all(v == pytest.approx(top_k) for v in paths["cpu_selected"].values())
     assert "| placement |" in capsys.readouterr().out
 
 

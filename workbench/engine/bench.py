@@ -239,7 +239,7 @@ def run_placement(inv, placement: Placement, label: str, strategy: str, *, devic
             run.load_s = time.perf_counter() - t0
             m = measure_engine(engine, prompt=prompt, gen=gen, repeats=repeats)
             counts = engine.routing_counts()
-            run.engine_paths = engine_paths(engine)
+            run.engine_paths = engine_paths(engine, counts)
             run.prefill_samples, run.decode_samples, run.ttft_samples = m["prefill"], m["decode"], m["ttft"]
             run.prefill_tps = float(np.median(m["prefill"]))
             run.decode_tps = float(np.median(m["decode"]))
@@ -259,12 +259,24 @@ def run_placement(inv, placement: Placement, label: str, strategy: str, *, devic
     return run, counts
 
 
-def engine_paths(engine) -> dict:
-    """``{"bus_experts": experts the bus share copied so far, "kept": {layer: "gate/up format+down
-    format"}}`` of a loaded engine."""
+def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
+    """What a loaded engine did: ``bus_experts`` (experts the bus share copied so far), ``kept``
+    (``{layer: "gate/up format+down format"}``), ``tiers`` (``{layer: [resident, compute, stream]}``
+    expert counts) and, given its routing ``counts [L, E]``, ``cpu_selected`` (``{layer: selections of
+    CPU-tier experts per token}``: the host work of each hybrid layer)."""
     share = getattr(engine, "_bus", None)
     kept = {str(layer): "+".join(lx.kept) for layer, lx in engine.experts.items() if lx.kept is not None}
-    return {"bus_experts": share.copied if share is not None else 0, "kept": kept}
+    tiers = {str(layer): [int(n) for n in lx.n_tier] for layer, lx in engine.experts.items()}
+    out = {"bus_experts": share.copied if share is not None else 0, "kept": kept, "tiers": tiers}
+    if counts is not None and counts.any():
+        k = max(1, engine.args.top_k)
+        cpu = {}
+        for layer, lx in engine.experts.items():
+            c = counts[layer, :len(lx.tier)]
+            if lx.n_tier[1] and c.sum():
+                cpu[str(layer)] = round(float(c[lx.tier[:len(c)] > 0].sum() / c.sum() * k), 3)
+        out["cpu_selected"] = cpu
+    return out
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
