@@ -122,3 +122,49 @@ def test_bad_tokens_are_refused(kernel, tokens, match):
         kernel.moe_decode(torch.ones(3, 64), w13, w2, torch.tensor([0, 1]), torch.ones(2), tokens=tokens)
     with pytest.raises(RuntimeError, match="tokens are for a 2-D x"):
         kernel.moe_decode(torch.ones(64), w13, w2, torch.tensor([0, 1]), torch.ones(2), tokens=torch.tensor([0, 0]))
+
+
+PROMPT = [3, 17, 5, 42, 9, 11, 60, 7, 22, 33, 1, 4, 8, 19, 27, 31, 2, 50, 12, 14, 6, 45, 38, 29]
+
+
+def test_a_prompt_on_the_cpu_tier_splits_between_the_kernel_and_torch_gemms(kernel, tiny_model_dir, tiny_hf_model,
+                                                                              monkeypatch):
+    """Experts few of a prompt's tokens pick go through the fused kernel, those many pick through torch's
+    GEMMs; both together, either alone, and transformers give the same logits (float32)."""
+    from tests.engine.engine_helpers import open_inventory, placements, reference_logits, rel_err
+    from workbench.engine import Engine, experts
+
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    calls = {"fused": 0, "gemm": 0}
+    fused, gemm = cpu_kernel.moe_decode, experts.LayerExperts._grouped_cpu
+
+    def count_fused(x, *a, **k):
+        calls["fused"] += x.dim() == 2
+        return fused(x, *a, **k)
+
+    def count_gemm(self, *a, **k):
+        calls["gemm"] += 1
+        return gemm(self, *a, **k)
+
+    monkeypatch.setattr(cpu_kernel, "moe_decode", count_fused)
+    monkeypatch.setattr(experts.LayerExperts, "_grouped_cpu", count_gemm)
+    runs = {}
+    for limit in (experts.FUSED_PROMPT_TOKENS, 0, 10**9):
+        monkeypatch.setattr(experts, "FUSED_PROMPT_TOKENS", limit)
+        engine = Engine.load(inv, placements(inv)["compute"], device="cpu", dtype=torch.float32, max_context=64)
+        try:
+            assert all(lx.fused_cpu for lx in engine.experts.values())
+            before = dict(calls)
+            runs[limit] = engine.forward(torch.tensor(PROMPT), 0)
+            used = {k: calls[k] - before[k] for k in calls}
+        finally:
+            engine.close()
+        if limit == 0:
+            assert used["fused"] == 0 and used["gemm"] > 0
+        elif limit == 10**9:
+            assert used["fused"] > 0 and used["gemm"] == 0
+        else:
+            assert used["fused"] > 0 and used["gemm"] > 0  # this prompt has both kinds of experts
+    ref = reference_logits(tiny_hf_model("qwen3_moe"), PROMPT)
+    for logits in runs.values():
+        assert rel_err(logits, ref) < 1e-4

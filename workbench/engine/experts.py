@@ -32,6 +32,9 @@ from . import blocks, cpu_kernel, gpu_kernels, prefill_kernels
 RESIDENT, COMPUTE, STREAM = 0, 1, 2
 TIER_NAMES = ("resident", "compute", "stream")
 GATHER_MAX_ROWS = 16
+FUSED_PROMPT_TOKENS = 4
+"""A prompt's CPU-tier expert picked by up to this many tokens goes through the fused CPU kernel (a
+weight read per token); one picked by more, through torch's CPU GEMM (one read, near its FLOP rate)."""
 """Up to this many (token, expert) pairs the resident tier gathers weights instead of grouping."""
 
 
@@ -483,6 +486,16 @@ class LayerExperts:
         rows = self.local[ids_host[sel]]
         fused = None  # a fused kernel's call, given the pairs' weights
         one = x.shape[0] == 1  # decode: x [H]; a prompt: x [T, H] and a token per pair
+        if not one and self._fused_cpu(scale_input):
+            # an expert many tokens select: one GEMM (torch's CPU GEMM runs near its FLOP rate), where
+            # the fused kernel would cost a weight read per token
+            _, inverse, counts = np.unique(rows, return_inverse=True, return_counts=True)
+            many = counts[inverse.reshape(-1)] > FUSED_PROMPT_TOKENS
+            if many.any():
+                self._grouped_cpu(x, token, flat_w, sel[many], rows[many], out, scale_input)
+                sel, rows = sel[~many], rows[~many]
+                if not sel.size:
+                    return lambda: out
         xk, tok = (x[0], None) if one else (x, token[sel])
         if self.cpu_kernel is not None:
             tok = torch.from_numpy(token[sel])
@@ -495,11 +508,6 @@ class LayerExperts:
             else:
                 fused = lambda w, bg: cpu_kernel.moe_decode_q4k(xk, *self.kept_cpu, rows, w, *self.kept,  # noqa: E731
                                                                 background=bg, tokens=tok)
-        elif self.kept_cpu is not None:  # a prompt: the rows it uses, dequantized once
-            uniq, local = np.unique(rows, return_inverse=True)
-            w13, w2 = self._dequant(self.kept_cpu, uniq)
-            _grouped_host(x, sel, token, local.reshape(-1), flat_w, out, scale_input, w13, w2, None, None, self.act,
-                          on_host=True)
         elif self._fused_cpu(scale_input):  # the fused C++ kernel: every selected expert in one call
             w13, w2 = self.w13[COMPUTE], self.w2[COMPUTE]
             fused = lambda w, bg: cpu_kernel.moe_decode(xk, w13, w2, rows, w, background=bg, tokens=tok)  # noqa: E731
@@ -511,21 +519,33 @@ class LayerExperts:
                 h = F.linear(x, w13[r])  # [1, 2I]
                 out.add_(F.linear(F.silu(h[:, :i]).mul_(h[:, i:]), w2[r]), alpha=wt)
         else:
-            _grouped_host(x, sel, token, rows, flat_w, out, scale_input, self.w13[COMPUTE], self.w2[COMPUTE],
-                          self.b13[COMPUTE], self.b2[COMPUTE], self.act, on_host=True)
+            self._grouped_cpu(x, token, flat_w, sel, rows, out, scale_input)
         if fused is None:
             return lambda: out
         weights = flat_w[torch.from_numpy(sel)]
         if not background:
-            out.view(-1).copy_(fused(weights, 0).view(-1))
+            out.add_(fused(weights, 0).view(out.shape))
             return lambda: out
         pending = fused(weights, _background_threads())
 
         def finish():
             cpu_kernel.wait()
-            out.view(-1).copy_(pending.view(-1))
+            out.add_(pending.view(out.shape))
             return out
         return finish
+
+    def _grouped_cpu(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, sel: np.ndarray,
+                     rows: np.ndarray, out: torch.Tensor, scale_input: bool) -> None:
+        """Add to the host ``out [T, H]`` the CPU tier's pairs ``sel`` (rows ``rows`` of its stacks) by
+        torch ops, grouped by expert (kept blocks: the rows used, dequantized once)."""
+        if self.kept_cpu is not None:
+            uniq, local = np.unique(rows, return_inverse=True)
+            w13, w2 = self._dequant(self.kept_cpu, uniq)
+            _grouped_host(x, sel, token, local.reshape(-1), flat_w, out, scale_input, w13, w2, None, None, self.act,
+                          on_host=True)
+            return
+        _grouped_host(x, sel, token, rows, flat_w, out, scale_input, self.w13[COMPUTE], self.w2[COMPUTE],
+                      self.b13[COMPUTE], self.b2[COMPUTE], self.act, on_host=True)
 
     def _fused_cpu(self, scale_input: bool) -> bool:
         """Whether the fused C++ kernel computes this layer's CPU tier (decode and prompts alike)."""
