@@ -9,7 +9,9 @@
 # variants and --n-cpu-moe 14/15/17), cpu (CPU expert formats),
 # uniform (S1 reskewed to uniform routing; llama-bench), q8, q4 (S1 as Q8_0 / Q4_K; llama-bench),
 # nommap (llama-bench -lm none: weights read into buffers, not mmap'd), tests (tests/engine on CUDA),
-# write (the S1 skewed file only), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
+# write (the S1 skewed file only), prefill (scripts/profile_prefill.py: a 512-token prompt at
+# n-cpu-moe 17 under several bus/CPU splits), prompt_tests (bus share, grouped kernels and CPU kernel
+# prompt tests on CUDA; carry .whl_engine), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
 # 12 GiB, then scripts/profile_decode.py into $OUT/decode),
 # calibrate ($OUT/h200.json, then the profile of the stages after it), engine (`workbench bench
 # run`: llama.cpp -lm none at --n-cpu-moe 16 and all-GPU, then our n-cpu-moe, frequency, balanced
@@ -141,6 +143,16 @@ stage_profile() {  # host-time phases of hybrid layers (scripts/profile_hybrid.p
     log "profile_decode"; timeout 200 python3 scripts/profile_decode.py --model "$models/s1.gguf" --device cuda \
         --budget 12GiB --margin 512MiB --out "$p/decode" 2>>"$OUT/device.log" | tail -30 | tee -a "$OUT/device.log"
     tar -C "$p" -czf "$OUT/profile.tar.gz" .
+}
+stage_prefill() {  # a hybrid prompt's time under several bus/CPU splits (scripts/profile_prefill.py)
+    stage_write
+    log "profile_prefill"; timeout 200 python3 scripts/profile_prefill.py --model "$models/s1.gguf" --device cuda \
+        --n-cpu-moe 17 --out "$OUT/prefill" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
+}
+stage_prompt_tests() {  # the prompt paths' tests on CUDA: bus share, grouped kernels, CPU kernel (carry .whl_engine)
+    log "prompt tests"; WORKBENCH_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
+        tests/engine/test_bus_share.py tests/engine/test_prefill_kernels.py tests/engine/test_cpu_kernel_prompt.py \
+        >"$OUT/prompt_tests.txt" 2>&1; log "prompt tests rc $?"; tail -3 "$OUT/prompt_tests.txt" | tee -a "$OUT/device.log"
 }
 stage_calibrate() {  # the profile the later stages predict with ($OUT/h200.json)
     log "calibrate"; python3 -m workbench calibrate -o "$OUT/h200.json" 2>>"$OUT/device.log" | tail -4 | tee -a "$OUT/device.log"

@@ -151,7 +151,7 @@ def test_prefill_fetches_busy_experts_and_computes_rare_ones():
     fetched = cm.predict(p, prompt_tokens=512).prefill_layers[0]  # CPU-compute experts, the bus share's rule
     assert fetched.bus > 0 and fetched.cpu == 0
     few = cm.predict(p, prompt_tokens=40).prefill_layers[0]  # 10 tokens per expert: below the rule's 16,
-    assert few.cpu == 0 and few.bus > 0  # but ten reads on the CPU against one copy
+    assert few.bus > 0 and few.cpu > 0  # a GEMM's time on the CPU against a copy: most travel, not all
     cm.engine = dataclasses.replace(cm.engine, bus_share=0.0)  # no bus share: the CPU computes them
     alone = cm.predict(p, prompt_tokens=40).prefill_layers[0]
     assert alone.cpu > 0 and alone.bus == 0

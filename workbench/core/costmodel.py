@@ -47,8 +47,14 @@ from .units import UnitKey
 BUS_SHARE = 0.45
 """Default share of a token's CPU-selected experts sent over the bus in decode (about bus / (bus + CPU
 kernel) read rates on the H200 machine: 55 and 67 GB/s)."""
-BUS_SLOTS = 4
-"""Device slots for them: experts sent per layer and token at most."""
+BUS_SLOTS = 8
+"""Device slots for them (decode sends at most ``round(top_k * BUS_SHARE)`` per layer and token; a
+prompt's fetched experts travel half the slots at a time)."""
+FUSED_PROMPT_TOKENS = 8
+"""A prompt's CPU-tier expert picked by up to this many tokens goes through the fused CPU kernel (a
+weight read per token); one picked by more, through torch's CPU GEMM (about this many reads' time:
+bf16 GEMMs of a few tokens measured 0.8 ms per Qwen3-30B-A3B expert on the H200 machine's host, the
+kernel 0.12 ms per token)."""
 PREFILL_FETCH_TOKENS = 16
 """With the bus share, prefill always copies a CPU-tier expert picked by at least this many tokens of
 a chunk to the GPU (pinned, once) instead of computing it on the CPU; of the others, ``prefill_fetch``
@@ -61,9 +67,10 @@ def prefill_fetch(counts: np.ndarray, fetch_tokens: float, bus_share: float) -> 
 
     An expert ``fetch_tokens`` or more tokens select always travels. Of the others the hottest travel
     and the coldest stay with the CPU, split where the two lanes finish together: the CPU's time for
-    an expert is one weight read per token (its fused kernel is compute-bound per token), the bus's
-    is one copy of the expert, ``(1 - bus_share) / bus_share`` reads (``bus_share``: the bus's part of
-    the two lanes' summed read rates, as in decode; 0 sends no more, 1 sends all).
+    an expert is one weight read per token (its fused kernel is compute-bound per token) up to
+    ``FUSED_PROMPT_TOKENS`` reads (a GEMM), the bus's is one copy of the expert,
+    ``(1 - bus_share) / bus_share`` reads (``bus_share``: the bus's part of the two lanes' summed read
+    rates, as in decode; 0 sends no more, 1 sends all).
     """
     counts = np.asarray(counts, dtype=float)
     fetch = counts >= fetch_tokens
@@ -73,7 +80,7 @@ def prefill_fetch(counts: np.ndarray, fetch_tokens: float, bus_share: float) -> 
     if bus_share >= 1:
         return np.ones_like(fetch)
     order = rest[np.argsort(counts[rest], kind="stable")]  # coldest first
-    cpu = np.concatenate([[0.0], np.cumsum(counts[order])])  # the CPU computing the m coldest
+    cpu = np.concatenate([[0.0], np.cumsum(np.minimum(counts[order], FUSED_PROMPT_TOKENS))])  # the m coldest
     bus = (1 - bus_share) / bus_share * (fetch.sum() + order.size - np.arange(order.size + 1))
     m = int(np.argmin(np.maximum(cpu, bus)))
     fetch[order[m:]] = True
@@ -515,9 +522,10 @@ class CostModel:
         stream = grid == TIER_CPU_STREAM
         choose_cpu = on_cpu <= fetch
         if self.engine.bus_share > 0:  # the engine's rule for CPU-compute experts (prefill_fetch)
-            on_cpu = np.where(stream, on_cpu, b * np.maximum(used, n_tok) / self.expert_cpu_rate)
-            compute = host & ~stream
             given_used = n_tok / np.maximum(used, 1e-12)  # tokens per expert when the chunk uses it
+            reads = used * np.clip(given_used, 1.0, FUSED_PROMPT_TOKENS)  # the kernel, or a GEMM
+            on_cpu = np.where(stream, on_cpu, b * reads / self.expert_cpu_rate)
+            compute = host & ~stream
             for layer in np.flatnonzero(compute.any(axis=1)):
                 cols = np.flatnonzero(compute[layer])
                 sent = prefill_fetch(given_used[layer, cols], PREFILL_FETCH_TOKENS, self.engine.bus_share)

@@ -235,11 +235,14 @@ class BusShare:
         into half ``half`` (0 or 1) of the slots on the copy stream, once the kernels that read that
         half before are done (``done_with``); the current stream waits for the copies. Returns the
         first slot. Alternating halves lets one batch travel while the previous one computes."""
-        n = self.half_slots
-        base = half * n if 2 * n <= self.slots else 0
+        base = self.half_base(half)
         self._copy_in(base, rows, src, kept, self.free[half:half + 1] if self.cuda else [],
                       self.ready[half] if self.cuda else None)
         return base
+
+    def half_base(self, half: int) -> int:
+        """The first slot of prefill half ``half`` (0 or 1)."""
+        return half * self.half_slots if 2 * self.half_slots <= self.slots else 0
 
     def done_with(self, half: int) -> None:
         """The kernels queued so far on the current stream are the last readers of ``half``."""

@@ -25,16 +25,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from workbench.core.costmodel import prefill_fetch
+from workbench.core.costmodel import FUSED_PROMPT_TOKENS, prefill_fetch
 
 from . import blocks, cpu_kernel, gpu_kernels, prefill_kernels
 
 RESIDENT, COMPUTE, STREAM = 0, 1, 2
 TIER_NAMES = ("resident", "compute", "stream")
 GATHER_MAX_ROWS = 16
-FUSED_PROMPT_TOKENS = 4
-"""A prompt's CPU-tier expert picked by up to this many tokens goes through the fused CPU kernel (a
-weight read per token); one picked by more, through torch's CPU GEMM (one read, near its FLOP rate)."""
 """Up to this many (token, expert) pairs the resident tier gathers weights instead of grouping."""
 
 
@@ -486,14 +483,16 @@ class LayerExperts:
         rows = self.local[ids_host[sel]]
         fused = None  # a fused kernel's call, given the pairs' weights
         one = x.shape[0] == 1  # decode: x [H]; a prompt: x [T, H] and a token per pair
-        if not one and self._fused_cpu(scale_input):
-            # an expert many tokens select: one GEMM (torch's CPU GEMM runs near its FLOP rate), where
-            # the fused kernel would cost a weight read per token
+        gemm = None  # pairs of experts many tokens select: one GEMM each (torch's CPU GEMM runs near its
+        if not one and self._fused_cpu(scale_input):  # FLOP rate), where the kernel costs a read per token
             _, inverse, counts = np.unique(rows, return_inverse=True, return_counts=True)
             many = counts[inverse.reshape(-1)] > FUSED_PROMPT_TOKENS
             if many.any():
-                self._grouped_cpu(x, token, flat_w, sel[many], rows[many], out, scale_input)
+                gemm = (sel[many], rows[many])
                 sel, rows = sel[~many], rows[~many]
+                if not background or not sel.size:
+                    self._grouped_cpu(x, token, flat_w, *gemm, out, scale_input)
+                    gemm = None
                 if not sel.size:
                     return lambda: out
         xk, tok = (x[0], None) if one else (x, token[sel])
@@ -529,7 +528,11 @@ class LayerExperts:
         pending = fused(weights, _background_threads())
 
         def finish():
-            cpu_kernel.wait()
+            try:
+                if gemm is not None:  # on this thread while the kernel runs on its own
+                    self._grouped_cpu(x, token, flat_w, *gemm, out, scale_input)
+            finally:
+                cpu_kernel.wait()
             out.add_(pending.view(out.shape))
             return out
         return finish
@@ -571,19 +574,51 @@ class LayerExperts:
 
     def _run_fetched(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
                      sel: np.ndarray, out: torch.Tensor, scale_input: bool) -> None:
-        """Copy the experts of the pairs ``sel`` to the GPU slots (a few at a time) and add their pairs
-        to ``out`` there, queued without waiting."""
+        """Copy the experts of the pairs ``sel`` to the GPU slots (``bus.half_slots`` at a time, the two
+        halves alternating) and add their pairs to ``out`` there, queued without waiting. With the
+        grouped kernels the pairs are sorted, gathered and indexed once for the layer and each batch is
+        only its copies and two kernel launches over its slice of one tile table."""
         experts = ids_host[sel]
-        hot = np.unique(experts)
-        if not hot.size:
-            return
         n = self.bus.half_slots
-        for b, start in enumerate(range(0, hot.size, n)):
-            batch = hot[start:start + n]
-            base = self.bus.fetch(b % 2, batch, self.local[batch], self.cpu_stacks(), self.kept_layout())
+        stacks, kept = self.cpu_stacks(), self.kept_layout()
+        order = np.argsort(experts, kind="stable")
+        pairs, experts = sel[order], experts[order]
+        uniq, starts, counts = np.unique(experts, return_index=True, return_counts=True)
+        if not uniq.size:
+            return
+        if not scale_input and prefill_kernels.usable_for(x, self.bus.w13, self.bus.w2, None, None, self.act):
+            j = np.arange(uniq.size)
+            slots = np.where((j // n) % 2 == 1, self.bus.half_base(1), self.bus.half_base(0)) + j % n
+            per = (counts + prefill_kernels.BLOCK_M - 1) // prefill_kernels.BLOCK_M  # tiles per expert
+            ends = np.cumsum(np.bincount(j // n, weights=per)).astype(np.int64)  # tile table end of each batch
+            dev = x.device
+            tiles_t = _h2d(torch.from_numpy(prefill_kernels.tile_table(starts, counts, slots)), dev)
+            tok_t = _h2d(torch.from_numpy(token[pairs]), dev)
+            xs = x[tok_t]
+            h, ys = prefill_kernels.buffers(xs, self.bus.w2)
+            begin = 0
+            for b, start in enumerate(range(0, uniq.size, n)):
+                batch = uniq[start:start + n]
+                self.bus.fetch(b % 2, batch, self.local[batch], stacks, kept)
+                try:
+                    prefill_kernels.grouped_into(xs, tiles_t[begin:ends[b]], self.bus.w13, self.bus.w2, h, ys)
+                except Exception as exc:
+                    if b or not gpu_kernels.failed_here(exc):
+                        raise
+                    prefill_kernels.disable(f"{type(exc).__name__}: {exc}")
+                    break  # nothing computed yet: the loop below does it all
+                self.bus.done_with(b % 2)
+                begin = int(ends[b])
+            else:
+                ws = flat_w[_h2d(torch.from_numpy(pairs), dev)].to(x.dtype)[:, None]
+                out.index_add_(0, tok_t, ys * ws)
+                return
+        for b, start in enumerate(range(0, uniq.size, n)):  # one grouped call per batch
+            batch = uniq[start:start + n]
+            base = self.bus.fetch(b % 2, batch, self.local[batch], stacks, kept)
             in_batch = np.isin(experts, batch)
             slot = base + np.searchsorted(batch, experts[in_batch])  # batch is sorted
-            _grouped_host(x, sel[in_batch], token, slot, flat_w, out, scale_input, self.bus.w13, self.bus.w2,
+            _grouped_host(x, pairs[in_batch], token, slot, flat_w, out, scale_input, self.bus.w13, self.bus.w2,
                           None, None, self.act)
             self.bus.done_with(b % 2)
 

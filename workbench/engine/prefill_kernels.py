@@ -162,23 +162,41 @@ def swiglu_grouped(xs: torch.Tensor, tiles: np.ndarray, w13: torch.Tensor, w2: t
     Raises what Triton raises when a kernel fails to build or launch (``gpu_kernels.failed_here``).
     """
     xs = xs.contiguous()
-    n, H = xs.shape
-    f13, f2 = (0, 0) if fmt is None else (_FMT[fmt[0]], _FMT[fmt[1]])
-    i = w2.shape[2] if f2 in (0, 1) else w2.shape[2] // blocks.KQUANTS[fmt[1]] * 256
     dev = xs.device
     tiles_t = torch.from_numpy(np.ascontiguousarray(tiles))
     tiles_t = tiles_t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else tiles_t
+    h, out = buffers(xs, w2, fmt)
+    grouped_into(xs, tiles_t, w13, w2, h, out, d13, d2, fmt)
+    return out
+
+
+def buffers(xs: torch.Tensor, w2: torch.Tensor, fmt: tuple[str, str] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grouped_into``'s outputs for ``xs [n, H]``: the activations ``[n, I]`` and the result ``[n, H]``."""
+    i = w2.shape[2] if fmt is None or _FMT[fmt[1]] == 1 else w2.shape[2] // blocks.KQUANTS[fmt[1]] * 256
+    return (torch.empty((xs.shape[0], i), dtype=xs.dtype, device=xs.device),
+            torch.empty(xs.shape, dtype=xs.dtype, device=xs.device))
+
+
+def grouped_into(xs: torch.Tensor, tiles_t: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
+                 out: torch.Tensor, d13: torch.Tensor | None = None, d2: torch.Tensor | None = None,
+                 fmt: tuple[str, str] | None = None) -> None:
+    """``swiglu_grouped`` for the tiles ``tiles_t [t, 3]`` int32 already on the device (a slice of a
+    larger table: the pairs of other tiles are left as they are), into ``h``/``out`` from ``buffers``.
+    Queued without a host sync."""
+    H = xs.shape[1]
+    i = h.shape[1]
+    f13, f2 = (0, 0) if fmt is None else (_FMT[fmt[0]], _FMT[fmt[1]])
     f32 = xs.dtype == torch.float32 or not xs.is_cuda
-    h = torch.empty((n, i), dtype=xs.dtype, device=dev)
-    nt = tiles.shape[0]
+    nt = tiles_t.shape[0]
+    if nt == 0:
+        return
     _grouped_kernel[lambda meta: (nt, triton.cdiv(i, meta["BLOCK_N"]))](
         xs, w13, d13 if d13 is not None else w13, tiles_t, h, i, H, w13.stride(0), w13.stride(1), xs.stride(0),
         SWIGLU=True, F32_DOT=f32, FMT=f13, BLOCK_M=BLOCK_M)
-    out = torch.empty((n, H), dtype=xs.dtype, device=dev)
     _grouped_kernel[lambda meta: (nt, triton.cdiv(H, meta["BLOCK_N"]))](
         h, w2, d2 if d2 is not None else w2, tiles_t, out, H, i, w2.stride(0), w2.stride(1), h.stride(0),
         SWIGLU=False, F32_DOT=f32, FMT=f2, BLOCK_M=BLOCK_M)
-    return out
 
 
 def run_or_none(xs: torch.Tensor, tiles: np.ndarray, *stacks, **kw) -> torch.Tensor | None:
