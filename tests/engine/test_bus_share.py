@@ -176,3 +176,28 @@ def test_a_share_dropped_without_close_releases_its_page_locks():
     gc.collect()
     assert not stack.is_pinned()
     assert torch.randn(1 << 20).to(TEST_DEVICE).shape == (1 << 20,)  # copies from pageable memory still work
+
+
+def test_a_prompt_whose_grouped_kernel_fails_is_computed_by_the_loop(tiny_model_dir, tiny_hf_model, monkeypatch):
+    """The fetched experts' grouped kernel failing to build at a prompt's first batch turns the
+    kernels off and the same prompt is answered by one matrix product per expert."""
+    from workbench.engine import prefill_kernels
+
+    monkeypatch.setattr(prefill_kernels, "_disabled", [])
+
+    def broken(*a, **k):
+        raise prefill_kernels.triton.CompilationError("x.py", None, "no such instruction")
+
+    monkeypatch.setattr(prefill_kernels._grouped_kernel, "run", broken)
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    engine = decode_step_engine(inv, placements(inv)["compute"])
+    try:
+        share = _share(engine, 1.0)  # every CPU-tier expert of the prompt travels
+        share.fetch_tokens = 1
+        logits = engine.forward(torch.tensor(PROMPT), 0)
+        assert share.copied > 0 and not prefill_kernels.available()
+    finally:
+        engine.close()
+    model = tiny_hf_model("qwen3_moe")
+    ref = reference_logits(model, PROMPT)
+    assert rel_err(logits, ref) < logits_tolerance(model, PROMPT, ref)
