@@ -51,6 +51,19 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def small_model(path: str | None) -> Path:
+    """``path``, or (None) a 4-layer cut of ``MID`` written once to /tmp/wb_profile (local runs)."""
+    if path is not None:
+        return Path(path)
+    out = Path("/tmp/wb_profile/mid_4.gguf")
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        from dataclasses import replace
+
+        synth.write_gguf(out, replace(MID, n_layers=4), coverage_target=0.5)
+    return out
+
+
 def n_cpu_moe_placement(inv, n: int) -> Placement:
     """Routed experts of the first ``n`` MoE layers computed on the CPU, everything else resident."""
     p = Placement()

@@ -33,9 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_decode import MID, n_cpu_moe_placement, planned_placements  # noqa: E402
+from profile_decode import n_cpu_moe_placement, planned_placements, small_model  # noqa: E402
 
-from workbench.core import synth  # noqa: E402
 from workbench.core.fmt import parse_size  # noqa: E402
 from workbench.core.readers import open_model  # noqa: E402
 from workbench.engine import Engine, bus, cpu_kernel  # noqa: E402
@@ -94,15 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    path = args.model
-    if path is None:
-        path = Path("/tmp/wb_profile/mid_4.gguf")
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            from dataclasses import replace
-
-            synth.write_gguf(path, replace(MID, n_layers=4), coverage_target=0.5)
-    inv = open_model(str(path))
+    inv = open_model(str(small_model(args.model)))
     if args.budget:
         placement = planned_placements(inv, [args.strategy], parse_size(args.budget), parse_size(args.margin),
                                        args.prompt, args.steps, "bench-h200")[args.strategy]

@@ -26,9 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_decode import MID, n_cpu_moe_placement  # noqa: E402
+from profile_decode import n_cpu_moe_placement, small_model  # noqa: E402
 
-from workbench.core import synth  # noqa: E402
 from workbench.core.readers import open_model  # noqa: E402
 from workbench.engine import Engine  # noqa: E402
 from workbench.engine import experts as experts_mod  # noqa: E402
@@ -77,15 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for prefill.json and the torch profile table")
     args = ap.parse_args(argv)
 
-    path = args.model
-    if path is None:
-        path = Path("/tmp/wb_profile/mid_4.gguf")
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            from dataclasses import replace
-
-            synth.write_gguf(path, replace(MID, n_layers=4), coverage_target=0.5)
-    inv = open_model(str(path))
+    inv = open_model(str(small_model(args.model)))
     n = args.n_cpu_moe if args.n_cpu_moe is not None else (2 * len(inv.spec.moe_layers)) // 3
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     engine = Engine.load(inv, n_cpu_moe_placement(inv, n), device=args.device, dtype=dtype,
