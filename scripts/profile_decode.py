@@ -51,6 +51,17 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def timed(add, name: str, fn):
+    """``fn`` wrapped so that each call adds its host seconds under ``name``: ``add(name, seconds)``."""
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            add(name, time.perf_counter() - t)
+    return wrapper
+
+
 def small_model(path: str | None) -> Path:
     """``path``, or (None) a 4-layer cut of ``MID`` written once to /tmp/wb_profile (local runs)."""
     if path is not None:

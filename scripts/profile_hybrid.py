@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from profile_decode import n_cpu_moe_placement, planned_placements, small_model  # noqa: E402
+from profile_decode import timed as timed_by  # noqa: E402
 
 from workbench.core.fmt import parse_size  # noqa: E402
 from workbench.core.readers import open_model  # noqa: E402
@@ -62,16 +64,7 @@ class Phases:
 
 def instrument(ph: Phases) -> None:
     """Wrap the host point's pieces with timers (module-level functions and methods)."""
-
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                ph.add(name, time.perf_counter() - t)
-        return wrapper
-
+    timed = partial(timed_by, ph.add)
     le = experts_mod.LayerExperts
     le.host_part = timed("host_point", le.host_part)
     experts_mod.HostStaging.wait = timed("wait", experts_mod.HostStaging.wait)

@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from profile_decode import n_cpu_moe_placement, small_model  # noqa: E402
+from profile_decode import timed as timed_by  # noqa: E402
 
 from workbench.core.readers import open_model  # noqa: E402
 from workbench.engine import Engine  # noqa: E402
@@ -37,15 +39,10 @@ PHASES: dict[str, float] = defaultdict(float)
 
 def instrument() -> None:
     """Time the host-side pieces of a hybrid layer's prompt step into ``PHASES`` (seconds)."""
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                PHASES[name] += time.perf_counter() - t
-        return wrapper
+    def add(name: str, seconds: float) -> None:
+        PHASES[name] += seconds
 
+    timed = partial(timed_by, add)
     le = experts_mod.LayerExperts
     le.host_part = timed("host_point", le.host_part)
     le._run_fetched = timed("fetch", le._run_fetched)
