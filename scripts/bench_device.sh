@@ -11,7 +11,8 @@
 # nommap (llama-bench -lm none: weights read into buffers, not mmap'd), tests (tests/engine on CUDA),
 # write (the S1 skewed file only), prefill (scripts/profile_prefill.py: a 512-token prompt at
 # n-cpu-moe 17 under several bus/CPU splits), prompt_tests (bus share, grouped kernels and CPU kernel
-# prompt tests on CUDA; carry .whl_engine), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
+# prompt tests on CUDA; carry .whl_engine), profile_saved (scripts/profile_hybrid.py over the
+# placements stage engine ran, saved under /tmp/wb_placements), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
 # 12 GiB, then scripts/profile_decode.py into $OUT/decode),
 # calibrate ($OUT/h200.json, then the profile of the stages after it), engine (`workbench bench
 # run`: llama.cpp -lm none at --n-cpu-moe 16 and all-GPU, then our n-cpu-moe, frequency, balanced
@@ -124,7 +125,8 @@ side_by_side() {  # file label json strategies [args...]: llama.cpp (-lm none) t
     log "side by side: $label ($tl s left)"
     wb run --model "$file" --budget 12GiB --margin "${BENCH_MARGIN:-512MiB}" --profile "$prof" \
         --strategies "$strategies" -p 512 -n "${BENCH_ENGINE_GEN:-64}" -r "${BENCH_ENGINE_REPEATS:-2}" \
-        --time-limit "$tl" "${side[@]}" "$@" --json "$OUT/$json" | tee -a "$OUT/device.log"
+        --time-limit "$tl" "${side[@]}" "$@" --json "$OUT/$json" --save-placements "/tmp/wb_placements/${json%.json}" \
+        | tee -a "$OUT/device.log"
 }
 stage_tests() {  # the engine's tests on CUDA (carry .whl_engine: transformers and gguf as pinned here)
     log "tests"; WORKBENCH_TEST_DEVICE=cuda timeout "${TESTS_TIME_S:-240}" python3 -m pytest -q -p no:cacheprovider \
@@ -153,6 +155,16 @@ stage_prompt_tests() {  # the prompt paths' tests on CUDA: bus share, grouped ke
     log "prompt tests"; WORKBENCH_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
         tests/engine/test_bus_share.py tests/engine/test_prefill_kernels.py tests/engine/test_cpu_kernel_prompt.py \
         >"$OUT/prompt_tests.txt" 2>&1; log "prompt tests rc $?"; tail -3 "$OUT/prompt_tests.txt" | tee -a "$OUT/device.log"
+}
+stage_profile_saved() {  # decode host phases (scripts/profile_hybrid.py) of the placements the skewed run ran
+    local p=/tmp/wb_profile_saved; rm -rf "$p"; mkdir -p "$p"
+    for f in /tmp/wb_placements/engine_s1_skew/*.json; do
+        [ -f "$f" ] || { log "no saved placements: run stage engine first"; return; }
+        local st; st=$(basename "$f" .json)
+        log "profile_hybrid $st (saved)"; timeout 120 python3 scripts/profile_hybrid.py --model "$models/s1.gguf" \
+            --device cuda --placement "$f" --json "$p/hybrid_$st.json" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
+    done
+    tar -C "$p" -czf "$OUT/profile_saved.tar.gz" .
 }
 stage_calibrate() {  # the profile the later stages predict with ($OUT/h200.json)
     log "calibrate"; python3 -m workbench calibrate -o "$OUT/h200.json" 2>>"$OUT/device.log" | tail -4 | tee -a "$OUT/device.log"

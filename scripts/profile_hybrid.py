@@ -38,6 +38,7 @@ from profile_decode import n_cpu_moe_placement, planned_placements, small_model 
 from profile_decode import timed as timed_by  # noqa: E402
 
 from workbench.core.fmt import parse_size  # noqa: E402
+from workbench.core.project import load_project  # noqa: E402
 from workbench.core.readers import open_model  # noqa: E402
 from workbench.engine import Engine, bus, cpu_kernel  # noqa: E402
 from workbench.engine import experts as experts_mod  # noqa: E402
@@ -84,10 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--placement", default=None, help="a project file's placement instead of planning one")
     args = ap.parse_args(argv)
 
     inv = open_model(str(small_model(args.model)))
-    if args.budget:
+    if args.placement:  # e.g. one `workbench bench run --save-placements` ran
+        placement = load_project(args.placement).placement
+    elif args.budget:
         placement = planned_placements(inv, [args.strategy], parse_size(args.budget), parse_size(args.margin),
                                        args.prompt, args.steps, "bench-h200")[args.strategy]
     else:

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_decode import n_cpu_moe_placement, small_model  # noqa: E402
 from profile_decode import timed as timed_by  # noqa: E402
 
+from workbench.core.project import load_project  # noqa: E402
 from workbench.core.readers import open_model  # noqa: E402
 from workbench.engine import Engine  # noqa: E402
 from workbench.engine import experts as experts_mod  # noqa: E402
@@ -71,17 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="folder for prefill.json and the torch profile table")
+    ap.add_argument("--placement", default=None, help="a project file's placement instead of --n-cpu-moe")
     args = ap.parse_args(argv)
 
     inv = open_model(str(small_model(args.model)))
     n = args.n_cpu_moe if args.n_cpu_moe is not None else (2 * len(inv.spec.moe_layers)) // 3
+    placement = load_project(args.placement).placement if args.placement else n_cpu_moe_placement(inv, n)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    engine = Engine.load(inv, n_cpu_moe_placement(inv, n), device=args.device, dtype=dtype,
-                         max_context=args.prompt + 16)
+    engine = Engine.load(inv, placement, device=args.device, dtype=dtype, max_context=args.prompt + 16)
     out_dir = Path(args.out) if args.out else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"model": inv.path.name, "n_cpu_moe": n, "prompt": args.prompt}
+    result = {"model": inv.path.name, "placement": args.placement or f"n-cpu-moe {n}", "prompt": args.prompt}
     try:
         toks = torch.randint(0, engine.vocab_size, (args.prompt,))
         share = engine._bus

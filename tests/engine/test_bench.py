@@ -13,6 +13,8 @@ import torch
 from workbench.cli import main
 from workbench.core import synth
 from workbench.core.hardware import preset
+from workbench.core.placement import CPU_COMPUTE
+from workbench.core.project import load_project
 from workbench.core.readers import open_model
 from workbench.engine import bench, bench_llamacpp
 from workbench.engine.bench_measure import PeakSampler, markdown_table
@@ -49,9 +51,13 @@ def test_strategies_run_end_to_end_on_cpu(model):
 def test_cli_writes_json_and_table(model, tmp_path, capsys):
     out = tmp_path / "run.json"
     rc = main(["bench", "run", "--model", str(model), "--device", "cpu", "--dtype", "f32", "--budget", "521MiB",
-               "--strategies", "n-cpu-moe", "-p", "8", "-n", "2", "-r", "1", "--json", str(out)])
+               "--strategies", "n-cpu-moe", "-p", "8", "-n", "2", "-r", "1", "--json", str(out),
+               "--save-placements", str(tmp_path / "placements")])
     assert rc == 0
     d = json.loads(out.read_text())
+    saved = load_project(tmp_path / "placements" / "n-cpu-moe.json").placement  # what the run ran
+    on_cpu = {str(k.layer) for k in open_model(str(model)).expert_keys() if saved.get(k) == CPU_COMPUTE}
+    assert on_cpu == {layer for layer, t in d["runs"][0]["engine_paths"]["tiers"].items() if t[1]}
     assert d["runs"][0]["decode_tps"] > 0 and d["runs"][0]["prediction_error"] is not None
     paths = d["runs"][0]["engine_paths"]
     assert paths["bus_experts"] == 0 and paths["kept"] == {}  # bf16 file, no GPU: neither

@@ -100,6 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="extra llama-bench arguments; write --llama-args='-lm none'")
     e.add_argument("--threads", type=int, default=16, help="CPU threads for llama.cpp (16)")
     e.add_argument("--json", metavar="FILE")
+    e.add_argument("--save-placements", metavar="DIR", default=None,
+                   help="save each run's placement as a project file DIR/<strategy>.json")
 
 
 def _shape_args(p: argparse.ArgumentParser) -> None:

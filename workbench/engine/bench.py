@@ -290,12 +290,15 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, profile: HardwareProfile,
                    device: str = "cuda", dtype: torch.dtype = torch.bfloat16, prompt: int = 512,
                    gen: int = 128, repeats: int = 3, all_gpu: bool = False,
-                   time_limit: float | None = None, margin_bytes: int = 0) -> list[EngineRun]:
+                   time_limit: float | None = None, margin_bytes: int = 0,
+                   save_placements: str | Path | None = None) -> list[EngineRun]:
     """Plan each strategy under the budget and run it. Routing statistics for the frequency-based
     planners come from the runs before them (put ``n-cpu-moe`` first): measured, not assumed.
     ``time_limit`` (s): strategies that would start later are reported as skipped. ``margin_bytes``:
     VRAM the planner leaves free under ``budget_bytes`` (what the engine and CUDA add beyond the
-    planner's estimate); the runs are still judged against ``budget_bytes``."""
+    planner's estimate); the runs are still judged against ``budget_bytes``. ``save_placements``: a
+    folder for each run's placement as a project file ``<strategy>.json`` (with the routing counts
+    the planner saw), which ``workbench generate --placement`` and the profile scripts load."""
     deadline = None if time_limit is None else time.monotonic() + time_limit
     inv = open_model(model)
     spec = inv.spec
@@ -316,6 +319,12 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
             runs.append(EngineRun(strategy, strategy, error=str(e)))
             continue
         label = strategy + (f" {plan.n_cpu_moe}" if plan.n_cpu_moe is not None else "")
+        if save_placements is not None:
+            from workbench.core.project import save_project
+
+            Path(save_placements).mkdir(parents=True, exist_ok=True)
+            save_project(Path(save_placements) / f"{strategy}.json", inv, plan.placement, profile,
+                         stats if stats.tokens > 0 else None)
         run, counts = run_placement(inv, plan.placement, label, strategy, device=device, dtype=dtype,
                                     prompt=prompt, gen=gen, repeats=repeats,
                                     vram_budget=budget_bytes if b is not None else None)
@@ -422,7 +431,8 @@ def run_command(args) -> int:
     runs = run_strategies(args.model, [s for s in args.strategies.split(",") if s], budget_bytes=budget,
                           profile=load_profile(args.profile), device=device, dtype=dtype, prompt=args.prompt,
                           gen=args.gen, repeats=args.repeats, all_gpu=args.all_gpu,
-                          time_limit=left, margin_bytes=parse_size(args.margin))
+                          time_limit=left, margin_bytes=parse_size(args.margin),
+                          save_placements=args.save_placements)
     rows = run_rows(runs, budget)
     ratios = compare(runs, llama, budget) if llama else {}
     if args.json:
