@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -263,20 +264,21 @@ def test_missing_compiler_is_one_warning_not_an_error(tmp_path):
     assert "refused: the fused CPU decode kernel is unavailable: no C++ compiler" in proc.stdout
 
 
-def test_a_build_lock_left_by_a_killed_build_does_not_hang(kernel):
+def test_a_build_lock_left_by_a_killed_build_does_not_hang(kernel, tmp_path):
     """torch waits forever on the lock file of an interrupted build; ours removes it under an flock.
-    (The fresh process also checks that importing the engine's modules builds nothing.)"""
-    stale = cpu_kernel.build_dir() / "lock"
+    (The fresh process also checks that importing the engine's modules builds nothing.) On a copy of
+    the build, so that other processes using the kernel meanwhile cannot touch its lock."""
+    built = cpu_kernel.build_dir()
+    copy = tmp_path / built.name
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "*.lock"))  # keeps times: no rebuild
+    stale = copy / "lock"
     stale.touch()
-    try:
-        proc = _fresh_python("import sys\nfrom workbench.engine import cpu_kernel, experts\n"
-                             "assert cpu_kernel._module is None and cpu_kernel._failed is None\n"
-                             "assert 'torch.utils.cpp_extension' not in sys.modules\n"
-                             "assert cpu_kernel.available()\n")
-        assert proc.returncode == 0, proc.stderr
-        assert not stale.exists()
-    finally:
-        stale.unlink(missing_ok=True)
+    proc = _fresh_python("import sys\nfrom workbench.engine import cpu_kernel, experts\n"
+                         "assert cpu_kernel._module is None and cpu_kernel._failed is None\n"
+                         "assert 'torch.utils.cpp_extension' not in sys.modules\n"
+                         "assert cpu_kernel.available()\n", WORKBENCH_CPU_KERNEL_DIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert not stale.exists()
 
 
 def test_a_compile_error_is_one_warning_with_the_compiler_message(kernel, tmp_path):
