@@ -22,7 +22,7 @@ always travel; of the others the hottest travel and the coldest stay with the CP
 (``costmodel.prefill_fetch``: the CPU's fused kernel costs a weight read per token, a copy about
 ``(1 - fraction) / fraction`` reads), and the CPU computes them on its own thread meanwhile.
 ``WORKBENCH_PREFILL_FETCH_TOKENS`` sets the threshold for measuring other splits. Device slots:
-``costmodel.BUS_SLOTS`` experts per layer and token at most (38 MB at the Qwen3-30B-A3B shape).
+``costmodel.BUS_SLOTS`` experts (75 MB at the Qwen3-30B-A3B shape in bf16).
 """
 
 from __future__ import annotations
