@@ -152,7 +152,7 @@ class LayerExperts:
         self.kept: tuple[str, str] | None = None  # formats (gate/up, down) of experts kept in the file's blocks
         self.kept_cpu: list[torch.Tensor] | None = None  # compute tier's kept stacks: w13's tensors then w2's
         self.kept_res: list[torch.Tensor] | None = None  # resident tier likewise, on the accelerator
-        self.fused_cpu = False  # decode the compute tier with cpu_kernel.moe_decode (set by the engine)
+        self.fused_cpu = False  # the compute tier through cpu_kernel.moe_decode (set by the engine)
         self.bus = None  # bus.BusShare: decode sends some CPU-selected experts over the bus (set by the engine)
         self.fast_gpu = os.environ.get("WORKBENCH_GPU_KERNELS", "1") != "0"  # one-token resident experts in Triton
         self.cache_expert: list[int] = []
@@ -476,9 +476,9 @@ class LayerExperts:
     def _start_cpu(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
                    sel: np.ndarray, scale_input: bool, background: bool = False):
         """The CPU tier's pairs ``sel``: host ``x [T, H]`` -> a function returning the summed ``[T, H]``
-        (pinned when the accelerator is CUDA). ``background``: a decode step's fused kernel starts on
-        its own thread (``cpu_kernel``'s background run) and the function waits for it; everything
-        else runs here before this returns."""
+        (pinned when the accelerator is CUDA). ``background``: the fused kernel starts on its own thread
+        (``cpu_kernel``'s background run) and the function runs a prompt's GEMMs for its busy experts,
+        then waits for it; everything else runs here before this returns."""
         out = self.staging.buffer("cpu_out", tuple(x.shape), x.dtype).zero_()
         rows = self.local[ids_host[sel]]
         fused = None  # a fused kernel's call, given the pairs' weights

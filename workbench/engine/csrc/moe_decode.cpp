@@ -510,8 +510,9 @@ Background& background() {
   return *bg;
 }
 
-// What every entry point does after checking its weights: check rows against E and tokens against
-// T (x is [H], T = 1, tokens empty; or [T, H] with tokens [n]), group the pairs by row, run
+// What every entry point does after checking its weights: check rows (int64, against E), weights
+// (float32, one per row) and tokens against T (x is [H], T = 1, tokens empty; or [T, H] with tokens
+// [n]), group the pairs by row, run
 // run(x f32 [T, H], pairs, out f32 [T, H]) without the GIL, return out ([H] for a 1-D x). With
 // ``threads`` > 0 the run goes to the background thread on that many threads and ``out`` is valid
 // after ``wait_background()``; ``run`` must then hold its tensors by value. Bad input is raised with
@@ -520,6 +521,9 @@ Background& background() {
 template <typename Run>
 at::Tensor checked_run(const char* name, const at::Tensor& x, const at::Tensor& tokens, const at::Tensor& rows,
                        const at::Tensor& weights, int64_t E, int64_t H, int64_t threads, Run run) {
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, name, ": rows must be int64 [n]");
+  TORCH_CHECK(weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0), name,
+              ": weights must be float32 [n] with n = len(rows) = ", rows.size(0));
   const at::Tensor r = rows.contiguous(), wt = weights.contiguous();
   const at::Tensor tk = tokens.defined() ? tokens.contiguous() : at::empty({0}, rows.options());
   const int64_t n = r.size(0), T = x.dim() == 2 ? x.size(0) : 1;
@@ -573,9 +577,6 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
               w2.scalar_type());
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "moe_decode: w13 and w2 must be contiguous");
   check_x("moe_decode", x, H);
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "moe_decode: rows must be int64 [n]");
-  TORCH_CHECK(weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
-              "moe_decode: weights must be float32 [n] with n = len(rows) = ", rows.size(0));
   return checked_run("moe_decode", x, tokens, rows, weights, E, H, threads,
                      [=](const float* xp, const Pairs& pr, float* op) {
                        if (wtype == at::kBFloat16) {
@@ -603,9 +604,6 @@ at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::T
                   q2.is_contiguous() && d13.is_contiguous() && d2.is_contiguous(),
               "moe_decode_q8: bad weight stacks");
   check_x("moe_decode_q8", x, H);
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && weights.dim() == 1 &&
-                  weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
-              "moe_decode_q8: bad rows or weights");
   return checked_run("moe_decode_q8", x, tokens, rows, weights, E, H, threads,
                      [=](const float* xp, const Pairs& pr, float* op) {
                        run_q8(xp, q13.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d13.data_ptr()),
@@ -628,9 +626,6 @@ at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13
                   b2.is_contiguous(),
               "moe_decode_kq: bad weight stacks");
   check_x("moe_decode_kq", x, H);
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && weights.dim() == 1 &&
-                  weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0),
-              "moe_decode_kq: bad rows or weights");
   return checked_run("moe_decode_kq", x, tokens, rows, weights, E, H, threads,
                      [=](const float* xp, const Pairs& pr, float* op) {
                        run_kq(xp, T, b13.data_ptr<uint8_t>(), f13, b2.data_ptr<uint8_t>(), f2, pr, H, I, op);
