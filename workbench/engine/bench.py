@@ -33,6 +33,7 @@ from workbench.core.readers import open_model
 from workbench.core.stats import ExpertStats
 from workbench.engine import cpu_formats as cf
 from workbench.engine.bench_measure import PeakSampler, markdown_table
+from workbench.engine.experts import COMPUTE, RESIDENT
 
 log = logging.getLogger(__name__)
 
@@ -272,9 +273,9 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
         k = max(1, engine.args.top_k)
         cpu = {}
         for layer, lx in engine.experts.items():
-            c = counts[layer, :len(lx.tier)]
-            if lx.n_tier[1] and c.sum():
-                cpu[str(layer)] = round(float(c[lx.tier[:len(c)] > 0].sum() / c.sum() * k), 3)
+            c = counts[layer]  # [E], like lx.tier
+            if lx.n_tier[COMPUTE] and c.sum():
+                cpu[str(layer)] = round(float(c[lx.tier > RESIDENT].sum() / c.sum() * k), 3)
         out["cpu_selected"] = cpu
     return out
 
