@@ -11,6 +11,9 @@ each routed expert is resident there, computed on the CPU, or streamed through a
 One-token steps (decode) on CUDA replay CUDA graphs (``graphs.DecodeStep``). ``engine.decode_mode``
 (default from ``WORKBENCH_DECODE``): ``auto`` (graphs on CUDA, plain eager steps elsewhere),
 ``eager`` (never graphs), ``static`` (the graphs' fixed-shape pieces run eagerly: tests on the CPU).
+``engine.served_mode`` (default from ``WORKBENCH_SERVED``): ``auto`` (hybrid layers of those steps
+served by a native thread without a host round trip on CUDA, ``served.DecodeServer``), ``on`` (also
+on a CPU accelerator), ``off`` (every hybrid layer waits on the host).
 """
 
 from __future__ import annotations
@@ -178,6 +181,7 @@ class Engine:
         self.predicted = predicted
         self._lock = threading.RLock()
         self.decode_mode = os.environ.get("WORKBENCH_DECODE", "auto")
+        self.served_mode = os.environ.get("WORKBENCH_SERVED", "auto")
         self._decoder = None
         self._bus, self.bus_share, self._keeps_blocks = None, bus_share, keeps
         self._reader = WeightReader(inventory)
@@ -380,8 +384,14 @@ class Engine:
             return
         lx.use_cpu_kernel(CpuExperts.from_stacked(lx.w13[COMPUTE], lx.w2[COMPUTE], fmt, self._pool))
 
+    def _drop_decoder(self) -> None:
+        """Forget the decode step (its graphs and decode server hold the expert stacks)."""
+        if self._decoder is not None:
+            self._decoder.close()
+            self._decoder = None
+
     def _free(self) -> None:
-        self._decoder = None
+        self._drop_decoder()
         if getattr(self, "_bus", None) is not None:
             self._bus.close()  # page locks off before the stacks go
             self._bus = None
@@ -519,7 +529,7 @@ class Engine:
         done: list[int] = []
         failure = None
         with self._lock:
-            self._decoder = None  # its graphs hold the old expert stacks
+            self._drop_decoder()  # its graphs hold the old expert stacks
             for layer in changed:
                 block = self.layers[layer].ffn
                 old = block.experts

@@ -368,13 +368,15 @@ class LayerExperts:
         return T * k <= GATHER_MAX_ROWS and self.staging.cuda  # a CPU accelerator groups on the host
 
     def device_part(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scale_input: bool,
-                    extra=None) -> torch.Tensor:
+                    extra=None, masked: bool = False) -> torch.Tensor:
         """Step 2: the accelerator's share without host data ``[T, H]``: every expert when all are
-        resident, else (few pairs) the resident ones by a masked gather; plus ``extra()``."""
+        resident, else (few pairs) the resident ones by a masked gather; plus ``extra()``.
+        ``masked``: the masked gather also on a CPU accelerator (a served step has no host part)."""
         T, k = ids.shape
         flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
+        small = self._small(T, k) or (masked and T * k <= GATHER_MAX_ROWS)
         if (T == 1 and self.n_tier[RESIDENT] and self._rows_in_place(scale_input) and gpu_kernels.usable(x)
-                and (self._small(T, k) or not self.needs_host)):
+                and (small or not self.needs_host)):
             # one token on CUDA: the selected resident rows read in place (Triton), others skipped
             rowmap = self.res_map_dev if self.needs_host else self.local_dev
             if self.kept is not None and self.kept[0] == "q8_0" and self.kept_res is not None:  # blocks in place
@@ -398,7 +400,7 @@ class LayerExperts:
             out = pair_sum(grouped(xt, self.local_dev[flat_ids], flat_w, w13, w2, scale_input,
                                    self.b13[0], self.b2[0], self.act, kept=kept))
             return out if extra is None else out + extra()
-        if self._small(T, k) and self.n_tier[RESIDENT]:  # resident experts before the sync: masked
+        if small and self.n_tier[RESIDENT]:  # resident experts before the sync: masked
             res = self.res_mask_dev[flat_ids]
             kept = self.resident_kept()
             w13, w2 = (None, None) if kept is not None else self.resident_stacks()

@@ -11,6 +11,10 @@ shared expert, (4) waits for the event and computes the CPU / streamed experts w
 their result to (3)'s output in place, then goes on with the next graph. A layer whose experts are
 all resident is just part of a graph: a model all on the GPU is one graph per token.
 
+With a decode server (``served.DecodeServer``, the default on CUDA: ``engine.served_mode``) the
+hybrid layers it supports need no host point: their CPU experts are served by a native thread
+through page-locked memory, and a step whose hybrid layers are all served is one CUDA graph.
+
 On a CPU accelerator (tests) the same pieces run eagerly (``capture=False``).
 """
 
@@ -21,7 +25,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import gpu_kernels
+from . import cpu_kernel, gpu_kernels, served
 from .model import STEP_MASKS, rms_norm
 from .moe import MoeBlock
 
@@ -45,8 +49,41 @@ class DecodeStep:
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.env: dict = {}
+        self.server = self._server()
         self.pieces = self._pieces()
         self.schedule: list | None = None  # after capture: ("graph", g) / ("record", experts) / ("host", fn)
+
+    def _server(self) -> served.DecodeServer | None:
+        """A decode server for the hybrid layers it supports (``engine.served_mode``: ``auto`` on CUDA
+        with the Triton kernels, ``on`` also on a CPU accelerator, ``off`` never)."""
+        e = self.e
+        mode = getattr(e, "served_mode", "auto")
+        if mode == "off" or (mode == "auto" and not (e.device.type == "cuda" and gpu_kernels.available())):
+            return None
+        if e.device.type == "cuda" and (not gpu_kernels.available() or served.globaltimer is None):
+            return None
+        layers = [lx for lx in e.experts.values() if served.supports(lx)]
+        if not layers or not cpu_kernel.available():
+            return None
+        try:
+            return served.DecodeServer(e.device, layers, e.args.top_k, e.args.hidden,
+                                       max(1, torch.get_num_threads() - 1))
+        except Exception as exc:  # noqa: BLE001 - the host-driven steps still work
+            log.warning("decode server unavailable, hybrid layers wait on the host: %s", exc)
+            return None
+
+    def close(self) -> None:
+        """Stop the decode server's thread, if any (the engine drops this step afterwards)."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    def _unserve(self, why: str) -> None:
+        """Go on without the decode server: host-driven hybrid layers, graphs captured again."""
+        log.warning("decode steps go on without the decode server: %s", why)
+        self.close()
+        self.pieces = self._pieces()
+        self.schedule = None
 
     # -- the pieces of a step --------------------------------------------------------------------
 
@@ -69,7 +106,11 @@ class DecodeStep:
 
         pieces: list[tuple[str, object]] = []
 
+        srv = self.server
+
         def embed():
+            if srv is not None:
+                srv.begin()
             env["x"] = F.embedding(self.token, e.embed)
             env["xn"] = rms_norm(env["x"], layers[0].attn_norm, layers[0].eps)
 
@@ -86,6 +127,19 @@ class DecodeStep:
                 pieces.append(("dev", whole))
                 continue
             lx = ffn.experts
+            if srv is not None and lx.layer in srv.layers and not ffn.scale_input:
+                def served_layer(layer=layer, ffn=ffn, lx=lx, after=after):
+                    a = layer.attn(env["xn"], self.pos, None, e.rope)
+                    h, hn = add_norm(env["x"], a, layer.ffn_norm, layer.eps)
+                    ids, w = ffn.route(hn)
+                    srv.publish(lx, hn, ids, w)
+                    out = lx.device_part(hn, ids, w, False, ffn.extra(hn), masked=True)
+                    srv.add_bus(lx, hn, w, out)
+                    srv.wait_add(lx, out)
+                    env["x"], env["xn"] = add_norm(h, out, *after)
+
+                pieces.append(("dev", served_layer))
+                continue
 
             def route(layer=layer, ffn=ffn, i=i):
                 a = layer.attn(env["xn"], self.pos, None, e.rope)
@@ -117,6 +171,16 @@ class DecodeStep:
 
     def __call__(self, token: int, pos: int) -> torch.Tensor:
         """Logits ``[1, vocab]`` (float32) of ``token`` at position ``pos``; writes that KV position."""
+        try:
+            logits = self._step(token, pos)
+            if self.server is not None:
+                self.server.check()
+            return logits
+        except served.ServedError as exc:
+            self._unserve(str(exc))
+            return self._step(token, pos)  # rewrites the same KV position
+
+    def _step(self, token: int, pos: int) -> torch.Tensor:
         self.token.fill_(token)
         self.pos.fill_(pos)
         if self.schedule is not None:
@@ -139,6 +203,8 @@ class DecodeStep:
         torch.cuda.current_stream(self.e.device).wait_stream(side)
         try:
             self._capture(side)
+        except served.ServedError as exc:  # the next step captures without the server
+            self._unserve(str(exc))
         except (RuntimeError, AssertionError) as exc:  # an op that cannot be captured: run eagerly from now on
             log.warning("decode steps run without CUDA graphs: capture failed (%s)", str(exc).splitlines()[0][:200])
             self.capture = False
@@ -153,6 +219,8 @@ class DecodeStep:
             if not (gpu_kernels.available() and gpu_kernels.failed_here(exc)):
                 raise
             gpu_kernels.disable(f"{type(exc).__name__}: {exc}")
+            if self.server is not None and self.e.device.type == "cuda":
+                self._unserve("the Triton kernels are off")
             self._eager_once()
 
     def _eager_once(self) -> None:

@@ -632,6 +632,172 @@ at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13
                      });
 }
 
+// A decode server: a native thread that serves the CPU experts of the hybrid layers of one-token
+// steps without Python and without a host round trip per layer. For each layer the accelerator
+// copies a packet into page-locked memory, float32 [2k + H]: the rows of the CPU's experts among the
+// token's k selections (-1: not the CPU's), their routing weights, and the token's hidden state; then
+// it copies a step number into that layer's ``flag_in``. The thread polls every layer's flag_in;
+// a new value means a new packet: it computes the experts into ``out`` (float32 [H], page-locked,
+// zeroed first) and stores the same value into ``flag_out``, which the accelerator polls before it
+// adds ``out``. The thread spins while steps keep coming (``spin_us`` after the last packet) and
+// then polls every 50 us.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+struct ServedLayer {
+  int64_t kind = 0;  // 0 float stacks (w13, w2), 1 Q8_0 (q13, d13, q2, d2), 2 k-quants (b13, b2)
+  at::Tensor w[4];
+  int64_t f13 = 0, f2 = 0;  // k-quant formats
+  int64_t E = 0, H = 0, I = 0, k = 0;
+  at::Tensor packet, flag_in, out, flag_out;  // kept alive while the server runs
+  int64_t seen = 0;
+};
+
+class Server {
+ public:
+  Server(int64_t threads, int64_t spin_us) : threads_(std::max<int64_t>(1, threads)), spin_us_(spin_us) {}
+  ~Server() { stop(); }
+
+  int64_t add_layer(int64_t kind, std::vector<at::Tensor> w, int64_t f13, int64_t f2, int64_t I, int64_t k,
+                    at::Tensor packet, at::Tensor flag_in, at::Tensor out, at::Tensor flag_out) {
+    TORCH_CHECK(!thread_.joinable(), "Server.add_layer: the server is running");
+    TORCH_CHECK(kind >= 0 && kind <= 2 && w.size() == (kind == 1 ? 4u : 2u), "Server.add_layer: bad weights");
+    for (const auto& t : w) TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 3,
+                                         "Server.add_layer: weights must be contiguous [E, ...] CPU stacks");
+    ServedLayer L;
+    L.kind = kind, L.f13 = f13, L.f2 = f2, L.I = I, L.k = k, L.E = w[0].size(0);
+    L.H = out.numel();
+    if (kind == 0) {
+      const auto t = w[0].scalar_type();
+      TORCH_CHECK(t == w[1].scalar_type() && (t == at::kBFloat16 || t == at::kHalf || t == at::kFloat) &&
+                      w[0].size(1) == 2 * I && w[0].size(2) == L.H && w[1].size(1) == L.H && w[1].size(2) == I,
+                  "Server.add_layer: float stacks must be w13 [E, 2I, H] and w2 [E, H, I] of one dtype");
+    } else if (kind == 1) {
+      TORCH_CHECK(w[0].scalar_type() == at::kChar && w[2].scalar_type() == at::kChar &&
+                      w[1].scalar_type() == at::kHalf && w[3].scalar_type() == at::kHalf && w[0].size(1) == 2 * I &&
+                      w[0].size(2) == L.H && w[2].size(1) == L.H && w[2].size(2) == I && L.H % 32 == 0 && I % 32 == 0,
+                  "Server.add_layer: bad Q8_0 stacks");
+    } else {
+      TORCH_CHECK((f13 == 0 || f13 == 1) && (f2 == 0 || f2 == 1) && L.H % 256 == 0 && I % 256 == 0 &&
+                      w[0].scalar_type() == at::kByte && w[1].scalar_type() == at::kByte && w[0].size(1) == 2 * I &&
+                      w[0].size(2) == L.H / 256 * kq_bytes(f13) && w[1].size(1) == L.H &&
+                      w[1].size(2) == I / 256 * kq_bytes(f2),
+                  "Server.add_layer: bad k-quant stacks");
+    }
+    TORCH_CHECK(packet.scalar_type() == at::kFloat && packet.numel() == 2 * k + L.H && packet.is_contiguous() &&
+                    out.scalar_type() == at::kFloat && out.is_contiguous() && flag_in.scalar_type() == at::kLong &&
+                    flag_out.scalar_type() == at::kLong && flag_in.numel() == 1 && flag_out.numel() == 1 &&
+                    packet.device().is_cpu() && out.device().is_cpu() && flag_in.device().is_cpu() &&
+                    flag_out.device().is_cpu(),
+                "Server.add_layer: packet float32 [2k + H], out float32 [H], flags int64 [1], all on the CPU");
+    for (size_t j = 0; j < w.size(); ++j) L.w[j] = w[j];
+    L.packet = packet, L.flag_in = flag_in, L.out = out, L.flag_out = flag_out;
+    L.seen = flag_in.data_ptr<int64_t>()[0];
+    layers_.push_back(std::move(L));
+    return static_cast<int64_t>(layers_.size()) - 1;
+  }
+
+  void start() {
+    if (thread_.joinable()) return;
+    stop_.store(false);
+    thread_ = std::thread([this] { loop(); });
+  }
+
+  void stop() {
+    stop_.store(true);
+    if (thread_.joinable()) thread_.join();  // the thread never takes the GIL
+  }
+
+  int64_t served() const { return served_.load(); }
+  int64_t errors() const { return errors_.load(); }
+  bool running() const { return thread_.joinable() && !stop_.load(); }
+
+ private:
+  void loop() {
+#ifdef _OPENMP
+    at::init_num_threads();
+    omp_set_num_threads(static_cast<int>(threads_));
+#endif
+    auto last = std::chrono::steady_clock::now();
+    const auto spin = std::chrono::microseconds(spin_us_);
+    while (!stop_.load(std::memory_order_relaxed)) {
+      bool any = false;
+      for (auto& L : layers_) {
+        int64_t* in = L.flag_in.data_ptr<int64_t>();
+        const int64_t v = __atomic_load_n(in, __ATOMIC_ACQUIRE);
+        if (v == L.seen) continue;
+        if (!serve(L)) errors_.fetch_add(1);
+        L.seen = v;
+        __atomic_store_n(L.flag_out.data_ptr<int64_t>(), v, __ATOMIC_RELEASE);
+        served_.fetch_add(1, std::memory_order_relaxed);
+        any = true;
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (any) {
+        last = now;
+      } else if (now - last < spin) {
+        cpu_relax();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  }
+
+  // The layer's packet into its out; false (out zeroed) on a bad row or a failure.
+  bool serve(ServedLayer& L) {
+    const float* pk = L.packet.data_ptr<float>();
+    float* out = L.out.data_ptr<float>();
+    std::memset(out, 0, sizeof(float) * L.H);
+    rows_.clear(), wt_.clear();
+    for (int64_t j = 0; j < L.k; ++j) {
+      const float r = pk[j];
+      if (!(r >= 0.f)) continue;  // -1 (or NaN): not the CPU's
+      const int64_t row = static_cast<int64_t>(r);
+      if (row >= L.E) return false;
+      rows_.push_back(row), wt_.push_back(pk[L.k + j]);
+    }
+    if (rows_.empty()) return true;
+    try {
+      const Pairs pr = group_pairs(rows_.data(), nullptr, wt_.data(), static_cast<int64_t>(rows_.size()));
+      const float* x = pk + 2 * L.k;
+      if (L.kind == 0) {
+        const auto t = L.w[0].scalar_type();
+        if (t == at::kBFloat16) {
+          run_float(x, reinterpret_cast<const uint16_t*>(L.w[0].data_ptr()),
+                    reinterpret_cast<const uint16_t*>(L.w[1].data_ptr()), pr, L.H, L.I, out);
+        } else if (t == at::kHalf) {
+          run_float(x, reinterpret_cast<const Half*>(L.w[0].data_ptr()),
+                    reinterpret_cast<const Half*>(L.w[1].data_ptr()), pr, L.H, L.I, out);
+        } else {
+          run_float(x, L.w[0].data_ptr<float>(), L.w[1].data_ptr<float>(), pr, L.H, L.I, out);
+        }
+      } else if (L.kind == 1) {
+        run_q8(x, L.w[0].data_ptr<int8_t>(), reinterpret_cast<const Half*>(L.w[1].data_ptr()),
+               L.w[2].data_ptr<int8_t>(), reinterpret_cast<const Half*>(L.w[3].data_ptr()), pr, L.H, L.I, out);
+      } else {
+        run_kq(x, 1, L.w[0].data_ptr<uint8_t>(), L.f13, L.w[1].data_ptr<uint8_t>(), L.f2, pr, L.H, L.I, out);
+      }
+    } catch (...) {
+      std::memset(out, 0, sizeof(float) * L.H);
+      return false;
+    }
+    return true;
+  }
+
+  int64_t threads_, spin_us_;
+  std::vector<ServedLayer> layers_;
+  std::vector<int64_t> rows_;
+  std::vector<float> wt_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> served_{0}, errors_{0};
+};
+
 // Threads that at::parallel_for gives a large range here (1 when the build lacks OpenMP).
 int64_t parallel_threads() {
   std::atomic<int64_t> tasks{0};
@@ -660,6 +826,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wait_background", &wait_background,
         "Wait for the run started with threads > 0; False if it failed (its output is then undefined)",
         py::call_guard<py::gil_scoped_release>());
+  py::class_<Server>(m, "Server")
+      .def(py::init<int64_t, int64_t>(), py::arg("threads"), py::arg("spin_us"))
+      .def("add_layer", &Server::add_layer, "A hybrid layer's CPU stacks and page-locked packet, flags and out")
+      .def("start", &Server::start)
+      .def("stop", &Server::stop, py::call_guard<py::gil_scoped_release>())
+      .def("served", &Server::served)
+      .def("errors", &Server::errors)
+      .def("running", &Server::running);
   m.def("parallel_threads", &parallel_threads, "Tasks at::parallel_for runs a large range in (a build check)",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,146 @@
+"""Decode steps served by the native thread (``served.DecodeServer``): the CPU experts of hybrid
+layers computed from packets in (page-locked) memory, no host point per layer. Tokens stay
+transformers'; the host-driven steps are the other reference. On a CPU accelerator the server runs
+with ``served_mode = "on"`` and the host polls where CUDA runs a kernel."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.engine.engine_helpers import (
+    PROMPT,
+    TEST_DEVICE,
+    TEST_DTYPE,
+    decode_step_engine,
+    greedy_tokens,
+    open_inventory,
+    placements,
+    reference_tokens,
+    rel_err,
+)
+from workbench.core.placement import CPU_COMPUTE, ON_GPU0, Placement
+from workbench.engine import bus, cpu_kernel, served
+from workbench.engine.experts import COMPUTE
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="needs the fused CPU kernel (a C++ compiler)")
+
+N_NEW = 12
+
+
+def hybrid(inv, seed: int = 1) -> Placement:
+    """Each expert resident or on the CPU at random: every layer hybrid, nothing streamed."""
+    rng = random.Random(seed)
+    p = Placement(ON_GPU0)
+    for k in inv.expert_keys():
+        p.set(k, rng.choice([ON_GPU0, CPU_COMPUTE]))
+    return p
+
+
+def run(inv, placement, mode: str, fraction: float | None = None, steps: int = N_NEW):
+    """``(tokens, last decode logits, server)`` of greedy decoding with ``served_mode = mode``; a bus
+    share of ``fraction`` attached as the engine does on CUDA."""
+    engine = decode_step_engine(inv, placement)
+    engine.served_mode = mode
+    try:
+        if fraction is not None:
+            attach_bus(engine, fraction)
+        tokens = greedy_tokens(engine, PROMPT, steps)
+        last = engine.forward(torch.tensor([tokens[-1]]), len(PROMPT) + steps - 1)
+        server = engine._decoder.server if engine._decoder is not None else None
+        counts = (server.served, server.bus_pairs) if server is not None else None
+        return tokens, last, counts
+    finally:
+        engine.close()
+
+
+def attach_bus(engine, fraction: float) -> None:
+    if TEST_DEVICE != "cpu":
+        engine._bus.fraction = fraction
+        return
+    a = engine.args
+    share = bus.BusShare(engine.device, engine.dtype, a.n_experts, (2 * a.expert_ffn, a.hidden),
+                         (a.hidden, a.expert_ffn), fraction)
+    for lx in engine.experts.values():
+        if lx.n_tier[COMPUTE]:
+            assert share.pin(lx, lx.cpu_stacks(), lx.kept_layout())
+            lx.bus = share
+
+
+@pytest.mark.parametrize("place", ["hybrid", "compute"])
+def test_served_steps_give_the_reference_tokens(place, tiny_model_dir, tiny_hf_model):
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    placement = hybrid(inv) if place == "hybrid" else placements(inv)["compute"]
+    tokens, logits, (packets, _) = run(inv, placement, "on")
+    _, host_logits, none = run(inv, placement, "off")
+    assert none is None
+    layers = len(inv.spec.moe_layers)
+    assert packets >= layers * (N_NEW - 1)  # every hybrid layer of every decode step went to the thread
+    assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
+    if TEST_DTYPE == torch.float32:
+        assert tokens == reference_tokens(tiny_hf_model("qwen3_moe"), PROMPT, N_NEW)
+
+
+@pytest.mark.skipif(not served.gpu_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_a_bus_share_reads_the_cpu_stacks_in_place(fraction, tiny_model_dir, tiny_hf_model):
+    """The bus's pairs computed by the accelerator from the CPU tier's stacks, the rest by the thread."""
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    placement = placements(inv)["compute"]
+    tokens, logits, (_, bus_pairs) = run(inv, placement, "on", fraction)
+    _, host_logits, _ = run(inv, placement, "off", 0.0)
+    assert bus_pairs > 0
+    assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
+    if TEST_DTYPE == torch.float32:
+        assert tokens == reference_tokens(tiny_hf_model("qwen3_moe"), PROMPT, N_NEW)
+
+
+@pytest.mark.parametrize("tensor_type,width", [("Q8_0", 64), ("Q4_K", 256)])
+def test_kept_blocks_are_served_as_blocks(tensor_type, width, tiny_gguf, monkeypatch):
+    """CPU experts kept in the file's blocks: the thread reads the blocks as the host-driven step does."""
+    sizes = {"hidden_size": width, "moe_intermediate_size": width // 2 if tensor_type == "Q8_0" else width,
+             "intermediate_size": width, "mlp_only_layers": []}
+    inv = open_inventory(tiny_gguf("qwen3_moe", tensor_type, **sizes))
+    monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", "1")
+    placement = hybrid(inv)
+    tokens, logits, (packets, _) = run(inv, placement, "on", steps=6)
+    host_tokens, host_logits, _ = run(inv, placement, "off", steps=6)
+    assert packets > 0
+    assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
+    if TEST_DTYPE == torch.float32:
+        assert tokens == host_tokens
+
+
+def test_a_thread_that_does_not_answer_ends_the_server_not_the_step(tiny_model_dir, tiny_hf_model, monkeypatch):
+    """A layer whose packet is not served in time: the step runs again host-driven, tokens unchanged."""
+    monkeypatch.setattr(served, "TIMEOUT_S", 0.2)
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    placement = placements(inv)["compute"]
+    engine = decode_step_engine(inv, placement)
+    engine.served_mode = "on"
+    try:
+        logits = engine.forward(torch.tensor(PROMPT), 0)
+        out = [int(logits[-1].argmax())]
+        engine.forward(torch.tensor([out[-1]]), len(PROMPT))  # makes the decode step and its server
+        server = engine._decoder.server
+        assert server is not None
+        server.native.stop()  # the thread is gone: nothing answers
+        tokens = greedy_tokens(engine, PROMPT, N_NEW)
+        assert engine._decoder.server is None  # the step went on host-driven
+    finally:
+        engine.close()
+    if TEST_DTYPE == torch.float32:
+        assert tokens == reference_tokens(tiny_hf_model("qwen3_moe"), PROMPT, N_NEW)
+
+
+def test_closing_the_engine_stops_the_thread(tiny_model_dir):
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    engine = decode_step_engine(inv, hybrid(inv))
+    engine.served_mode = "on"
+    greedy_tokens(engine, PROMPT, 3)
+    server = engine._decoder.server
+    assert server.native.running()
+    engine.close()
+    assert not server.native.running()

@@ -1,0 +1,283 @@
+"""Hybrid decode steps without a host round trip per layer: the CPU experts served by a native thread.
+
+In the host-driven step (``experts.LayerExperts.__call__``) every hybrid layer waits on the host for
+its routing, runs Python to start the CPU experts and queues their result back: ~0.4 ms per layer
+on the H200 machine beyond the weight reads, 24 layers a token. Here the accelerator and a native
+thread (``cpu_kernel.server``) talk through page-locked memory instead, and a whole decode step is
+one CUDA graph:
+
+1. ``publish`` (on the accelerator): one kernel splits the token's ``k`` selections into the CPU's
+   (``packet`` rows, -1 elsewhere), the bus's (``bus_rows``: the first ``round(n * fraction)`` of the
+   ``n`` CPU-tier selections, as ``bus.BusShare.share`` counts them) and the rest, and writes the
+   packet ``[rows, weights, x]`` (float32 ``[2k + H]``); two copies send it and then the step number
+   (``step``, counted on the device) to page-locked memory.
+2. The native thread sees the new step number in the layer's ``flag_in``, computes the packet's
+   experts into ``out`` (float32 ``[H]``) with the fused kernel and stores the step number in
+   ``flag_out``.
+3. Meanwhile the accelerator computes the resident experts and, with a bus share, the bus's experts
+   by reading their weights from page-locked host memory in place (``experts_one_token`` over the
+   CPU stacks: only the selected rows cross the bus, nothing is copied first).
+4. ``wait_add`` (one kernel) polls ``flag_out`` until it holds this step's number and adds ``out``.
+
+A kernel that waits longer than ``TIMEOUT_S`` gives up, sets ``status`` and adds nothing: ``check``
+raises ``ServedError`` and the step is run again without the server. On a CPU accelerator (tests)
+the same pieces run eagerly and the host polls instead of a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import weakref
+
+import numpy as np
+import torch
+
+from . import cpu_kernel, gpu_kernels
+from .experts import COMPUTE, STREAM, LayerExperts
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_S = 10.0
+"""How long a step waits for the CPU's result of one layer before it gives up (a hang guard: a
+layer's CPU experts take milliseconds)."""
+
+triton = gpu_kernels.triton
+if triton is not None:
+    tl = gpu_kernels.tl
+    try:
+        from triton.language.extra.cuda import globaltimer
+    except ImportError:  # pragma: no cover - older Triton: the CUDA path is off (see ``usable``)
+        globaltimer = None
+
+    @triton.jit
+    def _publish_kernel(ids_ptr, w_ptr, x_ptr, tier_ptr, local_ptr, packet_ptr, bus_ptr, count_ptr, H, fraction,
+                        slots, K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr):
+        """The packet ``[rows of the CPU's pairs (-1 others), weights, x]`` (float32) and the bus's rows
+        per pair (-1: not the bus's) from one token's ``ids``/``w [K]`` and ``x [H]``; adds the bus's
+        pairs to ``count``."""
+        offs = tl.arange(0, KP)
+        km = offs < K
+        ids = tl.load(ids_ptr + offs, mask=km, other=0)
+        w = tl.load(w_ptr + offs, mask=km, other=0.0).to(tl.float32)
+        tier = tl.load(tier_ptr + ids, mask=km, other=-1)
+        row = tl.load(local_ptr + ids, mask=km, other=-1)
+        cpu = (tier == 1) & km
+        ci = cpu.to(tl.int32)
+        n = tl.sum(ci, axis=0)
+        rank = tl.cumsum(ci, axis=0) - 1
+        m = tl.minimum(tl.minimum(n, slots), (n.to(tl.float32) * fraction + 0.5).to(tl.int32))
+        bus = cpu & (rank < m)
+        tl.store(count_ptr, tl.load(count_ptr) + m)
+        tl.store(bus_ptr + offs, tl.where(bus, row, -1), mask=km)
+        tl.store(packet_ptr + offs, tl.where(cpu & (rank >= m), row, -1).to(tl.float32), mask=km)
+        tl.store(packet_ptr + K + offs, w, mask=km)
+        h = tl.arange(0, BLOCK_H)
+        for h0 in range(0, H, BLOCK_H):
+            hm = h0 + h < H
+            tl.store(packet_ptr + 2 * K + h0 + h, tl.load(x_ptr + h0 + h, mask=hm).to(tl.float32), mask=hm)
+
+    @triton.jit
+    def _wait_add_kernel(flag_ptr, step_ptr, src_ptr, out_ptr, status_ptr, H, timeout_ns, BLOCK_H: tl.constexpr):
+        """Poll ``flag`` (page-locked host memory) until it equals ``step``, then ``out += src``
+        (``src`` float32 in host memory); after ``timeout_ns`` give up: status 1, nothing added."""
+        want = tl.load(step_ptr)
+        t0 = globaltimer()
+        now = t0
+        got = tl.load(flag_ptr, volatile=True)
+        while (got != want) & (now - t0 < timeout_ns):
+            got = tl.load(flag_ptr, volatile=True)
+            now = globaltimer()
+        ok = got == want
+        h = tl.arange(0, BLOCK_H)
+        for h0 in range(0, H, BLOCK_H):
+            hm = (h0 + h < H) & ok
+            s = tl.load(src_ptr + h0 + h, mask=hm, other=0.0, volatile=True)
+            o = tl.load(out_ptr + h0 + h, mask=hm, other=0.0).to(tl.float32)
+            tl.store(out_ptr + h0 + h, (o + s).to(out_ptr.dtype.element_ty), mask=hm)
+        if not ok:
+            tl.store(status_ptr, 1)
+
+
+class ServedError(RuntimeError):
+    """The CPU experts' thread did not answer a layer in time, failed on a packet, or a served
+    layer's piece could not run here (e.g. a kernel that does not build)."""
+
+
+def _guarded(method):
+    """``method`` with any failure raised as ``ServedError`` (the step then runs without the server)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except ServedError:
+            raise
+        except Exception as exc:
+            raise ServedError(f"{method.__name__}: {type(exc).__name__}: {exc}") from exc
+    return run
+
+
+def supports(lx: LayerExperts) -> bool:
+    """Whether ``lx``'s one-token steps can be served: a hybrid layer whose CPU tier runs through the
+    fused kernel (float stacks or kept Q8_0 / k-quant blocks), nothing streamed, plain SwiGLU."""
+    return (lx.needs_host and lx.n_tier[COMPUTE] > 0 and lx.n_tier[STREAM] == 0 and not lx.bias
+            and lx.act[0] == "silu" and lx._fused_cpu(False))
+
+
+class _Layer:
+    """One served layer's buffers: device packet and bus rows, page-locked packet, flags and out."""
+
+    def __init__(self, lx: LayerExperts, k: int, hidden: int, pin: bool):
+        dev = lx.device
+        self.lx = lx
+        self.k = k
+        self.packet_dev = torch.zeros(2 * k + hidden, dtype=torch.float32, device=dev)
+        self.bus_rows = torch.full((k,), -1, dtype=torch.int64, device=dev)
+        self.packet = torch.zeros(2 * k + hidden, dtype=torch.float32, pin_memory=pin)
+        self.flag_in = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
+        self.out = torch.zeros(hidden, dtype=torch.float32, pin_memory=pin)
+        self.flag_out = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
+        self.flag_out_np = self.flag_out.numpy()
+
+
+class DecodeServer:
+    """The served hybrid layers of one decode step and the native thread that serves them.
+
+    ``layers``: the layers ``supports`` accepts; ``k`` selections per token; ``hidden`` = H;
+    ``threads``: the CPU threads of the experts (the caller's thread keeps one core to launch).
+    Call ``begin`` once per step before the layers' pieces, ``publish`` / ``add_bus`` / ``wait_add``
+    per layer in that order, ``check`` after the step; ``close`` stops the thread.
+    """
+
+    def __init__(self, device: torch.device, layers: list[LayerExperts], k: int, hidden: int, threads: int):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.k, self.hidden = k, hidden
+        self.step = torch.zeros(1, dtype=torch.int64, device=device)
+        self.status = torch.zeros(1, dtype=torch.int32, device=device)
+        self.bus_count = torch.zeros(1, dtype=torch.int64, device=device)  # pairs the bus computed so far
+        self.pair_ids = torch.arange(k, dtype=torch.int64, device=device)  # the bus kernel's "experts": pairs
+        self.native = cpu_kernel.server(threads)
+        self.layers: dict[int, _Layer] = {}
+        for lx in layers:
+            slot = _Layer(lx, k, hidden, self.cuda)
+            kind, stacks, f13, f2 = _native_stacks(lx)
+            self.native.add_layer(kind, stacks, f13, f2, _ffn(lx), k, slot.packet, slot.flag_in, slot.out,
+                                  slot.flag_out)
+            self.layers[lx.layer] = slot
+        self._stop = weakref.finalize(self, self.native.stop)
+        self.native.start()
+        log.info("decode server: %d hybrid layers served by a native thread on %d threads", len(layers), threads)
+
+    def begin(self) -> None:
+        """Start a step: the step number the layers' flags will carry."""
+        self.step.add_(1)
+
+    @_guarded
+    def publish(self, lx: LayerExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
+        """Send the CPU its share of the token ``x [1, H]`` with routing ``ids``/``w [1, k]``."""
+        s = self.layers[lx.layer]
+        frac, slots = (lx.bus.fraction, lx.bus.slots) if lx.bus is not None else (0.0, 0)
+        if gpu_kernels.usable(x):
+            _publish_kernel[(1,)](ids, w, x, lx.tier_dev, lx.local_dev, s.packet_dev, s.bus_rows, self.bus_count, self.hidden,
+                                  float(frac), int(slots), K=self.k, KP=triton.next_power_of_2(self.k),
+                                  BLOCK_H=min(1024, triton.next_power_of_2(self.hidden)))
+        else:
+            self.bus_count += _publish_torch(ids.reshape(-1), w.reshape(-1), x.reshape(-1), lx, s, frac, slots)
+        if self.cuda:
+            s.packet.copy_(s.packet_dev, non_blocking=True)
+            s.flag_in.copy_(self.step, non_blocking=True)
+        else:
+            s.packet.copy_(s.packet_dev)
+            s.flag_in.copy_(self.step)  # after the packet: the thread reads the packet once it sees this
+
+    @_guarded
+    def add_bus(self, lx: LayerExperts, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        """With a bus share, add to ``out [1, H]`` the bus's pairs, computed by the accelerator
+        reading their rows from the CPU tier's page-locked stacks."""
+        if lx.bus is None:
+            return
+        s = self.layers[lx.layer]
+        stacks = lx.cpu_stacks()
+        flat_w = w.reshape(-1)
+        if lx.kept is None:
+            y = gpu_kernels.experts_one_token(x, self.pair_ids, flat_w, s.bus_rows, stacks[0], stacks[1])
+        elif lx.kept[0] == "q8_0":
+            q13, d13, q2, d2 = stacks
+            y = gpu_kernels.experts_one_token(x, self.pair_ids, flat_w, s.bus_rows, q13, q2, d13, d2)
+        else:
+            y = gpu_kernels.experts_one_token(x, self.pair_ids, flat_w, s.bus_rows, stacks[0], stacks[1], fmt=lx.kept)
+        out.add_(y)
+
+    @_guarded
+    def wait_add(self, lx: LayerExperts, out: torch.Tensor) -> None:
+        """Wait for the CPU's result of this step and add it to ``out [1, H]``."""
+        s = self.layers[lx.layer]
+        if self.cuda:
+            _wait_add_kernel[(1,)](s.flag_out, self.step, s.out, out, self.status, self.hidden,
+                                   int(TIMEOUT_S * 1e9), BLOCK_H=min(1024, triton.next_power_of_2(self.hidden)))
+            return
+        want = int(self.step[0])
+        deadline = time.monotonic() + TIMEOUT_S
+        while int(s.flag_out_np[0]) != want:
+            if time.monotonic() > deadline:
+                self.status.fill_(1)
+                return
+        out.add_(s.out.to(out.dtype).view_as(out))
+
+    def check(self) -> None:
+        """Raise ``ServedError`` if a layer of the steps so far timed out or failed (reads the
+        device's status: call after the step's result is needed anyway)."""
+        if int(self.status[0]) or self.native.errors():
+            raise ServedError(f"the CPU experts' thread did not answer within {TIMEOUT_S:.0f} s or failed on a "
+                              f"packet ({self.native.errors()} failed)")
+
+    @property
+    def bus_pairs(self) -> int:
+        """Pairs the accelerator computed from the CPU stacks so far (reads the device)."""
+        return int(self.bus_count[0])
+
+    @property
+    def served(self) -> int:
+        """Packets served so far (one per layer and step)."""
+        return int(self.native.served())
+
+    def close(self) -> None:
+        """Stop the native thread (it holds the CPU stacks until then)."""
+        self._stop()
+
+
+def _ffn(lx: LayerExperts) -> int:
+    """The experts' intermediate size ``I``."""
+    if lx.kept_cpu is not None:
+        return lx.k2
+    return lx.w2[COMPUTE].shape[2]
+
+
+def _native_stacks(lx: LayerExperts) -> tuple[int, list[torch.Tensor], int, int]:
+    """``(kind, stacks, f13, f2)`` of the native server's ``add_layer`` for ``lx``'s CPU tier."""
+    stacks = lx.cpu_stacks()
+    if lx.kept_cpu is None:
+        return 0, stacks, 0, 0
+    if lx.kept[0] == "q8_0":
+        return 1, stacks, 0, 0
+    codes = {"q4_k": 0, "q6_k": 1}
+    return 2, stacks, codes[lx.kept[0]], codes[lx.kept[1]]
+
+
+def _publish_torch(ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor, lx: LayerExperts, s: _Layer, frac: float,
+                   slots: int) -> int:
+    """``_publish_kernel`` in torch ops (a CPU accelerator without Triton's interpreter); the bus's pairs."""
+    k = ids.shape[0]
+    cpu = lx.tier_dev[ids] == COMPUTE
+    n = int(cpu.sum())
+    m = min(n, slots, int(np.float32(n) * np.float32(frac) + np.float32(0.5)))
+    rank = torch.cumsum(cpu.long(), 0) - 1
+    bus = cpu & (rank < m)
+    row = lx.local_dev[ids]
+    s.bus_rows.copy_(torch.where(bus, row, -1))
+    s.packet_dev[:k] = torch.where(cpu & ~bus, row, -1).float()
+    s.packet_dev[k:2 * k] = w.float()
+    s.packet_dev[2 * k:] = x.float()
+    return m
