@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             ph.end_step(time.perf_counter() - t)
             pos += 1
         hybrid = sum(1 for lx in engine.experts.values() if lx.needs_host)
+        srv = engine._decoder.server if engine._decoder is not None else None
+        print(f"decode server: {len(srv.layers) if srv else 0} of {hybrid} hybrid layers served"
+              + (f", {srv.served} packets, {srv.bus_pairs} pairs over the bus" if srv else ""))
     finally:
         engine.close()
     keys = ["total", "outside", "host_point", "wait", "cpu", "cpu_wait", "bus", "other"]
