@@ -178,6 +178,17 @@ stage_served() {  # decode host phases with the decode server (default) and with
         done
     done
 }
+stage_bus_sweep() {  # decode of the saved skewed placements (.dev/placements, from stage placements) under bus shares
+    stage_write
+    local p=.dev/placements/engine_s1_skew
+    for run in "frequency 0" "frequency 0.45" "frequency 1" "frequency 0.3" "frequency 0.45 0" "n-cpu-moe 0" "n-cpu-moe 1" \
+               "n-cpu-moe 0.45"; do
+        set -- $run
+        log "profile_hybrid $1 bus share $2 side stream ${3:-1}"; WORKBENCH_BUS_SHARE=$2 WORKBENCH_SERVED_BUS_STREAM=${3:-1} \
+            timeout 100 python3 scripts/profile_hybrid.py --model "$models/s1.gguf" --device cuda --placement "$p/$1.json" \
+            2>>"$OUT/device.log" | grep -E "decode server|total|^s1" | tee -a "$OUT/device.log"
+    done
+}
 stage_served_tests() {  # the decode server's and the bus share's tests on CUDA (carry .whl_engine)
     log "served tests"; WORKBENCH_TEST_DEVICE=cuda timeout "${TESTS_TIME_S:-240}" python3 -m pytest -q -p no:cacheprovider \
         tests/engine/test_served.py tests/engine/test_bus_share.py >"$OUT/served_tests.txt" 2>&1

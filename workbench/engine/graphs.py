@@ -133,8 +133,9 @@ class DecodeStep:
                     h, hn = add_norm(env["x"], a, layer.ffn_norm, layer.eps)
                     ids, w = ffn.route(hn)
                     srv.publish(lx, hn, ids, w)
+                    bus_y = srv.start_bus(lx, hn, w)
                     out = lx.device_part(hn, ids, w, False, ffn.extra(hn), masked=True)
-                    srv.add_bus(lx, hn, w, out)
+                    srv.join_bus(bus_y, out)
                     srv.wait_add(lx, out)
                     env["x"], env["xn"] = add_norm(h, out, *after)
 

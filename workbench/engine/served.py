@@ -15,8 +15,9 @@ one CUDA graph:
    experts into ``out`` (float32 ``[H]``) with the fused kernel and stores the step number in
    ``flag_out``.
 3. Meanwhile the accelerator computes the resident experts and, with a bus share, the bus's experts
-   by reading their weights from page-locked host memory in place (``experts_one_token`` over the
-   CPU stacks: only the selected rows cross the bus, nothing is copied first).
+   on a side stream by reading their weights from page-locked host memory in place
+   (``experts_one_token`` over the CPU stacks: only the selected rows cross the bus, nothing is
+   copied first).
 4. ``wait_add`` (one kernel) polls ``flag_out`` until it holds this step's number and adds ``out``.
 
 A kernel that waits longer than ``TIMEOUT_S`` gives up, sets ``status`` and adds nothing: ``check``
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 import weakref
 
@@ -146,8 +148,8 @@ class DecodeServer:
 
     ``layers``: the layers ``supports`` accepts; ``k`` selections per token; ``hidden`` = H;
     ``threads``: the CPU threads of the experts (the caller's thread keeps one core to launch).
-    Call ``begin`` once per step before the layers' pieces, ``publish`` / ``add_bus`` / ``wait_add``
-    per layer in that order, ``check`` after the step; ``close`` stops the thread.
+    Call ``begin`` once per step before the layers' pieces, ``publish`` / ``start_bus`` /
+    ``join_bus`` / ``wait_add`` per layer in that order, ``check`` after the step; ``close`` stops the thread.
     """
 
     def __init__(self, device: torch.device, layers: list[LayerExperts], k: int, hidden: int, threads: int):
@@ -158,6 +160,7 @@ class DecodeServer:
         self.status = torch.zeros(1, dtype=torch.int32, device=device)
         self.bus_count = torch.zeros(1, dtype=torch.int64, device=device)  # pairs the bus computed so far
         self.pair_ids = torch.arange(k, dtype=torch.int64, device=device)  # the bus kernel's "experts": pairs
+        self.bus_stream = torch.cuda.Stream(device) if self.cuda and _bus_side_stream() else None
         self.native = cpu_kernel.server(threads)
         self.layers: dict[int, _Layer] = {}
         for lx in layers:
@@ -193,22 +196,38 @@ class DecodeServer:
             s.flag_in.copy_(self.step)  # after the packet: the thread reads the packet once it sees this
 
     @_guarded
-    def add_bus(self, lx: LayerExperts, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-        """With a bus share, add to ``out [1, H]`` the bus's pairs, computed by the accelerator
-        reading their rows from the CPU tier's page-locked stacks."""
+    def start_bus(self, lx: LayerExperts, x: torch.Tensor, w: torch.Tensor):
+        """With a bus share, start the bus's pairs of the token ``x [1, H]`` (weights ``w [1, k]``):
+        the accelerator reads their rows from the CPU tier's page-locked stacks, on a side stream
+        (CUDA) so that the resident experts run meanwhile. Returns what ``join_bus`` takes."""
         if lx.bus is None:
-            return
+            return None
         s = self.layers[lx.layer]
+        if self.bus_stream is None:
+            return self._bus_experts(lx, s, x, w)
+        cur = torch.cuda.current_stream(self.device)
+        self.bus_stream.wait_stream(cur)
+        with torch.cuda.stream(self.bus_stream):
+            return self._bus_experts(lx, s, x, w)
+
+    @_guarded
+    def join_bus(self, started, out: torch.Tensor) -> None:
+        """Add ``start_bus``'s result to ``out [1, H]`` once it is done."""
+        if started is None:
+            return
+        if self.bus_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.bus_stream)
+        out.add_(started)
+
+    def _bus_experts(self, lx: LayerExperts, s: _Layer, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         stacks = lx.cpu_stacks()
         flat_w = w.reshape(-1)
         if lx.kept is None:
-            y = gpu_kernels.experts_one_token(x, self.pair_ids, flat_w, s.bus_rows, stacks[0], stacks[1])
-        elif lx.kept[0] == "q8_0":
+            return gpu_kernels.experts_one_token(x, self.pair_ids, flat_w, s.bus_rows, stacks[0], stacks[1])
+        if lx.kept[0] == "q8_0":
             q13, d13, q2, d2 = stacks
-            y = gpu_kernels.experts_one_token(x, self.pair_ids, flat_w, s.bus_rows, q13, q2, d13, d2)
-        else:
-            y = gpu_kernels.experts_one_token(x, self.pair_ids, flat_w, s.bus_rows, stacks[0], stacks[1], fmt=lx.kept)
-        out.add_(y)
+            return gpu_kernels.experts_one_token(x, self.pair_ids, flat_w, s.bus_rows, q13, q2, d13, d2)
+        return gpu_kernels.experts_one_token(x, self.pair_ids, flat_w, s.bus_rows, stacks[0], stacks[1], fmt=lx.kept)
 
     @_guarded
     def wait_add(self, lx: LayerExperts, out: torch.Tensor) -> None:
@@ -246,6 +265,12 @@ class DecodeServer:
     def close(self) -> None:
         """Stop the native thread (it holds the CPU stacks until then)."""
         self._stop()
+
+
+def _bus_side_stream() -> bool:
+    """``WORKBENCH_SERVED_BUS_STREAM`` (default 1): the bus's experts on a side stream, beside the
+    resident ones; 0: after them on the step's stream (for measuring the difference)."""
+    return os.environ.get("WORKBENCH_SERVED_BUS_STREAM", "1") != "0"
 
 
 def _ffn(lx: LayerExperts) -> int:
