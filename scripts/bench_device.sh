@@ -191,7 +191,7 @@ stage_bus_sweep() {  # decode of the saved skewed placements (.dev/placements, f
 }
 stage_served_tests() {  # the decode server's and the bus share's tests on CUDA (carry .whl_engine)
     log "served tests"; WORKBENCH_TEST_DEVICE=cuda timeout "${TESTS_TIME_S:-240}" python3 -m pytest -q -p no:cacheprovider \
-        tests/engine/test_served.py tests/engine/test_bus_share.py >"$OUT/served_tests.txt" 2>&1
+        ${SERVED_TESTS:-tests/engine/test_served.py tests/engine/test_bus_share.py} >"$OUT/served_tests.txt" 2>&1
     log "served tests rc $?"; tail -3 "$OUT/served_tests.txt" | tee -a "$OUT/device.log"
 }
 stage_placements() {  # the placements the side-by-side stages ran, as one file

@@ -318,6 +318,24 @@ def test_the_bus_share_speeds_up_cpu_experts_up_to_the_ram_bound():
     assert sum(c.cpu for c in on.decode_layers) >= expert_bytes / hw.host_read_bandwidth * 0.999
 
 
+def test_a_served_bus_reads_in_place_and_shares_the_ram_with_the_cpu():
+    """Served decode: the bus lane is its experts' bytes at ``bus_read`` of the pinned copy rate (no
+    copy-then-compute), and the CPU's and the bus's reads together stay under ``shared_read`` of the
+    host's read bandwidth; the host-driven engine copies, then computes on the GPU."""
+    inv = synth_inventory(4, 32, hidden=2048, expert_ffn=768, top_k=8)
+    hw = h200_profile()
+    p = placement_cpu_moe(inv)
+    served = CostModel(inv, hw, engine=EngineShape(bus_read=0.5, shared_read=0.5))
+    hosted = CostModel(inv, hw, engine=EngineShape(served=False))
+    all_bus = CostModel(inv, hw, engine=EngineShape(bus_share=1.0, bus_read=0.5))
+    s, h, b = (m.predict(p, ctx=512).decode_layers for m in (served, hosted, all_bus))
+    expert_bytes = 8 * 3 * 2048 * 768 * 2  # all eight selections of a layer, bf16
+    assert b[0].bus == pytest.approx(expert_bytes / (0.5 * hw.h2d_pinned), rel=0.02)
+    assert h[0].bus > expert_bytes / 2 / hw.h2d_pinned  # copies of half of them, then their compute
+    assert s[0].cpu >= expert_bytes / (0.5 * hw.host_read_bandwidth) * 0.999
+    assert h[0].cpu < s[0].cpu
+
+
 def test_prefill_fetch_splits_where_the_cpu_and_the_bus_finish_together():
     from workbench.core.costmodel import prefill_fetch
 

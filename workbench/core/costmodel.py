@@ -12,7 +12,9 @@ Decode, per decoder layer (batch 1, times in seconds):
   expected misses of an LRU cache of ``stream_slots`` per layer x transfer time over the pinned bus,
   then their GPU compute).
 - a host<->GPU sync per layer that has CPU or streamed experts (the router's choice must reach the
-  host), plus the GPU-side launches of bringing CPU results back.
+  host), plus the GPU-side launches of bringing CPU results back; with the engine's decode server
+  (``EngineShape.served``) this is the hand-off to and from its native thread, and the bus's
+  experts are read in place by kernels while the CPU computes the others.
 
 So a layer costs ``pre + max(gpu, cpu, bus) + sync`` rather than the sum. Expected selections come
 from ExpertStats per layer (uniform without stats): a token picks expert ``e`` of layer ``l`` with
@@ -116,6 +118,17 @@ class EngineShape:
     bus_slots: int = BUS_SLOTS
     launches_bus: int = 4
     """per layer that sends experts over the bus: the expert map copy, gate_up, down, add."""
+    served: bool = True
+    """Decode's hybrid layers are served by a native thread (the engine's ``served.DecodeServer`` on
+    CUDA): ``sync_s`` is then its hand-off per layer, and the bus's experts are computed by kernels
+    reading the CPU stacks in place (no copy, no separate compute) at ``bus_read`` of the pinned copy
+    rate. False: the host-driven layer (copies into slots, then their compute)."""
+    bus_read: float = 0.87
+    """Share of the pinned host-to-device copy rate that kernels reading page-locked host memory in
+    place reach (H200 machine: 48 of 55 GB/s, ``scripts/bench_device.sh bus_sweep``)."""
+    shared_read: float = 0.72
+    """Share of the host's read bandwidth the CPU's and the bus's reads of the CPU tier reach
+    together (H200 machine: 89 of 123 GB/s with both busy, same sweep)."""
 
 
 def bus_split(lam: np.ndarray, top_k: int, fraction: float, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -424,10 +437,13 @@ class CostModel:
         n = n_cpu + n_bus
         sent = np.divide(n_bus, n, out=np.zeros_like(n), where=n > 0)  # share of the expected selections
         bus_bytes = cpu_bytes * sent
+        launches = p_any * eng.launches_bus * self._gpu(0).launch_s
+        if eng.served:  # kernels read the rows in place: the bus lane is their reads
+            cpu = np.maximum(cpu_t * (1.0 - sent), cpu_bytes / (prof.host_read_bandwidth * eng.shared_read))
+            return cpu, bus_bytes / (prof.h2d_pinned * eng.bus_read) + launches, zero
         gpu = bus_bytes / self.expert_bandwidth(0)
         cpu = np.maximum(cpu_t * (1.0 - sent), cpu_bytes / prof.host_read_bandwidth)
-        bus = bus_bytes / prof.h2d_pinned + gpu + p_any * eng.launches_bus * self._gpu(0).launch_s
-        return cpu, bus, gpu
+        return cpu, bus_bytes / prof.h2d_pinned + gpu + launches, gpu
 
     def layer_curves(self, base: Placement, order: np.ndarray, kv_tokens: int = 512,
                      kv_dtype: str = "f16") -> tuple[np.ndarray, np.ndarray]:
