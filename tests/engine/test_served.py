@@ -104,9 +104,9 @@ def test_kept_blocks_are_served_as_blocks(tensor_type, width, tiny_gguf, monkeyp
              "intermediate_size": width, "mlp_only_layers": []}
     inv = open_inventory(tiny_gguf("qwen3_moe", tensor_type, **sizes))
     monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", "1")
-    placement = hybrid(inv)
-    tokens, logits, (packets, _) = run(inv, placement, "on", steps=6)
-    host_tokens, host_logits, _ = run(inv, placement, "off", steps=6)
+    placement = placements(inv)["compute"]  # (resident k-quant rows run slowly in Triton's interpreter)
+    tokens, logits, (packets, _) = run(inv, placement, "on", steps=4)
+    host_tokens, host_logits, _ = run(inv, placement, "off", steps=4)
     assert packets > 0
     assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
     if TEST_DTYPE == torch.float32:
