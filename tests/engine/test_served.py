@@ -144,3 +144,11 @@ def test_closing_the_engine_stops_the_thread(tiny_model_dir):
     assert server.native.running()
     engine.close()
     assert not server.native.running()
+
+
+@pytest.mark.parametrize("raw,mode", [("", "auto"), ("auto", "auto"), ("0", "off"), ("OFF", "off"), ("1", "on"),
+                                      ("yes", "on"), ("sometimes", "auto")])
+def test_the_setting_from_the_environment(raw, mode):
+    from workbench.engine.engine import _served_mode
+
+    assert _served_mode(raw) == mode

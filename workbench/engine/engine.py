@@ -99,6 +99,17 @@ def _bus_bytes(args: ModelArgs, placement: Placement, device: torch.device, dtyp
     return slots + 3 * args.expert_ffn * args.hidden * 34 // 32  # and staging for one kept expert's blocks
 
 
+def _served_mode(raw: str) -> str:
+    """``WORKBENCH_SERVED`` as ``auto``, ``on`` or ``off`` (``1``/``0``, ``true``/``false``, ``yes``/``no``
+    too; anything else: ``auto``)."""
+    v = raw.strip().lower()
+    if v in ("on", "1", "true", "yes"):
+        return "on"
+    if v in ("off", "0", "false", "no"):
+        return "off"
+    return "auto"
+
+
 def _is_host_oom(exc: BaseException) -> bool:
     text = str(exc)
     return "can't allocate memory" in text or "DefaultCPUAllocator" in text or "CachingHostAllocator" in text
@@ -181,7 +192,7 @@ class Engine:
         self.predicted = predicted
         self._lock = threading.RLock()
         self.decode_mode = os.environ.get("WORKBENCH_DECODE", "auto")
-        self.served_mode = os.environ.get("WORKBENCH_SERVED", "auto")
+        self.served_mode = _served_mode(os.environ.get("WORKBENCH_SERVED", "auto"))
         self._decoder = None
         self._bus, self.bus_share, self._keeps_blocks = None, bus_share, keeps
         self._reader = WeightReader(inventory)

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Predict the placements a `workbench bench run` ran, with this checkout's cost model and a given
+hardware profile, against the decode tokens/s that run measured.
+
+`bench run --save-placements DIR` saves each run's placement with the routing counts its planner saw
+(`bench_device.sh` stage `placements` brings them back as one archive). This re-predicts them
+offline, e.g. after the cost model changed, on a local copy of the benchmark file (same shape:
+`workbench bench write`; the routing statistics come from the saved projects):
+
+    python scripts/check_predictions.py --model /tmp/s1.gguf --profile h200.json \\
+        --bench engine_s1_skew.json --placements placements/engine_s1_skew [--ctx 576 --prompt 512]
+
+Prints a markdown table: placement, measured, predicted then and now, error now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from workbench.core.costmodel import CostModel  # noqa: E402
+from workbench.core.hardware import HardwareProfile  # noqa: E402
+from workbench.core.project import load_project  # noqa: E402
+from workbench.core.readers import open_model  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a GGUF of the benchmark's shape (weights are not read)")
+    ap.add_argument("--profile", required=True, help="hardware profile JSON (workbench calibrate)")
+    ap.add_argument("--bench", required=True, help="the run's JSON (workbench bench run --json)")
+    ap.add_argument("--placements", required=True, help="the run's --save-placements folder")
+    ap.add_argument("--ctx", type=int, default=576, help="prompt + generated tokens of the run")
+    ap.add_argument("--prompt", type=int, default=512)
+    args = ap.parse_args(argv)
+
+    inv = open_model(args.model)
+    prof = HardwareProfile.load(args.profile)
+    runs = json.loads(Path(args.bench).read_text())["runs"]
+    print("| placement | measured decode tok/s | predicted in the run | predicted now | error now |")
+    print("| --- | --- | --- | --- | --- |")
+    worst = 0.0
+    for run in runs:
+        path = Path(args.placements) / f"{run['strategy']}.json"
+        if not run.get("decode_tps") or not path.exists():
+            continue
+        project = load_project(path)
+        cost = CostModel(inv, prof, project.stats)
+        now = cost.predict(project.placement, args.ctx, prompt_tokens=args.prompt).decode_tps
+        err = (now - run["decode_tps"]) / run["decode_tps"]
+        worst = max(worst, abs(err))
+        then = run.get("predicted_decode_tps")
+        print(f"| {run['label']} | {run['decode_tps']:.1f} | {then:.1f} | {now:.1f} | {100 * err:+.1f}% |"
+              if then else f"| {run['label']} | {run['decode_tps']:.1f} | | {now:.1f} | {100 * err:+.1f}% |")
+    print(f"\nlargest error now: {100 * worst:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
