@@ -152,3 +152,39 @@ def test_the_setting_from_the_environment(raw, mode):
     from workbench.engine.engine import _served_mode
 
     assert _served_mode(raw) == mode
+
+
+def test_closing_the_engine_while_another_thread_decodes(tiny_model_dir):
+    """The chat pane decodes on a worker thread while the user closes the model: the step in progress
+    finishes, the next one says the engine was closed, and the server's thread is gone."""
+    import threading
+
+    from workbench.core.errors import WorkbenchError
+
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    engine = decode_step_engine(inv, hybrid(inv))
+    engine.served_mode = "on"
+    engine.forward(torch.tensor(PROMPT), 0)
+    started, outcome = threading.Event(), []
+
+    def decode():
+        pos = len(PROMPT)
+        try:
+            while True:
+                engine.forward(torch.tensor([5]), pos)
+                pos = len(PROMPT) + (pos + 1 - len(PROMPT)) % 40
+                started.set()
+        except WorkbenchError as exc:
+            outcome.append(exc)
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            outcome.append(exc)
+
+    worker = threading.Thread(target=decode)
+    worker.start()
+    assert started.wait(60)
+    server = engine._decoder.server
+    engine.close()
+    worker.join(60)
+    assert not worker.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], WorkbenchError), outcome
+    assert not server.native.running()

@@ -622,8 +622,10 @@ class Engine:
         return out
 
     def close(self) -> None:
-        """Free everything; the engine cannot be used afterwards."""
+        """Free everything; the engine cannot be used afterwards. Waits for a step in progress on
+        another thread (its next ``forward`` raises WorkbenchError)."""
         from workbench.telemetry import host
 
-        host.clear_pinned_bytes_provider(self.pinned_bytes)
-        self._free()
+        with self._lock:
+            host.clear_pinned_bytes_provider(self.pinned_bytes)
+            self._free()
