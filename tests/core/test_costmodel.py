@@ -347,3 +347,24 @@ def test_prefill_fetch_splits_where_the_cpu_and_the_bus_finish_together():
     assert abs(cpu - bus) <= 1
     assert not prefill_fetch(counts, 16, 0.0)[:5].any() and prefill_fetch(counts, 16, 1.0).all()
     assert not prefill_fetch(counts, 10**9, 0.0).any()
+
+
+def test_experts_kept_in_blocks_read_at_their_formats_gpu_rate():
+    """Resident Q8_0 experts go at the GPU's ``expert_throughput["q8_0"]`` when the profile has it (the
+    engine's block kernels), else at ``expert_bandwidth``; the JSON keeps the table."""
+    from workbench.core.hardware import HardwareProfile
+
+    inv = synth_inventory(4, 32, hidden=2048, expert_ffn=768, top_k=8, expert_dtype="Q8_0")
+    hw = h200_profile()
+    slow = dataclasses.replace(hw, gpus=(dataclasses.replace(hw.gpus[0], expert_throughput={"q8_0": 0.1e12}),))
+    p = placement_all_gpu(inv)
+    base = CostModel(inv, hw).predict(p, ctx=512)
+    kept = CostModel(inv, slow).predict(p, ctx=512)
+    expert_bytes = sum(u.nbytes for k, u in inv.units.items() if k.kind == "expert" and k.layer == 0) * 8 / 32
+    extra = expert_bytes / 0.1e12 - expert_bytes / hw.gpus[0].expert_bandwidth
+    assert kept.decode_layers[0].gpu == pytest.approx(base.decode_layers[0].gpu + extra, rel=0.01)
+    assert kept.decode_tps < base.decode_tps
+    back = HardwareProfile.from_json(slow.to_json())
+    assert back.gpus[0].expert_throughput == {"q8_0": 0.1e12} and not back.problems()
+    bad = dataclasses.replace(slow, gpus=(dataclasses.replace(hw.gpus[0], expert_throughput={"q4_k": -1.0}),))
+    assert any("expert_throughput[q4_k]" in msg for msg in bad.problems())

@@ -189,6 +189,8 @@ class CostModel:
         self.expert_bytes = np.zeros((L, E))
         self.expert_params = np.zeros((L, E))
         self.expert_cpu_rate = np.ones((L, E))
+        self.expert_format = np.full((L, E), "bf16", dtype=object)
+        self._gpu_rate_cache: dict[int, np.ndarray] = {}
         self.present = np.zeros((L, E), dtype=bool)
         self.expert_keys: list[UnitKey] = []
         rates: dict[str, float] = {}
@@ -205,6 +207,7 @@ class CostModel:
             if dtype not in rates:
                 rates[dtype] = cpu_rate(profile, dtype)
             self.expert_cpu_rate[key.layer, key.expert] = rates[dtype]
+            self.expert_format[key.layer, key.expert] = weight_format(dtype)
         self.expert_keys.sort()
         self.moe_layer = self.present.any(axis=1)
         self.stats = stats
@@ -249,6 +252,21 @@ class CostModel:
         g = self._gpu(index)
         eb = g.expert_bandwidth
         return eb if eb is not None and math.isfinite(eb) and eb > 0 else g.mem_bandwidth
+
+    def gpu_rate(self, index: int) -> np.ndarray:
+        """``[layers, experts]`` bytes/s at which GPU ``index`` reads each resident expert at batch 1:
+        its format's ``expert_throughput`` (experts kept in a quantized file's blocks) or
+        ``expert_bandwidth``."""
+        rate = self._gpu_rate_cache.get(index)
+        if rate is None:
+            table = self._gpu(index).expert_throughput
+            base = self.expert_bandwidth(index)
+            rate = np.full(self.expert_format.shape, base)
+            for fmt, r in table.items():
+                if r and math.isfinite(r) and r > 0:
+                    rate[self.expert_format == fmt] = r
+            self._gpu_rate_cache[index] = rate
+        return rate
 
     # -- prediction ------------------------------------------------------------------------------
 
@@ -307,7 +325,9 @@ class CostModel:
         grid = expert_grid(placement, self.n_layers, self.n_experts)
         load = self.p_sel * self.expert_bytes * self.present
         for g in np.unique(grid[(grid >= 0) & self.present]):
-            add(f"gpu:{int(g)}", float((load * (grid == g)).sum()), self.expert_bandwidth(int(g)))
+            acc = out.setdefault(f"gpu:{int(g)}", [0.0, 0.0])
+            acc[0] += float((load * (grid == g)).sum())
+            acc[1] += float((load * (grid == g) / self.gpu_rate(int(g))).sum())
         compute = grid == TIER_CPU_COMPUTE
         if compute.any():
             acc = out.setdefault("cpu", [0.0, 0.0])
@@ -383,7 +403,7 @@ class CostModel:
             mask = on_gpu & (grid == g)
             tier = f"gpu:{int(g)}"
             lane = gpu_lanes.setdefault(tier, np.zeros(L))
-            lane += (load * mask).sum(axis=1) / self.expert_bandwidth(int(g))
+            lane += (load * mask / self.gpu_rate(int(g))).sum(axis=1)
         with np.errstate(invalid="ignore", divide="ignore"):
             gpu_share = np.where(self.moe_layer, (p * on_gpu).sum(axis=1) / np.where(sel_total > 0, sel_total, 1), np.nan)
 
@@ -461,7 +481,7 @@ class CostModel:
         present = self.present[rows, order]
         load = (self.p_sel * self.expert_bytes)[rows, order] * present
         zeros = np.zeros((L, 1))
-        g_cum = np.hstack([zeros, np.cumsum(load / self.expert_bandwidth(0), axis=1)])
+        g_cum = np.hstack([zeros, np.cumsum(load / self.gpu_rate(0)[rows, order], axis=1)])
         c_gain = np.hstack([zeros, np.cumsum(load / self.expert_cpu_rate[rows, order], axis=1)])
         b_cum = np.hstack([zeros, np.cumsum(self.expert_bytes[rows, order] * present, axis=1)])
         n_present = present.sum(axis=1)

@@ -19,11 +19,20 @@ from workbench.core.errors import WorkbenchError
 from workbench.core.resources import resource
 
 
+def _gpu_rates(g: dict) -> dict:
+    """A GPU's JSON with ``expert_throughput`` as ``{format: float}`` (absent: empty)."""
+    g = dict(g)
+    g["expert_throughput"] = {str(k).lower(): float(v) for k, v in dict(g.get("expert_throughput") or {}).items()}
+    return g
+
+
 @dataclass(frozen=True)
 class GpuProfile:
     """One GPU. ``mem_bandwidth``: achievable HBM/GDDR read bandwidth (B/s); ``launch_s``: cost of one
     kernel launch (s); ``bf16_flops``: dense bf16 matrix rate (FLOP/s); ``expert_bandwidth``: bytes of
-    expert weights per second a batch-1 expert matmul reaches on this GPU."""
+    expert weights per second a batch-1 expert matmul reaches on this GPU; ``expert_throughput``: the
+    same for experts kept in a quantized file's blocks, by format (``q8_0``, ``q4_k``), bytes of the
+    blocks per second through the engine's one-token kernels (formats not listed: ``expert_bandwidth``)."""
 
     name: str
     vram_bytes: int
@@ -33,6 +42,7 @@ class GpuProfile:
     expert_bandwidth: float | None = None
     pcie_gen: int | None = None
     pcie_width: int | None = None
+    expert_throughput: dict[str, float] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
         """What is wrong with this GPU's numbers, one sentence each."""
@@ -44,6 +54,8 @@ class GpuProfile:
         out += _check_rate("bf16_flops", self.bf16_flops, "FLOP/s")
         if self.expert_bandwidth is not None:
             out += _check_rate("expert_bandwidth", self.expert_bandwidth, "B/s")
+        for fmt, rate in self.expert_throughput.items():
+            out += _check_rate(f"expert_throughput[{fmt}]", rate, "B/s")
         if not (0 <= self.launch_s < 0.1):
             out.append(f"launch_s is {self.launch_s!r} s: expected microseconds")
         if self.pcie_gen is not None and self.pcie_gen not in range(1, 8):
@@ -92,7 +104,7 @@ class HardwareProfile:
             raise HardwareProfileError(f"a hardware profile must be a JSON object, not {type(d).__name__}")
         d = dict(d)
         try:
-            d["gpus"] = tuple(GpuProfile(**_none_to_nan(g, GpuProfile)) for g in d.get("gpus", ()))
+            d["gpus"] = tuple(GpuProfile(**_none_to_nan(_gpu_rates(g), GpuProfile)) for g in d.get("gpus", ()))
             d["cpu_expert_throughput"] = {
                 str(k): float(v) for k, v in dict(d.get("cpu_expert_throughput", {})).items()
             }

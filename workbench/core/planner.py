@@ -211,7 +211,7 @@ class Planner:
         """Decode seconds one byte of each expert saves on ``gpu:0`` instead of the CPU, x its
         selection probability: ``[layers, experts]`` (0 for absent experts)."""
         cm = self.cost
-        gpu_bw = cm.expert_bandwidth(0)
+        gpu_bw = cm.gpu_rate(0)
         if self.cpu_code == TIER_CPU_STREAM:
             per_byte = 1.0 / cm.profile.h2d_pinned
         else:

@@ -331,6 +331,51 @@ def _gpu_experts(run: _Run, dev: torch.device, hidden: int, ffn: int, nbytes: in
     return per * calls * top_k / _repeat(run, lambda: _cuda_time(g.replay), share)
 
 
+def _gpu_kept_experts(run: _Run, dev: torch.device, hidden: int, ffn: int, nbytes: int, share: float,
+                      top_k: int = 8) -> dict[str, float]:
+    """Bytes/s of expert blocks (``q8_0``, ``q4_k``) that one token's resident experts read through the
+    engine's Triton block kernels (``gpu_kernels.experts_one_token``), replayed from a CUDA graph:
+    ``{format: B/s}``; empty without the kernels or for shapes the formats do not tile."""
+    from . import gpu_kernels
+
+    if not gpu_kernels.available():
+        return {}
+    out: dict[str, float] = {}
+    x = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16)
+    scale = torch.full((top_k,), 1.0 / top_k, device=dev, dtype=torch.bfloat16)
+    for fmt in ("q8_0", "q4_k"):
+        if (fmt == "q8_0" and (hidden % 32 or ffn % 32)) or (fmt == "q4_k" and (hidden % 256 or ffn % 256)):
+            continue
+        per = 3 * ffn * hidden * 34 // 32 if fmt == "q8_0" else 3 * ffn * hidden * 144 // 256
+        n_exp = max(top_k, min(256, nbytes // per))
+        if fmt == "q8_0":
+            q13 = torch.randint(-127, 128, (n_exp, 2 * ffn, hidden), device=dev, dtype=torch.int8)
+            q2 = torch.randint(-127, 128, (n_exp, hidden, ffn), device=dev, dtype=torch.int8)
+            d13 = torch.full((n_exp, 2 * ffn, hidden // 32), 1e-3, device=dev, dtype=torch.float16)
+            d2 = torch.full((n_exp, hidden, ffn // 32), 1e-3, device=dev, dtype=torch.float16)
+            stacks, extra = (q13, q2, d13, d2), {}
+        else:
+            b13 = torch.randint(0, 256, (n_exp, 2 * ffn, hidden // 256 * 144), device=dev, dtype=torch.uint8)
+            b2 = torch.randint(0, 256, (n_exp, hidden, ffn // 256 * 144), device=dev, dtype=torch.uint8)
+            stacks, extra = (b13, b2), {"fmt": ("q4_k", "q4_k")}
+        calls = n_exp // top_k
+        rows = [torch.arange(c * top_k, (c + 1) * top_k, device=dev) for c in range(calls)]
+        rowmap = torch.arange(n_exp, device=dev)
+
+        def experts(stacks=stacks, extra=extra, rows=rows, rowmap=rowmap) -> None:
+            for r in rows:
+                gpu_kernels.experts_one_token(x, r, scale, rowmap, *stacks, **extra)
+
+        experts()
+        torch.cuda.synchronize(dev)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            experts()
+        out[fmt] = per * calls * top_k / _repeat(run, lambda g=g: _cuda_time(g.replay), share)
+        del stacks, g
+    return out
+
+
 def _gpu_launch_sync(
     run: _Run, dev: torch.device, n_router: int, top_k: int, share: float
 ) -> tuple[float, float]:
@@ -405,6 +450,11 @@ def _gpu(run: _Run, index: int, hidden: int, ffn: int, n_router: int, top_k: int
     mem_bw = _gpu_memory(run, dev, int(min(1 << 30, free // 8)), share)
     flops = _gpu_matmul(run, dev, 8192 if free > 8 * 3 * 8192 * 8192 * 2 else 2048, share)
     expert_bw = _gpu_experts(run, dev, hidden, ffn, int(min(1 << 30, free // 8)), share)
+    try:  # the kept-block kernels: a failure leaves those formats at expert_bandwidth
+        kept = _gpu_kept_experts(run, dev, hidden, ffn, int(min(1 << 30, free // 8)), share)
+    except Exception as exc:  # noqa: BLE001 - calibration goes on without them
+        log.warning("GPU %d: expert block kernels not measured: %s", index, exc)
+        kept = {}
     launch, sync = _gpu_launch_sync(run, dev, n_router, top_k, share)
     torch.cuda.empty_cache()
     gen, width = _pcie_link(str(getattr(props, "uuid", "") or ""))
@@ -417,11 +467,14 @@ def _gpu(run: _Run, index: int, hidden: int, ffn: int, n_router: int, top_k: int
         expert_bandwidth=expert_bw,
         pcie_gen=gen,
         pcie_width=width,
+        expert_throughput=kept,
     )
     run.finish(
         step,
         f"GPU {index} {props.name}: memory {mem_bw / 1e12:.2f} TB/s, bf16 {flops / 1e12:.0f} TFLOP/s, "
-        f"experts {expert_bw / 1e9:.0f} GB/s, launch {launch * 1e6:.1f} us, sync {sync * 1e6:.0f} us",
+        f"experts {expert_bw / 1e9:.0f} GB/s"
+        + "".join(f", {fmt} blocks {rate / 1e9:.0f} GB/s" for fmt, rate in kept.items())
+        + f", launch {launch * 1e6:.1f} us, sync {sync * 1e6:.0f} us",
     )
     return gpu, {"h2d_pinned": h2d, "h2d_pageable": h2d_pageable, "d2h_pinned": d2h, "sync_s": sync}
 
