@@ -174,6 +174,7 @@ def test_engine_paths_name_the_kept_formats(tiny_gguf):
     finally:
         engine.close()
     assert paths["bus_experts"] == 0 and set(paths["kept"].values()) == {"q4_k+q6_k"}
+    assert paths["served_layers"] == [] and paths["served_bus_pairs"] == 0  # no decode step yet
 
 
 def test_planner_leaves_room_for_what_the_engine_dequantizes(tiny_gguf, monkeypatch):

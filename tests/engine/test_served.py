@@ -142,6 +142,9 @@ def test_closing_the_engine_stops_the_thread(tiny_model_dir):
     greedy_tokens(engine, PROMPT, 3)
     server = engine._decoder.server
     assert server.native.running()
+    from workbench.engine.bench import engine_paths
+
+    assert engine_paths(engine)["served_layers"] == sorted(server.layers)  # what a bench run reports
     engine.close()
     assert not server.native.running()
 

@@ -135,8 +135,10 @@ class EngineRun:
     roofline_decode_tps: float | None = None
     roofline: dict = field(default_factory=dict)
     engine_paths: dict = field(default_factory=dict)
-    """What the engine did on this placement: experts sent over the bus (``bus_experts``) and the
-    formats of the experts kept as quantized blocks (``kept``, by layer), for reading the figures."""
+    """What the engine did on this placement: experts copied over the bus (``bus_experts``), the decode
+    server's layers and the pairs its kernels read from the CPU stacks in place (``served_layers``,
+    ``served_bus_pairs``) and the formats of the experts kept as quantized blocks (``kept``, by
+    layer), for reading the figures."""
     coverage: list[float] = field(default_factory=list)
     load_s: float = 0.0
 
@@ -261,7 +263,9 @@ def run_placement(inv, placement: Placement, label: str, strategy: str, *, devic
 
 
 def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
-    """What a loaded engine did: ``bus_experts`` (experts the bus share copied so far), ``kept``
+    """What a loaded engine did: ``bus_experts`` (experts the bus share copied so far: prompts, and
+    decode without the decode server), ``served_layers`` / ``served_bus_pairs`` (the decode server's
+    hybrid layers and the (token, expert) pairs its bus kernels computed so far), ``kept``
     (``{layer: "gate/up format+down format"}``), ``tiers`` (``{layer: [resident, compute, stream]}``
     expert counts) and, given its routing ``counts [L, E]``, ``cpu_selected`` (``{layer: selections of
     CPU-tier experts per token}``: the host work of each hybrid layer)."""
@@ -269,6 +273,10 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
     kept = {str(layer): "+".join(lx.kept) for layer, lx in engine.experts.items() if lx.kept is not None}
     tiers = {str(layer): [int(n) for n in lx.n_tier] for layer, lx in engine.experts.items()}
     out = {"bus_experts": share.copied if share is not None else 0, "kept": kept, "tiers": tiers}
+    decoder = getattr(engine, "_decoder", None)
+    server = getattr(decoder, "server", None)
+    out["served_layers"] = sorted(server.layers) if server is not None else []
+    out["served_bus_pairs"] = server.bus_pairs if server is not None else 0
     if counts is not None and counts.any():
         k = max(1, engine.args.top_k)
         cpu = {}
