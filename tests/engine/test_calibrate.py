@@ -154,3 +154,13 @@ def test_kept_quant_formats_are_timed_with_their_fused_kernels():
         if fmt == "q8_0" and "int8" not in format_table() or fmt == "q4_k" and "int4" not in format_table():
             continue
         assert prof.cpu_expert_throughput[fmt] > 1e6
+
+
+def test_the_host_read_buffer_is_larger_than_the_caches():
+    """The L3 size comes from /sys, every instance once; the host read uses eight times that at least."""
+    from workbench.engine.calibrate import l3_bytes
+
+    l3 = l3_bytes()
+    assert l3 >= 0
+    if l3:
+        assert 1 << 20 <= l3 <= 16 << 30  # a plausible last-level cache

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -131,12 +132,30 @@ def format_table() -> dict[str, CalibrationFormat]:
 # -- CPU ---------------------------------------------------------------------------------------
 
 
+def l3_bytes() -> int:
+    """Bytes of L3 cache on this machine, every instance counted once (Linux ``/sys``; 0 elsewhere or
+    when the kernel does not say)."""
+    sizes: dict[str, int] = {}
+    for d in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index3"):
+        try:
+            shared = (d / "shared_cpu_list").read_text().strip()
+            raw = (d / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(raw[-1:], 1)
+        try:
+            sizes[shared] = int(raw.rstrip("KMG")) * mult
+        except ValueError:
+            continue
+    return sum(sizes.values())
+
+
 def _host_read(run: _Run, nbytes: int) -> float:
-    """Bytes/s a multi-threaded sum reads from a buffer much larger than the caches: ``nbytes`` but
-    at least 4 GiB (within an eighth of the free memory). A server's L3 holds hundreds of MB and
-    keeps part of a smaller buffer between passes: 512 MiB read at 123 GB/s on the H200 machine,
-    whose RAM gives 88."""
-    nbytes = int(min(max(nbytes, 4 << 30), psutil.virtual_memory().available // 8))
+    """Bytes/s a multi-threaded sum reads from a buffer much larger than the caches: ``nbytes``, but
+    at least eight times the last-level caches (within an eighth of the free memory). A server's L3
+    holds hundreds of MB and keeps part of a smaller buffer between passes: 512 MiB read at 123 GB/s
+    on the H200 machine (300 MiB of L3), whose RAM gives 88."""
+    nbytes = int(min(max(nbytes, 8 * l3_bytes()), psutil.virtual_memory().available // 8))
     buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     t = _repeat(run, lambda: buf.sum(), run.share["host"])
     return buf.numel() * 4 / t
