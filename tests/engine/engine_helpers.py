@@ -101,3 +101,23 @@ def decode_step_engine(inv: Inventory, placement: Placement, max_context: int = 
     engine = Engine.load(inv, placement, device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=max_context)
     engine.decode_mode = "static" if TEST_DEVICE == "cpu" else "auto"
     return engine
+
+
+def attach_bus_share(engine, fraction: float):
+    """The engine's bus share (``bus.BusShare``) at ``fraction``: on CUDA the one the engine made; on a
+    CPU accelerator one attached by hand to every layer with CPU experts, as the engine would."""
+    from workbench.engine import bus
+    from workbench.engine.experts import COMPUTE
+
+    if TEST_DEVICE != "cpu":
+        assert engine._bus is not None
+        engine._bus.fraction = fraction
+        return engine._bus
+    a = engine.args
+    share = bus.BusShare(engine.device, engine.dtype, a.n_experts, (2 * a.expert_ffn, a.hidden),
+                         (a.hidden, a.expert_ffn), fraction)
+    for lx in engine.experts.values():
+        if lx.n_tier[COMPUTE]:
+            assert share.pin(lx, lx.cpu_stacks(), lx.kept_layout())
+            lx.bus = share
+    return share

@@ -14,6 +14,7 @@ from tests.engine.engine_helpers import (
     PROMPT,
     TEST_DEVICE,
     TEST_DTYPE,
+    attach_bus_share,
     decode_step_engine,
     greedy_tokens,
     logits_tolerance,
@@ -49,28 +50,12 @@ def test_settings_from_the_environment(name, read, default, given, value, monkey
     assert read() == default
 
 
-def _share(engine, fraction: float) -> bus.BusShare:
-    """The engine's share on CUDA; on a CPU accelerator one attached by hand, as the engine would."""
-    if TEST_DEVICE != "cpu":
-        assert engine._bus is not None
-        engine._bus.fraction = fraction
-        return engine._bus
-    a = engine.args
-    share = bus.BusShare(engine.device, engine.dtype, a.n_experts, (2 * a.expert_ffn, a.hidden),
-                         (a.hidden, a.expert_ffn), fraction)
-    for lx in engine.experts.values():
-        if lx.n_tier[COMPUTE]:
-            assert share.pin(lx, lx.cpu_stacks(), lx.kept_layout())
-            lx.bus = share
-    return share
-
-
 @pytest.mark.parametrize("place,fraction", [("compute", 0.5), ("compute", 1.0), ("mixed", 0.5)])
 def test_decode_with_a_bus_share_gives_the_reference_tokens(place, fraction, tiny_model_dir, tiny_hf_model):
     inv = open_inventory(tiny_model_dir("qwen3_moe"))
     engine = decode_step_engine(inv, placements(inv)[place])
     try:
-        share = _share(engine, fraction)
+        share = attach_bus_share(engine, fraction)
         tokens = greedy_tokens(engine, PROMPT, N_NEW)
         assert share.copied > 0  # experts did travel
     finally:
@@ -86,7 +71,7 @@ def test_prefill_fetches_the_experts_many_tokens_select(fetch_tokens, tiny_model
     inv = open_inventory(tiny_model_dir("qwen3_moe"))
     engine = decode_step_engine(inv, placements(inv)["compute"])
     try:
-        share = _share(engine, 0.0)  # decode keeps its CPU experts on the CPU: only prefill fetches
+        share = attach_bus_share(engine, 0.0)  # decode keeps its CPU experts on the CPU: only prefill fetches
         share.fetch_tokens = fetch_tokens
         logits = engine.forward(torch.tensor(PROMPT), 0)
         assert share.copied > 0
@@ -115,7 +100,7 @@ def test_kept_blocks_travel_as_blocks_and_compute_as_their_dequantization(tensor
         monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", keep)
         engine = decode_step_engine(inv, placements(inv)["compute"])
         try:
-            share = _share(engine, 1.0 if keep == "1" else 0.0)
+            share = attach_bus_share(engine, 1.0 if keep == "1" else 0.0)
             share.fetch_tokens = 1 if keep == "1" else 10**9
             logits = engine.forward(torch.tensor(PROMPT), 0)
             runs.append((logits, greedy_tokens(engine, PROMPT, 8)))
@@ -192,7 +177,7 @@ def test_a_prompt_whose_grouped_kernel_fails_is_computed_by_the_loop(tiny_model_
     inv = open_inventory(tiny_model_dir("qwen3_moe"))
     engine = decode_step_engine(inv, placements(inv)["compute"])
     try:
-        share = _share(engine, 1.0)  # every CPU-tier expert of the prompt travels
+        share = attach_bus_share(engine, 1.0)  # every CPU-tier expert of the prompt travels
         share.fetch_tokens = 1
         logits = engine.forward(torch.tensor(PROMPT), 0)
         assert share.copied > 0 and not prefill_kernels.available()

@@ -12,8 +12,8 @@ import torch
 
 from tests.engine.engine_helpers import (
     PROMPT,
-    TEST_DEVICE,
     TEST_DTYPE,
+    attach_bus_share,
     decode_step_engine,
     greedy_tokens,
     open_inventory,
@@ -22,8 +22,7 @@ from tests.engine.engine_helpers import (
     rel_err,
 )
 from workbench.core.placement import CPU_COMPUTE, ON_GPU0, Placement
-from workbench.engine import bus, cpu_kernel, served
-from workbench.engine.experts import COMPUTE
+from workbench.engine import cpu_kernel, served
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="needs the fused CPU kernel (a C++ compiler)")
 
@@ -46,7 +45,7 @@ def run(inv, placement, mode: str, fraction: float | None = None, steps: int = N
     engine.served_mode = mode
     try:
         if fraction is not None:
-            attach_bus(engine, fraction)
+            attach_bus_share(engine, fraction)
         tokens = greedy_tokens(engine, PROMPT, steps)
         last = engine.forward(torch.tensor([tokens[-1]]), len(PROMPT) + steps - 1)
         server = engine._decoder.server if engine._decoder is not None else None
@@ -54,19 +53,6 @@ def run(inv, placement, mode: str, fraction: float | None = None, steps: int = N
         return tokens, last, counts
     finally:
         engine.close()
-
-
-def attach_bus(engine, fraction: float) -> None:
-    if TEST_DEVICE != "cpu":
-        engine._bus.fraction = fraction
-        return
-    a = engine.args
-    share = bus.BusShare(engine.device, engine.dtype, a.n_experts, (2 * a.expert_ffn, a.hidden),
-                         (a.hidden, a.expert_ffn), fraction)
-    for lx in engine.experts.values():
-        if lx.n_tier[COMPUTE]:
-            assert share.pin(lx, lx.cpu_stacks(), lx.kept_layout())
-            lx.bus = share
 
 
 @pytest.mark.parametrize("place", ["hybrid", "compute"])

@@ -125,6 +125,19 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
     return out if scale_input else out * scale
 
 
+def one_token_on(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, rowmap: torch.Tensor,
+                 stacks: list[torch.Tensor], fmt: tuple[str, str] | None) -> torch.Tensor:
+    """``gpu_kernels.experts_one_token`` over a tier's stacks as ``LayerExperts`` holds them: float
+    ``[w13, w2]`` (``fmt`` None) or kept blocks in ``fmt`` (Q8_0 ``[q13, d13, q2, d2]``, k-quants
+    ``[b13, b2]``). ``x [1, H]``, ``ids``/``scale [k]``, ``rowmap [E]`` -> ``[1, H]``."""
+    if fmt is None:
+        return gpu_kernels.experts_one_token(x, ids, scale, rowmap, stacks[0], stacks[1])
+    if fmt[0] == "q8_0":
+        q13, d13, q2, d2 = stacks
+        return gpu_kernels.experts_one_token(x, ids, scale, rowmap, q13, q2, d13, d2)
+    return gpu_kernels.experts_one_token(x, ids, scale, rowmap, stacks[0], stacks[1], fmt=fmt)
+
+
 class LayerExperts:
     """Routed experts of one layer. Build with ``add`` per expert then ``finish``."""
 
@@ -379,13 +392,10 @@ class LayerExperts:
                 and (small or not self.needs_host)):
             # one token on CUDA: the selected resident rows read in place (Triton), others skipped
             rowmap = self.res_map_dev if self.needs_host else self.local_dev
-            if self.kept is not None and self.kept[0] == "q8_0" and self.kept_res is not None:  # blocks in place
-                q13, d13, q2, d2 = self.kept_res
-                out = gpu_kernels.experts_one_token(x, flat_ids, flat_w, rowmap, q13, q2, d13, d2)
-            elif self.kept_res is not None:
-                out = gpu_kernels.experts_one_token(x, flat_ids, flat_w, rowmap, *self.kept_res, fmt=self.kept)
+            if self.kept_res is not None:  # blocks in place
+                out = one_token_on(x, flat_ids, flat_w, rowmap, self.kept_res, self.kept)
             else:
-                out = gpu_kernels.experts_one_token(x, flat_ids, flat_w, rowmap, self.w13[0], self.w2[0])
+                out = one_token_on(x, flat_ids, flat_w, rowmap, [self.w13[0], self.w2[0]], None)
             return out if extra is None else out + extra()
         if T == 1:  # one token: its k pairs read x as a view and sum with one reduction
             xt = x.expand(k, x.shape[1])

@@ -57,10 +57,10 @@ class DecodeStep:
         """A decode server for the hybrid layers it supports (``engine.served_mode``: ``auto`` on CUDA
         with the Triton kernels, ``on`` also on a CPU accelerator, ``off`` never)."""
         e = self.e
-        mode = getattr(e, "served_mode", "auto")
-        if mode == "off" or (mode == "auto" and not (e.device.type == "cuda" and gpu_kernels.available())):
+        mode, cuda = getattr(e, "served_mode", "auto"), e.device.type == "cuda"
+        if mode == "off" or (mode == "auto" and not cuda):
             return None
-        if e.device.type == "cuda" and (not gpu_kernels.available() or served.globaltimer is None):
+        if cuda and (not gpu_kernels.available() or served.globaltimer is None):
             return None
         layers = [lx for lx in e.experts.values() if served.supports(lx)]
         if not layers or not cpu_kernel.available():

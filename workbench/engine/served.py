@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from . import cpu_kernel, gpu_kernels
-from .experts import COMPUTE, STREAM, LayerExperts
+from .experts import COMPUTE, STREAM, LayerExperts, one_token_on
 
 log = logging.getLogger(__name__)
 
@@ -220,14 +220,8 @@ class DecodeServer:
         out.add_(started)
 
     def _bus_experts(self, lx: LayerExperts, s: _Layer, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        stacks = lx.cpu_stacks()
-        flat_w = w.reshape(-1)
-        if lx.kept is None:
-            return gpu_kernels.experts_one_token(x, self.pair_ids, flat_w, s.bus_rows, stacks[0], stacks[1])
-        if lx.kept[0] == "q8_0":
-            q13, d13, q2, d2 = stacks
-            return gpu_kernels.experts_one_token(x, self.pair_ids, flat_w, s.bus_rows, q13, q2, d13, d2)
-        return gpu_kernels.experts_one_token(x, self.pair_ids, flat_w, s.bus_rows, stacks[0], stacks[1], fmt=lx.kept)
+        fmt = lx.kept if lx.kept_cpu is not None else None
+        return one_token_on(x, self.pair_ids, w.reshape(-1), s.bus_rows, lx.cpu_stacks(), fmt)
 
     @_guarded
     def wait_add(self, lx: LayerExperts, out: torch.Tensor) -> None:
