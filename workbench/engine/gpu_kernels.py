@@ -131,6 +131,130 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _inputs(x_ptr, offs, K, m, SWIGLU: tl.constexpr):
+        """float32 inputs at ``offs`` (any shape; 0 where ``m`` is False): ``x[offs]``, or with
+        ``SWIGLU`` ``silu(x[offs]) * x[K + offs]`` (the gate half, then the up half, of one row)."""
+        if SWIGLU:
+            g = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + K + offs, mask=m, other=0.0).to(tl.float32)
+            return g * tl.sigmoid(g) * u
+        else:
+            return tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _half(sb, off, rm):
+        """The float32 value of the float16 at byte ``off`` of each super-block ``sb [BN]`` (0 where
+        ``rm`` is False, nothing read)."""
+        lo = tl.load(sb + off, mask=rm, other=0).to(tl.uint16)
+        hi = tl.load(sb + off + 1, mask=rm, other=0).to(tl.uint16)
+        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _q4k_scale_min(sb, j, rm):
+        """Q4_K's 6-bit scale and min of sub-blocks ``j [J]`` of super-blocks ``sb [BN]``:
+        two float32 ``[BN, J]`` (0 where ``rm`` is False)."""
+        sc = sb[:, None] + 4
+        m = rm[:, None]
+        a = tl.load(sc + j[None, :], mask=m, other=0).to(tl.int32)
+        b = tl.load(sc + j[None, :] + 4, mask=m, other=0).to(tl.int32)
+        c = tl.load(sc + tl.where(j >= 4, j - 4, j)[None, :], mask=m, other=0).to(tl.int32)
+        low = (j < 4)[None, :]
+        scale = tl.where(low, a & 63, (b & 15) | ((c >> 6) << 4))
+        mn = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4))
+        return scale.to(tl.float32), mn.to(tl.float32)
+
+    @triton.jit
+    def _q4k_dot(sb, rm, x_ptr, k0, K, SWIGLU: tl.constexpr):
+        """Dot products ``[BN]`` of one Q4_K super-block per row (``sb [BN]``: uint8 pointers to each
+        row's 144 bytes) with inputs ``k0 .. k0 + 255``. Byte ``32 g + p`` of the quants holds input
+        ``64 g + p`` (low nibble, sub-block ``2 g``) and ``64 g + 32 + p`` (high nibble, ``2 g + 1``);
+        ``d * sc * q - dmin * mn`` summed per sub-block as ``d * sc * (q . x) - dmin * mn * sum(x)``."""
+        g = tl.arange(0, 4)
+        p = tl.arange(0, 32)
+        at = g[:, None] * 64 + p[None, :]  # [4, 32]
+        xlo = _inputs(x_ptr, k0 + at, K, at < 256, SWIGLU)
+        xhi = _inputs(x_ptr, k0 + at + 32, K, at < 256, SWIGLU)
+        qb = tl.load(sb[:, None, None] + 16 + (g[:, None] * 32 + p[None, :])[None, :, :], mask=rm[:, None, None],
+                     other=0).to(tl.int32)
+        dlo = tl.sum((qb & 15).to(tl.float32) * xlo[None, :, :], axis=2)  # [BN, 4]
+        dhi = tl.sum((qb >> 4).to(tl.float32) * xhi[None, :, :], axis=2)
+        sc_lo, mn_lo = _q4k_scale_min(sb, 2 * g, rm)
+        sc_hi, mn_hi = _q4k_scale_min(sb, 2 * g + 1, rm)
+        s = tl.sum(sc_lo * dlo + sc_hi * dhi, axis=1)
+        mins = tl.sum(mn_lo * tl.sum(xlo, axis=1)[None, :] + mn_hi * tl.sum(xhi, axis=1)[None, :], axis=1)
+        return _half(sb, 0, rm) * s - _half(sb, 2, rm) * mins
+
+    @triton.jit
+    def _q6k_part(sb, rm, x_ptr, k0, K, lq, shift, hshift, sc_off, SWIGLU: tl.constexpr):
+        """One of Q6_K's four value groups of a super-block: ``sum_u sc[u] * (q[u, :] . x[u, :])``
+        ``[BN, 4]`` for ``u = 2 n + h`` (``n``: half of 128 inputs, ``h``: 16-input sub-block), the
+        quants' low 4 bits from ``ql[lq + 64 n + 16 h + t] >> shift`` and high 2 from
+        ``qh[32 n + 16 h + t] >> hshift``, inputs ``128 n + 16 h + t + 32 c``, scales at ``sc_off``."""
+        u = tl.arange(0, 4)
+        t = tl.arange(0, 16)
+        n = u // 2
+        h = u % 2
+        lt = (n * 64 + h * 16)[:, None] + t[None, :]  # [4, 16]
+        ht = (n * 32 + h * 16)[:, None] + t[None, :]
+        x = _inputs(x_ptr, k0 + (n * 128 + h * 16)[:, None] + t[None, :] + sc_off * 16, K, lt >= 0, SWIGLU)
+        m3 = rm[:, None, None]
+        lo = tl.load(sb[:, None, None] + (lq + lt)[None, :, :], mask=m3, other=0).to(tl.int32)
+        hi = tl.load(sb[:, None, None] + 128 + ht[None, :, :], mask=m3, other=0).to(tl.int32)
+        q = ((lo >> shift) & 15) | (((hi >> hshift) & 3) << 4)
+        dot = tl.sum((q - 32).to(tl.float32) * x[None, :, :], axis=2)
+        sc = tl.load(sb[:, None] + 192 + (n * 8 + h)[None, :] + sc_off, mask=rm[:, None], other=0).to(tl.int32)
+        sc = tl.where(sc > 127, sc - 256, sc)  # int8
+        return sc.to(tl.float32) * dot
+
+    @triton.jit
+    def _q6k_dot(sb, rm, x_ptr, k0, K, SWIGLU: tl.constexpr):
+        """Dot products ``[BN]`` of one Q6_K super-block per row (``sb [BN]``: pointers to each row's
+        210 bytes: ql[128], qh[64], int8 scales[16], float16 d) with inputs ``k0 .. k0 + 255``."""
+        s = _q6k_part(sb, rm, x_ptr, k0, K, 0, 0, 0, 0, SWIGLU)
+        s += _q6k_part(sb, rm, x_ptr, k0, K, 32, 0, 2, 2, SWIGLU)
+        s += _q6k_part(sb, rm, x_ptr, k0, K, 0, 4, 4, 4, SWIGLU)
+        s += _q6k_part(sb, rm, x_ptr, k0, K, 32, 4, 6, 6, SWIGLU)
+        return _half(sb, 208, rm) * tl.sum(s, axis=1)
+
+    @triton.jit
+    def _row_dots(w_rows, d_rows, x_ptr, K, rm, FMT: tl.constexpr, SWIGLU: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Dot products ``[BLOCK_N]`` float32 of whole weight rows with ``K`` inputs (``_inputs``).
+        ``w_rows [BLOCK_N]``: pointers to each row's start; ``FMT`` 0: float values; 1: Q8_0 int8
+        values with ``d_rows`` pointing at each row's float16 scales (one per 32 inputs); 2 / 3: the
+        row's raw Q4_K / Q6_K super-blocks, read a super-block at a time (scales once per sub-block,
+        not per value). Rows where ``rm`` is False give 0 and read nothing."""
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if FMT == 2 or FMT == 3:
+            size: tl.constexpr = 144 if FMT == 2 else 210
+            for s in range(0, K // 256):
+                if FMT == 2:
+                    acc += _q4k_dot(w_rows + s * size, rm, x_ptr, s * 256, K, SWIGLU)
+                else:
+                    acc += _q6k_dot(w_rows + s * size, rm, x_ptr, s * 256, K, SWIGLU)
+        elif FMT == 1:
+            NB: tl.constexpr = BLOCK_K // 32
+            b = tl.arange(0, NB)
+            t = tl.arange(0, 32)
+            for k0 in range(0, K, BLOCK_K):
+                blk = k0 // 32 + b  # [NB]
+                bm = blk < K // 32
+                at = blk[:, None] * 32 + t[None, :]  # [NB, 32]
+                x = _inputs(x_ptr, at, K, bm[:, None], SWIGLU)
+                m3 = rm[:, None, None] & bm[None, :, None]
+                q = tl.load(w_rows[:, None, None] + at[None, :, :], mask=m3, other=0).to(tl.float32)
+                d = tl.load(d_rows[:, None] + blk[None, :], mask=rm[:, None] & bm[None, :], other=0.0)
+                acc += tl.sum(tl.sum(q * x[None, :, :], axis=2) * d.to(tl.float32), axis=1)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                km = offs_k < K
+                x = _inputs(x_ptr, offs_k, K, km, SWIGLU)
+                w = tl.load(w_rows[:, None] + offs_k[None, :], mask=rm[:, None] & km[None, :], other=0)
+                acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        return acc
+
+    @triton.jit
     def _add_norm_kernel(a_ptr, b_ptr, w_ptr, sum_ptr, norm_ptr, H, eps, BLOCK: tl.constexpr):
         """One row: ``s = a + b`` (rounded to the output dtype, as a separate add would), and
         ``s``'s RMS norm times ``w``."""
@@ -160,21 +284,15 @@ if triton is not None:
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr):
         """out[j, n] = w[rowmap[ids[j]], n, :] . x  (float32), zero where the pair is inactive. ``FMT``
         1: ``w`` int8 and ``d_ptr`` its float16 scales, one per 32 values along K (GGUF Q8_0); 2:
-        ``w`` the rows' raw GGUF Q4_K bytes (``stride_n`` bytes a row)."""
+        ``w`` the rows' raw GGUF Q4_K bytes (``stride_n`` bytes a row); 3: raw GGUF Q6_K bytes."""
         pair = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row = tl.load(rowmap_ptr + tl.load(ids_ptr + pair))
         active = (row >= 0) & (tl.load(scale_ptr + pair).to(tl.float32) != 0)
         row = tl.maximum(row, 0)
-        n_lim = tl.where(active, N, 0)  # an inactive pair loads no weights
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        w_base = w_ptr + row * stride_e + offs_n[:, None] * stride_n
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            m = (offs_n[:, None] < n_lim) & (offs_k[None, :] < K)
-            w = _weight_tile(w_base, d_ptr, row, stride_e, stride_n, offs_n, offs_k, m, FMT)
-            acc += tl.sum(w * xk[None, :], axis=1)
+        rm = offs_n < tl.where(active, N, 0)  # an inactive pair loads no weights
+        at = row * stride_e + offs_n * stride_n
+        acc = _row_dots(w_ptr + at, d_ptr + at // 32, x_ptr, K, rm, FMT, False, BLOCK_N, BLOCK_K)
         tl.store(out_ptr + pair * N + offs_n, acc, mask=offs_n < N)
 
     @triton.autotune(configs=_configs([(8, 256, 4), (4, 256, 4), (16, 256, 4), (8, 512, 4), (16, 128, 8)]),
@@ -191,19 +309,10 @@ if triton is not None:
             s = tl.load(scale_ptr + pair).to(tl.float32)
             active = (row >= 0) & (s != 0)
             row = tl.maximum(row, 0)
-            n_lim = tl.where(active, N, 0)  # an inactive pair loads no weights
-            part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            w_base = w_ptr + row * stride_e + offs_n[:, None] * stride_n
-            h_base = h_ptr + pair * 2 * FFN
-            for k0 in range(0, FFN, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                km = offs_k < FFN
-                g = tl.load(h_base + offs_k, mask=km, other=0.0)
-                u = tl.load(h_base + FFN + offs_k, mask=km, other=0.0)
-                a = g * tl.sigmoid(g) * u
-                m = (offs_n[:, None] < n_lim) & km[None, :]
-                w = _weight_tile(w_base, d_ptr, row, stride_e, stride_n, offs_n, offs_k, m, FMT)
-                part += tl.sum(w * a[None, :], axis=1)
+            rm = offs_n < tl.where(active, N, 0)  # an inactive pair loads no weights
+            at = row * stride_e + offs_n * stride_n
+            part = _row_dots(w_ptr + at, d_ptr + at // 32, h_ptr + pair * 2 * FFN, FFN, rm, FMT, True,
+                             BLOCK_N, BLOCK_K)
             acc += tl.where(active, part * s, 0.0)
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
