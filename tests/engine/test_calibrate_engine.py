@@ -10,12 +10,14 @@ from workbench.engine import calibrate_engine
 
 
 def test_fitted_costs_reproduce_both_measured_runs(monkeypatch):
-    seen = {}
+    seen, calls = {}, []
     real = calibrate_engine._decode_seconds
 
     def record(inv, placement, device, steps=calibrate_engine.STEPS):
         t = real(inv, placement, device, steps=6)
-        seen[len(seen)] = (inv, placement, t)
+        calls.append(t)
+        best = seen.get(id(placement), (inv, placement, t))[2]
+        seen[id(placement)] = (inv, placement, min(t, best))  # the fit keeps a placement's faster run
         return t
 
     monkeypatch.setattr(calibrate_engine, "_decode_seconds", record)
@@ -30,7 +32,8 @@ def test_fitted_costs_reproduce_both_measured_runs(monkeypatch):
     joint = info["cpu_rate"] != base.cpu_expert_throughput["bf16"]  # else only sync_s was fitted
     assert fitted.cpu_expert_throughput["bf16"] == info["cpu_rate"]
     assert len(seen) == 3  # all resident, all on the CPU, half on the CPU
-    for i, (inv, placement, measured) in seen.items():
+    assert len(calls) == 1 + 2 * calibrate_engine.REPEATS
+    for i, (inv, placement, measured) in enumerate(seen.values()):
         predicted = 1.0 / CostModel(inv, fitted).decode_tps(placement, kv_tokens=16 + calibrate_engine.STEPS)
         # each run pins one fitted value; one held at its floor of 0 can leave the model slower
         free = (info["launch_s"] > 0, info["sync_s"] > 0, joint)[i]

@@ -126,9 +126,10 @@ class EngineShape:
     bus_read: float = 0.87
     """Share of the pinned host-to-device copy rate that kernels reading page-locked host memory in
     place reach (H200 machine: 48 of 55 GB/s, ``scripts/bench_device.sh bus_sweep``)."""
-    shared_read: float = 0.72
-    """Share of the host's read bandwidth the CPU's and the bus's reads of the CPU tier reach
-    together (H200 machine: 89 of 123 GB/s with both busy, same sweep)."""
+    shared_read: float = 1.0
+    """Share of the host's read bandwidth (calibration's read of a buffer many times the L3) that the
+    CPU's and the bus's reads of the CPU tier reach together (H200 machine: 89 GB/s with both busy
+    in the same sweep, 81-88 GB/s read by the CPU alone)."""
 
 
 def bus_split(lam: np.ndarray, top_k: int, fraction: float, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

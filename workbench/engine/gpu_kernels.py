@@ -227,7 +227,7 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if FMT == 2 or FMT == 3:
             size: tl.constexpr = 144 if FMT == 2 else 210
-            for s in range(0, K // 256):
+            for s in tl.static_range(0, K // 256):  # unrolled: every super-block's loads in flight at once
                 if FMT == 2:
                     acc += _q4k_dot(w_rows + s * size, rm, x_ptr, s * 256, K, SWIGLU)
                 else:
@@ -280,8 +280,8 @@ if triton is not None:
     @triton.autotune(configs=_configs([(16, 256, 4), (8, 256, 4), (32, 256, 4), (16, 512, 4), (32, 128, 8)]),
                      key=["N", "K", "FMT"])
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, K, stride_e, stride_n,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr):
+    def _gate_up_kernel(x_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, K: tl.constexpr, stride_e,
+                        stride_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr):
         """out[j, n] = w[rowmap[ids[j]], n, :] . x  (float32), zero where the pair is inactive. ``FMT``
         1: ``w`` int8 and ``d_ptr`` its float16 scales, one per 32 values along K (GGUF Q8_0); 2:
         ``w`` the rows' raw GGUF Q4_K bytes (``stride_n`` bytes a row); 3: raw GGUF Q6_K bytes."""
@@ -298,7 +298,8 @@ if triton is not None:
     @triton.autotune(configs=_configs([(8, 256, 4), (4, 256, 4), (16, 256, 4), (8, 512, 4), (16, 128, 8)]),
                      key=["N", "FFN", "K", "FMT"])
     @triton.jit
-    def _down_sum_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, FFN, stride_e, stride_n,
+    def _down_sum_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, FFN: tl.constexpr, stride_e,
+                         stride_n,
                          K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr):
         """out[n] = sum_j scale[j] * w[row_j, n, :] . (silu(h[j, :FFN]) * h[j, FFN:]), in out's dtype:
         the pairs are summed here, so no reduction or cast follows."""

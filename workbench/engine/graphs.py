@@ -66,8 +66,7 @@ class DecodeStep:
         if not layers or not cpu_kernel.available():
             return None
         try:
-            return served.DecodeServer(e.device, layers, e.args.top_k, e.args.hidden,
-                                       max(1, torch.get_num_threads() - 1))
+            return served.DecodeServer(e.device, layers, e.args.top_k, e.args.hidden, served.server_threads())
         except Exception as exc:  # noqa: BLE001 - the host-driven steps still work
             log.warning("decode server unavailable, hybrid layers wait on the host: %s", exc)
             return None

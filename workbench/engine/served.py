@@ -120,6 +120,15 @@ def _guarded(method):
     return run
 
 
+def server_threads() -> int:
+    """Threads of the decode server's team (its polling thread among them): ``WORKBENCH_SERVER_THREADS``
+    when set, else torch's thread count less one (the caller's thread waits on the GPU meanwhile)."""
+    raw = os.environ.get("WORKBENCH_SERVER_THREADS", "").strip()
+    if raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    return max(1, torch.get_num_threads() - 1)
+
+
 def supports(lx: LayerExperts) -> bool:
     """Whether ``lx``'s one-token steps can be served: a hybrid layer whose CPU tier runs through the
     fused kernel (float stacks or kept Q8_0 / k-quant blocks), nothing streamed, plain SwiGLU."""
