@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from workbench.core.memory import kv_bytes_per_token
+from workbench.core.memory import held_bytes, kv_bytes_per_token
 from workbench.core.readers import open_model
 
 
@@ -36,7 +36,7 @@ def test_json_contract(fmt, tiny_model_dir, tiny_gguf):
     mem = out["memory"]
     assert mem["ctx"] == 1000 and mem["kv_dtype"] == "q8_0"
     assert mem["tiers"]["gpu:0"]["kv_cache"] == 4 * 1000 * kv_bytes_per_token(inv, 0, "q8_0")
-    assert mem["tiers"]["gpu:0"]["weights_total"] == inv.total_bytes
+    assert mem["tiers"]["gpu:0"]["weights_total"] == sum(held_bytes(k, u) for k, u in inv.units.items())
 
 
 def test_cpu_moe_and_n_cpu_moe(tiny_model_dir):

@@ -40,7 +40,7 @@ import numpy as np
 
 from .hardware import HardwareProfile
 from .inventory import Inventory
-from .memory import PREFILL_CHUNK, MemoryEstimate, estimate_memory, kv_cache_bytes
+from .memory import PREFILL_CHUNK, MemoryEstimate, estimate_memory, held_bytes, kv_cache_bytes
 from .placement import TIER_CPU_COMPUTE, TIER_CPU_STREAM, Placement, expert_grid, gpu_index, is_gpu
 from .prediction import LayerCost, Prediction
 from .stats import ExpertStats
@@ -213,13 +213,13 @@ class CostModel:
         self.moe_layer = self.present.any(axis=1)
         self.stats = stats
         self.p_sel = self._selection_probs(stats, recent)
-        self.other_units = [(k, u.nbytes, u.n_params) for k, u in sorted(inventory.units.items())
-                            if k.kind != "expert"]
+        self.other_units = [(k, held_bytes(k, u), u.n_params) for k, u in sorted(inventory.units.items())
+                            if k.kind != "expert"]  # bytes as the engine holds them: bf16
         embed = UnitKey(None, "embed")
         self.tied_head = None
         """Tied embeddings: (embed key, bytes) the output projection reads per token from the embedding."""
         if UnitKey(None, "lm_head") not in inventory.units and embed in inventory.units:
-            self.tied_head = (embed, inventory.units[embed].nbytes)
+            self.tied_head = (embed, held_bytes(embed, inventory.units[embed]))
 
     def _selection_probs(self, stats: ExpertStats | None, recent: bool) -> np.ndarray:
         """``[layers, experts]`` probability that a token selects each expert (uniform without stats)."""

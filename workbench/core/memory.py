@@ -100,6 +100,18 @@ def kv_bytes_per_token(inv: Inventory, layer: int, kv_dtype: str = "f16") -> int
     return math.ceil(values / block) * size
 
 
+FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+def held_bytes(key: UnitKey, unit) -> int:
+    """Bytes the engine holds (and a decode step reads) for ``unit``: a routed expert as the file
+    stores it (float, or GGUF blocks kept in place); any other unit stored in a quantized type is
+    dequantized at load to bfloat16 (2 bytes a parameter), a float one stays as stored."""
+    if key.kind == "expert":
+        return unit.nbytes
+    return sum(t.nbytes if t.tensor.dtype.upper() in FLOAT_DTYPES else t.n_params * 2 for t in unit.tensors)
+
+
 def kv_cache_bytes(inv: Inventory, layer: int, ctx: int, kv_dtype: str = "f16") -> int:
     """KV cache bytes of layer ``layer`` for ``ctx`` tokens; a windowed layer keeps at most its window."""
     windows = inv.spec.layer_window
@@ -130,7 +142,9 @@ def estimate_memory(
     """Bytes each tier needs to run ``inv`` under ``placement`` (default: everything on ``gpu:0``)
     with a context of ``ctx`` tokens.
 
-    - weights: every unit's bytes on its tier; a streamed expert's weights live in host RAM.
+    - weights: every unit's bytes on its tier as the engine holds them (``held_bytes``: a quantized
+      file's attention, norms, embeddings and head dequantized); a streamed expert's weights live
+      in host RAM.
     - KV cache: on the tier of each layer's ``attn`` unit, ``min(ctx, window)`` tokens per layer.
     - stream cache: ``stream_slots`` x the largest expert of the layer, for each layer with streamed
       experts, on ``gpu:0``.
@@ -148,7 +162,7 @@ def estimate_memory(
     streamed_layers: dict[int, int] = {}
     for key, unit in inv.units.items():
         a = placement.get(key)
-        tier(a.tier).weights[key.kind] += unit.nbytes
+        tier(a.tier).weights[key.kind] += held_bytes(key, unit)
         if a.mode == "stream" and key.layer is not None:
             streamed_layers[key.layer] = max(streamed_layers.get(key.layer, 0), unit.nbytes)
 
