@@ -73,64 +73,6 @@ def usable(t: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _q4k_values(base, k, m):
-        """GGUF Q4_K values at input positions ``k`` (any shape) of the rows whose raw bytes start at
-        ``base`` (same shape, uint8 pointers), where ``m`` (else 0, nothing read):
-        ``d * sc[j] * q - dmin * m[j]`` in float32."""
-        sb = base + (k // 256) * 144
-        w = k % 256
-        p = w % 64
-        q = tl.load(sb + 16 + (w // 64) * 32 + p % 32, mask=m, other=0).to(tl.int32)
-        q = (q >> ((p // 32) * 4)) & 0xF
-        j = w // 32
-        sc = sb + 4
-        a = tl.load(sc + j, mask=m, other=0).to(tl.int32)
-        b = tl.load(sc + j + 4, mask=m, other=0).to(tl.int32)
-        c = tl.load(sc + tl.where(j >= 4, j - 4, j), mask=m, other=0).to(tl.int32)
-        scale = tl.where(j < 4, a & 63, (b & 0xF) | ((c >> 6) << 4))
-        mn = tl.where(j < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
-        d = (tl.load(sb, mask=m, other=0).to(tl.uint16)
-             | (tl.load(sb + 1, mask=m, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True)
-        dm = (tl.load(sb + 2, mask=m, other=0).to(tl.uint16)
-              | (tl.load(sb + 3, mask=m, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True)
-        v = d.to(tl.float32) * scale.to(tl.float32) * q.to(tl.float32) - dm.to(tl.float32) * mn.to(tl.float32)
-        return tl.where(m, v, 0.0)
-
-    @triton.jit
-    def _q6k_values(base, k, m):
-        """GGUF Q6_K values at input positions ``k`` of the rows whose raw bytes start at ``base``,
-        where ``m`` (else 0, nothing read): ``d * sc[w / 16] * (q - 32)`` in float32."""
-        sb = base + (k // 256) * 210
-        w = k % 256
-        r = w % 128
-        g = r // 32
-        half = w // 128
-        lo = tl.load(sb + half * 64 + (g % 2) * 32 + r % 32, mask=m, other=0).to(tl.int32)
-        hi = tl.load(sb + 128 + half * 32 + r % 32, mask=m, other=0).to(tl.int32)
-        q = (((lo >> ((g // 2) * 4)) & 0xF) | (((hi >> (2 * g)) & 3) << 4)) - 32
-        sc = tl.load(sb + 192 + w // 16, mask=m, other=0).to(tl.int32)
-        sc = tl.where(sc > 127, sc - 256, sc)  # int8
-        d = (tl.load(sb + 208, mask=m, other=0).to(tl.uint16)
-             | (tl.load(sb + 209, mask=m, other=0).to(tl.uint16) << 8)).to(tl.float16, bitcast=True)
-        return tl.where(m, d.to(tl.float32) * sc.to(tl.float32) * q.to(tl.float32), 0.0)
-
-    @triton.jit
-    def _weight_tile(w_base, d_ptr, row, stride_e, stride_n, offs_n, offs_k, m, FMT: tl.constexpr):
-        """The float32 weights ``[rows offs_n, inputs offs_k]`` of one expert row of a stack (0 where
-        ``m`` is False, nothing read there): float stacks, Q8_0 (``FMT`` 1: int8 values, scales at
-        ``d_ptr``), raw Q4_K rows (``FMT`` 2) or raw Q6_K rows (``FMT`` 3)."""
-        if FMT == 2:
-            w = _q4k_values(w_base + 0 * offs_k[None, :], offs_k[None, :], m)
-        elif FMT == 3:
-            w = _q6k_values(w_base + 0 * offs_k[None, :], offs_k[None, :], m)
-        else:
-            w = tl.load(w_base + offs_k[None, :], mask=m, other=0).to(tl.float32)
-        if FMT == 1:
-            w = w * tl.load(d_ptr + (row * stride_e + offs_n[:, None] * stride_n + offs_k[None, :]) // 32,
-                            mask=m, other=0.0).to(tl.float32)
-        return w
-
-    @triton.jit
     def _inputs(x_ptr, offs, K, m, SWIGLU: tl.constexpr):
         """float32 inputs at ``offs`` (any shape; 0 where ``m`` is False): ``x[offs]``, or with
         ``SWIGLU`` ``silu(x[offs]) * x[K + offs]`` (the gate half, then the up half, of one row)."""
@@ -215,6 +157,51 @@ if triton is not None:
         s += _q6k_part(sb, rm, x_ptr, k0, K, 0, 4, 4, 4, SWIGLU)
         s += _q6k_part(sb, rm, x_ptr, k0, K, 32, 4, 6, 6, SWIGLU)
         return _half(sb, 208, rm) * tl.sum(s, axis=1)
+
+    @triton.jit
+    def _block_tile(rows, d_rows, k0, rm, K, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Float32 weights ``[BLOCK_N, BLOCK_K]`` of rows ``rows [BLOCK_N]`` (pointers to each row's
+        first byte) at inputs ``k0 .. k0 + BLOCK_K`` (``k0`` a multiple of ``BLOCK_K``, which divides
+        256), decoded a block at a time: ``FMT`` 1 Q8_0 (``d_rows``: each row's float16 scales, one
+        load per 32 values), 2 Q4_K, 3 Q6_K (each super-block's scales decoded once per sub-block).
+        0 where ``rm`` is False or past ``K`` (nothing read there)."""
+        if FMT == 1:
+            NB: tl.constexpr = BLOCK_K // 32
+            blk = k0 // 32 + tl.arange(0, NB)
+            bm = blk < K // 32
+            at = blk[:, None] * 32 + tl.arange(0, 32)[None, :]  # [NB, 32]
+            m3 = rm[:, None, None] & bm[None, :, None]
+            q = tl.load(rows[:, None, None] + at[None, :, :], mask=m3, other=0).to(tl.float32)
+            d = tl.load(d_rows[:, None] + blk[None, :], mask=rm[:, None] & bm[None, :], other=0.0).to(tl.float32)
+            w = q * d[:, :, None]
+        elif FMT == 2:
+            J: tl.constexpr = BLOCK_K // 32
+            sb = rows + (k0 // 256) * 144
+            j = (k0 % 256) // 32 + tl.arange(0, J)  # sub-blocks of 32 values
+            sc, mn = _q4k_scale_min(sb, j, rm)  # [BN, J]
+            at = (j // 2 * 32)[:, None] + tl.arange(0, 32)[None, :]  # byte 32 g + p holds sub-blocks 2g, 2g + 1
+            q = tl.load(sb[:, None, None] + 16 + at[None, :, :], mask=rm[:, None, None], other=0).to(tl.int32)
+            q = (q >> ((j % 2) * 4)[None, :, None]) & 15
+            d = _half(sb, 0, rm)[:, None]
+            dmin = _half(sb, 2, rm)[:, None]
+            w = (d * sc)[:, :, None] * q.to(tl.float32) - (dmin * mn)[:, :, None]
+        else:
+            U: tl.constexpr = BLOCK_K // 16
+            sb = rows + (k0 // 256) * 210
+            u = (k0 % 256) // 16 + tl.arange(0, U)  # sub-blocks of 16 values
+            at = (u * 16)[:, None] + tl.arange(0, 16)[None, :]  # [U, 16]: positions in the super-block
+            half = at // 128
+            r = at % 128
+            g = r // 32
+            m3 = rm[:, None, None]
+            lo = tl.load(sb[:, None, None] + (half * 64 + (g % 2) * 32 + r % 32)[None, :, :], mask=m3,
+                         other=0).to(tl.int32)
+            hi = tl.load(sb[:, None, None] + (128 + half * 32 + r % 32)[None, :, :], mask=m3, other=0).to(tl.int32)
+            q = ((lo >> ((g // 2) * 4)[None, :, :]) & 15) | (((hi >> (2 * g)[None, :, :]) & 3) << 4)
+            sc = tl.load(sb[:, None] + 192 + u[None, :], mask=rm[:, None], other=0).to(tl.int32)
+            sc = tl.where(sc > 127, sc - 256, sc)  # int8
+            w = (_half(sb, 208, rm)[:, None] * sc.to(tl.float32))[:, :, None] * (q - 32).to(tl.float32)
+        return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
     @triton.jit
     def _row_dots(w_rows, d_rows, x_ptr, K, rm, FMT: tl.constexpr, SWIGLU: tl.constexpr,

@@ -44,7 +44,7 @@ if triton is not None:
         return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
                 for n, k, w, s in options[:1 if _INTERPRETED else None]]
 
-    _weight_tile = gpu_kernels._weight_tile
+    _block_tile = gpu_kernels._block_tile
 
     @triton.autotune(configs=_configs(), key=["N", "K", "SWIGLU", "FMT"])
     @triton.jit
@@ -55,8 +55,8 @@ if triton is not None:
         ``out[start + m, n] = x[start + m] . w[row, n]`` for ``m < count``, or with ``SWIGLU``
         ``silu(x . w[row, n]) * (x . w[row, N + n])`` (gate rows first, then up). ``FMT`` 0: float
         stacks; 1: GGUF Q8_0 (int8 values, float16 scales at ``d_ptr``); 2 / 3: raw Q4_K / Q6_K rows
-        (``stride_n`` bytes a row), decoded in the tile and rounded to ``x``'s dtype as a
-        dequantized stack would be."""
+        (``stride_n`` bytes a row), decoded in the tile a block at a time (``_block_tile``) and
+        rounded to ``x``'s dtype as a dequantized stack would be."""
         t = tl.program_id(0)
         row = tl.load(tiles_ptr + 3 * t).to(tl.int64)
         start = tl.load(tiles_ptr + 3 * t + 1).to(tl.int64)
@@ -68,7 +68,9 @@ if triton is not None:
         n_ok = offs_n < N
         x_rows = x_ptr + (start + offs_m)[:, None] * stride_x
         w_cols = w_ptr + row * stride_e + offs_n[None, :].to(tl.int64) * stride_n  # [1, BN]: k runs down
-        w_rows = w_ptr + row * stride_e + offs_n[:, None].to(tl.int64) * stride_n  # [BN, 1]: blocks' rows
+        at_n = row * stride_e + offs_n.to(tl.int64) * stride_n
+        w_rows = w_ptr + at_n  # [BN]: each row's first byte (blocks)
+        d_rows = d_ptr + at_n // 32  # Q8_0: each row's first scale
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -81,12 +83,10 @@ if triton is not None:
                 if SWIGLU:
                     wu = tl.load(w_cols + N * stride_n + kk[:, None], mask=wm, other=0.0)
             else:
-                mt = n_ok[:, None] & k_ok[None, :]
-                w = tl.trans(_weight_tile(w_rows, d_ptr, row, stride_e, stride_n, offs_n, kk, mt, FMT)
-                             .to(x_ptr.dtype.element_ty))
+                w = tl.trans(_block_tile(w_rows, d_rows, k0, n_ok, K, FMT, BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty))
                 if SWIGLU:
-                    wu = tl.trans(_weight_tile(w_rows + N * stride_n, d_ptr, row, stride_e, stride_n, offs_n + N,
-                                               kk, mt, FMT).to(x_ptr.dtype.element_ty))
+                    wu = tl.trans(_block_tile(w_rows + N * stride_n, d_rows + N * stride_n // 32, k0, n_ok, K, FMT,
+                                              BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty))
             if F32_DOT:  # float32 weights (no tf32), or the interpreter (whose bfloat16 dot is wrong)
                 xt = xt.to(tl.float32)
                 acc += tl.dot(xt, w.to(tl.float32), input_precision="ieee")
