@@ -20,7 +20,8 @@
 # tests on this machine's CPU), engine_uniform (the same, routers rewritten uniform), engine_q8
 # (S1 as Q8_0, llama.cpp at --n-cpu-moe 8), engine_q4 (S1 as Q4_K), served (scripts/profile_hybrid.py
 # with and without the decode server), served_tests (its tests and the bus share's on CUDA), fit_probe
-# (scripts/probe_engine_fit.py three times after stage calibrate), placements (those the side-by-side stages ran,
+# (scripts/probe_engine_fit.py three times after stage calibrate), prompt_kernels (tests/engine/test_prefill_kernels.py on
+# CUDA and scripts/time_prompt_kernels.py), placements (those the side-by-side stages ran,
 # as $OUT/placements.tar.gz), pack (llama-bench binary
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it).
 # At most 8 files come back per call: choose the stages of one call accordingly.
@@ -194,6 +195,11 @@ stage_served_tests() {  # the decode server's and the bus share's tests on CUDA 
     log "served tests"; WORKBENCH_TEST_DEVICE=cuda timeout "${TESTS_TIME_S:-240}" python3 -m pytest -q -p no:cacheprovider \
         ${SERVED_TESTS:-tests/engine/test_served.py tests/engine/test_bus_share.py} >"$OUT/served_tests.txt" 2>&1
     log "served tests rc $?"; tail -3 "$OUT/served_tests.txt" | tee -a "$OUT/device.log"
+}
+stage_prompt_kernels() {  # the grouped prompt kernels' tests on CUDA and their timing (carry .llamacpp/whl: gguf)
+    WORKBENCH_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefill_kernels.py \
+        >"$OUT/prompt_kernel_tests.txt" 2>&1; log "prompt kernel tests rc $?"; tail -2 "$OUT/prompt_kernel_tests.txt" | tee -a "$OUT/device.log"
+    timeout 120 python3 scripts/time_prompt_kernels.py 2>&1 | tail -4 | tee -a "$OUT/device.log"
 }
 stage_fit_probe() {  # calibration's engine fit three times in fresh processes (needs $OUT/h200.json: stage calibrate first)
     for i in 1 2 3; do python3 scripts/probe_engine_fit.py fresh "$OUT/h200.json" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"; done
