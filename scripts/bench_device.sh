@@ -26,10 +26,11 @@
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it).
 # At most 8 files come back per call: choose the stages of one call accordingly.
 # BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (64 / 2), BENCH_MARGIN (512MiB) and LLAMA_N_CPU_MOE tune
-# the side-by-side stages. A full session run is two calls (the carried files must stay under 64 MiB):
-#   OUT=$OUT scripts/bench_device.sh tests                                       # carry .whl_engine
-#   OUT=$OUT scripts/bench_device.sh build calibrate engine engine_uniform engine_q8 engine_q4  # carry .llamacpp/pack,
-#                                                                               # .llamacpp/whl (gguf)
+# the side-by-side stages. A session's run in one call (~560 s; carry .llamacpp/pack and .llamacpp/whl):
+#   OUT=$OUT BENCH_ALL_GPU=0 BENCH_TIME_S=570 TESTS_TIME_S=110 SERVED_TESTS=tests/engine/test_gpu_kernels.py \
+#       scripts/bench_device.sh build served_tests calibrate fit_probe prompt_kernels engine engine_uniform \
+#       engine_q4 engine_q8 placements
+# and the engine's other CUDA tests in a second call: OUT=$OUT scripts/bench_device.sh tests  (carry .whl_engine)
 # To skip stage calibrate (~90 s), carry a profile from an earlier call (e.g. .dev/h200.json, ignored)
 # and copy it to $OUT/h200.json first: the side-by-side stages predict with $OUT/h200.json when present.
 # BENCH_TIME_S (default 540) bounds the whole script: llama-bench configurations that would start
@@ -198,7 +199,7 @@ stage_served_tests() {  # the decode server's and the bus share's tests on CUDA 
 }
 stage_prompt_kernels() {  # the grouped prompt kernels' tests on CUDA and their timing (carry .llamacpp/whl: gguf)
     WORKBENCH_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefill_kernels.py \
-        >"$OUT/prompt_kernel_tests.txt" 2>&1; log "prompt kernel tests rc $?"; tail -2 "$OUT/prompt_kernel_tests.txt" | tee -a "$OUT/device.log"
+        >>"$OUT/device.log" 2>&1; log "prompt kernel tests rc $?"  # in the log: few files come back per call
     timeout 120 python3 scripts/time_prompt_kernels.py 2>&1 | tail -4 | tee -a "$OUT/device.log"
 }
 stage_fit_probe() {  # calibration's engine fit three times in fresh processes (needs $OUT/h200.json: stage calibrate first)
