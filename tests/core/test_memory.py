@@ -167,10 +167,34 @@ def test_kv_cache_of_real_inventories(model_type, tokens_per_layer, values_per_t
         assert est.tiers["cpu"].weights["expert"] == experts
         dense = sum(held_bytes(k, u) for k, u in inv.units.items() if k.kind != "expert")
         assert est.tiers["gpu:0"].weights_total == dense
-        if inv.format == "gguf":  # a Q8_0 file's dense weights are held dequantized: 2 bytes a parameter
+        if inv.format == "gguf":  # Q8_0 projections held in their blocks (the tiny DeepSeek's k_b / v_b are F16)
             attn = inv.units[UnitKey(0, "attn")]
-            assert held_bytes(attn.key, attn) > attn.nbytes
-            assert held_bytes(attn.key, attn) == sum(
-                t.nbytes if t.tensor.dtype in ("F32", "F16", "BF16") else 2 * t.n_params for t in attn.tensors)
+            assert held_bytes(attn.key, attn) == attn.nbytes
         else:
             assert dense + experts == inv.total_bytes
+
+
+def test_which_gguf_tensors_stay_in_their_blocks():
+    """Projections, embeddings and head in Q8_0 / Q4_K / Q6_K stay as stored; DeepSeek's kv_b (split and
+    absorbed), routers, other quantized types and float tensors do not count as kept."""
+    from pathlib import Path
+
+    from workbench.core.memory import engine_bytes, kept_in_blocks
+    from workbench.core.units import TensorInfo, TensorRef, Unit
+
+    def info(name, dtype, shape=(64, 256), nbytes=9216):
+        return TensorInfo(name, shape, dtype, nbytes, Path("m.gguf"), 0)
+
+    for name in ("blk.3.attn_q.weight", "blk.0.attn_output.weight", "token_embd.weight", "output.weight",
+                 "blk.1.ffn_down_shexp.weight", "blk.0.ffn_gate.weight", "blk.2.attn_kv_a_mqa.weight"):
+        assert kept_in_blocks(info(name, "Q4_K"))
+    assert not kept_in_blocks(info("blk.0.attn_kv_b.weight", "Q8_0"))
+    assert not kept_in_blocks(info("blk.0.ffn_gate_inp.weight", "Q8_0"))
+    assert not kept_in_blocks(info("blk.0.attn_q.weight", "Q5_K"))
+    assert not kept_in_blocks(info("blk.0.attn_q.weight", "BF16"))
+    unit = Unit(UnitKey(0, "attn"), [TensorRef(info("blk.0.attn_q.weight", "Q4_K")),
+                                     TensorRef(info("blk.0.attn_kv_b.weight", "Q8_0", nbytes=17408))])
+    params = 64 * 256
+    assert held_bytes(unit.key, unit) == 9216 + 2 * params
+    assert engine_bytes(unit.key, unit, 4) == 9216 + 4 * params
+    assert engine_bytes(unit.key, unit, 4, dense_as_stored=False) == 8 * params

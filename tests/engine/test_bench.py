@@ -178,8 +178,9 @@ def test_engine_paths_name_the_kept_formats(tiny_gguf):
 
 
 def test_planner_leaves_room_for_what_the_engine_dequantizes(tiny_gguf, monkeypatch):
-    """A Q8_0 file: the planner counts units at file size; the engine dequantizes the non-expert ones
-    to bf16 and keeps the experts' blocks (or dequantizes those too when told not to keep them)."""
+    """A Q8_0 file: the planner counts units at file size; the engine keeps the experts' blocks and,
+    on CUDA, the projections', embeddings' and head's too (nothing extra), else dequantizes the
+    non-expert ones to bf16 (or the experts too when told not to keep them)."""
     from workbench.core.readers import open_model
     from workbench.engine.bench import dequantized_extra_bytes
 
@@ -189,6 +190,7 @@ def test_planner_leaves_room_for_what_the_engine_dequantizes(tiny_gguf, monkeypa
     others = sum(2 * u.n_params - u.nbytes for k, u in quant if k.kind != "expert")
     experts = sum(2 * u.n_params - u.nbytes for k, u in quant if k.kind == "expert")
     assert others > 0 and experts > 0
-    assert dequantized_extra_bytes(inv, torch.bfloat16) == others
+    assert dequantized_extra_bytes(inv, torch.bfloat16) == 0
+    assert dequantized_extra_bytes(inv, torch.bfloat16, dense_kept=False) == others
     monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", "0")
-    assert dequantized_extra_bytes(inv, torch.bfloat16) == others + experts
+    assert dequantized_extra_bytes(inv, torch.bfloat16, dense_kept=False) == others + experts

@@ -31,7 +31,7 @@ from tests.engine.engine_helpers import (
     rel_err,
 )
 from tests.engine.test_engine_families import FAMILIES
-from workbench.engine import Engine, prefill_kernels
+from workbench.engine import Engine, model, packed, prefill_kernels
 from workbench.engine.weights import WeightReader
 
 # Sizes that fill whole 32-value quant blocks in every row, so that every matrix is quantized.
@@ -98,6 +98,33 @@ def test_quantized_gguf_matches_transformers_on_dequantized_weights(model_type, 
 Q4_K_SIZES = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256, "mlp_only_layers": []}
 
 
+def check_dense_kept(engine: Engine, inv, kept: bool) -> None:
+    """With ``kept``, the attention projections, embeddings and head stored as Q8_0 / Q4_K / Q6_K are
+    ``Packed`` in the file's formats (q/k/v of one format fused into one, of several formats a
+    ``Group``) and count as stored in the engine's memory report as in the estimate; other ones
+    (and all without ``kept``) are tensors."""
+    from workbench.core.memory import kept_in_blocks
+
+    stored = {t.tensor.name: t.tensor.dtype.lower() for u in inv.units.values() for t in u.tensors}
+    attn = engine.layers[0].attn
+    names = {"q": "blk.0.attn_q.weight", "k": "blk.0.attn_k.weight", "v": "blk.0.attn_v.weight",
+             "o": "blk.0.attn_output.weight"}
+    mats = [(attn.w[r], names[r]) for r in names] + [(engine.embed, "token_embd.weight")]
+    if "output.weight" in stored:
+        mats.append((engine.lm_head, "output.weight"))
+    for m, name in mats:
+        in_blocks = kept and stored[name] in ("q8_0", "q4_k", "q6_k")
+        assert isinstance(m, packed.Packed) == in_blocks, name
+        assert not in_blocks or m.fmt == stored[name]
+    if kept and all(isinstance(attn.w[r], packed.Packed) for r in "qkv"):
+        mixed = attn.w["q"].fmt != attn.w["v"].fmt
+        assert isinstance(attn.fused[0], packed.Group if mixed else packed.Packed)
+    if kept:  # the file's bytes, as the estimate counts them
+        held = sum(m.nbytes for m, _ in mats if isinstance(m, packed.Packed))
+        assert held == sum(t.nbytes for u in inv.units.values() for t in u.tensors
+                           if t.tensor.name in {n for _, n in mats} and kept_in_blocks(t.tensor))
+
+
 @pytest.mark.parametrize("tensor_type,sizes", [("Q8_0", dict(QUANT_SIZES, mlp_only_layers=[])), ("Q4_K", Q4_K_SIZES),
                                                ("Q4_K+Q6_K", Q4_K_SIZES)])
 def test_kept_blocks_compute_what_their_dequantized_copies_compute(tensor_type, sizes, tiny_gguf, monkeypatch):
@@ -106,6 +133,7 @@ def test_kept_blocks_compute_what_their_dequantized_copies_compute(tensor_type, 
     the same experts dequantized at load, resident and on the CPU."""
     inv = open_inventory(tiny_gguf("qwen3_moe", tensor_type, **sizes))
     p = placements(inv)
+    monkeypatch.setattr(model, "FUSE_QKV", True)  # q, k and v as one matrix, as on CUDA
     if TEST_DEVICE == "cpu" and tensor_type != "Q8_0":
         # resident k-quant rows through the grouped kernel in Triton's interpreter: ~100 s a run here
         # (test_prefill_kernels checks that kernel); they are dequantized on use instead
@@ -115,6 +143,7 @@ def test_kept_blocks_compute_what_their_dequantized_copies_compute(tensor_type, 
         monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", keep)
         engine = Engine.load(inv, p["resident"], device=TEST_DEVICE, dtype=torch.float32, max_context=64)
         assert all((lx.kept_res is not None) == (keep == "1") for lx in engine.experts.values())
+        check_dense_kept(engine, inv, keep == "1" and packed.gpu_kernels.usable(torch.zeros(1, device=TEST_DEVICE)))
         runs[f"resident{keep}"] = (engine.forward(torch.tensor(PROMPT), 0), greedy_tokens(engine, PROMPT, 8),
                                    engine.memory_report()["gpu:0"])
         engine.close()

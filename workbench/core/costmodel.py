@@ -40,7 +40,7 @@ import numpy as np
 
 from .hardware import HardwareProfile
 from .inventory import Inventory
-from .memory import PREFILL_CHUNK, MemoryEstimate, estimate_memory, held_bytes, kv_cache_bytes
+from .memory import PREFILL_CHUNK, MemoryEstimate, estimate_memory, held_bytes, kept_in_blocks, kv_cache_bytes
 from .placement import TIER_CPU_COMPUTE, TIER_CPU_STREAM, Placement, expert_grid, gpu_index, is_gpu
 from .prediction import LayerCost, Prediction
 from .stats import ExpertStats
@@ -151,6 +151,16 @@ def weight_format(dtype: str) -> str:
     return dtype.lower()
 
 
+def _kept_by_format(unit) -> dict[str, float]:
+    """Bytes of ``unit`` the engine keeps in GGUF blocks (``memory.kept_in_blocks``), by format."""
+    out: dict[str, float] = {}
+    for t in unit.tensors:
+        if kept_in_blocks(t.tensor):
+            fmt = weight_format(t.tensor.dtype)
+            out[fmt] = out.get(fmt, 0.0) + t.nbytes
+    return out
+
+
 def cpu_rate(profile: HardwareProfile, dtype: str) -> float:
     """Bytes of expert weights per second the CPU serves at batch 1 for weights stored as ``dtype``.
 
@@ -214,7 +224,9 @@ class CostModel:
         self.stats = stats
         self.p_sel = self._selection_probs(stats, recent)
         self.other_units = [(k, held_bytes(k, u), u.n_params) for k, u in sorted(inventory.units.items())
-                            if k.kind != "expert"]  # bytes as the engine holds them: bf16
+                            if k.kind != "expert"]  # bytes as the engine holds them
+        self.kept_bytes = {k: _kept_by_format(u) for k, u in inventory.units.items() if k.kind != "expert"}
+        """Per unit, the bytes of it kept in GGUF blocks by format (read at the format's GPU rate)."""
         embed = UnitKey(None, "embed")
         self.tied_head = None
         """Tied embeddings: (embed key, bytes) the output projection reads per token from the embedding."""
@@ -342,11 +354,19 @@ class CostModel:
 
     # -- decode ----------------------------------------------------------------------------------
 
-    def _unit_time(self, tier: str, nbytes: float, launches: int) -> tuple[str, float]:
-        """(lane, seconds) of reading ``nbytes`` of weights on ``tier`` at batch 1."""
+    def _unit_time(self, tier: str, nbytes: float, launches: int, kept: dict[str, float] | None = None
+                   ) -> tuple[str, float]:
+        """(lane, seconds) of reading ``nbytes`` of weights on ``tier`` at batch 1; ``kept``: the part of
+        them held in GGUF blocks, by format, which a GPU reads at that format's ``expert_throughput``
+        (the same decoder reads them) where the profile has one."""
         if is_gpu(tier):
             g = self._gpu(gpu_index(tier))
-            return tier, nbytes / g.mem_bandwidth + launches * g.launch_s
+            s = nbytes / g.mem_bandwidth + launches * g.launch_s
+            for fmt, b in (kept or {}).items():
+                r = g.expert_throughput.get(fmt)
+                if r and math.isfinite(r) and r > 0:
+                    s += b / r - b / g.mem_bandwidth
+            return tier, s
         return "cpu", nbytes / self.profile.host_read_bandwidth
 
     def _fixed_decode(self, placement: Placement, kv_tokens: int, kv_dtype: str):
@@ -363,10 +383,11 @@ class CostModel:
                 if key.kind == "embed":
                     nbytes = nbytes / max(1, self.inv.spec.vocab_size)  # one row per token
                 launches = eng.launches_head if key.kind == "lm_head" else 1
-                lane, t = self._unit_time(a.tier, nbytes, launches)
+                kept = self.kept_bytes.get(key) if key.kind != "embed" else None
+                lane, t = self._unit_time(a.tier, nbytes, launches, kept)
                 other += t
                 if key.kind == "embed" and self.tied_head is not None:  # the output projection
-                    other += self._unit_time(a.tier, self.tied_head[1], eng.launches_head)[1]
+                    other += self._unit_time(a.tier, self.tied_head[1], eng.launches_head, self.kept_bytes.get(key))[1]
                 continue
             layer = key.layer
             if key.kind == "attn":
@@ -378,7 +399,7 @@ class CostModel:
                 launches = eng.launches_mlp
             else:
                 launches = 0
-            lane, t = self._unit_time(a.tier, nbytes, launches)
+            lane, t = self._unit_time(a.tier, nbytes, launches, self.kept_bytes.get(key))
             if lane == "cpu":
                 sync[layer] += self.profile.sync_s
             if key.kind in ("shared", "dense_mlp"):
@@ -526,6 +547,8 @@ class CostModel:
             if is_gpu(a.tier):
                 g = self._gpu(gpu_index(a.tier))
                 t = max(nbytes / g.mem_bandwidth, flops / g.bf16_flops) + 4 * g.launch_s
+                if self.kept_bytes.get(key):  # kept blocks: a bf16 copy written and read again per chunk
+                    t += 4.0 * params / g.mem_bandwidth
             else:
                 t = max(nbytes / prof.host_read_bandwidth, flops / prof.cpu_flops)
                 sync[key.layer] += prof.sync_s

@@ -108,7 +108,8 @@ def write_gguf(
     """Convert the HF folder ``hf_dir`` to GGUF at ``out_path``; returns the written file(s).
 
     ``tensor_type``: one of ``TENSOR_TYPES`` for 2-D+ tensors; ``expert_type`` overrides it for the
-    routed experts and ``expert_down_type`` for their down matrices (as Q4_K_M stores some in Q6_K);
+    routed experts and ``expert_down_type`` for their down matrices, the attention's v and the head
+    (as Q4_K_M stores those in Q6_K);
     ``split_max_tensors`` > 0 writes a split ``*-0000K-of-0000N.gguf`` set.
     """
     hf_dir, out_path = Path(hf_dir), Path(out_path)
@@ -131,7 +132,8 @@ def write_gguf(
     for gname, data in _convert_tensors(arch, family, c, tensors):
         is_expert = "_exps." in gname
         ttype = (expert_type or tensor_type) if is_expert else tensor_type
-        if is_expert and "ffn_down_exps" in gname and expert_down_type:
+        if expert_down_type and ("ffn_down_exps" in gname or gname.endswith(".attn_v.weight")
+                                 or gname == "output.weight"):
             ttype = expert_down_type
         _add_tensor(writer, gname, data, ttype)
     writer.write_header_to_file()

@@ -102,14 +102,56 @@ def kv_bytes_per_token(inv: Inventory, layer: int, kv_dtype: str = "f16") -> int
 
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
+KEPT_TYPES = frozenset({"Q8_0", "Q4_K", "Q6_K"})
+"""GGUF storage types the engine reads in place on the GPU instead of dequantizing them."""
+
+KEPT_DENSE = frozenset({
+    "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_a.weight", "attn_q_b.weight",
+    "attn_kv_a_mqa.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "ffn_gate_shexp.weight",
+    "ffn_up_shexp.weight", "ffn_down_shexp.weight", "token_embd.weight", "output.weight",
+})
+"""GGUF tensors besides the routed experts that the engine keeps in their blocks on the GPU (the
+projections it runs as plain matrix products, the embeddings and the head), named without the
+``blk.N.`` prefix. DeepSeek's ``attn_kv_b`` (split and absorbed), routers and norms are not."""
+
+
+def kept_in_blocks(tensor) -> bool:
+    """Whether the engine holds GGUF tensor ``tensor`` (a ``TensorInfo``) of a unit other than the
+    routed experts as the file stores it: a ``KEPT_TYPES`` type and a ``KEPT_DENSE`` name."""
+    name = tensor.name.split(".", 2)[2] if tensor.name.startswith("blk.") else tensor.name
+    return tensor.dtype.upper() in KEPT_TYPES and name in KEPT_DENSE
+
+
+def engine_bytes(key: UnitKey, unit, dtype_bytes: int = 2, experts_as_stored: bool = True,
+                 dense_as_stored: bool = True) -> int:
+    """Bytes the engine holds for ``unit`` when it computes in a ``dtype_bytes``-byte float type.
+
+    A routed expert: its file bytes with ``experts_as_stored`` (GGUF blocks kept, or float weights of
+    that width), else ``dtype_bytes`` a parameter. Any other unit, tensor by tensor: a ``kept_in_blocks``
+    tensor as stored with ``dense_as_stored``; a float tensor as stored when it has the engine's
+    width; everything else ``dtype_bytes`` a parameter (converted or dequantized at load).
+    """
+    if key.kind == "expert":
+        return unit.nbytes if experts_as_stored else unit.n_params * dtype_bytes
+    total = 0
+    for t in unit.tensors:
+        dtype = t.tensor.dtype.upper()
+        as_stored = (dense_as_stored and kept_in_blocks(t.tensor)) or (
+            dtype in FLOAT_DTYPES and t.nbytes == t.n_params * dtype_bytes)
+        total += t.nbytes if as_stored else t.n_params * dtype_bytes
+    return total
+
 
 def held_bytes(key: UnitKey, unit) -> int:
-    """Bytes the engine holds (and a decode step reads) for ``unit``: a routed expert as the file
-    stores it (float, or GGUF blocks kept in place); any other unit stored in a quantized type is
-    dequantized at load to bfloat16 (2 bytes a parameter), a float one stays as stored."""
+    """Bytes the engine holds on the GPU (and a decode step reads) for ``unit`` computing in
+    bfloat16: a routed expert as the file stores it (float, or GGUF blocks kept in place); the
+    attention projections, embeddings, head and dense / shared MLPs of a GGUF file kept in their
+    Q8_0 / Q4_K / Q6_K blocks too (``kept_in_blocks``); any other quantized tensor dequantized to
+    bfloat16 (2 bytes a parameter); a float one as stored."""
     if key.kind == "expert":
         return unit.nbytes
-    return sum(t.nbytes if t.tensor.dtype.upper() in FLOAT_DTYPES else t.n_params * 2 for t in unit.tensors)
+    return sum(t.nbytes if t.tensor.dtype.upper() in FLOAT_DTYPES or kept_in_blocks(t.tensor) else t.n_params * 2
+               for t in unit.tensors)
 
 
 def kv_cache_bytes(inv: Inventory, layer: int, ctx: int, kv_dtype: str = "f16") -> int:
@@ -142,8 +184,9 @@ def estimate_memory(
     """Bytes each tier needs to run ``inv`` under ``placement`` (default: everything on ``gpu:0``)
     with a context of ``ctx`` tokens.
 
-    - weights: every unit's bytes on its tier as the engine holds them (``held_bytes``: a quantized
-      file's attention, norms, embeddings and head dequantized); a streamed expert's weights live
+    - weights: every unit's bytes on its tier as the engine holds them (``held_bytes``: a GGUF
+      file's Q8_0 / Q4_K / Q6_K projections kept in their blocks, other quantized types
+      dequantized to bfloat16); a streamed expert's weights live
       in host RAM.
     - KV cache: on the tier of each layer's ``attn`` unit, ``min(ctx, window)`` tokens per layer.
     - stream cache: ``stream_slots`` x the largest expert of the layer, for each layer with streamed

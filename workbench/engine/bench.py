@@ -312,7 +312,10 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
     inv = open_model(model)
     spec = inv.spec
     stats = ExpertStats(spec.n_layers, max(1, spec.n_experts), max(1, spec.n_experts_active))
-    budget = Budget((budget_bytes,), margin=margin_bytes + dequantized_extra_bytes(inv, dtype))
+    from .engine import keeps_dense
+
+    extra = dequantized_extra_bytes(inv, dtype, keeps_dense(inv, torch.device(device)))
+    budget = Budget((budget_bytes,), margin=margin_bytes + extra)
     runs = []
     todo = [("all-gpu", None)] if all_gpu else []
     todo += [(s, budget) for s in strategies]
@@ -348,10 +351,14 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
     return runs
 
 
-def dequantized_extra_bytes(inv, dtype: torch.dtype) -> int:
+def dequantized_extra_bytes(inv, dtype: torch.dtype, dense_kept: bool = True) -> int:
     """GPU bytes our engine holds beyond the file's for the units the planner counts at file size:
-    quantized units are dequantized to ``dtype`` at load (except routed experts the engine keeps in
-    their blocks: ``engine.keeps_blocks``), so the planner leaves that much free."""
+    quantized tensors are dequantized to ``dtype`` at load, except routed experts the engine keeps in
+    their blocks (``engine.keeps_blocks``) and, with ``dense_kept`` (CUDA: ``engine.keeps_dense``),
+    the projections, embeddings and head it keeps too (``memory.kept_in_blocks``); the planner
+    leaves that much free."""
+    from workbench.core.memory import engine_bytes
+
     from .engine import keeps_blocks
     from .families import ModelArgs
 
@@ -360,9 +367,8 @@ def dequantized_extra_bytes(inv, dtype: torch.dtype) -> int:
     extra = 0
     for key, unit in inv.units.items():
         quantized = any(t.tensor.dtype.upper() not in ("F32", "F16", "BF16") for t in unit.tensors)
-        if not quantized or (key.kind == "expert" and experts_kept):
-            continue
-        extra += max(0, unit.n_params * dtype_bytes - unit.nbytes)
+        if quantized:
+            extra += max(0, engine_bytes(key, unit, dtype_bytes, experts_kept, dense_kept) - unit.nbytes)
     return extra
 
 

@@ -8,6 +8,7 @@ import logging
 from workbench.core.errors import PlacementError
 from workbench.core.fmt import bytes2human
 from workbench.core.inventory import Inventory
+from workbench.core.memory import engine_bytes
 from workbench.core.placement import CPU, Placement, is_gpu, validate
 
 from .families import ModelArgs
@@ -17,14 +18,16 @@ log = logging.getLogger(__name__)
 
 def check_placement(inventory: Inventory, args: ModelArgs, placement: Placement, n_accelerators: int,
                     dtype_bytes: int, max_context: int, vram_budget: int | None, extra_bytes: int = 0,
-                    experts_as_stored: bool = False) -> dict[str, int]:
+                    experts_as_stored: bool = False, dense_as_stored: bool = False) -> dict[str, int]:
     """Validate ``placement`` for ``inventory``; return the predicted bytes ``{"accelerator", "cpu"}``.
 
     Raises PlacementError naming the first problem: a unit the model lacks, a ``gpu:N`` beyond the
     ``n_accelerators`` present, streamed experts with ``stream_slots == 0``, or an accelerator need
     (weights in the engine's dtype + KV cache for ``max_context`` + stream cache + ``extra_bytes``, the
     bus share's slots) over ``vram_budget``. ``experts_as_stored``: routed experts keep the file's
-    bytes (kept GGUF Q8_0 / Q4_K blocks) instead of the engine's dtype.
+    bytes (kept GGUF Q8_0 / Q4_K blocks) instead of the engine's dtype; ``dense_as_stored``: so do
+    the other units' GGUF projections, embeddings and head the engine keeps in their blocks
+    (``memory.kept_in_blocks``).
     """
     problems = validate(placement, inventory, n_accelerators)
     if problems:
@@ -34,7 +37,7 @@ def check_placement(inventory: Inventory, args: ModelArgs, placement: Placement,
     expert_params = 0
     kept = []
     for key, unit in inventory.units.items():
-        nbytes = unit.nbytes if experts_as_stored and key.kind == "expert" else unit.n_params * dtype_bytes
+        nbytes = engine_bytes(key, unit, dtype_bytes, experts_as_stored, dense_as_stored)
         a = placement.get(key)
         if key.kind == "expert":
             expert_params = max(expert_params, unit.n_params)

@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from workbench.core.errors import WorkbenchError
 from workbench.core.inventory import Inventory
@@ -42,6 +41,8 @@ from .layouts import FamilyWeights
 from .mla import LatentCache, MlaAttention
 from .model import Attention, DenseMlp, KVCache, Layer, Rope, rms_norm
 from .moe import MoeBlock
+from .packed import Packed, embedding, linear
+from .packed import nbytes as weight_bytes
 from .weights import WeightReader
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,17 @@ def keeps_blocks(inventory: Inventory, args: ModelArgs, cpu_format: str | None) 
     return args.expert_ffn % block == 0 and args.hidden % block == 0
 
 
+def keeps_dense(inventory: Inventory, device: torch.device, cpu_format: str | None = None) -> bool:
+    """Whether the engine keeps a GGUF file's Q8_0 / Q4_K / Q6_K attention projections, embeddings,
+    head and dense / shared MLPs in their blocks (``packed.Packed``, ``memory.kept_in_blocks``):
+    on CUDA (and under Triton's interpreter, for tests), unless ``WORKBENCH_KEEP_QUANTS`` is ``0``.
+    On a CPU accelerator they are dequantized at load (a prompt step would dequantize them again
+    each time)."""
+    del cpu_format  # the CPU tier's expert format does not touch the dense weights
+    return (inventory.format == "gguf" and os.environ.get("WORKBENCH_KEEP_QUANTS", "1") != "0"
+            and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+
+
 def _bus_bytes(args: ModelArgs, placement: Placement, device: torch.device, dtype_bytes: int, share: float) -> int:
     """Device bytes of the bus share's slots (``bus.BusShare``) when the engine will make one: on CUDA,
     with experts computed on the CPU and a ``share`` above 0."""
@@ -118,8 +130,10 @@ def _is_host_oom(exc: BaseException) -> bool:
 class _Loader:
     """Puts tensors where they belong; knows which unit is being loaded (for errors and progress)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, total: int, progress: Progress | None, cancel):
+    def __init__(self, device: torch.device, dtype: torch.dtype, total: int, progress: Progress | None, cancel,
+                 weights: FamilyWeights | None = None, keep_dense: bool = False):
         self.device, self.dtype = device, dtype
+        self.weights, self.keep_dense = weights, keep_dense
         self.total, self.done = total, 0
         self.progress, self.cancel = progress, cancel
         self.unit: UnitKey | None = None
@@ -135,6 +149,14 @@ class _Loader:
     def place(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The one allocation function for accelerator weights (tests inject failures here)."""
         return t.to(device=self.device, dtype=dtype or self.dtype)
+
+    def weight(self, role: str, layer: int | None = None) -> torch.Tensor | Packed:
+        """``role``'s weight on the accelerator: kept in the file's blocks where the engine keeps
+        them (``keep_dense`` and ``FamilyWeights.blocks``), else a tensor in the engine's dtype."""
+        kept = self.weights.blocks(role, layer) if self.keep_dense else None
+        if kept is not None:
+            return kept.to(self.device, self.dtype)
+        return self.place(self.weights.get(role, layer))
 
 
 class Engine:
@@ -184,8 +206,9 @@ class Engine:
         bus_share = bus.fraction_from_env() if bus_share is None else min(1.0, max(0.0, float(bus_share)))
         bus_bytes = 0 if cpu_format is not None else _bus_bytes(args, placement, device, dtype_bytes, bus_share)
         keeps = keeps_blocks(inventory, args, cpu_format)
+        dense_kept = keeps_dense(inventory, device)
         predicted = check_placement(inventory, args, placement, 1, dtype_bytes, max_context, vram_budget, bus_bytes,
-                                    keeps)
+                                    keeps, dense_kept)
         self = object.__new__(cls)
         self.inventory, self.args, self.device, self.dtype = inventory, args, device, dtype
         self.max_context, self.vocab_size = max_context, args.vocab
@@ -194,7 +217,7 @@ class Engine:
         self.decode_mode = os.environ.get("WORKBENCH_DECODE", "auto")
         self.served_mode = _served_mode(os.environ.get("WORKBENCH_SERVED", "auto"))
         self._decoder = None
-        self._bus, self.bus_share, self._keeps_blocks = None, bus_share, keeps
+        self._bus, self.bus_share, self._keeps_blocks, self._keeps_dense = None, bus_share, keeps, dense_kept
         self._reader = WeightReader(inventory)
         self._fw = FamilyWeights(self._reader, args)
         self.cpu_format, self._pool = cpu_format, None
@@ -207,7 +230,7 @@ class Engine:
             self._pool = ExpertPool(cpu_workers)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-experts")
         total = sum(u.nbytes for u in inventory.units.values())
-        loader = _Loader(device, dtype, total, progress, cancel)
+        loader = _Loader(device, dtype, total, progress, cancel, self._fw, dense_kept)
         failure = None
         try:
             self._build(loader, placement)
@@ -248,12 +271,12 @@ class Engine:
         self.counts = torch.zeros(a.n_layers, max(1, a.n_experts), dtype=torch.int64, device=dev)
         self.caches = []
         loader.begin(UnitKey(None, "embed"), nbytes.get(UnitKey(None, "embed"), 0))
-        self.embed = place(fw.get("embed"))
+        self.embed = loader.weight("embed")
         self.experts: dict[int, LayerExperts] = {}
         for layer in range(a.n_layers):
             loader.begin(UnitKey(layer, "attn"), nbytes.get(UnitKey(layer, "attn"), 0))
             roles = _MLA_ROLES if a.mla else _ATTN_ROLES
-            w = {role: place(fw.get(role, layer)) for role in roles if fw.has(role, layer)}
+            w = {role: loader.weight(role, layer) for role in roles if fw.has(role, layer)}
             if a.mla:
                 cache = LatentCache(self.max_context, a.mla["kv_lora_rank"], a.mla["rope"], dev, self.dtype)
                 attn = MlaAttention(a, layer, w, cache)
@@ -268,12 +291,12 @@ class Engine:
                 ffn = self._build_moe(loader, placement, layer)
             else:
                 loader.begin(UnitKey(layer, "dense_mlp"), nbytes.get(UnitKey(layer, "dense_mlp"), 0))
-                ffn = DenseMlp(*(place(fw.get(r, layer)) for r in ("mlp_gate", "mlp_up", "mlp_down")))
+                ffn = DenseMlp(*(loader.weight(r, layer) for r in ("mlp_gate", "mlp_up", "mlp_down")))
             self.layers.append(Layer(attn, attn_norm, ffn_norm, ffn, a.rms_eps))
         loader.begin(UnitKey(None, "norm"), nbytes.get(UnitKey(None, "norm"), 0))
         self.norm = place(fw.get("norm"))
         loader.begin(UnitKey(None, "lm_head"), nbytes.get(UnitKey(None, "lm_head"), 0))
-        self.lm_head = place(fw.get("lm_head")) if fw.has("lm_head") else self.embed
+        self.lm_head = loader.weight("lm_head") if fw.has("lm_head") else self.embed
 
     def _build_moe(self, loader: _Loader, placement: Placement, layer: int) -> MoeBlock:
         a, fw, place = self.args, self._fw, loader.place
@@ -286,7 +309,7 @@ class Engine:
         shared = shared_router = None
         if fw.has("shared_gate", layer):
             loader.begin(UnitKey(layer, "shared"), nbytes.get(UnitKey(layer, "shared"), 0))
-            shared = DenseMlp(*(place(fw.get(r, layer)) for r in ("shared_gate", "shared_up", "shared_down")))
+            shared = DenseMlp(*(loader.weight(r, layer) for r in ("shared_gate", "shared_up", "shared_down")))
             if fw.has("shared_router", layer):
                 shared_router = place(fw.get("shared_router", layer))
         experts = self._build_experts(loader, placement, layer)
@@ -483,13 +506,13 @@ class Engine:
             return self._decoder(int(ids[0]), start_pos)
         ids = ids.to(self.device)
         pos = torch.arange(start_pos, start_pos + T, device=self.device)
-        x = F.embedding(ids, self.embed)
+        x = embedding(ids, self.embed)
         for layer in self.layers:
             x = layer(x, pos, start_pos, self.rope)
         if last_only:
             x = x[-1:]
         x = rms_norm(x, self.norm, self.args.rms_eps)
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()
 
     # -- statistics ------------------------------------------------------------------------------
 
@@ -530,7 +553,7 @@ class Engine:
         check_placement(self.inventory, self.args, placement, 1, dtype_bytes, self.max_context, vram,
                         0 if self._bus is not None or self.cpu_format is not None
                         else _bus_bytes(self.args, placement, self.device, dtype_bytes, self.bus_share),
-                        self._keeps_blocks)
+                        self._keeps_blocks, self._keeps_dense)
         changed = [layer for layer in self.args.moe_layers
                    if placement.stream_slots != self.placement.stream_slots
                    or any(placement.get(UnitKey(layer, "expert", e)) != self.placement.get(UnitKey(layer, "expert", e))
@@ -597,7 +620,7 @@ class Engine:
             for t in tensors:
                 if t is not None and id(t) not in seen:
                     seen.add(id(t))
-                    acc[kind] += t.numel() * t.element_size()
+                    acc[kind] += weight_bytes(t)
 
         add("embed", self.embed)
         add("norm", self.norm)

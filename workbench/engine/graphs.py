@@ -23,11 +23,11 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from . import cpu_kernel, gpu_kernels, served
 from .model import STEP_MASKS, rms_norm
 from .moe import MoeBlock
+from .packed import embedding, linear
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +93,10 @@ class DecodeStep:
         e, env = self.e, self.env
         layers = e.layers
         norms = [(layer.attn_norm, layer.eps) for layer in layers[1:]] + [(e.norm, e.args.rms_eps)]
-        fused = gpu_kernels.usable(e.embed) and all(
-            _plain_norm(w, e.embed) for layer in layers for w in (layer.attn_norm, layer.ffn_norm)) and \
-            _plain_norm(e.norm, e.embed)
+        like = torch.empty(e.args.hidden, dtype=e.dtype, device=e.device)  # the activations
+        fused = gpu_kernels.usable(like) and all(
+            _plain_norm(w, like) for layer in layers for w in (layer.attn_norm, layer.ffn_norm)) and \
+            _plain_norm(e.norm, like)
 
         def add_norm(a, b, w, eps):
             if fused and gpu_kernels.available():  # off once a kernel failed here (``_eager``)
@@ -110,7 +111,7 @@ class DecodeStep:
         def embed():
             if srv is not None:
                 srv.begin()
-            env["x"] = F.embedding(self.token, e.embed)
+            env["x"] = embedding(self.token, e.embed)
             env["xn"] = rms_norm(env["x"], layers[0].attn_norm, layers[0].eps)
 
         pieces.append(("dev", embed))
@@ -162,7 +163,7 @@ class DecodeStep:
             pieces += [("dev", route), ("record", lx), ("dev", device), ("host", host), ("dev", combine)]
 
         def head():
-            env["logits"] = F.linear(env["xn"], e.lm_head).float()
+            env["logits"] = linear(env["xn"], e.lm_head).float()
 
         pieces.append(("dev", head))
         return pieces

@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 
 from workbench.core.errors import ModelFormatError
+from workbench.core.memory import kept_in_blocks
 
 from .blocks import pairs_well
 from .families import ModelArgs
+from .packed import Packed
 from .weights import WeightReader
 
 _HF_ATTN = {"q": "q_proj.weight", "k": "k_proj.weight", "v": "v_proj.weight", "o": "o_proj.weight",
@@ -115,6 +117,26 @@ class FamilyWeights:
         if role == "shared_router":
             t = t.reshape(1, -1)
         return t
+
+    def blocks(self, role: str, layer: int | None = None):
+        """``role``'s matrix as a ``packed.Packed`` on the CPU (views of the file) when the engine keeps
+        it in the file's blocks (``memory.kept_in_blocks``: a GGUF Q8_0 / Q4_K / Q6_K projection,
+        embedding or head), with llama.cpp's Q/K row permutation undone; else None."""
+        if not self.gguf:
+            return None
+        if role == "lm_head" and not self.has("lm_head"):
+            role = "embed"  # tied embeddings
+        name = self.name(role, layer)
+        if not self.reader.has(name):
+            return None
+        info = self.reader.info(name)
+        if not kept_in_blocks(info) or len(info.shape) != 2:
+            return None
+        fmt, parts = self.reader.blocks(name)
+        if role in ("q", "k") and self.reader.inventory.metadata.get("general.architecture") in _GGUF_ARCH_PERMUTES_QK:
+            heads = self.args.n_heads if role == "q" else self.args.n_kv_heads
+            parts = [_unpermute_rows(p, heads) for p in parts]
+        return Packed(fmt, parts, info.shape[-1])
 
     def _read(self, name: str, expert: int | None = None) -> torch.Tensor:
         """Tensor ``name`` (expert ``expert`` of a stacked one); FP8 weights with a block-scale

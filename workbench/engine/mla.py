@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from .families import ModelArgs
 from .model import Rope, attention_mask, rms_norm
+from .packed import linear
 
 MLA_NORM_EPS = 1e-6
 """transformers builds the q_a / kv_a RMSNorms with their default epsilon, not the config's."""
@@ -56,12 +57,12 @@ class MlaAttention:
         a, w = self.a, self.w
         T, nH = x.shape[0], a.n_heads
         if "q" in w:
-            q = F.linear(x, w["q"])
+            q = linear(x, w["q"])
         else:
-            q = F.linear(rms_norm(F.linear(x, w["q_a"]), w["q_a_norm"], MLA_NORM_EPS), w["q_b"])
+            q = linear(rms_norm(linear(x, w["q_a"]), w["q_a_norm"], MLA_NORM_EPS), w["q_b"])
         q = q.view(T, nH, self.nope + self.rope_dim)
         q_pass, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
-        kv = F.linear(x, w["kv_a"])  # [T, kv_lora + rope]
+        kv = linear(x, w["kv_a"])  # [T, kv_lora + rope]
         latent, k_rot = kv.split([self.kv_lora, self.rope_dim], dim=-1)
         latent = rms_norm(latent, w["kv_a_norm"], MLA_NORM_EPS)
         q_rot = rope.apply(q_rot, pos)
@@ -77,4 +78,4 @@ class MlaAttention:
             query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
             attn_mask=mask[None, None], scale=self.scale,
         )  # [1, nH, T, v]
-        return F.linear(out[0].transpose(0, 1).reshape(T, nH * self.v), w["o"], w.get("o_bias"))
+        return linear(out[0].transpose(0, 1).reshape(T, nH * self.v), w["o"], w.get("o_bias"))

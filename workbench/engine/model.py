@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from . import gpu_kernels
 from .families import ModelArgs, RopeArgs
+from .packed import cat_rows, linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -27,9 +28,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return xn if weight is None else weight * xn
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` for ``x [T, H]``, nn.Linear-layout weights."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def swiglu(x: torch.Tensor, gate, up, down) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` for ``x [T, H]``, nn.Linear-layout weights (tensors or
+    ``packed.Packed``)."""
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 # -- rotary embeddings ---------------------------------------------------------------------------
@@ -282,8 +284,7 @@ class Attention:
         if any(b is None for b in biases) and any(b is not None for b in biases):
             return None
         nq, nk = w["q"].shape[0], w["k"].shape[0]
-        qkv = torch.cat([w["q"], w["k"], w["v"]])
-        w["q"], w["k"], w["v"] = qkv[:nq], qkv[nq:nq + nk], qkv[nq + nk:]
+        qkv, (w["q"], w["k"], w["v"]) = cat_rows([w["q"], w["k"], w["v"]])
         bias = None
         if biases[0] is not None:
             bias = torch.cat(biases)
@@ -297,7 +298,7 @@ class Attention:
         a = self.a
         qkv_w, bias, norm = self.fused
         T, nh, nkv, hd = x.shape[0], a.n_heads, a.n_kv_heads, a.head_dim
-        qkv = F.linear(x, qkv_w, bias)  # [T, (nH + 2 nKV) hd]
+        qkv = linear(x, qkv_w, bias)  # [T, (nH + 2 nKV) hd]
         qk = qkv[:, :(nh + nkv) * hd].view(T, nh + nkv, hd)
         v = qkv[:, (nh + nkv) * hd:].view(T, nkv, hd)
         if norm is not None:
@@ -314,9 +315,9 @@ class Attention:
                 return self._decode_in_place(x, pos, rope)
             q, k, v = self._fused_qkv(x, pos, rope)
             return self._attend(q, k, v, pos, start)
-        q = F.linear(x, w["q"], w.get("q_bias"))  # [T, nH*hd]
-        k = F.linear(x, w["k"], w.get("k_bias"))
-        v = F.linear(x, w["v"], w.get("v_bias"))
+        q = linear(x, w["q"], w.get("q_bias"))  # [T, nH*hd]
+        k = linear(x, w["k"], w.get("k_bias"))
+        v = linear(x, w["v"], w.get("v_bias"))
         if a.qk_norm == "full":
             q, k = rms_norm(q, w["q_norm"], a.rms_eps), rms_norm(k, w["k_norm"], a.rms_eps)
         if a.clip_qkv is not None:
@@ -348,12 +349,12 @@ class Attention:
         qkv_w, bias, norm = self.fused
         c = self.cache
         q = gpu_kernels.qkv_rope_cache(
-            F.linear(x, qkv_w, bias), norm, rope.cos if self.use_rope else None,
+            linear(x, qkv_w, bias), norm, rope.cos if self.use_rope else None,
             rope.sin_signed if self.use_rope else None, pos, a.n_heads, a.n_kv_heads, c.k, c.v, c.slot_pos, a.rms_eps)
         if c.slot_pos is None and "sinks" not in self.w and (self.window or c.size) >= c.size and (
                 self.chunk or c.size) >= c.size:  # every cached key up to pos: no mask, two kernels
             out = gpu_kernels.decode_attention(q, c.k, c.v, pos, self.scale)
-            return F.linear(out, self.w["o"], self.w.get("o_bias"))
+            return linear(out, self.w["o"], self.w.get("o_bias"))
         return self._attend_all(q, c.k, c.v, c.slot_pos, pos)
 
     def _attend_all(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_pos: torch.Tensor | None,
@@ -369,7 +370,7 @@ class Attention:
             out = attention_with_sinks(q, keys, values, mask, self.scale, w["sinks"])
         else:
             out = _attend_masked(q, keys, values, mask, self.scale)
-        return F.linear(out.reshape(q.shape[0], -1), w["o"], w.get("o_bias"))
+        return linear(out.reshape(q.shape[0], -1), w["o"], w.get("o_bias"))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, start: int | None):
         """Cache ``k, v [T, nKV, hd]``, attend with ``q [T, nH, hd]``, project: ``[T, H]``.
@@ -384,7 +385,7 @@ class Attention:
         mask = None if plain and "sinks" not in w else attention_mask(pos, start + T, self.window, self.chunk)
         if "sinks" in w:
             out = attention_with_sinks(q, keys, values, mask, self.scale, w["sinks"])
-            return F.linear(out.reshape(T, -1), w["o"], w.get("o_bias"))
+            return linear(out.reshape(T, -1), w["o"], w.get("o_bias"))
         # Full attention needs no mask for one new token (it sees every cached key) nor for a prompt
         # from position 0 (causal): then SDPA takes its flash kernel. cuDNN's attention is left out
         # on CUDA: it built a new plan per KV length, ~2 ms of host time per layer and decode step.
@@ -395,7 +396,7 @@ class Attention:
                 enable_gqa=a.n_heads != a.n_kv_heads,
             )  # [1, nH, T, hd]
         out = out[0].transpose(0, 1).reshape(T, a.n_heads * a.head_dim)
-        return F.linear(out, w["o"], w.get("o_bias"))
+        return linear(out, w["o"], w.get("o_bias"))
 
 
 def _attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float

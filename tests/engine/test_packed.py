@@ -1,0 +1,102 @@
+"""Dense weights kept in GGUF blocks (``engine.packed``): the one-token kernel, the dequantizing
+kernel, the prompt path and the embedding rows give what gguf-py's dequantized matrix gives. On the
+GPU machine (``WORKBENCH_TEST_DEVICE=cuda``) they run on CUDA; here under Triton's interpreter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from tests.engine.engine_helpers import TEST_DEVICE as DEV
+from workbench.engine import gpu_kernels, packed
+from workbench.engine.packed import Packed
+
+needs_kernels = pytest.mark.skipif(not gpu_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
+
+
+def kept(fmt: str, n: int, k: int, seed: int) -> tuple[Packed, torch.Tensor]:
+    """A random ``[n, k]`` matrix stored as ``fmt`` the way a GGUF file stores it, and gguf-py's
+    dequantization of those bytes (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    if fmt == "q8_0":
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).numpy()
+        raw = quantize(w, GGMLQuantizationType.Q8_0).reshape(n, -1, 34)
+        d = torch.from_numpy(np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0].copy())
+        q = torch.from_numpy(np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(n, k).copy())
+        ref = dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q8_0)
+        parts = [q, d]
+    else:  # random bytes with small float16 scales: every bit pattern of the quants and sub-scales
+        size = {"q4_k": 144, "q6_k": 210}[fmt]
+        raw = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=g).numpy()
+        d = (np.abs(torch.randn(n, k // 256, 2, generator=g).numpy()) * 1e-3 + 1e-4).astype(np.float16)
+        at = slice(0, 4) if fmt == "q4_k" else slice(208, 210)
+        raw[..., at] = d.view(np.uint8).reshape(n, k // 256, 4)[..., : at.stop - at.start]
+        qtype = GGMLQuantizationType.Q4_K if fmt == "q4_k" else GGMLQuantizationType.Q6_K
+        ref = dequantize(raw.reshape(n, -1), qtype)
+        parts = [torch.from_numpy(raw.reshape(n, -1).copy())]
+    return Packed(fmt, [p.to(DEV) for p in parts], k), torch.from_numpy(ref.astype(np.float64)).to(DEV)
+
+
+def close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
+    return float((out.double() - ref).abs().max() / ref.abs().max()) < tol
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt,n,k", [("q8_0", 40, 96), ("q4_k", 37, 512), ("q6_k", 24, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_kernel_reads_the_blocks_in_place(fmt, n, k, dtype):
+    w, ref = kept(fmt, n, k, seed=n + k)
+    w.dtype = dtype
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(DEV, dtype)
+    out = packed.linear(x, w)
+    assert out.shape == (1, n) and out.dtype == dtype
+    assert close(out, x.double() @ ref.T, 1e-5 if dtype == torch.float32 else 1e-2)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(DEV, dtype)
+    assert close(packed.linear(x, w, bias), x.double() @ ref.T + bias.double(), 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("fmt,n,k", [("q8_0", 40, 96), ("q4_k", 37, 512), ("q6_k", 24, 256)])
+def test_prompt_rows_are_the_dequantized_matrix_in_chunks(fmt, n, k, monkeypatch):
+    w, ref = kept(fmt, n, k, seed=3 * n + k)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(4)).to(DEV)
+    whole = packed.linear(x, w)
+    monkeypatch.setattr(packed, "CHUNK_BYTES", 7 * k * 4)  # 7 rows a piece: the last one shorter
+    assert close(packed.linear(x, w), whole.double(), 1e-6)
+    assert close(whole, x.double() @ ref.T, 1e-5)
+    assert torch.equal(w.dequantize(), torch.cat([w.dequantize(0, 10), w.dequantize(10)]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt,n,k", [("q8_0", 33, 288), ("q4_k", 40, 512), ("q6_k", 9, 256)])
+def test_dequantizing_kernel_is_gguf_py_dequantization(fmt, n, k):
+    w, ref = kept(fmt, n, k, seed=5 * n + k)
+    w.dtype = torch.float32
+    assert torch.allclose(w._dequantize_kernel().double(), ref, rtol=1e-6, atol=1e-7)
+    w.dtype = torch.bfloat16
+    out, want = w._dequantize_kernel(), ref.float().to(torch.bfloat16)
+    if DEV == "cuda":  # rounded to nearest, as a dequantized copy is
+        assert torch.equal(out, want)
+    else:  # the interpreter's bfloat16 conversion truncates: within one unit in the last place
+        assert bool(((out.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-30).all())
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+def test_embedding_rows_and_fused_rows(fmt):
+    w, ref = kept(fmt, 20, 256, seed=7)
+    ids = torch.tensor([[3, 0, 19], [3, 7, 7]], device=DEV)
+    rows = packed.embedding(ids, w)
+    assert rows.shape == (2, 3, 256)
+    assert torch.allclose(rows.double(), ref[ids], rtol=1e-6, atol=1e-7)
+    other, _ = kept("q6_k" if fmt == "q4_k" else "q8_0", 6, 256, seed=8)
+    fused, views = packed.cat_rows([w, other])
+    assert fused.shape == (26, 256)
+    assert [v.shape for v in views] == [(20, 256), (6, 256)]
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(9)).to(DEV)
+    both = packed.linear(x, fused)
+    assert torch.allclose(both[:, :20], packed.linear(x, w), rtol=1e-5, atol=1e-6)
+    assert packed.nbytes(fused) == packed.nbytes(w) + packed.nbytes(other)
+    with pytest.raises(ValueError, match="cannot keep"):
+        Packed("q4_k", w.parts, 100)

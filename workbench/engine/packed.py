@@ -1,0 +1,221 @@
+"""Dense weights kept in a GGUF file's quantized blocks on the accelerator.
+
+A Q4_K file's attention projections, embeddings and head take a quarter of the bytes they take
+dequantized to bfloat16: at the Qwen3-30B-A3B shape ~0.4 GB instead of ~1.5 GB, which is 1 GB more
+room for experts under a VRAM budget and 1 GB less to read per decoded token. ``Packed`` holds such
+a matrix ``[N, K]`` as ``blocks`` stores it (the tensors ``memory.kept_in_blocks`` names), and
+``linear`` / ``embedding`` stand in for ``F.linear`` / ``F.embedding`` wherever a weight may be one:
+
+- one token (decode) on CUDA, or under Triton's interpreter: a matrix-vector kernel reads the
+  blocks in place (``gpu_kernels._row_dots``, the routed experts' decoder), float32 sums;
+- more tokens (prompts): the rows dequantized to the activations' dtype, at most ``CHUNK_BYTES`` at
+  a time, then ``F.linear`` (the dequantized copy is the one a load-time dequantization would give);
+- embeddings: the picked rows dequantized.
+
+A plain tensor goes straight to ``F.linear`` / ``F.embedding``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import blocks, gpu_kernels
+
+CHUNK_BYTES = 64 * 2**20
+"""Largest dequantized piece of a kept matrix a prompt step makes (bytes)."""
+
+_FMT = {"q8_0": 1, "q4_k": 2, "q6_k": 3}  # the kernels' FMT
+
+triton = gpu_kernels.triton
+if triton is not None:
+    import triton.language as tl
+
+    _row_dots = gpu_kernels._row_dots
+    _block_tile = gpu_kernels._block_tile
+
+    @triton.autotune(configs=gpu_kernels._configs([(16, 256, 4), (32, 256, 4), (8, 256, 4), (64, 256, 8),
+                                                   (32, 128, 4)]), key=["N", "K", "FMT"])
+    @triton.jit
+    def _matvec_kernel(x_ptr, w_ptr, d_ptr, out_ptr, N, K: tl.constexpr, stride_n, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, FMT: tl.constexpr):
+        """``out[n] = w[n, :] . x`` for rows ``n`` of block ``pid(0)``, summed in float32 and stored in
+        out's dtype. ``FMT`` 1: ``w`` int8 [N, K] with float16 scales at ``d_ptr`` [N, K/32]; 2 / 3:
+        raw Q4_K / Q6_K rows of ``stride_n`` bytes."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = offs_n < N
+        at = offs_n.to(tl.int64) * stride_n
+        acc = _row_dots(w_ptr + at, d_ptr + at // 32, x_ptr, K, rm, FMT, False, BLOCK_N, BLOCK_K)
+        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=rm)
+
+    @triton.jit
+    def _dequant_kernel(w_ptr, d_ptr, out_ptr, N, K: tl.constexpr, stride_n, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, FMT: tl.constexpr):
+        """Rows of block ``pid(0)``, inputs ``pid(1) * BLOCK_K ..`` of a kept matrix, decoded a block
+        at a time (``gpu_kernels._block_tile``) into ``out [N, K]`` (its dtype)."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = offs_n < N
+        k0 = tl.program_id(1) * BLOCK_K
+        at = offs_n.to(tl.int64) * stride_n
+        w = _block_tile(w_ptr + at, d_ptr + at // 32, k0, rm, K, FMT, BLOCK_N, BLOCK_K)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
+                 mask=rm[:, None] & (offs_k < K)[None, :])
+
+
+class Packed:
+    """A matrix ``[N, K]`` (``nn.Linear`` layout: out x in) kept as ``blocks`` format ``fmt``.
+
+    ``parts``: ``[q int8 [N, K], d float16 [N, K/32]]`` for Q8_0, ``[raw uint8 [N, K/256 * bytes]]``
+    for Q4_K / Q6_K, rows contiguous. ``dtype``: what products and embeddings come out as (the
+    engine's activation dtype).
+    """
+
+    def __init__(self, fmt: str, parts: list[torch.Tensor], k: int, dtype: torch.dtype = torch.float32):
+        if fmt not in _FMT or k % blocks.BLOCK[fmt]:
+            raise ValueError(f"cannot keep a matrix of {k} inputs in {fmt}")
+        self.fmt, self.parts, self.k, self.dtype = fmt, parts, k, dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.parts[0].shape[0], self.k
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    @property
+    def nbytes(self) -> int:
+        return blocks.nbytes(self.parts)
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> Packed:
+        """A copy on ``device`` (contiguous rows) whose products come out in ``dtype``."""
+        return Packed(self.fmt, [p.to(device).contiguous() for p in self.parts], self.k, dtype)
+
+    def rows(self, start: int, stop: int) -> Packed:
+        """Rows ``start .. stop - 1`` (views of this one's storage)."""
+        return Packed(self.fmt, [p[start:stop] for p in self.parts], self.k, self.dtype)
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start .. stop - 1`` as ``[rows, K]`` in ``dtype`` (float32 arithmetic)."""
+        part = self if (start, stop) == (0, None) else self.rows(start, self.shape[0] if stop is None else stop)
+        if part.device.type == "cuda" and gpu_kernels.available():
+            try:
+                return part._dequantize_kernel()
+            except Exception as exc:  # a Triton build or launch failure: the PyTorch decoder instead
+                if not gpu_kernels.failed_here(exc):
+                    raise
+                gpu_kernels.disable(f"{type(exc).__name__}: {exc}")
+        return blocks.dequantize(part.fmt, part.parts, part.k, part.dtype)
+
+    def _dequantize_kernel(self) -> torch.Tensor:
+        n, k = self.shape
+        out = torch.empty((n, k), dtype=self.dtype, device=self.device)
+        w = self.parts[0]
+        bn, bk = 32, 256
+        _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+            w, self.parts[-1], out, n, k, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, FMT=_FMT[self.fmt])
+        return out
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [1, K]`` -> ``[1, N]`` in ``x``'s dtype with the one-token kernel (CUDA, or the
+        interpreter). No host sync; capturable in a CUDA graph."""
+        n = self.shape[0]
+        w = self.parts[0]
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+        _matvec_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+            x.contiguous(), w, self.parts[-1], out, n, self.k, w.stride(0), FMT=_FMT[self.fmt])
+        return out
+
+
+class Group:
+    """Matrices of different kept formats used as one, their rows one after another (q, k and v
+    of a Q4_K_M file, whose v is Q6_K): ``linear`` gives their outputs side by side."""
+
+    def __init__(self, members: list):
+        self.members = members
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(m.shape[0] for m in self.members), self.members[0].shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.members[0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes(m) for m in self.members)
+
+
+def cat_rows(ws: list) -> tuple[object, list]:
+    """``ws`` (tensors or ``Packed``, same K) as one matrix of their rows in order, and each one as a
+    view of it: ``(fused, views)``. Tensors: ``torch.cat``; ``Packed`` of one format: one ``Packed``;
+    a mix of formats: a ``Group`` of the originals (each its own view)."""
+    if all(isinstance(w, torch.Tensor) for w in ws):
+        fused = torch.cat(ws)
+    elif all(isinstance(w, Packed) for w in ws) and len({w.fmt for w in ws}) == 1:
+        fused = Packed(ws[0].fmt, [torch.cat([w.parts[i] for w in ws]) for i in range(len(ws[0].parts))],
+                       ws[0].k, ws[0].dtype)
+    else:
+        return Group(list(ws)), list(ws)
+    views, at = [], 0
+    for w in ws:
+        n = w.shape[0]
+        views.append(fused[at:at + n] if isinstance(fused, torch.Tensor) else fused.rows(at, at + n))
+        at += n
+    return fused, views
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` for ``x [T, K]`` and ``w`` a tensor, a ``Packed`` or a ``Group``:
+    ``[T, N]`` in ``x``'s dtype."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    if isinstance(w, Group):
+        out = torch.cat([linear(x, m) for m in w.members], dim=-1)
+    elif x.shape[0] == 1 and x.dim() == 2 and gpu_kernels.usable(x) and x.device == w.device:
+        out = _matvec_or_none(x, w)
+        if out is None:
+            out = _dequantized_linear(x, w)
+    else:
+        out = _dequantized_linear(x, w)
+    return out if bias is None else out + bias
+
+
+def _matvec_or_none(x: torch.Tensor, w: Packed) -> torch.Tensor | None:
+    try:
+        return w.matvec(x)
+    except Exception as exc:  # a Triton build or launch failure: the kernels off, dequantized rows instead
+        if not gpu_kernels.failed_here(exc):
+            raise
+        gpu_kernels.disable(f"{type(exc).__name__}: {exc}")
+        return None
+
+
+def _dequantized_linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
+    n, k = w.shape
+    step = max(1, CHUNK_BYTES // (k * x.element_size()))
+    if step >= n:
+        return F.linear(x, w.dequantize().to(x.dtype))
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    for a in range(0, n, step):
+        out[..., a:a + step] = F.linear(x, w.dequantize(a, min(n, a + step)).to(x.dtype))
+    return out
+
+
+def embedding(ids: torch.Tensor, w) -> torch.Tensor:
+    """``F.embedding(ids, w)`` for ``w`` a tensor or a ``Packed`` ``[vocab, H]``: ``[*ids.shape, H]``
+    (a ``Packed`` gives its ``dtype``)."""
+    if isinstance(w, torch.Tensor):
+        return F.embedding(ids, w)
+    flat = ids.reshape(-1)
+    rows = blocks.dequantize(w.fmt, blocks.take(w.parts, flat), w.k, w.dtype)
+    return rows.reshape(*ids.shape, w.k)
+
+
+def nbytes(w) -> int:
+    """Bytes ``w`` (a tensor, a ``Packed`` or a ``Group``) holds."""
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return w.nbytes
