@@ -21,15 +21,16 @@
 # (S1 as Q8_0, llama.cpp at --n-cpu-moe 8), engine_q4 (S1 as Q4_K), served (scripts/profile_hybrid.py
 # with and without the decode server), served_tests (its tests and the bus share's on CUDA), fit_probe
 # (scripts/probe_engine_fit.py three times after stage calibrate), prompt_kernels (tests/engine/test_prefill_kernels.py on
-# CUDA and scripts/time_prompt_kernels.py), placements (those the side-by-side stages ran,
+# CUDA and scripts/time_prompt_kernels.py), dense_kernels (tests/engine/test_packed.py on CUDA and
+# scripts/time_dense_kernels.py: kept Q8_0/Q4_K/Q6_K projections and head against bf16), placements (those the side-by-side stages ran,
 # as $OUT/placements.tar.gz), pack (llama-bench binary
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it).
 # At most 8 files come back per call: choose the stages of one call accordingly.
 # BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (64 / 2), BENCH_MARGIN (512MiB) and LLAMA_N_CPU_MOE tune
 # the side-by-side stages. A session's run in one call (~560 s; carry .llamacpp/pack and .llamacpp/whl):
 #   OUT=$OUT BENCH_ALL_GPU=0 BENCH_TIME_S=570 TESTS_TIME_S=110 SERVED_TESTS=tests/engine/test_gpu_kernels.py \
-#       scripts/bench_device.sh build served_tests calibrate fit_probe prompt_kernels engine engine_uniform \
-#       engine_q4 engine_q8 placements
+#       scripts/bench_device.sh build served_tests calibrate fit_probe prompt_kernels dense_kernels engine \
+#       engine_uniform engine_q4 engine_q8 placements
 # and the engine's other CUDA tests in a second call: OUT=$OUT scripts/bench_device.sh tests  (carry .whl_engine)
 # To skip stage calibrate (~90 s), carry a profile from an earlier call (e.g. .dev/h200.json, ignored)
 # and copy it to $OUT/h200.json first: the side-by-side stages predict with $OUT/h200.json when present.
@@ -201,6 +202,11 @@ stage_prompt_kernels() {  # the grouped prompt kernels' tests on CUDA and their 
     WORKBENCH_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefill_kernels.py \
         >>"$OUT/device.log" 2>&1; log "prompt kernel tests rc $?"  # in the log: few files come back per call
     timeout 120 python3 scripts/time_prompt_kernels.py 2>&1 | tail -4 | tee -a "$OUT/device.log"
+}
+stage_dense_kernels() {  # dense weights kept in GGUF blocks: their tests on CUDA and their timing at S1 shapes
+    WORKBENCH_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_packed.py \
+        >>"$OUT/device.log" 2>&1; log "dense kernel tests rc $?"
+    timeout 150 python3 scripts/time_dense_kernels.py 2>&1 | tee -a "$OUT/device.log"
 }
 stage_fit_probe() {  # calibration's engine fit three times in fresh processes (needs $OUT/h200.json: stage calibrate first)
     for i in 1 2 3; do python3 scripts/probe_engine_fit.py fresh "$OUT/h200.json" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"; done

@@ -321,3 +321,30 @@ def test_fp8_block_scaled_checkpoint_matches_transformers_dequantization(tiny_mo
     engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
     check(engine, ref)
     engine.close()
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3", "qwen2_moe"])
+def test_dense_weights_kept_in_blocks_compute_what_their_dequantized_copies_compute(model_type, tiny_gguf,
+                                                                                      monkeypatch):
+    """Q8_0 attention (Mixtral's permuted Q/K rows, DeepSeek's MLA projections, Qwen2's q/k/v biases),
+    shared experts, embeddings and head kept in their blocks give the logits and greedy tokens of
+    the same file dequantized at load."""
+    sizes = dict(QUANT_SIZES, decoder_sparse_step=1, shared_expert_intermediate_size=32) \
+        if model_type == "qwen2_moe" else QUANT_SIZES
+    inv = open_inventory(tiny_gguf(model_type, "Q8_0", **sizes))
+    monkeypatch.setattr(model, "FUSE_QKV", True)
+    runs = {}
+    for keep in ("1", "0"):
+        monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", keep)
+        engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=torch.float32, max_context=64)
+        w = engine.layers[0].attn.w
+        assert isinstance(w["o"], packed.Packed) == (keep == "1")
+        if model_type == "qwen2_moe":
+            shared = engine.layers[0].ffn.shared
+            assert isinstance(shared.gate, packed.Packed) == (keep == "1")
+        runs[keep] = (engine.forward(torch.tensor(PROMPT), 0), greedy_tokens(engine, PROMPT, 8),
+                      engine.memory_report()["gpu:0"])
+        engine.close()
+    assert rel_err(runs["1"][0], runs["0"][0]) < 1e-5
+    assert runs["1"][1] == runs["0"][1]
+    assert runs["1"][2] < runs["0"][2]
