@@ -258,11 +258,13 @@ if triton is not None:
 
     _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-    def _configs(options: list[tuple[int, int, int]]) -> list:
-        """Autotuning candidates ``(BLOCK_N, BLOCK_K, num_warps)``: Triton times them on the GPU at
-        the first call per shape (the decode step's eager warm-up, before graph capture) and keeps
-        the fastest; under the interpreter only the first. Few: each is compiled once per machine."""
-        return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in options[:1 if _INTERPRETED else None]]
+    def _configs(options: list[tuple]) -> list:
+        """Autotuning candidates ``(BLOCK_N, BLOCK_K, num_warps[, other constexprs])``: Triton times
+        them on the GPU at the first call per shape (the decode step's eager warm-up, before graph
+        capture) and keeps the fastest; under the interpreter only the first. Few: each is compiled
+        once per machine."""
+        return [triton.Config({"BLOCK_N": o[0], "BLOCK_K": o[1], **(o[3] if len(o) > 3 else {})}, num_warps=o[2])
+                for o in options[:1 if _INTERPRETED else None]]
 
     @triton.autotune(configs=_configs([(16, 256, 4), (8, 256, 4), (32, 256, 4), (16, 512, 4), (32, 128, 8)]),
                      key=["N", "K", "FMT"])
@@ -282,26 +284,43 @@ if triton is not None:
         acc = _row_dots(w_ptr + at, d_ptr + at // 32, x_ptr, K, rm, FMT, False, BLOCK_N, BLOCK_K)
         tl.store(out_ptr + pair * N + offs_n, acc, mask=offs_n < N)
 
-    @triton.autotune(configs=_configs([(8, 256, 4), (4, 256, 4), (16, 256, 4), (8, 512, 4), (16, 128, 8)]),
+    @triton.jit
+    def _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, pair, offs_n, N, FFN: tl.constexpr,
+                   stride_e, stride_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr):
+        """Pair ``pair``'s weighted down projection at outputs ``offs_n`` ``[BLOCK_N]`` float32 (0 and
+        nothing read when the pair is inactive)."""
+        row = tl.load(rowmap_ptr + tl.load(ids_ptr + pair))
+        s = tl.load(scale_ptr + pair).to(tl.float32)
+        active = (row >= 0) & (s != 0)
+        row = tl.maximum(row, 0)
+        rm = offs_n < tl.where(active, N, 0)  # an inactive pair loads no weights
+        at = row * stride_e + offs_n * stride_n
+        part = _row_dots(w_ptr + at, d_ptr + at // 32, h_ptr + pair * 2 * FFN, FFN, rm, FMT, True, BLOCK_N, BLOCK_K)
+        return tl.where(active, part * s, 0.0)
+
+    @triton.autotune(configs=_configs([(8, 256, 4, {"UNROLL": True}), (8, 256, 4, {"UNROLL": False}),
+                                       (4, 256, 4, {"UNROLL": False}), (16, 256, 4, {"UNROLL": False}),
+                                       (8, 512, 4, {"UNROLL": False}), (16, 128, 8, {"UNROLL": False}),
+                                       (4, 256, 4, {"UNROLL": True}), (16, 256, 8, {"UNROLL": True})]),
                      key=["N", "FFN", "K", "FMT"])
     @triton.jit
     def _down_sum_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, FFN: tl.constexpr, stride_e,
-                         stride_n,
-                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr):
+                         stride_n, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
+                         UNROLL: tl.constexpr):
         """out[n] = sum_j scale[j] * w[row_j, n, :] . (silu(h[j, :FFN]) * h[j, FFN:]), in out's dtype:
-        the pairs are summed here, so no reduction or cast follows."""
+        the pairs are summed here, so no reduction or cast follows. ``UNROLL``: the loop over the
+        ``K`` pairs unrolled, so that every pair's loads can be in flight at once (the autotuner
+        keeps it where that is faster: few programs, ``N / BLOCK_N``, each read ``K`` rows)."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for pair in range(K):
-            row = tl.load(rowmap_ptr + tl.load(ids_ptr + pair))
-            s = tl.load(scale_ptr + pair).to(tl.float32)
-            active = (row >= 0) & (s != 0)
-            row = tl.maximum(row, 0)
-            rm = offs_n < tl.where(active, N, 0)  # an inactive pair loads no weights
-            at = row * stride_e + offs_n * stride_n
-            part = _row_dots(w_ptr + at, d_ptr + at // 32, h_ptr + pair * 2 * FFN, FFN, rm, FMT, True,
-                             BLOCK_N, BLOCK_K)
-            acc += tl.where(active, part * s, 0.0)
+        if UNROLL:
+            for pair in tl.static_range(K):
+                acc += _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, pair, offs_n, N, FFN,
+                                  stride_e, stride_n, BLOCK_N, BLOCK_K, FMT)
+        else:
+            for pair in range(K):
+                acc += _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, pair, offs_n, N, FFN,
+                                  stride_e, stride_n, BLOCK_N, BLOCK_K, FMT)
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
     @triton.jit
