@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from tests.engine.engine_helpers import TEST_DEVICE as DEV
+from tests.engine.engine_helpers import force_kernel_form
 from workbench.engine import gpu_kernels, packed
 from workbench.engine.packed import Packed
 
@@ -47,7 +48,9 @@ def close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
 @needs_kernels
 @pytest.mark.parametrize("fmt,n,k", [("q8_0", 40, 96), ("q4_k", 37, 512), ("q6_k", 24, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_token_kernel_reads_the_blocks_in_place(fmt, n, k, dtype):
+@pytest.mark.parametrize("form", ["tile", "blocks"])
+def test_one_token_kernel_reads_the_blocks_in_place(fmt, n, k, dtype, form, monkeypatch):
+    force_kernel_form(monkeypatch, form)
     w, ref = kept(fmt, n, k, seed=n + k)
     w.dtype = dtype
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(DEV, dtype)

@@ -205,14 +205,26 @@ if triton is not None:
 
     @triton.jit
     def _row_dots(w_rows, d_rows, x_ptr, K, rm, FMT: tl.constexpr, SWIGLU: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr):
         """Dot products ``[BLOCK_N]`` float32 of whole weight rows with ``K`` inputs (``_inputs``).
         ``w_rows [BLOCK_N]``: pointers to each row's start; ``FMT`` 0: float values; 1: Q8_0 int8
         values with ``d_rows`` pointing at each row's float16 scales (one per 32 inputs); 2 / 3: the
         row's raw Q4_K / Q6_K super-blocks, read a super-block at a time (scales once per sub-block,
-        not per value). Rows where ``rm`` is False give 0 and read nothing."""
+        not per value). Rows where ``rm`` is False give 0 and read nothing.
+
+        ``TILE`` (blocks only; ``K`` a compile-time constant, ``BLOCK_K`` dividing 256): the row
+        decoded ``BLOCK_K`` values at a time (``_block_tile``), products summed elementwise into a
+        ``[BLOCK_N, BLOCK_K]`` accumulator and reduced across threads once per row, not once or
+        twice per block: the autotuner keeps whichever form is faster on the GPU at hand."""
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        if FMT == 2 or FMT == 3:
+        if TILE and FMT != 0:
+            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every tile's loads in flight at once
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                x = _inputs(x_ptr, offs_k, K, offs_k < K, SWIGLU)
+                acc2 += _block_tile(w_rows, d_rows, k0, rm, K, FMT, BLOCK_N, BLOCK_K) * x[None, :]
+            acc = tl.sum(acc2, axis=1)
+        elif FMT == 2 or FMT == 3:
             size: tl.constexpr = 144 if FMT == 2 else 210
             for s in tl.static_range(0, K // 256):  # unrolled: every super-block's loads in flight at once
                 if FMT == 2:
@@ -266,11 +278,17 @@ if triton is not None:
         return [triton.Config({"BLOCK_N": o[0], "BLOCK_K": o[1], **(o[3] if len(o) > 3 else {})}, num_warps=o[2])
                 for o in options[:1 if _INTERPRETED else None]]
 
-    @triton.autotune(configs=_configs([(16, 256, 4), (8, 256, 4), (32, 256, 4), (16, 512, 4), (32, 128, 8)]),
+    _NO_TILE = {"TILE": False}
+    _TILE = {"TILE": True}
+
+    @triton.autotune(configs=_configs([(16, 256, 4, _TILE), (16, 256, 4, _NO_TILE), (8, 256, 4, _NO_TILE),
+                                       (32, 256, 4, _NO_TILE), (16, 512, 4, _NO_TILE), (32, 128, 8, _NO_TILE),
+                                       (8, 256, 4, _TILE), (32, 128, 4, _TILE)]),
                      key=["N", "K", "FMT"])
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, K: tl.constexpr, stride_e,
-                        stride_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr):
+                        stride_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
+                        TILE: tl.constexpr):
         """out[j, n] = w[rowmap[ids[j]], n, :] . x  (float32), zero where the pair is inactive. ``FMT``
         1: ``w`` int8 and ``d_ptr`` its float16 scales, one per 32 values along K (GGUF Q8_0); 2:
         ``w`` the rows' raw GGUF Q4_K bytes (``stride_n`` bytes a row); 3: raw GGUF Q6_K bytes."""
@@ -281,12 +299,13 @@ if triton is not None:
         row = tl.maximum(row, 0)
         rm = offs_n < tl.where(active, N, 0)  # an inactive pair loads no weights
         at = row * stride_e + offs_n * stride_n
-        acc = _row_dots(w_ptr + at, d_ptr + at // 32, x_ptr, K, rm, FMT, False, BLOCK_N, BLOCK_K)
+        acc = _row_dots(w_ptr + at, d_ptr + at // 32, x_ptr, K, rm, FMT, False, BLOCK_N, BLOCK_K, TILE)
         tl.store(out_ptr + pair * N + offs_n, acc, mask=offs_n < N)
 
     @triton.jit
     def _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, pair, offs_n, N, FFN: tl.constexpr,
-                   stride_e, stride_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr):
+                   stride_e, stride_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
+                   TILE: tl.constexpr):
         """Pair ``pair``'s weighted down projection at outputs ``offs_n`` ``[BLOCK_N]`` float32 (0 and
         nothing read when the pair is inactive)."""
         row = tl.load(rowmap_ptr + tl.load(ids_ptr + pair))
@@ -295,18 +314,24 @@ if triton is not None:
         row = tl.maximum(row, 0)
         rm = offs_n < tl.where(active, N, 0)  # an inactive pair loads no weights
         at = row * stride_e + offs_n * stride_n
-        part = _row_dots(w_ptr + at, d_ptr + at // 32, h_ptr + pair * 2 * FFN, FFN, rm, FMT, True, BLOCK_N, BLOCK_K)
+        part = _row_dots(w_ptr + at, d_ptr + at // 32, h_ptr + pair * 2 * FFN, FFN, rm, FMT, True, BLOCK_N, BLOCK_K,
+                         TILE)
         return tl.where(active, part * s, 0.0)
 
-    @triton.autotune(configs=_configs([(8, 256, 4, {"UNROLL": True}), (8, 256, 4, {"UNROLL": False}),
-                                       (4, 256, 4, {"UNROLL": False}), (16, 256, 4, {"UNROLL": False}),
-                                       (8, 512, 4, {"UNROLL": False}), (16, 128, 8, {"UNROLL": False}),
-                                       (4, 256, 4, {"UNROLL": True}), (16, 256, 8, {"UNROLL": True})]),
+    @triton.autotune(configs=_configs([(8, 256, 4, {"UNROLL": True, **_TILE}), (8, 256, 4, {"UNROLL": False, **_NO_TILE}),
+                                       (4, 256, 4, {"UNROLL": False, **_NO_TILE}),
+                                       (16, 256, 4, {"UNROLL": False, **_NO_TILE}),
+                                       (8, 512, 4, {"UNROLL": False, **_NO_TILE}),
+                                       (16, 128, 8, {"UNROLL": False, **_NO_TILE}),
+                                       (4, 256, 4, {"UNROLL": True, **_NO_TILE}),
+                                       (16, 256, 8, {"UNROLL": True, **_NO_TILE}),
+                                       (8, 256, 4, {"UNROLL": False, **_TILE}),
+                                       (16, 128, 4, {"UNROLL": True, **_TILE})]),
                      key=["N", "FFN", "K", "FMT"])
     @triton.jit
     def _down_sum_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, FFN: tl.constexpr, stride_e,
                          stride_n, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
-                         UNROLL: tl.constexpr):
+                         UNROLL: tl.constexpr, TILE: tl.constexpr):
         """out[n] = sum_j scale[j] * w[row_j, n, :] . (silu(h[j, :FFN]) * h[j, FFN:]), in out's dtype:
         the pairs are summed here, so no reduction or cast follows. ``UNROLL``: the loop over the
         ``K`` pairs unrolled, so that every pair's loads can be in flight at once (the autotuner
@@ -316,11 +341,11 @@ if triton is not None:
         if UNROLL:
             for pair in tl.static_range(K):
                 acc += _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, pair, offs_n, N, FFN,
-                                  stride_e, stride_n, BLOCK_N, BLOCK_K, FMT)
+                                  stride_e, stride_n, BLOCK_N, BLOCK_K, FMT, TILE)
         else:
             for pair in range(K):
                 acc += _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, pair, offs_n, N, FFN,
-                                  stride_e, stride_n, BLOCK_N, BLOCK_K, FMT)
+                                  stride_e, stride_n, BLOCK_N, BLOCK_K, FMT, TILE)
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
     @triton.jit

@@ -34,18 +34,21 @@ if triton is not None:
     _row_dots = gpu_kernels._row_dots
     _block_tile = gpu_kernels._block_tile
 
-    @triton.autotune(configs=gpu_kernels._configs([(16, 256, 4), (32, 256, 4), (8, 256, 4), (64, 256, 8),
-                                                   (32, 128, 4)]), key=["N", "K", "FMT"])
+    _T, _NT = {"TILE": True}, {"TILE": False}
+
+    @triton.autotune(configs=gpu_kernels._configs([(16, 256, 4, _T), (16, 256, 4, _NT), (32, 256, 4, _NT),
+                                                   (8, 256, 4, _NT), (64, 256, 8, _NT), (32, 128, 4, _NT),
+                                                   (8, 256, 4, _T), (32, 128, 4, _T)]), key=["N", "K", "FMT"])
     @triton.jit
     def _matvec_kernel(x_ptr, w_ptr, d_ptr, out_ptr, N, K: tl.constexpr, stride_n, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, FMT: tl.constexpr):
+                       BLOCK_K: tl.constexpr, FMT: tl.constexpr, TILE: tl.constexpr):
         """``out[n] = w[n, :] . x`` for rows ``n`` of block ``pid(0)``, summed in float32 and stored in
         out's dtype. ``FMT`` 1: ``w`` int8 [N, K] with float16 scales at ``d_ptr`` [N, K/32]; 2 / 3:
         raw Q4_K / Q6_K rows of ``stride_n`` bytes."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = offs_n < N
         at = offs_n.to(tl.int64) * stride_n
-        acc = _row_dots(w_ptr + at, d_ptr + at // 32, x_ptr, K, rm, FMT, False, BLOCK_N, BLOCK_K)
+        acc = _row_dots(w_ptr + at, d_ptr + at // 32, x_ptr, K, rm, FMT, False, BLOCK_N, BLOCK_K, TILE)
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=rm)
 
     @triton.jit
