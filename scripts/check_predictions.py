@@ -5,7 +5,8 @@ hardware profile, against the decode tokens/s that run measured.
 `bench run --save-placements DIR` saves each run's placement with the routing counts its planner saw
 (`bench_device.sh` stage `placements` brings them back as one archive). This re-predicts them
 offline, e.g. after the cost model changed, on a local copy of the benchmark file (same shape:
-`workbench bench write`; the routing statistics come from the saved projects):
+`workbench bench write --sparse` writes one without its weights' disk space; the routing
+statistics come from the saved projects):
 
     python scripts/check_predictions.py --model /tmp/s1.gguf --profile h200.json \\
         --bench engine_s1_skew.json --placements placements/engine_s1_skew [--ctx 576 --prompt 512]

@@ -133,3 +133,16 @@ def test_other_architectures_write(tmp_path):
         t = _tensors(info.path)
         assert "blk.0.ffn_gate_exps.weight" in t
         assert ("blk.0.ffn_up_shexp.weight" in t) == (arch == "qwen2moe")
+
+
+def test_sparse_file_has_the_same_header_and_routers_and_no_weights(tmp_path):
+    """``sparse``: the same tensors at the same offsets and the same routers, the tiled weights zeros
+    (holes): what the offline predictions read, without the disk space."""
+    full = synth.write_gguf(tmp_path / "full.gguf", TINY, wtype="q4_k")
+    hole = synth.write_gguf(tmp_path / "hole.gguf", TINY, wtype="q4_k", sparse=True)
+    assert hole.nbytes == full.nbytes == hole.path.stat().st_size
+    a, b = _tensors(full.path), _tensors(hole.path)
+    assert {n: (t.data_offset, t.n_bytes) for n, t in a.items()} == {n: (t.data_offset, t.n_bytes) for n, t in b.items()}
+    assert np.array_equal(a["blk.1.ffn_gate_inp.weight"].data, b["blk.1.ffn_gate_inp.weight"].data)
+    assert not np.asarray(b["blk.1.ffn_up_exps.weight"].data).any()
+    assert np.asarray(a["blk.1.ffn_up_exps.weight"].data).any()

@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--uniform", action="store_true", help="uniform routing (no skew)")
     w.add_argument("--weights", default="bf16", choices=synth.WEIGHT_TYPES, help="weight format (bf16)")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--sparse", action="store_true",
+                   help="leave the weights as holes (zeros, no disk space): for offline memory estimates and "
+                        "predictions (scripts/check_predictions.py), not for running")
 
     r = sub.add_parser("reskew", help="give a synthetic file new router weights in place")
     r.add_argument("path")
@@ -149,7 +152,7 @@ def _write(args) -> int:
     s = synth.shape(args.shape, args.layers)
     cov = None if args.uniform else _coverage(args.coverage)
     info = synth.write_gguf(args.output, s, coverage_target=cov,
-                            wtype=args.weights, seed=args.seed)
+                            wtype=args.weights, seed=args.seed, sparse=args.sparse)
     skew = "uniform" if info.coverage_target is None else f"top 10% experts serve {info.design_coverage:.0%}"
     print(f"wrote {info.path}: {s.name}, {s.n_layers} layers, {info.wtype}, {bytes2human(info.nbytes)} "
           f"in {info.seconds:.1f} s; routing by design: {skew}")

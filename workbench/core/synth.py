@@ -408,12 +408,15 @@ def _add_metadata(w, s: SynthShape, wtype: str, coverage_target, seed: int) -> N
 
 
 def write_gguf(path: str | Path, s: SynthShape, *, coverage_target: float | list | None = 0.5,
-               wtype: str = "bf16", seed: int = 0) -> SynthInfo:
+               wtype: str = "bf16", seed: int = 0, sparse: bool = False) -> SynthInfo:
     """Write a synthetic model to ``path`` (GGUF, llama.cpp names) and return what was written.
 
     ``coverage_target``: share of each layer's selections served by its top 10% experts (0.5 for
     S1), a list of one per layer, or None for uniform routing. ``wtype``: format of the 2-D weights (the token embedding stays
     bf16, norms and routers f32). RAM use stays under ~0.5 GB whatever the model size.
+    ``sparse``: the tiled weights are left as holes in the file (zeros, no disk space): the header,
+    embeddings, norms and routers are real, so memory estimates and predictions (which read the
+    header only) work offline on a machine without room for the weights; not for running.
     """
     from gguf import GGUFWriter
 
@@ -433,7 +436,9 @@ def write_gguf(path: str | Path, s: SynthShape, *, coverage_target: float | list
     align = w.data_alignment
     for t in tensors:
         f.write(b"\0" * (-f.tell() % align))
-        if t.kind == "tile":
+        if t.kind == "tile" and sparse:
+            f.seek(t.nbytes, 1)
+        elif t.kind == "tile":
             tiles.write(f, t)
         elif t.kind == "embed":
             step, noise = max(1, _CHUNK // (4 * s.hidden)), _embed_noise(seed)
@@ -447,6 +452,7 @@ def write_gguf(path: str | Path, s: SynthShape, *, coverage_target: float | list
         else:
             f.write((np.random.default_rng([seed, 17]).standard_normal(t.shape) * t.std).astype(np.float32).tobytes())
         f.write(b"\0" * (-t.nbytes % align))
+    f.truncate()  # a hole at the end still counts in the file's length
     w.close()
     info = SynthInfo(path, s, wtype, coverage_target, [float(b) for b in betas], path.stat().st_size,
                      time.perf_counter() - t0)
