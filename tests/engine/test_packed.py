@@ -103,3 +103,17 @@ def test_embedding_rows_and_fused_rows(fmt):
     assert packed.nbytes(fused) == packed.nbytes(w) + packed.nbytes(other)
     with pytest.raises(ValueError, match="cannot keep"):
         Packed("q4_k", w.parts, 100)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt,k", [("q8_0", 64), ("q4_k", 256)])
+def test_stacks_dequantized_by_the_kernel_are_the_pytorch_decoders(fmt, k):
+    """Stacked kept experts ``[E, N, bytes]`` (the bus's staging, the rows a prompt gathers): one
+    kernel over all rows gives PyTorch's decoding, in float32."""
+    from workbench.engine import blocks
+
+    w, _ = kept(fmt, 3 * 10, k, seed=11)
+    parts = [p.reshape(3, 10, -1) for p in w.parts]
+    out = packed.dequantize_blocks(fmt, parts, k, torch.float32, kernel=True)
+    assert out.shape == (3, 10, k)
+    assert torch.allclose(out, blocks.dequantize(fmt, parts, k, torch.float32), rtol=1e-6, atol=1e-8)

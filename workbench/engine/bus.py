@@ -39,7 +39,7 @@ from workbench.core.costmodel import BUS_SHARE as DEFAULT_FRACTION
 from workbench.core.costmodel import BUS_SLOTS as SLOTS
 from workbench.core.costmodel import PREFILL_FETCH_TOKENS
 
-from . import blocks
+from .packed import dequantize_blocks
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +179,8 @@ class BusShare:
         for buf, t in zip(staging, src):
             buf.copy_(t[row], non_blocking=True)
         (f13, f2), n, k13, k2 = kept
-        self.w13[slot].copy_(blocks.dequantize(f13, staging[:n], k13, self.w13.dtype))
-        self.w2[slot].copy_(blocks.dequantize(f2, staging[n:], k2, self.w2.dtype))
+        self.w13[slot].copy_(dequantize_blocks(f13, staging[:n], k13, self.w13.dtype))
+        self.w2[slot].copy_(dequantize_blocks(f2, staging[n:], k2, self.w2.dtype))
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: np.ndarray,
             rows: np.ndarray, src: list[torch.Tensor], kept: tuple | None = None) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from workbench.core.costmodel import FUSED_PROMPT_TOKENS, prefill_fetch
 
 from . import blocks, cpu_kernel, gpu_kernels, prefill_kernels
+from .packed import dequantize_blocks
 
 RESIDENT, COMPUTE, STREAM = 0, 1, 2
 TIER_NAMES = ("resident", "compute", "stream")
@@ -230,8 +231,8 @@ class LayerExperts:
         elif rows is not None:
             parts = blocks.take(parts, torch.as_tensor(np.asarray(rows, dtype=np.int64), device=parts[0].device))
         n = self.n13
-        return (blocks.dequantize(self.kept[0], parts[:n], self.k13, self.dtype),
-                blocks.dequantize(self.kept[1], parts[n:], self.k2, self.dtype))
+        return (dequantize_blocks(self.kept[0], parts[:n], self.k13, self.dtype),
+                dequantize_blocks(self.kept[1], parts[n:], self.k2, self.dtype))
 
     def kept_layout(self) -> tuple | None:
         """``(formats, tensors of w13, K of w13, K of w2)`` of the CPU tier's kept blocks, or None."""

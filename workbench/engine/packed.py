@@ -102,18 +102,13 @@ class Packed:
     def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows ``start .. stop - 1`` as ``[rows, K]`` in ``dtype`` (float32 arithmetic)."""
         part = self if (start, stop) == (0, None) else self.rows(start, self.shape[0] if stop is None else stop)
-        if part.device.type == "cuda" and gpu_kernels.available():
-            try:
-                return part._dequantize_kernel()
-            except Exception as exc:  # a Triton build or launch failure: the PyTorch decoder instead
-                if not gpu_kernels.failed_here(exc):
-                    raise
-                gpu_kernels.disable(f"{type(exc).__name__}: {exc}")
-        return blocks.dequantize(part.fmt, part.parts, part.k, part.dtype)
+        return dequantize_blocks(part.fmt, part.parts, part.k, part.dtype)
 
-    def _dequantize_kernel(self) -> torch.Tensor:
+    def _dequantize_kernel(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows dequantized by one Triton kernel, into ``out [N, K]`` (contiguous) when given."""
         n, k = self.shape
-        out = torch.empty((n, k), dtype=self.dtype, device=self.device)
+        if out is None:
+            out = torch.empty((n, k), dtype=self.dtype, device=self.device)
         w = self.parts[0]
         bn, bk = 32, 256
         _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
@@ -129,6 +124,25 @@ class Packed:
         _matvec_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
             x.contiguous(), w, self.parts[-1], out, n, self.k, w.stride(0), FMT=_FMT[self.fmt])
         return out
+
+
+def dequantize_blocks(fmt: str, parts: list[torch.Tensor], k: int, dtype: torch.dtype,
+                      kernel: bool | None = None) -> torch.Tensor:
+    """``blocks.dequantize``: kept matrices ``[..., N, K]`` as ``dtype`` (float32 arithmetic). On CUDA
+    (``kernel=None``; ``True`` also under Triton's interpreter) one Triton kernel decodes all the
+    rows a block at a time instead of a dozen PyTorch ops with int32 temporaries; if it fails to
+    build, the kernels are turned off and PyTorch decodes."""
+    use = (parts[0].is_cuda if kernel is None else kernel) and gpu_kernels.available()
+    if use:
+        lead = parts[0].shape[:-1]
+        flat = Packed(fmt, [p.reshape(-1, p.shape[-1]).contiguous() for p in parts], k, dtype)
+        try:
+            return flat._dequantize_kernel().reshape(*lead, k)
+        except Exception as exc:  # a Triton build or launch failure: the PyTorch decoder instead
+            if not gpu_kernels.failed_here(exc):
+                raise
+            gpu_kernels.disable(f"{type(exc).__name__}: {exc}")
+    return blocks.dequantize(fmt, parts, k, dtype)
 
 
 class Group:
