@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -368,7 +369,10 @@ def _q4_k_blocks(n: int, k: int, gen: torch.Generator, fmt: str = "q4_k") -> tup
     (256, 256, [0, 2, 2], "q4_k", "q4_k"), (2048, 768, [3, 1, 0, 2], "q4_k", "q4_k"), (512, 256, [1], "q4_k", "q4_k"),
     (256, 256, [0, 3], "q4_k", "q6_k"), (512, 256, [2, 1], "q6_k", "q6_k"),  # Q4_K_M: some down matrices in Q6_K
 ])
-def test_q4_k_matches_ggufs_dequantization(kernel, H, ffn, rows, fmt13, fmt2):
+@pytest.mark.parametrize("x_type", ["bf16", "f32 bf16-exact", "f32"])
+def test_q4_k_matches_ggufs_dequantization(kernel, H, ffn, rows, fmt13, fmt2, x_type):
+    """Inputs a bfloat16 holds exactly (as bf16, or as the f32 the decode server's packet carries)
+    take the bf16 dot products on CPUs with AVX512-BF16, other f32 inputs the f32 ones: both match."""
     gen = torch.Generator().manual_seed(H + ffn)
     E = 4
     b13, r13 = _q4_k_blocks(E * 2 * ffn, H, gen, fmt13)
@@ -376,6 +380,8 @@ def test_q4_k_matches_ggufs_dequantization(kernel, H, ffn, rows, fmt13, fmt2):
     b13, r13 = b13.reshape(E, 2 * ffn, -1), r13.reshape(E, 2 * ffn, H)
     b2, r2 = b2.reshape(E, H, -1), r2.reshape(E, H, ffn)
     x = torch.randn(H, generator=gen).to(torch.bfloat16)
+    if x_type != "bf16":
+        x = x.float() if x_type == "f32 bf16-exact" else x.float() + torch.randn(H, generator=gen) * 1e-4
     weights = torch.rand(len(rows), generator=gen) + 0.5
     y = kernel.moe_decode_q4k(x, b13, b2, torch.tensor(rows), weights, fmt13, fmt2)
     ref = torch.zeros(H, dtype=torch.float64)
@@ -391,3 +397,26 @@ def test_q4_k_bad_input_is_refused(kernel):
         kernel.moe_decode_q4k(torch.ones(256), b13, b2, torch.tensor([2]), torch.ones(1))
     with pytest.raises(RuntimeError, match="H a multiple of 256"):
         kernel.moe_decode_q4k(torch.ones(128), b13, b2, torch.tensor([0]), torch.ones(1))
+
+
+def test_bf16_dots_can_be_turned_off_and_agree_with_the_f32_ones(kernel, tmp_path):
+    """``WORKBENCH_CPU_BF16_DOT=0`` keeps bf16 inputs on the f32 dot products; both give the same
+    sums up to their order (same products, f32 additions)."""
+    code = ("import sys, numpy as np, torch\n"
+            "from workbench.engine import cpu_kernel\n"
+            "g = torch.Generator().manual_seed(3)\n"
+            "b13 = torch.randint(0, 256, (3, 512, 1152), dtype=torch.uint8, generator=g)\n"
+            "b2 = torch.randint(0, 256, (3, 2048, 144), dtype=torch.uint8, generator=g)\n"
+            "for b in (b13, b2):\n"  # small positive float16 scales d, dmin
+            "    v = b.view(-1, 144)\n"
+            "    v[:, :4] = torch.from_numpy(np.full((v.shape[0], 2), 1e-3, np.float16).view(np.uint8))\n"
+            "x = torch.randn(2, 2048, generator=g).to(torch.bfloat16)\n"
+            "y = cpu_kernel.moe_decode_q4k(x, b13, b2, torch.tensor([0, 2, 1]), torch.tensor([0.5, 0.3, 0.2]),\n"
+            "                              tokens=torch.tensor([0, 0, 1]))\n"
+            f"np.save({str(tmp_path)!r} + '/y' + sys.argv[-1] + '.npy', y.numpy())\n")
+    for name, env in (("on", {}), ("off", {"WORKBENCH_CPU_BF16_DOT": "0"})):
+        proc = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, **env})
+        assert proc.returncode == 0, proc.stderr
+    on, off = np.load(tmp_path / "yon.npy"), np.load(tmp_path / "yoff.npy")
+    assert np.abs(on - off).max() <= 1e-5 * np.abs(off).max()

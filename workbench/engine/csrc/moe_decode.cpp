@@ -30,6 +30,7 @@
 #include <immintrin.h>
 #endif
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -241,6 +242,76 @@ inline float dot_q4k(const uint8_t* row, const float* x, const float* xsum, int6
   return hsum(acc) - mins;
 }
 
+// Q4_K's 6-bit scale and minimum of sub-block j (0..7) of the 12 scale bytes sc.
+inline void q4k_scale_min(const uint8_t* sc, int64_t j, int& s, int& m) {
+  if (j < 4) {
+    s = sc[j] & 63, m = sc[j + 4] & 63;
+  } else {
+    s = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The Q4_K dot for inputs that bfloat16 holds exactly (a bf16 model's hidden state: the GPU sends
+// it as f32, every value's low 16 bits zero), given as their bf16 bits xb[K]. A 4-bit value is a
+// small integer, exact in bf16 too, so VDPBF16PS multiplies the same numbers the f32 path does and
+// adds the exact products in f32: the result differs from dot_q4k only in the order of the sums.
+// 64 values a step: one 32-byte load, one widening, two table lookups and two dot instructions,
+// where the f32 path widens every value twice and converts it.
+inline float dot_q4k_bf16(const uint8_t* row, const uint16_t* xb, const float* xsum, int64_t K) {
+  alignas(64) static constexpr uint16_t tab[32] = {  // bf16 bits of 0..15 (twice: 16..31 never indexed)
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  const __m512i table = _mm512_load_si512(reinterpret_cast<const void*>(tab));
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  __m512 acc = _mm512_setzero_ps();
+  float mins = 0.f;
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* b = row + 144 * sb;
+    const float d = half_to_float(reinterpret_cast<const Half*>(b));
+    const float dmin = half_to_float(reinterpret_cast<const Half*>(b + 2));
+    const uint8_t* sc = b + 4;
+    const uint8_t* qs = b + 16;
+    const uint16_t* xc = xb + 256 * sb;
+    const float* xs = xsum + 8 * sb;
+    for (int64_t c = 0; c < 4; ++c) {
+      int s0, m0, s1, m1;
+      q4k_scale_min(sc, 2 * c, s0, m0);
+      q4k_scale_min(sc, 2 * c + 1, s1, m1);
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c)));
+      const __m512bh qlo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(w, low4), table);
+      const __m512bh qhi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+      const __m512bh xlo = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xc + 64 * c));
+      const __m512bh xhi = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xc + 64 * c + 32));
+      const __m512 low = _mm512_dpbf16_ps(_mm512_setzero_ps(), qlo, xlo);
+      const __m512 high = _mm512_dpbf16_ps(_mm512_setzero_ps(), qhi, xhi);
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(d * s0), low, acc);
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(d * s1), high, acc);
+      mins += dmin * (m0 * xs[2 * c] + m1 * xs[2 * c + 1]);
+    }
+  }
+  return _mm512_reduce_add_ps(acc) - mins;
+}
+constexpr bool HAS_BF16_DOT = true;
+#else
+inline float dot_q4k_bf16(const uint8_t*, const uint16_t*, const float*, int64_t) { return 0.f; }
+constexpr bool HAS_BF16_DOT = false;
+#endif
+
+// Whether every value of x[0:n] is a bfloat16 (low 16 bits of its f32 zero); its bf16 bits into xb.
+inline bool as_bf16(const float* x, int64_t n, uint16_t* xb) {
+  uint32_t low = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof(bits));
+    low |= bits & 0xFFFFu;
+    xb[i] = static_cast<uint16_t>(bits >> 16);
+  }
+  return low == 0;
+}
+
 // GGUF Q6_K: super-blocks of 256 values, 210 bytes each: 128 bytes of low 4 bits, 64 bytes of high
 // 2 bits, 16 int8 scales (one per 16 values), float16 d. In each 128-value half, group g (32 values)
 // takes nibble g / 2 of low bytes (g % 2) * 32 + l and bits 2g of high byte l; value = d * sc * (q - 32).
@@ -302,6 +373,15 @@ inline int64_t kq_bytes(int64_t fmt) { return fmt == 0 ? 144 : 210; }
 
 inline float dot_kq(int64_t fmt, const uint8_t* row, const float* x, const float* xsum, int64_t K) {
   return fmt == 0 ? dot_q4k(row, x, xsum, K) : dot_q6k(row, x, xsum, K);
+}
+
+// WORKBENCH_CPU_BF16_DOT=0 keeps the f32 path for bf16 inputs too (read once).
+inline bool bf16_dots_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("WORKBENCH_CPU_BF16_DOT");
+    return !(v && v[0] == '0');
+  }();
+  return on;
 }
 
 inline void block_sums(const float* x, int64_t K, float* out) {  // out[K/32]
@@ -421,10 +501,19 @@ void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const ui
   const int64_t* tok = pr.tok.data();
   std::vector<float> xsum(static_cast<size_t>(T * (H / 32))), asum(static_cast<size_t>(n * (I / 32)));
   for (int64_t t = 0; t < T; ++t) block_sums(x + t * H, H, xsum.data() + t * (H / 32));
+  // Q4_K gate/up rows against bf16-exact inputs: the bf16 dot (same products, see dot_q4k_bf16)
+  std::vector<uint16_t> xb;
+  bool bf16 = HAS_BF16_DOT && f13 == 0 && bf16_dots_enabled();
+  if (bf16) {
+    xb.resize(static_cast<size_t>(T * H));
+    bf16 = as_bf16(x, T * H, xb.data());
+  }
   grouped_rows(
       pr, H, I, out,
       [&](int64_t g, int64_t r, int64_t p) {
-        return dot_kq(f13, b13 + (rows[g] * 2 * I + r) * row13, x + tok[p] * H, xsum.data() + tok[p] * (H / 32), H);
+        const uint8_t* row = b13 + (rows[g] * 2 * I + r) * row13;
+        const float* xs = xsum.data() + tok[p] * (H / 32);
+        return bf16 ? dot_q4k_bf16(row, xb.data() + tok[p] * H, xs, H) : dot_kq(f13, row, x + tok[p] * H, xs, H);
       },
       [&](int64_t g, int64_t o, int64_t p, const float* ap) {
         return dot_kq(f2, b2 + (rows[g] * H + o) * row2, ap, asum.data() + p * (I / 32), I);
