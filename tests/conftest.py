@@ -31,6 +31,10 @@ if importlib.util.find_spec("triton") is not None and os.environ.get("WORKBENCH_
     # interpreter, so their decode paths are checked against transformers here too. Set before any
     # module defines a kernel.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# One autotuning candidate per kernel (``gpu_kernels.ONE_CONFIG``): on CUDA every candidate would
+# compile for every shape the tests use; the tests that check the other forms pin them
+# (``engine_helpers.force_kernel_form``).
+os.environ.setdefault("WORKBENCH_AUTOTUNE", "0")
 
 
 def _key(model_type: str, overrides: dict) -> str:

@@ -269,14 +269,17 @@ if triton is not None:
         tl.store(norm_ptr + offs, (sf * inv * w).to(norm_ptr.dtype.element_ty), mask=m)
 
     _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+    ONE_CONFIG = _INTERPRETED or os.environ.get("WORKBENCH_AUTOTUNE", "1") == "0"
+    """Only each kernel's first autotuning candidate: under the interpreter, and with
+    ``WORKBENCH_AUTOTUNE=0`` (the CUDA test runs: every other candidate compiles per shape)."""
 
     def _configs(options: list[tuple]) -> list:
         """Autotuning candidates ``(BLOCK_N, BLOCK_K, num_warps[, other constexprs])``: Triton times
         them on the GPU at the first call per shape (the decode step's eager warm-up, before graph
-        capture) and keeps the fastest; under the interpreter only the first. Few: each is compiled
+        capture) and keeps the fastest; only the first with ``ONE_CONFIG``. Few: each is compiled
         once per machine."""
         return [triton.Config({"BLOCK_N": o[0], "BLOCK_K": o[1], **(o[3] if len(o) > 3 else {})}, num_warps=o[2])
-                for o in options[:1 if _INTERPRETED else None]]
+                for o in options[:1 if ONE_CONFIG else None]]
 
     _NO_TILE = {"TILE": False}
     _TILE = {"TILE": True}

@@ -35,14 +35,12 @@ triton = gpu_kernels.triton
 if triton is not None:
     import triton.language as tl
 
-    _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
     def _configs() -> list:
         """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` candidates, timed at the first call per shape
         (under the interpreter only the first)."""
         options = [(64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3)]
         return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-                for n, k, w, s in options[:1 if _INTERPRETED else None]]
+                for n, k, w, s in options[:1 if gpu_kernels.ONE_CONFIG else None]]
 
     _block_tile = gpu_kernels._block_tile
 
