@@ -183,3 +183,32 @@ def test_add_rms_norm_is_the_add_then_the_norm(dtype, H):
         assert bool(((s.float() - ref_s.float()).abs() <= ref_s.float().abs() * 2 ** -7 + 1e-30).all())
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert float((n.float() - ref_n.float()).abs().max()) <= tol * float(ref_n.float().abs().max())
+
+
+def test_a_newer_kernel_form_that_does_not_build_is_dropped_and_the_others_go_on():
+    """A form among the autotuning candidates that fails to build on some GPU (``TILE``, ``UNROLL``)
+    is dropped once; the forms that ran before stay, and a failure with none left to drop goes up."""
+    from triton import Config
+
+    from workbench.engine import packed
+
+    class Kernel:
+        configs = [Config({"BLOCK_N": 8, "TILE": True}), Config({"BLOCK_N": 8, "TILE": False, "UNROLL": False})]
+        cache = {"key": "a timed config"}
+
+    def fails_in_triton():
+        t = torch.zeros(64)
+        packed._dequant_kernel[(1, 1)](t, t, t, 1, 32, 32, BLOCK_N=3, BLOCK_K=96, FMT=1)  # 3: no power of two
+
+    def launch():
+        if any(c.kwargs.get("TILE") for c in Kernel.configs):
+            fails_in_triton()
+        return "ran"
+
+    assert gpu_kernels.run_dropping_new_forms([Kernel], launch) == "ran"
+    assert [c.kwargs["TILE"] for c in Kernel.configs] == [False] and Kernel.cache == {}
+    with pytest.raises(Exception) as info:
+        gpu_kernels.run_dropping_new_forms([Kernel], fails_in_triton)
+    assert gpu_kernels.failed_here(info.value)
+    with pytest.raises(ZeroDivisionError):  # not a kernel's failure: up at once, nothing dropped
+        gpu_kernels.run_dropping_new_forms([Kernel], lambda: 1 / 0)

@@ -117,3 +117,27 @@ def test_stacks_dequantized_by_the_kernel_are_the_pytorch_decoders(fmt, k):
     out = packed.dequantize_blocks(fmt, parts, k, torch.float32, kernel=True)
     assert out.shape == (3, 10, k)
     assert torch.allclose(out, blocks.dequantize(fmt, parts, k, torch.float32), rtol=1e-6, atol=1e-8)
+
+
+@needs_kernels
+def test_a_dense_kernel_that_fails_turns_only_itself_off(monkeypatch):
+    """The matrix-vector kernel failing to build: dequantized rows instead, the other Triton kernels
+    stay on."""
+    monkeypatch.setattr(packed, "_off", {})
+    monkeypatch.setattr(gpu_kernels, "_disabled", [])
+
+    class Broken:
+        configs: list = []
+        cache: dict = {}
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                packed._dequant_kernel[(1, 1)](*args[:3], 1, 32, 32, BLOCK_N=3, BLOCK_K=96, FMT=1)
+            return launch
+
+    monkeypatch.setattr(packed, "_matvec_kernel", Broken())
+    w, ref = kept("q8_0", 16, 64, seed=5)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(6)).to(DEV)
+    assert close(packed.linear(x, w), x.double() @ ref.T, 1e-5)
+    assert "matvec" in packed._off and gpu_kernels.available()
+    assert close(packed.linear(x, w), x.double() @ ref.T, 1e-5)  # and stays off without trying again

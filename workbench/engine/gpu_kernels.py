@@ -497,6 +497,32 @@ def qkv_rope_cache(qkv: torch.Tensor, norm: torch.Tensor | None, cos: torch.Tens
     return q
 
 
+_NEW_FORMS = ("TILE", "UNROLL")
+"""Autotuning constexprs of kernel forms not yet run on a GPU before (``run_dropping_new_forms``)."""
+
+
+def run_dropping_new_forms(kernels: list, launch):
+    """``launch()``; if it fails to build a Triton kernel while any of the autotuned ``kernels`` still
+    has candidates of the newer forms (``_NEW_FORMS`` set), those candidates are dropped (the forms
+    that ran on the GPU before remain) and ``launch()`` runs once more. A newer form that does not
+    build on some GPU then costs one warning, not the Triton kernels."""
+    try:
+        return launch()
+    except Exception as exc:
+        if not failed_here(exc):
+            raise
+        dropped = False
+        for k in kernels:
+            keep = [c for c in k.configs if not any(c.kwargs.get(f) for f in _NEW_FORMS)]
+            if keep and len(keep) < len(k.configs):
+                k.configs, k.cache, dropped = keep, {}, True
+        if not dropped:
+            raise
+        log.warning("a newer form of the one-token kernels did not build here; the others go on: %s",
+                    f"{type(exc).__name__}: {exc}"[:300])
+        return launch()
+
+
 def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, rowmap: torch.Tensor,
                       w13: torch.Tensor, w2: torch.Tensor, d13: torch.Tensor | None = None,
                       d2: torch.Tensor | None = None, fmt: tuple[str, str] | None = None) -> torch.Tensor:
@@ -521,13 +547,17 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
         code = {"q4_k": 2, "q6_k": 3}  # the kernels' FMT
         code13, code2 = code[fmt[0]], code[fmt[1]]
         i = w2.shape[2] // blocks.KQUANTS[fmt[1]] * 256
-    h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
-    _gate_up_kernel[lambda meta: (k, triton.cdiv(n13, meta["BLOCK_N"]))](
-        x, w13, d13 if q8 else w13, ids, rowmap, scale, h, n13, H, w13.stride(0), w13.stride(1), FMT=code13)
-    out = torch.empty((1, H), dtype=x.dtype, device=x.device)
-    _down_sum_kernel[lambda meta: (triton.cdiv(H, meta["BLOCK_N"]),)](
-        h, w2, d2 if q8 else w2, ids, rowmap, scale, out, H, i, w2.stride(0), w2.stride(1), K=k, FMT=code2)
-    return out
+
+    def launch():
+        h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
+        _gate_up_kernel[lambda meta: (k, triton.cdiv(n13, meta["BLOCK_N"]))](
+            x, w13, d13 if q8 else w13, ids, rowmap, scale, h, n13, H, w13.stride(0), w13.stride(1), FMT=code13)
+        out = torch.empty((1, H), dtype=x.dtype, device=x.device)
+        _down_sum_kernel[lambda meta: (triton.cdiv(H, meta["BLOCK_N"]),)](
+            h, w2, d2 if q8 else w2, ids, rowmap, scale, out, H, i, w2.stride(0), w2.stride(1), K=k, FMT=code2)
+        return out
+
+    return run_dropping_new_forms([_gate_up_kernel, _down_sum_kernel], launch)
 
 
 def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float

@@ -17,10 +17,14 @@ A plain tensor goes straight to ``F.linear`` / ``F.embedding``.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from . import blocks, gpu_kernels
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 * 2**20
 """Largest dequantized piece of a kept matrix a prompt step makes (bytes)."""
@@ -120,10 +124,25 @@ class Packed:
         interpreter). No host sync; capturable in a CUDA graph."""
         n = self.shape[0]
         w = self.parts[0]
-        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-        _matvec_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-            x.contiguous(), w, self.parts[-1], out, n, self.k, w.stride(0), FMT=_FMT[self.fmt])
-        return out
+
+        def launch():
+            out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+            _matvec_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+                x.contiguous(), w, self.parts[-1], out, n, self.k, w.stride(0), FMT=_FMT[self.fmt])
+            return out
+
+        return gpu_kernels.run_dropping_new_forms([_matvec_kernel], launch)
+
+
+_off: dict[str, str] = {}
+"""This module's kernels that failed to build or run here (``"matvec"``, ``"dequant"``) and why:
+their PyTorch paths take over, the other Triton kernels stay on."""
+
+
+def _turn_off(which: str, exc: BaseException) -> None:
+    if which not in _off:
+        log.warning("the %s kernel for kept blocks is off, PyTorch instead: %s", which, f"{type(exc).__name__}: {exc}"[:300])
+    _off[which] = f"{type(exc).__name__}: {exc}"
 
 
 def dequantize_blocks(fmt: str, parts: list[torch.Tensor], k: int, dtype: torch.dtype,
@@ -131,8 +150,8 @@ def dequantize_blocks(fmt: str, parts: list[torch.Tensor], k: int, dtype: torch.
     """``blocks.dequantize``: kept matrices ``[..., N, K]`` as ``dtype`` (float32 arithmetic). On CUDA
     (``kernel=None``; ``True`` also under Triton's interpreter) one Triton kernel decodes all the
     rows a block at a time instead of a dozen PyTorch ops with int32 temporaries; if it fails to
-    build, the kernels are turned off and PyTorch decodes."""
-    use = (parts[0].is_cuda if kernel is None else kernel) and gpu_kernels.available()
+    build, that kernel is turned off and PyTorch decodes."""
+    use = (parts[0].is_cuda if kernel is None else kernel) and gpu_kernels.available() and "dequant" not in _off
     if use:
         lead = parts[0].shape[:-1]
         flat = Packed(fmt, [p.reshape(-1, p.shape[-1]).contiguous() for p in parts], k, dtype)
@@ -141,7 +160,7 @@ def dequantize_blocks(fmt: str, parts: list[torch.Tensor], k: int, dtype: torch.
         except Exception as exc:  # a Triton build or launch failure: the PyTorch decoder instead
             if not gpu_kernels.failed_here(exc):
                 raise
-            gpu_kernels.disable(f"{type(exc).__name__}: {exc}")
+            _turn_off("dequant", exc)
     return blocks.dequantize(fmt, parts, k, dtype)
 
 
@@ -191,7 +210,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
         return F.linear(x, w, bias)
     if isinstance(w, Group):
         out = torch.cat([linear(x, m) for m in w.members], dim=-1)
-    elif x.shape[0] == 1 and x.dim() == 2 and gpu_kernels.usable(x) and x.device == w.device:
+    elif x.shape[0] == 1 and x.dim() == 2 and gpu_kernels.usable(x) and x.device == w.device and "matvec" not in _off:
         out = _matvec_or_none(x, w)
         if out is None:
             out = _dequantized_linear(x, w)
@@ -203,10 +222,10 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 def _matvec_or_none(x: torch.Tensor, w: Packed) -> torch.Tensor | None:
     try:
         return w.matvec(x)
-    except Exception as exc:  # a Triton build or launch failure: the kernels off, dequantized rows instead
+    except Exception as exc:  # a Triton build or launch failure: this kernel off, dequantized rows instead
         if not gpu_kernels.failed_here(exc):
             raise
-        gpu_kernels.disable(f"{type(exc).__name__}: {exc}")
+        _turn_off("matvec", exc)
         return None
 
 
