@@ -29,8 +29,10 @@
 # BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (64 / 2), BENCH_MARGIN (512MiB) and LLAMA_N_CPU_MOE tune
 # the side-by-side stages. A session's run in one call (~560 s; carry .llamacpp/pack and .llamacpp/whl):
 #   OUT=$OUT BENCH_ALL_GPU=0 BENCH_TIME_S=570 TESTS_TIME_S=110 SERVED_TESTS=tests/engine/test_gpu_kernels.py \
-#       scripts/bench_device.sh build served_tests calibrate fit_probe prompt_kernels dense_kernels engine \
-#       engine_uniform engine_q4 engine_q8 placements
+#       scripts/bench_device.sh build served_tests calibrate fit_probe engine engine_uniform engine_q4 \
+#       engine_q8 prompt_kernels dense_kernels placements
+# (the side-by-side stages first: BENCH_TIME_S skips what would start too late, and the first process
+# on a fresh machine also compiles every autotuning candidate of the Triton kernels)
 # and the engine's other CUDA tests in a second call: OUT=$OUT scripts/bench_device.sh tests  (carry .whl_engine)
 # To skip stage calibrate (~90 s), carry a profile from an earlier call (e.g. .dev/h200.json, ignored)
 # and copy it to $OUT/h200.json first: the side-by-side stages predict with $OUT/h200.json when present.
