@@ -202,6 +202,15 @@ inline float hsum(vf32 v) {
   return s;
 }
 
+// Q4_K's 6-bit scale and minimum of sub-block j (0..7) of the 12 scale bytes sc.
+inline void q4k_scale_min(const uint8_t* sc, int64_t j, int& s, int& m) {
+  if (j < 4) {
+    s = sc[j] & 63, m = sc[j + 4] & 63;
+  } else {
+    s = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+  }
+}
+
 // dot of one Q4_K row with x[0:K]; xsum[K/32] holds the sums of x over each 32-value block.
 inline float dot_q4k(const uint8_t* row, const float* x, const float* xsum, int64_t K) {
   vf32 acc = {};
@@ -217,16 +226,8 @@ inline float dot_q4k(const uint8_t* row, const float* x, const float* xsum, int6
     for (int64_t c = 0; c < 4; ++c) {
       const int64_t j0 = 2 * c, j1 = 2 * c + 1;
       int s0, m0, s1, m1;
-      if (j0 < 4) {
-        s0 = sc[j0] & 63, m0 = sc[j0 + 4] & 63;
-      } else {
-        s0 = (sc[j0 + 4] & 0xF) | ((sc[j0 - 4] >> 6) << 4), m0 = (sc[j0 + 4] >> 4) | ((sc[j0] >> 6) << 4);
-      }
-      if (j1 < 4) {
-        s1 = sc[j1] & 63, m1 = sc[j1 + 4] & 63;
-      } else {
-        s1 = (sc[j1 + 4] & 0xF) | ((sc[j1 - 4] >> 6) << 4), m1 = (sc[j1 + 4] >> 4) | ((sc[j1] >> 6) << 4);
-      }
+      q4k_scale_min(sc, j0, s0, m0);
+      q4k_scale_min(sc, j1, s1, m1);
       const float* xc = xb + 64 * c;
       vf32 low = {}, high = {};
       for (int64_t j = 0; j < 32; j += LANES) {
@@ -240,15 +241,6 @@ inline float dot_q4k(const uint8_t* row, const float* x, const float* xsum, int6
     }
   }
   return hsum(acc) - mins;
-}
-
-// Q4_K's 6-bit scale and minimum of sub-block j (0..7) of the 12 scale bytes sc.
-inline void q4k_scale_min(const uint8_t* sc, int64_t j, int& s, int& m) {
-  if (j < 4) {
-    s = sc[j] & 63, m = sc[j + 4] & 63;
-  } else {
-    s = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-  }
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
