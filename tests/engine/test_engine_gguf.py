@@ -348,3 +348,31 @@ def test_dense_weights_kept_in_blocks_compute_what_their_dequantized_copies_comp
     assert rel_err(runs["1"][0], runs["0"][0]) < 1e-5
     assert runs["1"][1] == runs["0"][1]
     assert runs["1"][2] < runs["0"][2]
+
+
+def test_the_budget_counts_dense_weights_kept_in_blocks_as_stored(tiny_gguf, monkeypatch):
+    """A Q8_0 file under a VRAM budget between what its dense weights take in blocks and dequantized:
+    kept, the placement fits and loads within the budget; dequantized (``WORKBENCH_KEEP_DENSE=0``) it
+    is refused before anything is allocated, with the numbers."""
+    from workbench.core.errors import PlacementError
+
+    inv = open_inventory(tiny_gguf("qwen3_moe", "Q8_0", **dict(QUANT_SIZES, mlp_only_layers=[])))
+    p = placements(inv)["compute"]
+    engine = Engine.load(inv, p, device=TEST_DEVICE, dtype=torch.float32, max_context=64)
+    kept = engine.predicted["accelerator"]
+    assert engine.memory_report()["gpu:0"] <= kept
+    engine.close()
+    monkeypatch.setenv("WORKBENCH_KEEP_DENSE", "0")
+    engine = Engine.load(inv, p, device=TEST_DEVICE, dtype=torch.float32, max_context=64)
+    dequantized = engine.predicted["accelerator"]
+    assert all(not isinstance(w, packed.Packed) for w in engine.layers[0].attn.w.values())
+    engine.close()
+    assert dequantized > kept
+    budget = (kept + dequantized) // 2
+    with pytest.raises(PlacementError, match="the budget is"):
+        Engine.load(inv, p, device=TEST_DEVICE, dtype=torch.float32, max_context=64, vram_budget=budget)
+    monkeypatch.delenv("WORKBENCH_KEEP_DENSE")
+    engine = Engine.load(inv, p, device=TEST_DEVICE, dtype=torch.float32, max_context=64, vram_budget=budget)
+    assert isinstance(engine.layers[0].attn.w["o"], packed.Packed)
+    assert engine.memory_report()["gpu:0"] <= budget
+    engine.close()
