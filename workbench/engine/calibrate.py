@@ -650,7 +650,8 @@ def calibrate(
         try:
             prof, fit = fit_engine_costs(prof, hidden, expert_ffn, top_k)
             run.report(f"engine decode per 8-layer step: {fit['resident_s'] * 1e3:.2f} ms all resident, "
-                       f"{fit['quarter_s'] * 1e3:.2f} / {fit['half_s'] * 1e3:.2f} ms a quarter / half on the CPU, "
+                       f"{fit['quarter_s'] * 1e3:.2f} / {fit['half_s'] * 1e3:.2f} / {fit['three_quarters_s'] * 1e3:.2f} "
+                       f"ms a quarter / half / three quarters on the CPU, "
                        f"{fit['cpu_s'] * 1e3:.2f} ms all on the CPU ({fit['cpu_predicted_s'] * 1e3:.2f} ms predicted); "
                        f"fitted kernel {fit['launch_s'] * 1e6:.2f} us, host point {fit['sync_s'] * 1e6:.0f} us, "
                        f"CPU experts {fit['cpu_rate'] / 1e9:.1f} GB/s")

@@ -4,10 +4,11 @@ The machine-level figures (bandwidths, the fused CPU kernel's rate) leave out wh
 adds on top: the GPU time of a layer's ~40 small kernels in its CUDA graphs beyond their bytes, and
 the host work of a hybrid layer (the decode server's hand-off). This step writes a small synthetic
 MoE model at the calibration's expert shape (8 layers, 32 experts, a small vocabulary), runs the
-engine's decode on CUDA with every expert resident, with a quarter and with half of them on the CPU
-and with all of them on the CPU, and solves the cost model's ``launch_s`` (from the resident run),
-``sync_s`` and CPU expert rate (from the quarter and half runs) so that it predicts those runs
-exactly; the all-CPU run checks the result.
+engine's decode on CUDA with every expert resident, with a quarter, half and three quarters of them
+on the CPU and with all of them on the CPU, and solves the cost model's ``launch_s`` (from the
+resident run) and ``sync_s`` and CPU expert rate (least squares over the three hybrid runs: one
+fixed and one per-byte cost per hybrid layer, the per-byte one pinned by the runs' spread of 2 to 6
+CPU experts a token) so that it predicts those runs; the all-CPU run checks the result.
 The model then carries them to other placements. The experts (2.4 GB at the Qwen3-30B-A3B shape)
 are many times a server CPU's L3, as a real model's are.
 """
@@ -21,6 +22,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from workbench.core import synth
@@ -79,28 +81,31 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
                      n_heads: int = 32, n_kv_heads: int = 4, head_dim: int = 128,
                      device: str = "cuda") -> tuple[HardwareProfile, dict]:
     """``prof`` fitted to the engine's decode: ``gpus[0].launch_s`` from the all-resident run, then
-    ``sync_s`` (the host point of a hybrid layer) and the bf16 CPU expert rate together from two
-    runs with a quarter and a half of every layer's experts on the CPU: layers that mix resident
-    and CPU experts, as planned placements' do (one fixed and one per-byte cost per hybrid layer;
-    without a physical solution the measured rate stays and ``sync_s`` comes from the half run).
-    The all-CPU run is a check, its prediction returned next to it: on the H200 host it ran up to
-    40% slower than the model in some processes and not in others, so nothing is fitted to it.
-    Returns the profile and ``{"resident_s", "quarter_s", "half_s", "cpu_s", "launch_s", "sync_s",
-    "cpu_rate", "cpu_predicted_s"}`` (seconds per decode step, B/s; fitted values). ``device``: the
-    engine's accelerator (``cuda``; ``cpu`` only exercises the fit in tests)."""
+    ``sync_s`` (the host point of a hybrid layer) and the bf16 CPU expert rate together, by least
+    squares, from three runs with a quarter, a half and three quarters of every layer's experts on
+    the CPU: layers that mix resident and CPU experts, as planned placements' do (one fixed and one
+    per-byte cost per hybrid layer; with two runs 2 experts apart the host point swung from 44 to
+    227 µs between identical fits on the H200 host; without a physical solution the measured rate
+    stays and ``sync_s`` comes from the half run). The all-CPU run is a check, its prediction
+    returned next to it: on the H200 host it ran up to 40% slower than the model in some processes
+    and not in others, so nothing is fitted to it. Returns the profile and ``{"resident_s",
+    "quarter_s", "half_s", "three_quarters_s", "cpu_s", "launch_s", "sync_s", "cpu_rate",
+    "cpu_predicted_s"}`` (seconds per decode step, B/s; fitted values). ``device``: the engine's
+    accelerator (``cuda``; ``cpu`` only exercises the fit in tests)."""
     shape = synth.SynthShape("calibration", "qwen3moe", LAYERS, hidden, n_heads, n_kv_heads, head_dim,
                              EXPERTS, min(top_k, EXPERTS), ffn, VOCAB, qk_norm=True)
     with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
         path = Path(tmp) / "calibration.gguf"
         synth.write_gguf(path, shape, coverage_target=None)
         inv = open_model(path)
-        res, quarter, half, cpu = (placement_all_gpu(inv), _upper_on_cpu(inv, 0.25), _upper_on_cpu(inv, 0.5),
-                                   placement_cpu_moe(inv))
+        res, cpu = placement_all_gpu(inv), placement_cpu_moe(inv)
+        hybrid = [_upper_on_cpu(inv, share) for share in (0.25, 0.5, 0.75)]
         # each fitted hybrid placement twice, the faster kept: a neighbour's burst on a shared host
         # slows one run's every step, and the fit would carry it to every prediction
         t_res = _decode_seconds(inv, res, device)
-        t_quarter, t_half = (min(_decode_seconds(inv, p, device) for _ in range(REPEATS)) for p in (quarter, half))
+        t_hybrid = [min(_decode_seconds(inv, p, device) for _ in range(REPEATS)) for p in hybrid]
         t_cpu = _decode_seconds(inv, cpu, device)
+    half, t_half = hybrid[1], t_hybrid[1]
 
     rate0 = prof.cpu_expert_throughput.get("bf16") or 1e10
 
@@ -112,38 +117,43 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
         return 1.0 / CostModel(inv, p, engine=EngineShape(bus_share=0.0)).decode_tps(placement, kv_tokens=16 + STEPS)
 
     launch = _solve(lambda v: seconds(with_costs(v, prof.sync_s), res), t_res, step=1e-6)
-    sync, rate = _fit_host(lambda p, s, u: seconds(with_costs(launch, s, 1.0 / u), p), (quarter, t_quarter),
-                           (half, t_half), 1.0 / rate0)
+    sync, rate = _fit_host(lambda p, s, u: seconds(with_costs(launch, s, 1.0 / u), p), list(zip(hybrid, t_hybrid)),
+                           1.0 / rate0)
     if sync is None:
         sync, rate = _solve(lambda v: seconds(with_costs(launch, v), half), t_half, step=1e-5), rate0
     fitted = with_costs(launch, sync, rate)
-    info = {"resident_s": t_res, "quarter_s": t_quarter, "half_s": t_half, "cpu_s": t_cpu, "launch_s": launch,
-            "sync_s": sync, "cpu_rate": rate, "cpu_predicted_s": seconds(fitted, cpu)}
-    log.info("engine decode per %d-layer step: %.2f ms all resident, %.2f / %.2f ms a quarter / half on the CPU, "
-             "%.2f ms all on the CPU (%.2f predicted); fitted kernel %.2f us, host point %.0f us, CPU experts "
-             "%.1f GB/s", LAYERS, t_res * 1e3, t_quarter * 1e3, t_half * 1e3, t_cpu * 1e3,
+    info = {"resident_s": t_res, "quarter_s": t_hybrid[0], "half_s": t_hybrid[1], "three_quarters_s": t_hybrid[2],
+            "cpu_s": t_cpu, "launch_s": launch, "sync_s": sync, "cpu_rate": rate,
+            "cpu_predicted_s": seconds(fitted, cpu)}
+    log.info("engine decode per %d-layer step: %.2f ms all resident, %.2f / %.2f / %.2f ms a quarter / half / three "
+             "quarters on the CPU, %.2f ms all on the CPU (%.2f predicted); fitted kernel %.2f us, host point %.0f us, "
+             "CPU experts %.1f GB/s", LAYERS, t_res * 1e3, *(t * 1e3 for t in t_hybrid), t_cpu * 1e3,
              info["cpu_predicted_s"] * 1e3, launch * 1e6, sync * 1e6, rate / 1e9)
     return fitted, info
 
 
-def _fit_host(model, run1, run2, u0: float) -> tuple[float | None, float]:
-    """Solve ``model(placement, sync, u) == measured`` for both runs, the model being linear in
-    ``sync`` (s) and ``u = 1 / CPU rate`` (s/B): ``(sync, rate)``, or ``(None, 0)`` without a
-    solution with ``sync >= 0`` and a positive rate."""
+def _fit_host(model, runs: list, u0: float) -> tuple[float | None, float]:
+    """Least squares for ``model(placement, sync, u) == measured`` over ``runs`` (``[(placement,
+    measured s)]``, two or more), the model being linear in ``sync`` (s) and ``u = 1 / CPU rate``
+    (s/B): ``(sync, rate)``, or ``(None, 0)`` when the runs do not pin both (one equation repeated)
+    or the best fit has ``sync < 0`` or no positive rate."""
     ds, du = 1e-5, 0.1 * u0
     rows, rhs = [], []
-    for placement, measured in (run1, run2):
+    for placement, measured in runs:
         base = model(placement, 0.0, u0)
         b = (model(placement, ds, u0) - base) / ds
         c = (model(placement, 0.0, u0 + du) - base) / du
         rows.append((b, c))
         rhs.append(measured - (base - c * u0))
-    (b1, c1), (b2, c2) = rows
-    det = b1 * c2 - b2 * c1
-    if abs(det) < 1e-30:
+    a = np.array(rows, dtype=float)
+    scale = np.abs(a).max(axis=0)  # columns of seconds per second and seconds per (s/B): ~1e10 apart
+    if len(runs) < 2 or not np.all(scale > 0):
         return None, 0.0
-    sync = (rhs[0] * c2 - rhs[1] * c1) / det
-    u = (b1 * rhs[1] - b2 * rhs[0]) / det
+    a_n = a / scale
+    if np.linalg.matrix_rank(a_n, tol=1e-9) < 2:
+        return None, 0.0
+    sol = np.linalg.lstsq(a_n, np.array(rhs, dtype=float), rcond=None)[0] / scale
+    sync, u = float(sol[0]), float(sol[1])
     if sync < 0 or u <= 0:
         return None, 0.0
     return sync, 1.0 / u
