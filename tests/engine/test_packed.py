@@ -12,6 +12,7 @@ from gguf.quants import dequantize, quantize
 
 from tests.engine.engine_helpers import TEST_DEVICE as DEV
 from tests.engine.engine_helpers import force_kernel_form
+from tests.engine.test_blocks import _random_kquant
 from workbench.engine import gpu_kernels, packed
 from workbench.engine.packed import Packed
 
@@ -30,14 +31,9 @@ def kept(fmt: str, n: int, k: int, seed: int) -> tuple[Packed, torch.Tensor]:
         ref = dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q8_0)
         parts = [q, d]
     else:  # random bytes with small float16 scales: every bit pattern of the quants and sub-scales
-        size = {"q4_k": 144, "q6_k": 210}[fmt]
-        raw = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=g).numpy()
-        d = (np.abs(torch.randn(n, k // 256, 2, generator=g).numpy()) * 1e-3 + 1e-4).astype(np.float16)
-        at = slice(0, 4) if fmt == "q4_k" else slice(208, 210)
-        raw[..., at] = d.view(np.uint8).reshape(n, k // 256, 4)[..., : at.stop - at.start]
-        qtype = GGMLQuantizationType.Q4_K if fmt == "q4_k" else GGMLQuantizationType.Q6_K
-        ref = dequantize(raw.reshape(n, -1), qtype)
-        parts = [torch.from_numpy(raw.reshape(n, -1).copy())]
+        raw = _random_kquant(fmt, n, k)
+        ref = dequantize(raw, GGMLQuantizationType.Q4_K if fmt == "q4_k" else GGMLQuantizationType.Q6_K)
+        parts = [torch.from_numpy(raw.copy())]
     return Packed(fmt, [p.to(DEV) for p in parts], k), torch.from_numpy(ref.astype(np.float64)).to(DEV)
 
 

@@ -85,13 +85,12 @@ def keeps_blocks(inventory: Inventory, args: ModelArgs, cpu_format: str | None) 
     return args.expert_ffn % block == 0 and args.hidden % block == 0
 
 
-def keeps_dense(inventory: Inventory, device: torch.device, cpu_format: str | None = None) -> bool:
+def keeps_dense(inventory: Inventory, device: torch.device) -> bool:
     """Whether the engine keeps a GGUF file's Q8_0 / Q4_K / Q6_K attention projections, embeddings,
     head and dense / shared MLPs in their blocks (``packed.Packed``, ``memory.kept_in_blocks``):
     on CUDA (and under Triton's interpreter, for tests), unless ``WORKBENCH_KEEP_QUANTS`` (experts
     too) or ``WORKBENCH_KEEP_DENSE`` (these alone) is ``0``. On a CPU accelerator they are
     dequantized at load (a prompt step would dequantize them again each time)."""
-    del cpu_format  # the CPU tier's expert format does not touch the dense weights
     return (inventory.format == "gguf" and os.environ.get("WORKBENCH_KEEP_QUANTS", "1") != "0"
             and os.environ.get("WORKBENCH_KEEP_DENSE", "1") != "0"
             and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))

@@ -33,6 +33,9 @@ except ImportError:  # pragma: no cover - depends on the install
 
 _disabled: list[str] = []
 
+FMT_CODES = {"q8_0": 1, "q4_k": 2, "q6_k": 3}
+"""The kernels' ``FMT`` for each kept block format (0: float weights)."""
+
 
 @functools.cache
 def _importable() -> bool:
@@ -544,8 +547,7 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     code13 = code2 = 1 if q8 else 0
     i = w2.shape[2]
     if fmt is not None:
-        code = {"q4_k": 2, "q6_k": 3}  # the kernels' FMT
-        code13, code2 = code[fmt[0]], code[fmt[1]]
+        code13, code2 = FMT_CODES[fmt[0]], FMT_CODES[fmt[1]]
         i = w2.shape[2] // blocks.KQUANTS[fmt[1]] * 256
 
     def launch():

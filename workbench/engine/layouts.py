@@ -133,10 +133,7 @@ class FamilyWeights:
         if not kept_in_blocks(info) or len(info.shape) != 2:
             return None
         fmt, parts = self.reader.blocks(name)
-        if role in ("q", "k") and self.reader.inventory.metadata.get("general.architecture") in _GGUF_ARCH_PERMUTES_QK:
-            heads = self.args.n_heads if role == "q" else self.args.n_kv_heads
-            parts = [_unpermute_rows(p, heads) for p in parts]
-        return Packed(fmt, parts, info.shape[-1])
+        return Packed(fmt, [self._undo_gguf(role, p) for p in parts], info.shape[-1])  # rows permute as values do
 
     def _read(self, name: str, expert: int | None = None) -> torch.Tensor:
         """Tensor ``name`` (expert ``expert`` of a stacked one); FP8 weights with a block-scale

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 64 * 2**20
 """Largest dequantized piece of a kept matrix a prompt step makes (bytes)."""
 
-_FMT = {"q8_0": 1, "q4_k": 2, "q6_k": 3}  # the kernels' FMT
+_FMT = gpu_kernels.FMT_CODES
 
 triton = gpu_kernels.triton
 if triton is not None:
@@ -108,11 +108,10 @@ class Packed:
         part = self if (start, stop) == (0, None) else self.rows(start, self.shape[0] if stop is None else stop)
         return dequantize_blocks(part.fmt, part.parts, part.k, part.dtype)
 
-    def _dequantize_kernel(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The rows dequantized by one Triton kernel, into ``out [N, K]`` (contiguous) when given."""
+    def _dequantize_kernel(self) -> torch.Tensor:
+        """The rows dequantized by one Triton kernel: ``[N, K]`` in ``dtype``."""
         n, k = self.shape
-        if out is None:
-            out = torch.empty((n, k), dtype=self.dtype, device=self.device)
+        out = torch.empty((n, k), dtype=self.dtype, device=self.device)
         w = self.parts[0]
         bn, bk = 32, 256
         _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](

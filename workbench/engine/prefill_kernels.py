@@ -136,7 +136,7 @@ def tile_table(starts: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> np.n
     return np.stack([rows[run], start, count], axis=1).astype(np.int32)
 
 
-_FMT = {"q8_0": 1, "q4_k": 2, "q6_k": 3}  # the kernel's FMT
+_FMT = gpu_kernels.FMT_CODES
 
 
 def takes_blocks(x: torch.Tensor, fmt: tuple[str, str], act: tuple, bias: bool) -> bool:
