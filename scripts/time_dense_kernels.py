@@ -27,7 +27,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a smoke
 
 def sync() -> None:
     if DEV == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def timed(fn, *args, n: int = 50) -> float:

@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""Check every autotuning candidate of the one-token kernels on the GPU at hand, one at a time: the
+kept-block matrix-vector kernel (``packed._matvec_kernel``) at S1's q/k/v, o and head shapes and the
+experts' gate/up and down kernels at S1's expert shape, for Q8_0 / Q4_K / Q6_K blocks. For each
+candidate: the largest error relative to PyTorch's decoding of the same blocks (``blocks.dequantize``,
+float64 products) and µs per call replayed from a CUDA graph (no Python launch cost, as the engine's
+decode runs). Then the autotuner's own pick, its error on the first and the second call, and the
+Triton dequantizing kernel against PyTorch's decoder.
+
+    python scripts/check_kernel_candidates.py          # from the repository root, on the GPU machine
+
+A candidate whose error is above 1e-2 is a wrong kernel: the script says so and exits 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.engine.test_blocks import _random_kquant  # noqa: E402
+from workbench.engine import blocks, gpu_kernels, packed  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a smoke run under TRITON_INTERPRET=1
+SMOKE = DEV == "cpu"
+DENSE = {"qkv": (5120, 2048), "o": (2048, 4096), "head": (151936, 2048)} if not SMOKE else {"smoke": (48, 512)}
+EXPERTS = (128, 2048, 768, 8) if not SMOKE else (4, 256, 256, 2)  # E, H, I, k
+bad: list[str] = []
+
+
+def kept_parts(fmt: str, n: int, k: int, lead: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """Random blocks of ``fmt`` for ``[*lead, n, k]``, on DEV."""
+    rows = n * (lead[0] if lead else 1)
+    if fmt == "q8_0":
+        g = torch.Generator().manual_seed(n + k)
+        q = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=g)
+        d = (torch.rand(rows, k // 32, generator=g) * 1e-3 + 1e-4).to(torch.float16)
+        parts = [q, d]
+    else:
+        parts = [torch.from_numpy(_random_kquant(fmt, rows, k))]
+    return [p.reshape(*lead, n, -1).to(DEV).contiguous() for p in parts]
+
+
+def graph_us(fn, n: int = 20) -> float:
+    """µs per call of ``fn()`` replayed from a CUDA graph of ``n`` calls (wall clock per call elsewhere)."""
+    fn()
+    if DEV != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(5):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / (5 * n)
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).abs().max() / ref.abs().max())
+
+
+def cfg(c) -> str:
+    return " ".join(f"{k}={v}" for k, v in c.kwargs.items()) + f" warps={c.num_warps}"
+
+
+def each_candidate(kernel, run, ref, label: str, nbytes: int) -> None:
+    """Run ``run()`` with each of ``kernel``'s candidates alone, then with all (the autotuner's pick)."""
+    full = list(kernel.configs)
+    for c in full:
+        kernel.configs, kernel.cache = [c], {}
+        try:
+            err = rel(run(), ref)
+            us = graph_us(run)
+        except Exception as exc:  # a candidate that does not build here: reported, the others go on
+            print(f"{label} {cfg(c)}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            continue
+        flag = "" if err < 1e-2 else "  <-- WRONG"
+        if flag:
+            bad.append(f"{label} {cfg(c)}")
+        print(f"{label} {cfg(c)}: err {err:.1e}, {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s{flag}", flush=True)
+    kernel.configs, kernel.cache = full, {}
+    e1 = rel(run(), ref)
+    e2 = rel(run(), ref)
+    us = graph_us(run)
+    pick = cfg(kernel.best_config) if getattr(kernel, "best_config", None) else "?"
+    print(f"{label} autotuned: pick {pick}, err first call {e1:.1e}, second {e2:.1e}, {us:.1f} us", flush=True)
+    if max(e1, e2) >= 1e-2:
+        bad.append(f"{label} autotuned")
+
+
+def dense() -> None:
+    for name, (n, k) in DENSE.items():
+        x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+        print(f"{name} bf16 F.linear: {graph_us(lambda: F.linear(x, w)):.1f} us", flush=True)
+        del w
+        for fmt in ("q8_0", "q4_k", "q6_k"):
+            p = packed.Packed(fmt, kept_parts(fmt, n, k), k, torch.bfloat16)
+            w64 = blocks.dequantize(fmt, p.parts, k, torch.float32).double()
+            ref = x.double() @ w64.T
+            tk = packed.dequantize_blocks(fmt, p.parts, k, torch.float32, kernel=True)
+            derr = float((tk.double() - w64).abs().max() / w64.abs().max())
+            print(f"{name} {fmt} Triton dequantizing kernel: err {derr:.1e}", flush=True)
+            if derr >= 1e-6:
+                bad.append(f"{name} {fmt} dequantizing kernel")
+            del w64, tk
+            each_candidate(packed._matvec_kernel, lambda: packed.linear(x, p), ref, f"{name} {fmt} matvec", p.nbytes)
+            del p
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+
+
+def experts() -> None:
+    E, H, I, k = EXPERTS
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, H, generator=g).to(DEV, torch.bfloat16)
+    ids = torch.randperm(E, generator=g)[:k].to(DEV)
+    scale = (torch.rand(k, generator=g) + 0.1).to(DEV, torch.bfloat16)
+    rowmap = torch.arange(E, device=DEV)
+    for fmt in ("q8_0", "q4_k"):
+        p13, p2 = kept_parts(fmt, 2 * I, H, (E,)), kept_parts(fmt, H, I, (E,))
+        ref = torch.zeros(1, H, dtype=torch.float64, device=DEV)
+        for e, s in zip(ids.tolist(), scale.double().tolist()):
+            w13 = blocks.dequantize(fmt, [t[e] for t in p13], H, torch.float32).double()
+            w2 = blocks.dequantize(fmt, [t[e] for t in p2], I, torch.float32).double()
+            h = x.double() @ w13.T
+            ref += s * ((F.silu(h[:, :I]) * h[:, I:]) @ w2.T)
+        if fmt == "q8_0":
+            def run():
+                return gpu_kernels.experts_one_token(x, ids, scale, rowmap, p13[0], p2[0], p13[1], p2[1])
+        else:
+            def run():
+                return gpu_kernels.experts_one_token(x, ids, scale, rowmap, p13[0], p2[0], fmt=(fmt, fmt))
+        nbytes = k * (blocks.nbytes([t[0] for t in p13]) + blocks.nbytes([t[0] for t in p2]))
+        for kern, part in ((gpu_kernels._gate_up_kernel, "gate/up"), (gpu_kernels._down_sum_kernel, "down")):
+            other = gpu_kernels._down_sum_kernel if kern is gpu_kernels._gate_up_kernel else gpu_kernels._gate_up_kernel
+            keep = list(other.configs)
+            other.configs, other.cache = keep[:1], {}
+            each_candidate(kern, run, ref, f"experts {fmt} {part}", nbytes)
+            other.configs, other.cache = keep, {}
+
+
+if __name__ == "__main__":
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dense()
+    experts()
+    print("WRONG: " + "; ".join(bad) if bad else "every candidate within 1e-2", flush=True)
+    sys.exit(1 if bad else 0)
