@@ -27,8 +27,10 @@ KV_DTYPES: dict[str, tuple[int, int]] = {
 }
 """KV cache dtype -> (values per block, bytes per block), as llama.cpp's ``--cache-type-k/v``."""
 
-CUDA_CONTEXT_BYTES = 512 * 2**20
-"""CUDA context + PyTorch allocator reserve per GPU in use (measured 400-600 MiB on recent cards)."""
+CUDA_CONTEXT_BYTES = 768 * 2**20
+"""CUDA context, loaded kernels and the PyTorch allocator's reserve per GPU in use: what NVML counts
+beyond PyTorch's allocations (0.73 GiB on an H200 with the engine's Triton kernels loaded,
+BENCHMARKS.md 2026-12-04; 400-600 MiB for a bare context on recent cards)."""
 
 HOST_BASELINE_BYTES = 512 * 2**20
 """Host RAM of the process itself (Python, PyTorch, tokenizer) before any weight is loaded."""

@@ -129,6 +129,9 @@ class EngineRun:
     ttft_samples: list[float] = field(default_factory=list)
     peak_gpu_bytes: float | None = None
     peak_torch_bytes: float | None = None
+    peak_reserved_bytes: float | None = None
+    """PyTorch's peak allocated / reserved (cached) GPU bytes; ``peak_gpu_bytes`` (NVML) adds the CUDA
+    context and loaded kernels to the reserved."""
     peak_host_bytes: float | None = None
     predicted_decode_tps: float | None = None
     predicted_prefill_tps: float | None = None
@@ -257,6 +260,7 @@ def run_placement(inv, placement: Placement, label: str, strategy: str, *, devic
     run.peak_gpu_bytes, run.peak_host_bytes = pk.gpu, pk.host_rss
     if dev.type == "cuda":
         run.peak_torch_bytes = float(torch.cuda.max_memory_allocated(dev))
+        run.peak_reserved_bytes = float(torch.cuda.max_memory_reserved(dev))
     if counts.any():
         run.coverage = [float(c) for c in synth.coverage(counts)]
     return run, counts

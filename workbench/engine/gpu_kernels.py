@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from . import blocks
+from . import blocks, kernel_check
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,10 @@ def disable(reason: str) -> None:
 
 
 def failed_here(exc: BaseException) -> bool:
-    """Whether ``exc`` came from building or launching one of these kernels."""
+    """Whether ``exc`` came from building or launching one of these kernels (or none of a kernel's
+    candidates computing the right thing here: ``kernel_check.CandidatesWrong``)."""
+    if isinstance(exc, kernel_check.CandidatesWrong):
+        return True
     tb = exc.__traceback__
     while tb is not None:
         mod = tb.tb_frame.f_globals.get("__name__", "")
@@ -289,7 +292,7 @@ if triton is not None:
 
     @triton.autotune(configs=_configs([(16, 256, 4, _TILE), (16, 256, 4, _NO_TILE), (8, 256, 4, _NO_TILE),
                                        (32, 256, 4, _NO_TILE), (16, 512, 4, _NO_TILE), (32, 128, 8, _NO_TILE),
-                                       (8, 256, 4, _TILE), (32, 128, 4, _TILE)]),
+                                       (32, 128, 4, _TILE)]),
                      key=["N", "K", "FMT"])
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, K: tl.constexpr, stride_e,
@@ -324,15 +327,14 @@ if triton is not None:
                          TILE)
         return tl.where(active, part * s, 0.0)
 
-    @triton.autotune(configs=_configs([(8, 256, 4, {"UNROLL": True, **_TILE}), (8, 256, 4, {"UNROLL": False, **_NO_TILE}),
+    @triton.autotune(configs=_configs([(16, 128, 4, {"UNROLL": True, **_TILE}), (8, 256, 4, {"UNROLL": False, **_NO_TILE}),
                                        (4, 256, 4, {"UNROLL": False, **_NO_TILE}),
                                        (16, 256, 4, {"UNROLL": False, **_NO_TILE}),
                                        (8, 512, 4, {"UNROLL": False, **_NO_TILE}),
                                        (16, 128, 8, {"UNROLL": False, **_NO_TILE}),
                                        (4, 256, 4, {"UNROLL": True, **_NO_TILE}),
                                        (16, 256, 8, {"UNROLL": True, **_NO_TILE}),
-                                       (8, 256, 4, {"UNROLL": False, **_TILE}),
-                                       (16, 128, 4, {"UNROLL": True, **_TILE})]),
+                                       (16, 128, 4, {"UNROLL": False, **_TILE})]),
                      key=["N", "FFN", "K", "FMT"])
     @triton.jit
     def _down_sum_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, FFN: tl.constexpr, stride_e,
@@ -538,7 +540,8 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     int8 values, one scale per 32 along the input axis (contiguous stacks). ``fmt=(gate/up format,
     down format)`` of ``"q4_k"``/``"q6_k"``: ``w13 [R, 2I, H/256*bytes]`` and ``w2 [R, H, I/256*bytes]``
     are the rows' raw GGUF k-quant bytes (uint8).
-    No host sync; capturable in a CUDA graph.
+    The first call per shape checks the kernels' autotuning candidates against PyTorch
+    (``kernel_check``: host syncs, eager only); later calls: no host sync, capturable in a CUDA graph.
     """
     k = ids.shape[0]
     n13 = w13.shape[1]
@@ -550,7 +553,7 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
         code13, code2 = FMT_CODES[fmt[0]], FMT_CODES[fmt[1]]
         i = w2.shape[2] // blocks.KQUANTS[fmt[1]] * 256
 
-    def launch():
+    def launch(x=x, ids=ids, scale=scale, rowmap=rowmap):
         h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
         _gate_up_kernel[lambda meta: (k, triton.cdiv(n13, meta["BLOCK_N"]))](
             x, w13, d13 if q8 else w13, ids, rowmap, scale, h, n13, H, w13.stride(0), w13.stride(1), FMT=code13)
@@ -559,7 +562,36 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
             h, w2, d2 if q8 else w2, ids, rowmap, scale, out, H, i, w2.stride(0), w2.stride(1), K=k, FMT=code2)
         return out
 
-    return run_dropping_new_forms([_gate_up_kernel, _down_sum_kernel], launch)
+    def probe():  # k pairs on the stacks' first rows, a random token: the candidates' check (kernel_check)
+        g = torch.Generator(device=x.device).manual_seed(0)
+        xc = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
+        rows = torch.arange(k, device=x.device) % w13.shape[0]
+        mapc = torch.full_like(rowmap, -1)
+        mapc[:k] = rows
+        idc = torch.arange(k, device=x.device, dtype=ids.dtype)
+        sc = torch.linspace(0.5, 1.0, k, device=x.device).to(scale.dtype)
+        f13 = fmt[0] if fmt else ("q8_0" if q8 else None)
+        f2 = fmt[1] if fmt else ("q8_0" if q8 else None)
+        ref = torch.zeros((1, H), dtype=torch.float32, device=x.device)
+        for r, s in zip(rows.tolist(), sc.float().tolist()):
+            a = xc.float() @ rows_f32(f13, w13, d13, r, H).T
+            ref += s * ((torch.nn.functional.silu(a[:, :i]) * a[:, i:]) @ rows_f32(f2, w2, d2, r, i).T)
+        return (lambda: launch(xc, idc, sc, mapc)), ref
+
+    if w13.shape[0] == 0:  # no expert on this tier: every pair inactive
+        return torch.zeros((1, H), dtype=x.dtype, device=x.device)
+    key = ("experts", n13, H, i, code13, code2, k, x.dtype, w13.dtype)
+    return kernel_check.run_checked([_gate_up_kernel, _down_sum_kernel],
+                                    lambda: run_dropping_new_forms([_gate_up_kernel, _down_sum_kernel], launch),
+                                    key, probe, failed_here)
+
+
+def rows_f32(fmt: str | None, w: torch.Tensor, d: torch.Tensor | None, r: int, k: int) -> torch.Tensor:
+    """Stack row ``r`` of ``w`` (float values, or kept blocks of ``fmt`` with Q8_0 scales ``d``) as
+    float32 ``[N, k]``, decoded by PyTorch."""
+    if fmt is None:
+        return w[r].float()
+    return blocks.dequantize(fmt, [w[r], d[r]] if fmt == "q8_0" else [w[r]], k, torch.float32)
 
 
 def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float

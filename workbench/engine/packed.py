@@ -22,12 +22,16 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import blocks, gpu_kernels
+from . import blocks, gpu_kernels, kernel_check
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 * 2**20
 """Largest dequantized piece of a kept matrix a prompt step makes (bytes)."""
+
+CHECK_ROWS = 4096
+"""Rows (the first ones, and the last 64) of a kept matrix that the one-token kernel's candidates
+are checked on at the first call per shape (``kernel_check``)."""
 
 _FMT = gpu_kernels.FMT_CODES
 
@@ -42,7 +46,7 @@ if triton is not None:
 
     @triton.autotune(configs=gpu_kernels._configs([(16, 256, 4, _T), (16, 256, 4, _NT), (32, 256, 4, _NT),
                                                    (8, 256, 4, _NT), (64, 256, 8, _NT), (32, 128, 4, _NT),
-                                                   (8, 256, 4, _T), (32, 128, 4, _T)]), key=["N", "K", "FMT"])
+                                                   (32, 128, 4, _T)]), key=["N", "K", "FMT"])
     @triton.jit
     def _matvec_kernel(x_ptr, w_ptr, d_ptr, out_ptr, N, K: tl.constexpr, stride_n, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, FMT: tl.constexpr, TILE: tl.constexpr):
@@ -120,17 +124,29 @@ class Packed:
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         """``x [1, K]`` -> ``[1, N]`` in ``x``'s dtype with the one-token kernel (CUDA, or the
-        interpreter). No host sync; capturable in a CUDA graph."""
+        interpreter). The first call per shape checks the kernel's autotuning candidates against
+        PyTorch's decoding (``kernel_check``: host syncs, eager only); later calls: no host sync,
+        capturable in a CUDA graph."""
         n = self.shape[0]
         w = self.parts[0]
 
-        def launch():
+        def launch(x=x):
             out = torch.empty((1, n), dtype=x.dtype, device=x.device)
             _matvec_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
                 x.contiguous(), w, self.parts[-1], out, n, self.k, w.stride(0), FMT=_FMT[self.fmt])
             return out
 
-        return gpu_kernels.run_dropping_new_forms([_matvec_kernel], launch)
+        def probe():  # a random token; the first and last rows against PyTorch's decoding (kernel_check)
+            g = torch.Generator(device=x.device).manual_seed(0)
+            xc = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
+            at = torch.cat([torch.arange(min(n, CHECK_ROWS)), torch.arange(max(0, n - 64), n)]).unique().to(x.device)
+            ref = xc.float() @ blocks.dequantize(self.fmt, blocks.take(self.parts, at), self.k, torch.float32).T
+            return (lambda: launch(xc)[:, at]), ref
+
+        key = ("matvec", n, self.k, self.fmt, x.dtype)
+        return kernel_check.run_checked([_matvec_kernel],
+                                        lambda: gpu_kernels.run_dropping_new_forms([_matvec_kernel], launch),
+                                        key, probe, gpu_kernels.failed_here)
 
 
 _off: dict[str, str] = {}

@@ -22,7 +22,7 @@ import os
 import numpy as np
 import torch
 
-from . import blocks, gpu_kernels
+from . import blocks, gpu_kernels, kernel_check
 
 log = logging.getLogger(__name__)
 
@@ -181,20 +181,37 @@ def grouped_into(xs: torch.Tensor, tiles_t: torch.Tensor, w13: torch.Tensor, w2:
                  fmt: tuple[str, str] | None = None) -> None:
     """``swiglu_grouped`` for the tiles ``tiles_t [t, 3]`` int32 already on the device (a slice of a
     larger table: the pairs of other tiles are left as they are), into ``h``/``out`` from ``buffers``.
-    Queued without a host sync."""
+    Queued without a host sync, after the first call per shape (which checks the kernel's autotuning
+    candidates against PyTorch: ``kernel_check``)."""
     H = xs.shape[1]
     i = h.shape[1]
     f13, f2 = (0, 0) if fmt is None else (_FMT[fmt[0]], _FMT[fmt[1]])
     f32 = xs.dtype == torch.float32 or not xs.is_cuda
-    nt = tiles_t.shape[0]
-    if nt == 0:
+    if tiles_t.shape[0] == 0 or w13.shape[0] == 0:
         return
-    _grouped_kernel[lambda meta: (nt, triton.cdiv(i, meta["BLOCK_N"]))](
-        xs, w13, d13 if d13 is not None else w13, tiles_t, h, i, H, w13.stride(0), w13.stride(1), xs.stride(0),
-        SWIGLU=True, F32_DOT=f32, FMT=f13, BLOCK_M=BLOCK_M)
-    _grouped_kernel[lambda meta: (nt, triton.cdiv(H, meta["BLOCK_N"]))](
-        h, w2, d2 if d2 is not None else w2, tiles_t, out, H, i, w2.stride(0), w2.stride(1), h.stride(0),
-        SWIGLU=False, F32_DOT=f32, FMT=f2, BLOCK_M=BLOCK_M)
+
+    def launch(xs=xs, tiles_t=tiles_t, h=h, out=out):
+        nt = tiles_t.shape[0]
+        _grouped_kernel[lambda meta: (nt, triton.cdiv(i, meta["BLOCK_N"]))](
+            xs, w13, d13 if d13 is not None else w13, tiles_t, h, i, H, w13.stride(0), w13.stride(1), xs.stride(0),
+            SWIGLU=True, F32_DOT=f32, FMT=f13, BLOCK_M=BLOCK_M)
+        _grouped_kernel[lambda meta: (nt, triton.cdiv(H, meta["BLOCK_N"]))](
+            h, w2, d2 if d2 is not None else w2, tiles_t, out, H, i, w2.stride(0), w2.stride(1), h.stride(0),
+            SWIGLU=False, F32_DOT=f32, FMT=f2, BLOCK_M=BLOCK_M)
+        return out
+
+    def probe():  # one tile of random tokens on the stacks' first expert against PyTorch (kernel_check)
+        g = torch.Generator(device=xs.device).manual_seed(0)
+        xc = torch.randn((BLOCK_M, H), generator=g, device=xs.device).to(xs.dtype)
+        tc = torch.tensor([[0, 0, BLOCK_M]], dtype=torch.int32, device=xs.device)
+        hc, oc = torch.empty((BLOCK_M, i), dtype=xs.dtype, device=xs.device), torch.empty_like(xc)
+        f = (None, None) if fmt is None else fmt
+        a = xc.float() @ gpu_kernels.rows_f32(f[0], w13, d13, 0, H).T
+        ref = (torch.nn.functional.silu(a[:, :i]) * a[:, i:]) @ gpu_kernels.rows_f32(f[1], w2, d2, 0, i).T
+        return (lambda: launch(xc, tc, hc, oc)), ref
+
+    key = ("grouped", i, H, f13, f2, xs.dtype, w13.dtype)
+    kernel_check.run_checked([_grouped_kernel], launch, key, probe, gpu_kernels.failed_here)
 
 
 def run_or_none(xs: torch.Tensor, tiles: np.ndarray, *stacks, **kw) -> torch.Tensor | None:
