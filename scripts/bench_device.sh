@@ -27,10 +27,12 @@
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it).
 # At most 8 files come back per call: choose the stages of one call accordingly.
 # BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (64 / 2), BENCH_MARGIN (512MiB) and LLAMA_N_CPU_MOE tune
-# the side-by-side stages. A session's run in one call (~560 s; carry .llamacpp/pack and .llamacpp/whl):
-#   OUT=$OUT BENCH_ALL_GPU=0 BENCH_TIME_S=570 TESTS_TIME_S=110 SERVED_TESTS=tests/engine/test_gpu_kernels.py \
-#       scripts/bench_device.sh build served_tests calibrate fit_probe engine engine_uniform engine_q4 \
-#       engine_q8 prompt_kernels dense_kernels placements
+# the side-by-side stages. Stage candidates: scripts/check_kernel_candidates.py (each autotuning
+# candidate of the one-token kernels against PyTorch at S1's shapes, and what the engine's check keeps;
+# $OUT/candidates.txt). A session's run in one call (~560 s; carry .llamacpp/pack, or .llamacpp after
+# `scripts/build_llamacpp.sh fetch` (stage build then takes ~250 s in the background), and .llamacpp/whl):
+#   OUT=$OUT BENCH_ALL_GPU=0 BENCH_TIME_S=570 CANDIDATES_TIME_S=150 scripts/bench_device.sh build candidates \
+#       calibrate engine_q4 engine_q8 engine engine_uniform placements
 # (the side-by-side stages first: BENCH_TIME_S skips what would start too late, and the first process
 # on a fresh machine also compiles every autotuning candidate of the Triton kernels)
 # and the engine's other CUDA tests in a second call: OUT=$OUT scripts/bench_device.sh tests  (carry .whl_engine)
@@ -209,6 +211,11 @@ stage_dense_kernels() {  # dense weights kept in GGUF blocks: their tests on CUD
     WORKBENCH_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_packed.py \
         >>"$OUT/device.log" 2>&1; log "dense kernel tests rc $?"
     timeout 150 python3 scripts/time_dense_kernels.py 2>&1 | tee -a "$OUT/device.log"
+}
+stage_candidates() {  # every autotuning candidate of the one-token kernels against PyTorch, then what the engine keeps
+    WORKBENCH_AUTOTUNE=1 timeout "${CANDIDATES_TIME_S:-240}" python3 scripts/check_kernel_candidates.py \
+        >"$OUT/candidates.txt" 2>&1; log "candidates rc $?"
+    grep -E "checked and autotuned|WRONG|FAILED|everywhere" "$OUT/candidates.txt" | cut -c1-160 | tee -a "$OUT/device.log"
 }
 stage_fit_probe() {  # calibration's engine fit three times in fresh processes (needs $OUT/h200.json: stage calibrate first)
     for i in 1 2 3; do python3 scripts/probe_engine_fit.py fresh "$OUT/h200.json" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"; done
