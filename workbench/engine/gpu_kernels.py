@@ -562,10 +562,11 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
             h, w2, d2 if q8 else w2, ids, rowmap, scale, out, H, i, w2.stride(0), w2.stride(1), K=k, FMT=code2)
         return out
 
-    def probe():  # k pairs on the stacks' first rows, a random token: the candidates' check (kernel_check)
+    def probe():  # a random token on the rows this call reads (else the first): kernel_check's probe
         g = torch.Generator(device=x.device).manual_seed(0)
         xc = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
-        rows = torch.arange(k, device=x.device) % w13.shape[0]
+        live = [r for r in rowmap[ids].tolist() if r >= 0] or list(range(min(k, w13.shape[0])))
+        rows = torch.tensor((live * k)[:k], device=x.device)  # rows other calls left unwritten are not read
         mapc = torch.full_like(rowmap, -1)
         mapc[:k] = rows
         idc = torch.arange(k, device=x.device, dtype=ids.dtype)
@@ -574,8 +575,8 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
         f2 = fmt[1] if fmt else ("q8_0" if q8 else None)
         ref = torch.zeros((1, H), dtype=torch.float32, device=x.device)
         for r, s in zip(rows.tolist(), sc.float().tolist()):
-            a = xc.float() @ rows_f32(f13, w13, d13, r, H).T
-            ref += s * ((torch.nn.functional.silu(a[:, :i]) * a[:, i:]) @ rows_f32(f2, w2, d2, r, i).T)
+            a = xc.float() @ rows_f32(f13, w13, d13, r, H).to(x.device).T  # host stacks: the served bus
+            ref += s * ((torch.nn.functional.silu(a[:, :i]) * a[:, i:]) @ rows_f32(f2, w2, d2, r, i).to(x.device).T)
         return (lambda: launch(xc, idc, sc, mapc)), ref
 
     if w13.shape[0] == 0:  # no expert on this tier: every pair inactive
@@ -591,7 +592,7 @@ def rows_f32(fmt: str | None, w: torch.Tensor, d: torch.Tensor | None, r: int, k
     float32 ``[N, k]``, decoded by PyTorch."""
     if fmt is None:
         return w[r].float()
-    return blocks.dequantize(fmt, [w[r], d[r]] if fmt == "q8_0" else [w[r]], k, torch.float32)
+    return blocks.dequantize(fmt, [w[r], d[r]] if fmt == "q8_0" else [w[r]], k, torch.float32)  # where w lies
 
 
 def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float

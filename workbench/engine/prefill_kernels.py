@@ -200,14 +200,15 @@ def grouped_into(xs: torch.Tensor, tiles_t: torch.Tensor, w13: torch.Tensor, w2:
             SWIGLU=False, F32_DOT=f32, FMT=f2, BLOCK_M=BLOCK_M)
         return out
 
-    def probe():  # one tile of random tokens on the stacks' first expert against PyTorch (kernel_check)
+    def probe():  # one tile of random tokens on this call's first expert against PyTorch (kernel_check)
         g = torch.Generator(device=xs.device).manual_seed(0)
         xc = torch.randn((BLOCK_M, H), generator=g, device=xs.device).to(xs.dtype)
-        tc = torch.tensor([[0, 0, BLOCK_M]], dtype=torch.int32, device=xs.device)
+        row = int(tiles_t[0, 0])
+        tc = torch.tensor([[row, 0, BLOCK_M]], dtype=torch.int32, device=xs.device)
         hc, oc = torch.empty((BLOCK_M, i), dtype=xs.dtype, device=xs.device), torch.empty_like(xc)
         f = (None, None) if fmt is None else fmt
-        a = xc.float() @ gpu_kernels.rows_f32(f[0], w13, d13, 0, H).T
-        ref = (torch.nn.functional.silu(a[:, :i]) * a[:, i:]) @ gpu_kernels.rows_f32(f[1], w2, d2, 0, i).T
+        a = xc.float() @ gpu_kernels.rows_f32(f[0], w13, d13, row, H).to(xs.device).T
+        ref = (torch.nn.functional.silu(a[:, :i]) * a[:, i:]) @ gpu_kernels.rows_f32(f[1], w2, d2, row, i).to(xs.device).T
         return (lambda: launch(xc, tc, hc, oc)), ref
 
     key = ("grouped", i, H, f13, f2, xs.dtype, w13.dtype)
