@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Check every autotuning candidate of the one-token kernels on the GPU at hand, one at a time: the
 kept-block matrix-vector kernel (``packed._matvec_kernel``) at S1's q/k/v, o and head shapes and the
-experts' gate/up and down kernels at S1's expert shape, for Q8_0 / Q4_K / Q6_K blocks. For each
+experts' gate/up and down kernels at S1's expert shape and the grouped prompt kernel, for Q8_0 /
+Q4_K / Q6_K blocks. For each
 candidate: the largest error relative to PyTorch's decoding of the same blocks (``blocks.dequantize``,
 float64 products) and µs per call replayed from a CUDA graph (no Python launch cost, as the engine's
 decode runs). Then what the engine runs: the candidates checked (``kernel_check``) and the
@@ -10,8 +11,9 @@ dequantizing kernel against PyTorch's decoder.
 
     python scripts/check_kernel_candidates.py          # from the repository root, on the GPU machine
 
-A candidate whose error is above 1e-2 is marked WRONG; if what the engine runs (checked, then
-autotuned) is off by that much, or a dequantizing kernel is, the script says so and exits 1.
+A candidate whose error is above ``kernel_check.CHECK_TOL`` is marked WRONG; if what the engine runs
+(checked, then autotuned) is off by that much, or a dequantizing kernel is, the script says so and
+exits 1.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def each_candidate(kernel, run, ref, label: str, nbytes: int) -> None:
         except Exception as exc:  # a candidate that does not build here: reported, the others go on
             print(f"{label} {cfg(c)}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
             continue
-        flag = "" if err < 1e-2 else "  <-- WRONG (the engine's check drops it)"
+        flag = "" if err < kernel_check.CHECK_TOL else "  <-- WRONG (the engine's check drops it)"
         print(f"{label} {cfg(c)}: err {err:.1e}, {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s{flag}", flush=True)
     kernel.configs, kernel.cache = full, {}
     kernel_check.needs_check = check  # as the engine runs: the candidates checked, then timed
@@ -106,7 +108,7 @@ def each_candidate(kernel, run, ref, label: str, nbytes: int) -> None:
     kernel.configs, kernel.cache = full, {}  # the next shape checks every candidate again
     print(f"{label} checked and autotuned: {kept} of {len(full)} kept, pick {pick}, err first call {e1:.1e}, "
           f"second {e2:.1e}, {us:.1f} us", flush=True)
-    if max(e1, e2) >= 1e-2:
+    if max(e1, e2) >= kernel_check.CHECK_TOL:
         bad.append(f"{label} autotuned")
 
 
@@ -163,9 +165,38 @@ def experts() -> None:
             other.configs, other.cache = keep, {}
 
 
+def prompt() -> None:
+    """The grouped prompt kernel (gate/up and down in two launches of one autotuned kernel) on 64 tokens
+    of one expert."""
+    import numpy as np
+
+    from workbench.engine import prefill_kernels
+
+    _, H, FFN, _ = EXPERTS
+    n = 64 if not SMOKE else 8
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randn(n, H, generator=g).to(DEV, torch.bfloat16)
+    tiles = prefill_kernels.tile_table(np.array([0]), np.array([n]), np.array([0]))
+    for fmt, fmt2 in (("q4_k", "q4_k"), ("q8_0", "q8_0")):
+        p13, p2 = kept_parts(fmt, 2 * FFN, H, (1,)), kept_parts(fmt2, H, FFN, (1,))
+        w13 = blocks.dequantize(fmt, [t[0] for t in p13], H, torch.float32).double()
+        w2 = blocks.dequantize(fmt2, [t[0] for t in p2], FFN, torch.float32).double()
+        h = xs.double() @ w13.T
+        ref = (F.silu(h[:, :FFN]) * h[:, FFN:]) @ w2.T
+        if fmt == "q8_0":
+            def run(p13=p13, p2=p2):
+                return prefill_kernels.swiglu_grouped(xs, tiles, p13[0], p2[0], p13[1], p2[1], fmt=("q8_0", "q8_0"))
+        else:
+            def run(p13=p13, p2=p2, fmt=fmt, fmt2=fmt2):
+                return prefill_kernels.swiglu_grouped(xs, tiles, p13[0], p2[0], fmt=(fmt, fmt2))
+        nbytes = blocks.nbytes([t[0] for t in p13]) + blocks.nbytes([t[0] for t in p2])
+        each_candidate(prefill_kernels._grouped_kernel, run, ref, f"prompt {fmt}+{fmt2} {n} tokens", nbytes)
+
+
 if __name__ == "__main__":
     torch.backends.cuda.matmul.allow_tf32 = False
     experts()
+    prompt()
     dense()
-    print("WRONG: " + "; ".join(bad) if bad else "what the engine runs is within 1e-2 everywhere", flush=True)
+    print("WRONG: " + "; ".join(bad) if bad else "what the engine runs is within CHECK_TOL everywhere", flush=True)
     sys.exit(1 if bad else 0)

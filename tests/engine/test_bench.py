@@ -13,6 +13,7 @@ import torch
 from workbench.cli import main
 from workbench.core import synth
 from workbench.core.hardware import preset
+from workbench.core.memory import CUDA_CONTEXT_BYTES
 from workbench.core.placement import CPU_COMPUTE
 from workbench.core.project import load_project
 from workbench.core.readers import open_model
@@ -20,6 +21,9 @@ from workbench.engine import bench, bench_llamacpp
 from workbench.engine.bench_measure import PeakSampler, markdown_table
 
 TINY = synth.shape("tiny")
+BUDGET_MIB = (CUDA_CONTEXT_BYTES >> 20) + 9
+"""A budget that leaves the tiny model's routed experts partly on the CPU: the CUDA context's
+allowance plus 9 MiB."""
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,7 @@ def model(tmp_path_factory):
 
 def test_strategies_run_end_to_end_on_cpu(model):
     torch.set_num_threads(1)
-    runs = bench.run_strategies(str(model), ["n-cpu-moe", "frequency"], budget_bytes=521 * 2**20,
+    runs = bench.run_strategies(str(model), ["n-cpu-moe", "frequency"], budget_bytes=BUDGET_MIB * 2**20,
                                 profile=preset("bench-h200"), device="cpu", dtype=torch.float32,
                                 prompt=16, gen=4, repeats=2, all_gpu=True)
     assert [r.strategy for r in runs] == ["all-gpu", "n-cpu-moe", "frequency"]
@@ -50,7 +54,7 @@ def test_strategies_run_end_to_end_on_cpu(model):
 
 def test_cli_writes_json_and_table(model, tmp_path, capsys):
     out = tmp_path / "run.json"
-    rc = main(["bench", "run", "--model", str(model), "--device", "cpu", "--dtype", "f32", "--budget", "521MiB",
+    rc = main(["bench", "run", "--model", str(model), "--device", "cpu", "--dtype", "f32", "--budget", f"{BUDGET_MIB}MiB",
                "--strategies", "n-cpu-moe", "-p", "8", "-n", "2", "-r", "1", "--json", str(out),
                "--save-placements", str(tmp_path / "placements")])
     assert rc == 0
@@ -153,7 +157,7 @@ def test_compare_picks_the_best_within_budget_on_both_sides():
 @pytest.mark.skipif(not LLAMA_BENCH.is_file(), reason="no llama-bench build (scripts/build_llamacpp.sh cpu)")
 def test_side_by_side_command(model, tmp_path):
     out = tmp_path / "side.json"
-    assert main(["bench", "run", "--model", str(model), "--device", "cpu", "--dtype", "f32", "--budget", "521MiB",
+    assert main(["bench", "run", "--model", str(model), "--device", "cpu", "--dtype", "f32", "--budget", f"{BUDGET_MIB}MiB",
                  "--strategies", "n-cpu-moe", "-p", "8", "-n", "2", "-r", "1", "--llama-bench", str(LLAMA_BENCH),
                  "--llama-n-cpu-moe", "1", "--threads", "1", "--json", str(out)]) == 0
     d = json.loads(out.read_text())

@@ -42,6 +42,7 @@ class Picky:
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     monkeypatch.setattr(kernel_check, "_checked", set())
+    monkeypatch.setattr(kernel_check, "dropped", [])
     monkeypatch.setattr(packed, "_off", {})
     monkeypatch.setattr(gpu_kernels, "_disabled", [])
 
@@ -57,6 +58,7 @@ def test_a_wrong_candidate_of_the_dense_kernel_is_dropped_before_it_is_timed(mon
     assert close(out, x.double() @ ref.T, 1e-5)
     assert picky.configs and not any(c in picky.wrong for c in picky.configs) and len(picky.configs) == 2
     assert "dropped 1 autotuning candidate" in caplog.text and "WRONG=0" in caplog.text
+    assert len(kernel_check.dropped) == 1 and "matvec" in kernel_check.dropped[0]  # the bench's JSON reports it
     n = picky.launches
     assert close(packed.linear(x, w), x.double() @ ref.T, 1e-5) and picky.launches == n + 1  # checked once
     assert not packed._off

@@ -32,6 +32,7 @@ from workbench.core.planner import Planner
 from workbench.core.readers import open_model
 from workbench.core.stats import ExpertStats
 from workbench.engine import cpu_formats as cf
+from workbench.engine import kernel_check
 from workbench.engine.bench_measure import PeakSampler, markdown_table
 from workbench.engine.experts import COMPUTE, RESIDENT
 
@@ -271,12 +272,14 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
     decode without the decode server), ``served_layers`` / ``served_bus_pairs`` (the decode server's
     hybrid layers and the (token, expert) pairs its bus kernels computed so far), ``kept``
     (``{layer: "gate/up format+down format"}``), ``tiers`` (``{layer: [resident, compute, stream]}``
-    expert counts) and, given its routing ``counts [L, E]``, ``cpu_selected`` (``{layer: selections of
+    expert counts), ``dropped_candidates`` (kernel candidates this process found computing wrong
+    here: ``kernel_check.dropped``) and, given its routing ``counts [L, E]``, ``cpu_selected`` (``{layer: selections of
     CPU-tier experts per token}``: the host work of each hybrid layer)."""
     share = getattr(engine, "_bus", None)
     kept = {str(layer): "+".join(lx.kept) for layer, lx in engine.experts.items() if lx.kept is not None}
     tiers = {str(layer): [int(n) for n in lx.n_tier] for layer, lx in engine.experts.items()}
-    out = {"bus_experts": share.copied if share is not None else 0, "kept": kept, "tiers": tiers}
+    out = {"bus_experts": share.copied if share is not None else 0, "kept": kept, "tiers": tiers,
+           "dropped_candidates": list(kernel_check.dropped)}
     decoder = getattr(engine, "_decoder", None)
     server = getattr(decoder, "server", None)
     out["served_layers"] = sorted(server.layers) if server is not None else []

@@ -26,16 +26,21 @@ import torch
 
 log = logging.getLogger(__name__)
 
-CHECK_TOL = 2e-2
+CHECK_TOL = 6e-2
 """Largest error of a candidate's output, relative to the largest value of the reference, that
-passes (bfloat16 outputs of float32 sums agree within ~5e-3; the wrong candidates seen were off by
-0.2 to 1.5)."""
+passes: bfloat16 rounding gives up to ~5e-3 at one token and ~2.5e-2 for the prompt kernel (its
+weights and activations rounded to bfloat16, the largest of 64 x 2048 errors); the wrong candidates
+seen on the H200 were off by 0.18 to 1.5."""
 
 MAX_TRIES = 64
 """Combinations of the kernels' candidates tried for a first one that agrees."""
 
 _checked: set = set()
 """Shape keys whose candidates were checked in this process."""
+
+dropped: list[str] = []
+"""What the checks of this process dropped, one ``"<shape key>: <candidate>"`` each (the bench's
+JSON reports them with each run)."""
 
 
 class CandidatesWrong(RuntimeError):
@@ -104,6 +109,7 @@ def _check(kernels: list, key, probe: Callable, failed_here: Callable) -> None:
     for k, options, kept in zip(kernels, lists, keep):
         k.configs = kept
         wrong = [_name(c) for c in options if c not in kept]
+        dropped.extend(f"{key}: {w}" for w in wrong)
         if wrong:
             log.warning("dropped %d autotuning candidate(s) that computed %s wrong or failed on this GPU: %s",
                         len(wrong), key, "; ".join(wrong))
