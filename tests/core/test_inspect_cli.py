@@ -91,3 +91,19 @@ def test_default_context_is_the_models_own_when_shorter_than_4096(tiny_model_dir
     assert json.loads(proc.stdout)["memory"]["ctx"] == 256
     proc = _run(tiny_model_dir("qwen3_moe"), "--json", "--ctx", 8192)
     assert json.loads(proc.stdout)["memory"]["ctx"] == 8192
+
+
+def test_the_command_turns_on_expandable_cuda_segments_unless_the_user_chose(tmp_path, monkeypatch):
+    """PyTorch's allocator grows its segments in place (less NVML-visible memory than cached blocks
+    of every prompt size; BENCHMARKS.md 2026-12-04); a value the user set is left alone."""
+    import os
+
+    from workbench.cli import main
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "placeholder")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert main(["inspect", str(tmp_path / "missing.gguf")]) == 2  # a clear refusal, and the setting made
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")
+    main(["inspect", str(tmp_path / "missing.gguf")])
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256"
