@@ -37,8 +37,11 @@ bad: list[str] = []
 
 
 def kept_parts(fmt: str, n: int, k: int, lead: tuple[int, ...] = ()) -> list[torch.Tensor]:
-    """Random blocks of ``fmt`` for ``[*lead, n, k]``, on DEV."""
+    """Random blocks of ``fmt`` for ``[*lead, n, k]`` (``"bf16"``: plain values), on DEV."""
     rows = n * (lead[0] if lead else 1)
+    if fmt == "bf16":
+        g = torch.Generator().manual_seed(n + k)
+        return [(torch.randn(*lead, n, k, generator=g) / k ** 0.5).to(DEV, torch.bfloat16)]
     if fmt == "q8_0":
         g = torch.Generator().manual_seed(n + k)
         q = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=g)
@@ -142,15 +145,18 @@ def experts() -> None:
     ids = torch.randperm(E, generator=g)[:k].to(DEV)
     scale = (torch.rand(k, generator=g) + 0.1).to(DEV, torch.bfloat16)
     rowmap = torch.arange(E, device=DEV)
-    for fmt, fmt2 in (("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q8_0", "q8_0")):
+    for fmt, fmt2 in (("bf16", "bf16"), ("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q8_0", "q8_0")):
         p13, p2 = kept_parts(fmt, 2 * FFN, H, (E,)), kept_parts(fmt2, H, FFN, (E,))
         ref = torch.zeros(1, H, dtype=torch.float64, device=DEV)
         for e, s in zip(ids.tolist(), scale.double().tolist()):
-            w13 = blocks.dequantize(fmt, [t[e] for t in p13], H, torch.float32).double()
-            w2 = blocks.dequantize(fmt2, [t[e] for t in p2], FFN, torch.float32).double()
+            w13 = gpu_kernels.rows_f32(None if fmt == "bf16" else fmt, p13[0], p13[-1], e, H).double()
+            w2 = gpu_kernels.rows_f32(None if fmt2 == "bf16" else fmt2, p2[0], p2[-1], e, FFN).double()
             h = x.double() @ w13.T
             ref += s * ((F.silu(h[:, :FFN]) * h[:, FFN:]) @ w2.T)
-        if fmt == "q8_0":
+        if fmt == "bf16":
+            def run(p13=p13, p2=p2):
+                return gpu_kernels.experts_one_token(x, ids, scale, rowmap, p13[0], p2[0])
+        elif fmt == "q8_0":
             def run(p13=p13, p2=p2):
                 return gpu_kernels.experts_one_token(x, ids, scale, rowmap, p13[0], p2[0], p13[1], p2[1])
         else:
