@@ -157,3 +157,51 @@ def test_a_wrong_candidate_of_the_grouped_prompt_kernel_is_dropped(monkeypatch):
     ref = torch.cat([expert_ffn(xs[rows == r], w13[r], w2[r]) for r in used])
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
     assert [c.kwargs.get("GOOD") for c in picky.configs] == [0]
+
+
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "BF16"])
+def test_an_engine_decodes_through_the_checks_and_computes_the_same(tensor_type, tiny_gguf, monkeypatch):
+    """Every autotuned kernel with two right candidates: the engine's own calls (the decode step's
+    pieces over resident experts, the mixed placement's tiers with a bus share whose slots start
+    unwritten, kept q/k/v, o and head; prompts through the grouped kernel) run the checks' probes
+    on their real tensors, keep both candidates and give the logits and tokens of the unchecked
+    kernels."""
+    from tests.engine.engine_helpers import (
+        PROMPT,
+        attach_bus_share,
+        greedy_tokens,
+        open_inventory,
+        placements,
+        rel_err,
+    )
+    from tests.engine.test_engine_gguf import QUANT_SIZES
+    from workbench.engine import Engine, prefill_kernels
+
+    inv = open_inventory(tiny_gguf("qwen3_moe", tensor_type, **dict(QUANT_SIZES, mlp_only_layers=[])))
+    p = placements(inv)
+
+    def run():
+        out = {}
+        for name in ("resident", "mixed"):
+            engine = Engine.load(inv, p[name], device=DEV, dtype=torch.float32, max_context=64)
+            if DEV == "cpu":
+                engine.decode_mode = "static"  # the decode graphs' pieces, run eagerly
+            if name == "mixed":
+                attach_bus_share(engine, 0.5)
+            out[name] = (engine.forward(torch.tensor(PROMPT), 0), greedy_tokens(engine, PROMPT, 6))
+            engine.close()
+        return out
+
+    plain = run()
+    wrapped = [(gpu_kernels, "_gate_up_kernel", 6), (gpu_kernels, "_down_sum_kernel", 6), (packed, "_matvec_kernel", 3),
+               (prefill_kernels, "_grouped_kernel", 4)]
+    pickies = {}
+    for module, name, out_arg in wrapped:
+        pickies[name] = Picky(getattr(module, name), out_arg, n_good=2, n_wrong=0)
+        monkeypatch.setattr(module, name, pickies[name])
+    checked = run()
+    for name in plain:
+        assert rel_err(checked[name][0], plain[name][0]) < 1e-6 and checked[name][1] == plain[name][1]
+    kinds = {key[0] for key in kernel_check._checked}
+    assert "experts" in kinds and (("matvec" in kinds) == (tensor_type == "Q8_0"))
+    assert all(len(k.configs) == 2 for k in pickies.values()) and not kernel_check.dropped and not packed._off
