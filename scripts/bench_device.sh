@@ -224,6 +224,7 @@ stage_placements() {  # the placements the side-by-side stages ran, as one file
     tar -C /tmp/wb_placements -czf "$OUT/placements.tar.gz" . && log "placements: $(tar -tzf "$OUT/placements.tar.gz" | grep -c json) files"
 }
 stage_calibrate() {  # the profile the later stages predict with ($OUT/h200.json)
+    if [ -n "$build_pid" ]; then log "calibrate waits for the llama-bench build (it takes every core)"; wait_build; fi
     log "calibrate"; python3 -m workbench calibrate -o "$OUT/h200.json" 2>>"$OUT/device.log" | tail -4 | tee -a "$OUT/device.log"
 }
 stage_engine() {  # S1 skewed: llama.cpp and ours, with all on the GPU too
