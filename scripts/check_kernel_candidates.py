@@ -147,12 +147,9 @@ def experts() -> None:
     rowmap = torch.arange(E, device=DEV)
     for fmt, fmt2 in (("bf16", "bf16"), ("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q8_0", "q8_0")):
         p13, p2 = kept_parts(fmt, 2 * FFN, H, (E,)), kept_parts(fmt2, H, FFN, (E,))
-        ref = torch.zeros(1, H, dtype=torch.float64, device=DEV)
-        for e, s in zip(ids.tolist(), scale.double().tolist()):
-            w13 = gpu_kernels.rows_f32(None if fmt == "bf16" else fmt, p13[0], p13[-1], e, H).double()
-            w2 = gpu_kernels.rows_f32(None if fmt2 == "bf16" else fmt2, p2[0], p2[-1], e, FFN).double()
-            h = x.double() @ w13.T
-            ref += s * ((F.silu(h[:, :FFN]) * h[:, FFN:]) @ w2.T)
+        f = tuple(None if v == "bf16" else v for v in (fmt, fmt2))
+        ref = sum(s * gpu_kernels.expert_f32(x, e, f, p13[0], p2[0], p13[-1], p2[-1])
+                  for e, s in zip(ids.tolist(), scale.float().tolist()))
         if fmt == "bf16":
             def run(p13=p13, p2=p2):
                 return gpu_kernels.experts_one_token(x, ids, scale, rowmap, p13[0], p2[0])
@@ -185,10 +182,7 @@ def prompt() -> None:
     tiles = prefill_kernels.tile_table(np.array([0]), np.array([n]), np.array([0]))
     for fmt, fmt2 in (("q4_k", "q4_k"), ("q8_0", "q8_0")):
         p13, p2 = kept_parts(fmt, 2 * FFN, H, (1,)), kept_parts(fmt2, H, FFN, (1,))
-        w13 = blocks.dequantize(fmt, [t[0] for t in p13], H, torch.float32).double()
-        w2 = blocks.dequantize(fmt2, [t[0] for t in p2], FFN, torch.float32).double()
-        h = xs.double() @ w13.T
-        ref = (F.silu(h[:, :FFN]) * h[:, FFN:]) @ w2.T
+        ref = gpu_kernels.expert_f32(xs, 0, (fmt, fmt2), p13[0], p2[0], p13[-1], p2[-1])
         if fmt == "q8_0":
             def run(p13=p13, p2=p2):
                 return prefill_kernels.swiglu_grouped(xs, tiles, p13[0], p2[0], p13[1], p2[1], fmt=("q8_0", "q8_0"))

@@ -571,28 +571,40 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
         mapc[:k] = rows
         idc = torch.arange(k, device=x.device, dtype=ids.dtype)
         sc = torch.linspace(0.5, 1.0, k, device=x.device).to(scale.dtype)
-        f13 = fmt[0] if fmt else ("q8_0" if q8 else None)
-        f2 = fmt[1] if fmt else ("q8_0" if q8 else None)
-        ref = torch.zeros((1, H), dtype=torch.float32, device=x.device)
-        for r, s in zip(rows.tolist(), sc.float().tolist()):
-            a = xc.float() @ rows_f32(f13, w13, d13, r, H).to(x.device).T  # host stacks: the served bus
-            ref += s * ((torch.nn.functional.silu(a[:, :i]) * a[:, i:]) @ rows_f32(f2, w2, d2, r, i).to(x.device).T)
+        f = fmt or (("q8_0", "q8_0") if q8 else (None, None))
+        ref = sum(s * expert_f32(xc, r, f, w13, w2, d13, d2) for r, s in zip(rows.tolist(), sc.float().tolist()))
         return (lambda: launch(xc, idc, sc, mapc)), ref
 
     if w13.shape[0] == 0:  # no expert on this tier: every pair inactive
         return torch.zeros((1, H), dtype=x.dtype, device=x.device)
     key = ("experts", n13, H, i, code13, code2, k, x.dtype, w13.dtype)
-    return kernel_check.run_checked([_gate_up_kernel, _down_sum_kernel],
-                                    lambda: run_dropping_new_forms([_gate_up_kernel, _down_sum_kernel], launch),
-                                    key, probe, failed_here)
+    return run_checked([_gate_up_kernel, _down_sum_kernel], launch, key, probe)
 
 
-def rows_f32(fmt: str | None, w: torch.Tensor, d: torch.Tensor | None, r: int, k: int) -> torch.Tensor:
+def run_checked(kernels: list, launch, key, probe):
+    """``launch()`` through ``kernel_check.run_checked`` (the autotuned ``kernels``' candidates checked
+    at the first call per shape ``key`` with ``probe``) and ``run_dropping_new_forms``."""
+    return kernel_check.run_checked(kernels, lambda: run_dropping_new_forms(kernels, launch), key, probe, failed_here)
+
+
+def _rows_f32(fmt: str | None, w: torch.Tensor, d: torch.Tensor | None, r: int, k: int) -> torch.Tensor:
     """Stack row ``r`` of ``w`` (float values, or kept blocks of ``fmt`` with Q8_0 scales ``d``) as
-    float32 ``[N, k]``, decoded by PyTorch."""
+    float32 ``[N, k]``, decoded by PyTorch where ``w`` lies."""
     if fmt is None:
         return w[r].float()
-    return blocks.dequantize(fmt, [w[r], d[r]] if fmt == "q8_0" else [w[r]], k, torch.float32)  # where w lies
+    return blocks.dequantize(fmt, [w[r], d[r]] if fmt == "q8_0" else [w[r]], k, torch.float32)
+
+
+def expert_f32(x: torch.Tensor, r: int, fmt: tuple, w13: torch.Tensor, w2: torch.Tensor,
+               d13: torch.Tensor | None = None, d2: torch.Tensor | None = None) -> torch.Tensor:
+    """Expert row ``r``'s SwiGLU output for ``x [T, H]`` in float32 on ``x``'s device, computed by
+    PyTorch from the stacks ``w13 [R, 2I, H]``, ``w2 [R, H, I]`` (gate rows first; ``fmt`` = (gate/up,
+    down) formats, None for float values, ``d13``/``d2`` the Q8_0 scales), which may lie on the host
+    (the served bus reads them there): the reference of the kernels' checks (``kernel_check``)."""
+    H = x.shape[-1]
+    i = w13.shape[1] // 2
+    a = x.float() @ _rows_f32(fmt[0], w13, d13, r, H).to(x.device).T
+    return (torch.nn.functional.silu(a[:, :i]) * a[:, i:]) @ _rows_f32(fmt[1], w2, d2, r, i).to(x.device).T
 
 
 def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float

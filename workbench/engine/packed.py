@@ -22,7 +22,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import blocks, gpu_kernels, kernel_check
+from . import blocks, gpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +144,7 @@ class Packed:
             return (lambda: launch(xc)[:, at]), ref
 
         key = ("matvec", n, self.k, self.fmt, x.dtype)
-        return kernel_check.run_checked([_matvec_kernel],
-                                        lambda: gpu_kernels.run_dropping_new_forms([_matvec_kernel], launch),
-                                        key, probe, gpu_kernels.failed_here)
+        return gpu_kernels.run_checked([_matvec_kernel], launch, key, probe)
 
 
 _off: dict[str, str] = {}

@@ -22,7 +22,7 @@ import os
 import numpy as np
 import torch
 
-from . import blocks, gpu_kernels, kernel_check
+from . import blocks, gpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -206,13 +206,11 @@ def grouped_into(xs: torch.Tensor, tiles_t: torch.Tensor, w13: torch.Tensor, w2:
         row = int(tiles_t[0, 0])
         tc = torch.tensor([[row, 0, BLOCK_M]], dtype=torch.int32, device=xs.device)
         hc, oc = torch.empty((BLOCK_M, i), dtype=xs.dtype, device=xs.device), torch.empty_like(xc)
-        f = (None, None) if fmt is None else fmt
-        a = xc.float() @ gpu_kernels.rows_f32(f[0], w13, d13, row, H).to(xs.device).T
-        ref = (torch.nn.functional.silu(a[:, :i]) * a[:, i:]) @ gpu_kernels.rows_f32(f[1], w2, d2, row, i).to(xs.device).T
+        ref = gpu_kernels.expert_f32(xc, row, fmt or (None, None), w13, w2, d13, d2)
         return (lambda: launch(xc, tc, hc, oc)), ref
 
     key = ("grouped", i, H, f13, f2, xs.dtype, w13.dtype)
-    kernel_check.run_checked([_grouped_kernel], launch, key, probe, gpu_kernels.failed_here)
+    gpu_kernels.run_checked([_grouped_kernel], launch, key, probe)
 
 
 def run_or_none(xs: torch.Tensor, tiles: np.ndarray, *stacks, **kw) -> torch.Tensor | None:
