@@ -211,33 +211,47 @@ inline void q4k_scale_min(const uint8_t* sc, int64_t j, int& s, int& m) {
   }
 }
 
+// Super-block sb of a Q4_K row: d and dmin decoded, its 12 scale bytes and 128 bytes of 4-bit values.
+struct Q4kSuper {
+  float d, dmin;
+  const uint8_t* sc;
+  const uint8_t* qs;
+  Q4kSuper(const uint8_t* row, int64_t sb) {
+    const uint8_t* b = row + 144 * sb;
+    d = half_to_float(reinterpret_cast<const Half*>(b));
+    dmin = half_to_float(reinterpret_cast<const Half*>(b + 2));
+    sc = b + 4, qs = b + 16;
+  }
+  // Chunk c (values 64c .. 64c + 63, sub-blocks 2c and 2c + 1): d times each sub-block's scale into
+  // d0 / d1, and the minimums' part of the dot (xs: the sums of x per 32 values) added to mins.
+  void chunk(int64_t c, const float* xs, float& d0, float& d1, float& mins) const {
+    int s0, m0, s1, m1;
+    q4k_scale_min(sc, 2 * c, s0, m0);
+    q4k_scale_min(sc, 2 * c + 1, s1, m1);
+    d0 = d * s0, d1 = d * s1;
+    mins += dmin * (m0 * xs[2 * c] + m1 * xs[2 * c + 1]);
+  }
+};
+
 // dot of one Q4_K row with x[0:K]; xsum[K/32] holds the sums of x over each 32-value block.
 inline float dot_q4k(const uint8_t* row, const float* x, const float* xsum, int64_t K) {
   vf32 acc = {};
   float mins = 0.f;
   for (int64_t sb = 0; sb < K / 256; ++sb) {
-    const uint8_t* b = row + 144 * sb;
-    const float d = half_to_float(reinterpret_cast<const Half*>(b));
-    const float dmin = half_to_float(reinterpret_cast<const Half*>(b + 2));
-    const uint8_t* sc = b + 4;
-    const uint8_t* qs = b + 16;
+    const Q4kSuper q(row, sb);
     const float* xb = x + 256 * sb;
-    const float* xs = xsum + 8 * sb;
     for (int64_t c = 0; c < 4; ++c) {
-      const int64_t j0 = 2 * c, j1 = 2 * c + 1;
-      int s0, m0, s1, m1;
-      q4k_scale_min(sc, j0, s0, m0);
-      q4k_scale_min(sc, j1, s1, m1);
+      float d0, d1;
+      q.chunk(c, xsum + 8 * sb, d0, d1, mins);
       const float* xc = xb + 64 * c;
       vf32 low = {}, high = {};
       for (int64_t j = 0; j < 32; j += LANES) {
         vf32 lo, hi;
-        nibbles(qs + 32 * c + j, lo, hi);
+        nibbles(q.qs + 32 * c + j, lo, hi);
         low += lo * load_vec(xc + j);
         high += hi * load_vec(xc + 32 + j);
       }
-      acc += (d * s0) * low + (d * s1) * high;
-      mins += dmin * (m0 * xs[j0] + m1 * xs[j1]);
+      acc += d0 * low + d1 * high;
     }
   }
   return hsum(acc) - mins;
@@ -261,27 +275,20 @@ inline float dot_q4k_bf16(const uint8_t* row, const uint16_t* xb, const float* x
   __m512 acc = _mm512_setzero_ps();
   float mins = 0.f;
   for (int64_t sb = 0; sb < K / 256; ++sb) {
-    const uint8_t* b = row + 144 * sb;
-    const float d = half_to_float(reinterpret_cast<const Half*>(b));
-    const float dmin = half_to_float(reinterpret_cast<const Half*>(b + 2));
-    const uint8_t* sc = b + 4;
-    const uint8_t* qs = b + 16;
+    const Q4kSuper q(row, sb);
     const uint16_t* xc = xb + 256 * sb;
-    const float* xs = xsum + 8 * sb;
     for (int64_t c = 0; c < 4; ++c) {
-      int s0, m0, s1, m1;
-      q4k_scale_min(sc, 2 * c, s0, m0);
-      q4k_scale_min(sc, 2 * c + 1, s1, m1);
-      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c)));
+      float d0, d1;
+      q.chunk(c, xsum + 8 * sb, d0, d1, mins);
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.qs + 32 * c)));
       const __m512bh qlo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(w, low4), table);
       const __m512bh qhi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
       const __m512bh xlo = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xc + 64 * c));
       const __m512bh xhi = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xc + 64 * c + 32));
       const __m512 low = _mm512_dpbf16_ps(_mm512_setzero_ps(), qlo, xlo);
       const __m512 high = _mm512_dpbf16_ps(_mm512_setzero_ps(), qhi, xhi);
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(d * s0), low, acc);
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(d * s1), high, acc);
-      mins += dmin * (m0 * xs[2 * c] + m1 * xs[2 * c + 1]);
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(d0), low, acc);
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(d1), high, acc);
     }
   }
   return _mm512_reduce_add_ps(acc) - mins;
