@@ -33,8 +33,8 @@
 # `scripts/build_llamacpp.sh fetch` (stage build then takes ~250 s in the background), and .llamacpp/whl):
 #   OUT=$OUT BENCH_ALL_GPU=0 BENCH_TIME_S=570 CANDIDATES_TIME_S=150 scripts/bench_device.sh build candidates \
 #       calibrate engine_q4 engine_q8 engine engine_uniform placements
-# (the side-by-side stages first: BENCH_TIME_S skips what would start too late, and the first process
-# on a fresh machine also compiles every autotuning candidate of the Triton kernels)
+# (BENCH_TIME_S skips what would start too late; the first process on a fresh machine also compiles
+# every autotuning candidate of the Triton kernels, and stage candidates checks them all)
 # and the engine's other CUDA tests in a second call: OUT=$OUT scripts/bench_device.sh tests  (carry .whl_engine)
 # To skip stage calibrate (~90 s), carry a profile from an earlier call (e.g. .dev/h200.json, ignored)
 # and copy it to $OUT/h200.json first: the side-by-side stages predict with $OUT/h200.json when present.
