@@ -65,6 +65,7 @@ def test_cli_writes_json_and_table(model, tmp_path, capsys):
     assert d["runs"][0]["decode_tps"] > 0 and d["runs"][0]["prediction_error"] is not None
     paths = d["runs"][0]["engine_paths"]
     assert paths["bus_experts"] == 0 and paths["kept"] == {}  # bf16 file, no GPU: neither
+    assert paths["dropped_candidates"] == []  # kernel candidates the run's checks found wrong: none here
     tiers = paths["tiers"]  # n-cpu-moe: whole layers' experts on the CPU, the others resident
     assert all(t[2] == 0 and 0 in t[:2] for t in tiers.values()) and any(t[1] for t in tiers.values())
     cpu_layers = {layer for layer, t in tiers.items() if t[1]}
