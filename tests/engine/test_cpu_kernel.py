@@ -399,24 +399,32 @@ def test_q4_k_bad_input_is_refused(kernel):
         kernel.moe_decode_q4k(torch.ones(128), b13, b2, torch.tensor([0]), torch.ones(1))
 
 
-def test_bf16_dots_can_be_turned_off_and_agree_with_the_f32_ones(kernel, tmp_path):
-    """``WORKBENCH_CPU_BF16_DOT=0`` keeps bf16 inputs on the f32 dot products; both give the same
-    sums up to their order (same products, f32 additions)."""
+_Q4K_CALL = ("b13 = torch.randint(0, 256, (3, 512, 1152), dtype=torch.uint8, generator=g)\n"
+             "b2 = torch.randint(0, 256, (3, 2048, 144), dtype=torch.uint8, generator=g)\n"
+             "for b in (b13, b2):\n"  # small positive float16 scales d, dmin
+             "    v = b.view(-1, 144)\n"
+             "    v[:, :4] = torch.from_numpy(np.full((v.shape[0], 2), 1e-3, np.float16).view(np.uint8))\n"
+             "y = cpu_kernel.moe_decode_q4k(x, b13, b2, rows, wts, tokens=tok)\n")
+_BF16_CALL = ("w13 = (torch.randn(3, 512, 2048, generator=g) * 0.02).to(torch.bfloat16)\n"
+              "w2 = (torch.randn(3, 2048, 256, generator=g) * 0.02).to(torch.bfloat16)\n"
+              "y = cpu_kernel.moe_decode(x, w13, w2, rows, wts, tokens=tok)\n")
+
+
+@pytest.mark.parametrize("call", [_Q4K_CALL, _BF16_CALL], ids=["q4_k", "bf16"])
+def test_bf16_dots_can_be_turned_off_and_agree_with_the_f32_ones(kernel, tmp_path, call):
+    """``WORKBENCH_CPU_BF16_DOT=0`` keeps bf16 inputs on the f32 dot products (Q4_K and bf16 gate/up
+    rows); both give the same sums up to their order (same products, f32 additions)."""
     code = ("import sys, numpy as np, torch\n"
             "from workbench.engine import cpu_kernel\n"
             "g = torch.Generator().manual_seed(3)\n"
-            "b13 = torch.randint(0, 256, (3, 512, 1152), dtype=torch.uint8, generator=g)\n"
-            "b2 = torch.randint(0, 256, (3, 2048, 144), dtype=torch.uint8, generator=g)\n"
-            "for b in (b13, b2):\n"  # small positive float16 scales d, dmin
-            "    v = b.view(-1, 144)\n"
-            "    v[:, :4] = torch.from_numpy(np.full((v.shape[0], 2), 1e-3, np.float16).view(np.uint8))\n"
             "x = torch.randn(2, 2048, generator=g).to(torch.bfloat16)\n"
-            "y = cpu_kernel.moe_decode_q4k(x, b13, b2, torch.tensor([0, 2, 1]), torch.tensor([0.5, 0.3, 0.2]),\n"
-            "                              tokens=torch.tensor([0, 0, 1]))\n"
+            "rows, wts, tok = torch.tensor([0, 2, 1]), torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0, 0, 1])\n"
+            + call +
             f"np.save({str(tmp_path)!r} + '/y' + sys.argv[-1] + '.npy', y.numpy())\n")
     for name, env in (("on", {}), ("off", {"WORKBENCH_CPU_BF16_DOT": "0"})):
         proc = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=300,
                               env={**os.environ, **env})
         assert proc.returncode == 0, proc.stderr
     on, off = np.load(tmp_path / "yon.npy"), np.load(tmp_path / "yoff.npy")
+    assert np.abs(off).max() > 0
     assert np.abs(on - off).max() <= 1e-5 * np.abs(off).max()
