@@ -22,9 +22,9 @@ from workbench.engine import cpu_kernel  # noqa: E402
 def main(threads: int) -> None:
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
-    E, H, I = 128, 2048, 768
-    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.02).bfloat16()
-    w2 = (torch.randn(E, H, I, generator=g) * 0.02).bfloat16()
+    E, H, ffn = 128, 2048, 768
+    w13 = (torch.randn(E, 2 * ffn, H, generator=g) * 0.02).bfloat16()
+    w2 = (torch.randn(E, H, ffn, generator=g) * 0.02).bfloat16()
     x = torch.randn(H, generator=g).bfloat16()
     for k in (2, 8):
         times = []
@@ -35,7 +35,7 @@ def main(threads: int) -> None:
                 cpu_kernel.moe_decode(x, w13, w2, rows, torch.full((k,), 1.0 / k))
             times.append((time.perf_counter() - t0) / 20)
         times.sort()
-        nbytes = k * 3 * I * H * 2
+        nbytes = k * 3 * ffn * H * 2
         print(f"{threads} threads {k} experts {nbytes / times[0] / 1e9:.1f} GB/s best, "
               f"{nbytes / times[4] / 1e9:.1f} median", flush=True)
 
