@@ -164,3 +164,22 @@ def test_the_host_read_buffer_is_larger_than_the_caches():
     assert l3 >= 0
     if l3:
         assert 1 << 20 <= l3 <= 16 << 30  # a plausible last-level cache
+
+
+@pytest.mark.parametrize("l3", [0, 1 << 40])
+def test_the_host_read_is_at_least_what_the_fused_kernel_read_from_ram(monkeypatch, l3):
+    """A sum that read slowly this time (1 MB/s here) does not pull the RAM figure below the fused
+    kernel's own read of a pool larger than the caches; a pool the caches could hold proves nothing."""
+    from workbench.engine import calibrate as cal
+
+    if not cpu_kernel.available():
+        pytest.skip("no fused CPU kernel here")
+    monkeypatch.setattr(cal, "_host_read", lambda run, nbytes: 1e6)
+    monkeypatch.setattr(cal, "l3_bytes", lambda: l3)
+    prof = calibrate(HIDDEN, FFN, budget_s=0.6, formats=["bf16"], weight_bytes=1 << 20, use_cuda=False)
+    fused = prof.cpu_expert_throughput["bf16"]
+    assert fused > 1e7
+    if l3 == 0:  # no cache to flatter the pool
+        assert prof.host_read_bandwidth == pytest.approx(fused)
+    else:
+        assert prof.host_read_bandwidth == 1e6
