@@ -29,7 +29,7 @@
 # BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (64 / 2), BENCH_MARGIN (512MiB) and LLAMA_N_CPU_MOE tune
 # the side-by-side stages. Stage candidates: scripts/check_kernel_candidates.py (each autotuning
 # candidate of the one-token kernels against PyTorch at S1's shapes, and what the engine's check keeps;
-# $OUT/candidates.txt). A session's run in one call (~560 s; carry .llamacpp/pack, or .llamacpp after
+# $OUT/candidates.txt); stage explore: the same with more forms tried ($OUT/explore.txt). A session's run in one call (~560 s; carry .llamacpp/pack, or .llamacpp after
 # `scripts/build_llamacpp.sh fetch` (stage build then takes ~250 s in the background), and .llamacpp/whl):
 #   OUT=$OUT BENCH_ALL_GPU=0 BENCH_TIME_S=570 CANDIDATES_TIME_S=150 scripts/bench_device.sh build candidates \
 #       calibrate engine_q4 engine_q8 engine engine_uniform placements
@@ -216,6 +216,10 @@ stage_candidates() {  # every autotuning candidate of the one-token kernels agai
     WORKBENCH_AUTOTUNE=1 timeout "${CANDIDATES_TIME_S:-240}" python3 scripts/check_kernel_candidates.py \
         >"$OUT/candidates.txt" 2>&1; log "candidates rc $?"
     grep -E "checked and autotuned|WRONG|FAILED|everywhere" "$OUT/candidates.txt" | cut -c1-160 | tee -a "$OUT/device.log"
+}
+stage_explore() {  # the one-token kernels' candidates plus EXPLORE's forms, Q4_K / Q8_0 / bf16 experts and q/k/v, o
+    timeout "${EXPLORE_TIME_S:-200}" python3 scripts/check_kernel_candidates.py --explore --formats q4_k,q8_0,bf16 \
+        --dense qkv,o --no-prompt >"$OUT/explore.txt" 2>&1; log "explore rc $?"
 }
 stage_fit_probe() {  # calibration's engine fit three times in fresh processes (needs $OUT/h200.json: stage calibrate first)
     for i in 1 2 3; do python3 scripts/probe_engine_fit.py fresh "$OUT/h200.json" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"; done

@@ -10,6 +10,10 @@ autotuner's pick among those kept, its error on the first and the second call; a
 dequantizing kernel against PyTorch's decoder.
 
     python scripts/check_kernel_candidates.py          # from the repository root, on the GPU machine
+    python scripts/check_kernel_candidates.py --explore --formats q4_k,q8_0 --dense qkv,o --no-prompt
+
+``--explore`` adds the forms in ``EXPLORE`` to each kernel's candidates (for choosing new ones:
+smaller row blocks, the 3-D tiles); ``--formats`` / ``--dense`` / ``--no-prompt`` narrow the run.
 
 A candidate whose error is above ``kernel_check.CHECK_TOL`` is marked WRONG; if what the engine runs
 (checked, then autotuned) is off by that much, or a dequantizing kernel is, the script says so and
@@ -34,6 +38,38 @@ SMOKE = DEV == "cpu"
 DENSE = {"qkv": (5120, 2048), "o": (2048, 4096), "head": (151936, 2048)} if not SMOKE else {"smoke": (48, 512)}
 EXPERTS = (128, 2048, 768, 8) if not SMOKE else (4, 256, 256, 2)  # E, H, I, k
 bad: list[str] = []
+ARGS = sys.argv[1:]
+
+
+def _opt(name: str, default: str | None) -> str | None:
+    return ARGS[ARGS.index(name) + 1] if name in ARGS else default
+
+
+FORMATS = (_opt("--formats", None) or "bf16,q4_k,q6_k,q8_0").split(",")
+if _opt("--dense", None):
+    DENSE = {k: v for k, v in DENSE.items() if k in _opt("--dense", "").split(",")}
+_T3, _T, _NT = {"TILE": 2}, {"TILE": True}, {"TILE": False}
+EXPLORE = {  # (BLOCK_N, BLOCK_K, warps, constexprs) tried besides each kernel's own candidates
+    "rows": [(2, 256, 4, _T3), (4, 256, 4, _T3), (8, 256, 4, _T3), (16, 256, 4, _T3), (4, 256, 4, _T),
+             (4, 256, 4, _NT), (2, 256, 4, _NT), (1, 256, 4, _NT), (4, 256, 2, _T3), (2, 256, 2, _T3)],
+    "down": [(1, 256, 4, {"UNROLL": True, **_NT}), (2, 256, 4, {"UNROLL": True, **_T3}),
+             (4, 256, 4, {"UNROLL": True, **_T3}), (8, 256, 4, {"UNROLL": True, **_T3}),
+             (4, 256, 4, {"UNROLL": False, **_T3}), (2, 256, 2, {"UNROLL": True, **_T3}),
+             (2, 256, 4, {"UNROLL": True, **_NT}), (4, 256, 2, {"UNROLL": True, **_NT})],
+}
+
+
+def explore(kernel, which: str) -> None:
+    """With ``--explore``: ``EXPLORE[which]``'s forms appended to ``kernel``'s candidates."""
+    if "--explore" in ARGS:
+        from triton import Config
+
+        have = {(c.kwargs.get("BLOCK_N"), c.kwargs.get("BLOCK_K"), c.num_warps, tuple(sorted(c.kwargs.items())))
+                for c in kernel.configs}
+        for o in EXPLORE[which]:
+            c = Config({"BLOCK_N": o[0], "BLOCK_K": o[1], **o[3]}, num_warps=o[2])
+            if (o[0], o[1], o[2], tuple(sorted(c.kwargs.items()))) not in have:
+                kernel.configs.append(c)
 
 
 def kept_parts(fmt: str, n: int, k: int, lead: tuple[int, ...] = ()) -> list[torch.Tensor]:
@@ -121,7 +157,7 @@ def dense() -> None:
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
         print(f"{name} bf16 F.linear: {graph_us(lambda x=x, w=w: F.linear(x, w)):.1f} us", flush=True)
         del w
-        for fmt in ("q8_0", "q4_k", "q6_k"):
+        for fmt in [f for f in ("q8_0", "q4_k", "q6_k") if f in FORMATS]:
             p = packed.Packed(fmt, kept_parts(fmt, n, k), k, torch.bfloat16)
             w64 = blocks.dequantize(fmt, p.parts, k, torch.float32).double()
             ref = x.double() @ w64.T
@@ -145,7 +181,8 @@ def experts() -> None:
     ids = torch.randperm(E, generator=g)[:k].to(DEV)
     scale = (torch.rand(k, generator=g) + 0.1).to(DEV, torch.bfloat16)
     rowmap = torch.arange(E, device=DEV)
-    for fmt, fmt2 in (("bf16", "bf16"), ("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q8_0", "q8_0")):
+    pairs = (("q4_k", "q4_k"), ("q8_0", "q8_0"), ("q4_k", "q6_k"), ("bf16", "bf16"))
+    for fmt, fmt2 in [p for p in pairs if p[0] in FORMATS and p[1] in FORMATS]:
         p13, p2 = kept_parts(fmt, 2 * FFN, H, (E,)), kept_parts(fmt2, H, FFN, (E,))
         f = tuple(None if v == "bf16" else v for v in (fmt, fmt2))
         ref = sum(s * gpu_kernels.expert_f32(x, e, f, p13[0], p2[0], p13[-1], p2[-1])
@@ -195,8 +232,12 @@ def prompt() -> None:
 
 if __name__ == "__main__":
     torch.backends.cuda.matmul.allow_tf32 = False
+    explore(gpu_kernels._gate_up_kernel, "rows")
+    explore(gpu_kernels._down_sum_kernel, "down")
+    explore(packed._matvec_kernel, "rows")
     experts()
-    prompt()
+    if "--no-prompt" not in ARGS:
+        prompt()
     dense()
     print("WRONG: " + "; ".join(bad) if bad else "what the engine runs is within CHECK_TOL everywhere", flush=True)
     sys.exit(1 if bad else 0)

@@ -171,6 +171,12 @@ if triton is not None:
         256), decoded a block at a time: ``FMT`` 1 Q8_0 (``d_rows``: each row's float16 scales, one
         load per 32 values), 2 Q4_K, 3 Q6_K (each super-block's scales decoded once per sub-block).
         0 where ``rm`` is False or past ``K`` (nothing read there)."""
+        return tl.reshape(_block_tile3(rows, d_rows, k0, rm, K, FMT, BLOCK_N, BLOCK_K), (BLOCK_N, BLOCK_K))
+
+    @triton.jit
+    def _block_tile3(rows, d_rows, k0, rm, K, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``_block_tile`` as decoded, ``[BLOCK_N, BLOCK_K / S, S]``: sub-blocks of ``S`` inputs (16
+        for Q6_K, else 32) along the middle axis, inputs in order (no reshape, no layout change)."""
         if FMT == 1:
             NB: tl.constexpr = BLOCK_K // 32
             blk = k0 // 32 + tl.arange(0, NB)
@@ -207,7 +213,20 @@ if triton is not None:
             sc = tl.load(sb[:, None] + 192 + u[None, :], mask=rm[:, None], other=0).to(tl.int32)
             sc = tl.where(sc > 127, sc - 256, sc)  # int8
             w = (_half(sb, 208, rm)[:, None] * sc.to(tl.float32))[:, :, None] * (q - 32).to(tl.float32)
-        return tl.reshape(w, (BLOCK_N, BLOCK_K))
+        return w
+
+    @triton.jit
+    def _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT: tl.constexpr, SWIGLU: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr):
+        """``_row_dots`` with ``TILE=2``: products of ``_block_tile3`` tiles and the inputs in the same
+        ``[BLOCK_K / S, S]`` shape summed elementwise into a 3-D accumulator, reduced once per row."""
+        A: tl.constexpr = BLOCK_K // S
+        acc3 = tl.zeros((BLOCK_N, A, S), dtype=tl.float32)
+        at = tl.arange(0, A)[:, None] * S + tl.arange(0, S)[None, :]  # [A, S]: inputs in order
+        for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every tile's loads in flight at once
+            x = _inputs(x_ptr, k0 + at, K, k0 + at < K, SWIGLU)
+            acc3 += _block_tile3(w_rows, d_rows, k0, rm, K, FMT, BLOCK_N, BLOCK_K) * x[None, :, :]
+        return tl.sum(tl.sum(acc3, axis=2), axis=1)
 
     @triton.jit
     def _row_dots(w_rows, d_rows, x_ptr, K, rm, FMT: tl.constexpr, SWIGLU: tl.constexpr,
@@ -221,9 +240,15 @@ if triton is not None:
         ``TILE`` (blocks only; ``K`` a compile-time constant, ``BLOCK_K`` dividing 256): the row
         decoded ``BLOCK_K`` values at a time (``_block_tile``), products summed elementwise into a
         ``[BLOCK_N, BLOCK_K]`` accumulator and reduced across threads once per row, not once or
-        twice per block: the autotuner keeps whichever form is faster on the GPU at hand."""
+        twice per block: the autotuner keeps whichever form is faster on the GPU at hand. ``TILE=2``:
+        the same with tiles kept in their decoded ``[BLOCK_N, BLOCK_K / S, S]`` shape
+        (``_tile3_dots``), which spares the compiler a layout change per tile."""
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        if TILE and FMT != 0:
+        if TILE == 2 and FMT == 3:
+            acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, BLOCK_K, 16)
+        elif TILE == 2 and FMT != 0:
+            acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, BLOCK_K, 32)
+        elif TILE and FMT != 0:
             acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every tile's loads in flight at once
                 offs_k = k0 + tl.arange(0, BLOCK_K)
