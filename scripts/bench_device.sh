@@ -219,7 +219,8 @@ stage_candidates() {  # every autotuning candidate of the one-token kernels agai
 }
 stage_explore() {  # the one-token kernels' candidates plus EXPLORE's forms, Q4_K / Q8_0 / bf16 experts and q/k/v, o
     timeout "${EXPLORE_TIME_S:-200}" python3 scripts/check_kernel_candidates.py --explore --formats q4_k,q8_0,bf16 \
-        --dense qkv,o --no-prompt >"$OUT/explore.txt" 2>&1; log "explore rc $?"
+        --experts "${EXPLORE_EXPERTS:-q4_k,q8_0,bf16}" --dense qkv,o --no-prompt >"$OUT/explore.txt" 2>&1
+    log "explore rc $?"
 }
 stage_fit_probe() {  # calibration's engine fit three times in fresh processes (needs $OUT/h200.json: stage calibrate first)
     for i in 1 2 3; do python3 scripts/probe_engine_fit.py fresh "$OUT/h200.json" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"; done

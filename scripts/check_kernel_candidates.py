@@ -13,7 +13,8 @@ dequantizing kernel against PyTorch's decoder.
     python scripts/check_kernel_candidates.py --explore --formats q4_k,q8_0 --dense qkv,o --no-prompt
 
 ``--explore`` adds the forms in ``EXPLORE`` to each kernel's candidates (for choosing new ones:
-smaller row blocks, the 3-D tiles); ``--formats`` / ``--dense`` / ``--no-prompt`` narrow the run.
+smaller row blocks and other warp counts); ``--formats`` / ``--experts`` (the experts' formats,
+default ``--formats``) / ``--dense`` / ``--no-prompt`` narrow the run.
 
 A candidate whose error is above ``kernel_check.CHECK_TOL`` is marked WRONG; if what the engine runs
 (checked, then autotuned) is off by that much, or a dequantizing kernel is, the script says so and
@@ -46,16 +47,16 @@ def _opt(name: str, default: str | None) -> str | None:
 
 
 FORMATS = (_opt("--formats", None) or "bf16,q4_k,q6_k,q8_0").split(",")
+EXPERT_FORMATS = (_opt("--experts", None) or ",".join(FORMATS)).split(",")
 if _opt("--dense", None):
     DENSE = {k: v for k, v in DENSE.items() if k in _opt("--dense", "").split(",")}
-_T3, _T, _NT = {"TILE": 2}, {"TILE": True}, {"TILE": False}
+_T, _NT = {"TILE": True}, {"TILE": False}
 EXPLORE = {  # (BLOCK_N, BLOCK_K, warps, constexprs) tried besides each kernel's own candidates
-    "rows": [(2, 256, 4, _T3), (4, 256, 4, _T3), (8, 256, 4, _T3), (16, 256, 4, _T3), (4, 256, 4, _T),
-             (4, 256, 4, _NT), (2, 256, 4, _NT), (1, 256, 4, _NT), (4, 256, 2, _T3), (2, 256, 2, _T3)],
-    "down": [(1, 256, 4, {"UNROLL": True, **_NT}), (2, 256, 4, {"UNROLL": True, **_T3}),
-             (4, 256, 4, {"UNROLL": True, **_T3}), (8, 256, 4, {"UNROLL": True, **_T3}),
-             (4, 256, 4, {"UNROLL": False, **_T3}), (2, 256, 2, {"UNROLL": True, **_T3}),
-             (2, 256, 4, {"UNROLL": True, **_NT}), (4, 256, 2, {"UNROLL": True, **_NT})],
+    "rows": [(2, 256, 4, _T), (4, 256, 4, _T), (2, 256, 2, _T), (8, 256, 2, _T), (8, 512, 4, _T),
+             (16, 256, 8, _T), (4, 256, 4, _NT), (2, 256, 4, _NT)],
+    "down": [(2, 256, 4, {"UNROLL": True, **_T}), (2, 256, 4, {"UNROLL": False, **_T}),
+             (8, 256, 4, {"UNROLL": False, **_T}), (4, 256, 2, {"UNROLL": False, **_T}),
+             (4, 256, 8, {"UNROLL": False, **_T}), (2, 256, 4, {"UNROLL": True, **_NT})],
 }
 
 
@@ -182,7 +183,7 @@ def experts() -> None:
     scale = (torch.rand(k, generator=g) + 0.1).to(DEV, torch.bfloat16)
     rowmap = torch.arange(E, device=DEV)
     pairs = (("q4_k", "q4_k"), ("q8_0", "q8_0"), ("q4_k", "q6_k"), ("bf16", "bf16"))
-    for fmt, fmt2 in [p for p in pairs if p[0] in FORMATS and p[1] in FORMATS]:
+    for fmt, fmt2 in [p for p in pairs if p[0] in EXPERT_FORMATS and p[1] in EXPERT_FORMATS]:
         p13, p2 = kept_parts(fmt, 2 * FFN, H, (E,)), kept_parts(fmt2, H, FFN, (E,))
         f = tuple(None if v == "bf16" else v for v in (fmt, fmt2))
         ref = sum(s * gpu_kernels.expert_f32(x, e, f, p13[0], p2[0], p13[-1], p2[-1])

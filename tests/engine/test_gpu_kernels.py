@@ -107,7 +107,7 @@ def _check_against(out, x, ids, scale, rowmap, r13, r2) -> None:
     assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-2
 
 
-@pytest.mark.parametrize("form", ["tile", "tile3", "blocks"])
+@pytest.mark.parametrize("form", ["tile", "blocks"])
 @pytest.mark.parametrize("H,F_,E,k", [(64, 32, 6, 2), (96, 64, 5, 3), (2048, 768, 16, 8)])
 def test_experts_one_token_on_q8_0_blocks_match_ggufs_dequantization(H, F_, E, k, form, monkeypatch):
     """Q8_0 stacks (int8 values, a float16 scale per 32) read in place give what gguf-py's dequantized
@@ -139,7 +139,7 @@ def test_experts_one_token_on_q8_0_blocks_match_ggufs_dequantization(H, F_, E, k
 
 @pytest.mark.parametrize("H,F_,E,k,fmt", [(256, 256, 4, 2, ("q4_k", "q4_k")), (512, 256, 5, 3, ("q4_k", "q4_k")),
                                           (256, 256, 4, 2, ("q4_k", "q6_k")), (256, 256, 3, 2, ("q6_k", "q6_k"))])
-@pytest.mark.parametrize("form", ["tile", "tile3", "blocks"])
+@pytest.mark.parametrize("form", ["tile", "blocks"])
 def test_experts_one_token_on_q4_k_blocks_match_ggufs_dequantization(H, F_, E, k, fmt, form, monkeypatch):
     """Q4_K / Q6_K rows as raw bytes, read in place (inactive pairs read nothing)."""
     force_kernel_form(monkeypatch, form)

@@ -44,7 +44,7 @@ def close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
 @needs_kernels
 @pytest.mark.parametrize("fmt,n,k", [("q8_0", 40, 96), ("q4_k", 37, 512), ("q6_k", 24, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("form", ["tile", "tile3", "blocks"])
+@pytest.mark.parametrize("form", ["tile", "blocks"])
 def test_one_token_kernel_reads_the_blocks_in_place(fmt, n, k, dtype, form, monkeypatch):
     force_kernel_form(monkeypatch, form)
     w, ref = kept(fmt, n, k, seed=n + k)

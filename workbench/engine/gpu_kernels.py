@@ -218,8 +218,10 @@ if triton is not None:
     @triton.jit
     def _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT: tl.constexpr, SWIGLU: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr):
-        """``_row_dots`` with ``TILE=2``: products of ``_block_tile3`` tiles and the inputs in the same
-        ``[BLOCK_K / S, S]`` shape summed elementwise into a 3-D accumulator, reduced once per row."""
+        """``_row_dots`` with ``TILE``: products of ``_block_tile3`` tiles and the inputs in the same
+        ``[BLOCK_K / S, S]`` shape summed elementwise into a 3-D accumulator, reduced once per row.
+        Tiles stay in their decoded shape: the H200 computed a form that reshaped each tile to
+        ``[BLOCK_N, BLOCK_K]`` wrong at 4 and 8 rows (``scripts/check_kernel_candidates.py``)."""
         A: tl.constexpr = BLOCK_K // S
         acc3 = tl.zeros((BLOCK_N, A, S), dtype=tl.float32)
         at = tl.arange(0, A)[:, None] * S + tl.arange(0, S)[None, :]  # [A, S]: inputs in order
@@ -238,23 +240,14 @@ if triton is not None:
         not per value). Rows where ``rm`` is False give 0 and read nothing.
 
         ``TILE`` (blocks only; ``K`` a compile-time constant, ``BLOCK_K`` dividing 256): the row
-        decoded ``BLOCK_K`` values at a time (``_block_tile``), products summed elementwise into a
-        ``[BLOCK_N, BLOCK_K]`` accumulator and reduced across threads once per row, not once or
-        twice per block: the autotuner keeps whichever form is faster on the GPU at hand. ``TILE=2``:
-        the same with tiles kept in their decoded ``[BLOCK_N, BLOCK_K / S, S]`` shape
-        (``_tile3_dots``), which spares the compiler a layout change per tile."""
+        decoded ``BLOCK_K`` values at a time (``_tile3_dots``), products summed elementwise into an
+        accumulator and reduced across threads once per row, not once or twice per block: the
+        autotuner keeps whichever form is faster on the GPU at hand."""
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        if TILE == 2 and FMT == 3:
+        if TILE and FMT == 3:
             acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, BLOCK_K, 16)
-        elif TILE == 2 and FMT != 0:
-            acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, BLOCK_K, 32)
         elif TILE and FMT != 0:
-            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every tile's loads in flight at once
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                x = _inputs(x_ptr, offs_k, K, offs_k < K, SWIGLU)
-                acc2 += _block_tile(w_rows, d_rows, k0, rm, K, FMT, BLOCK_N, BLOCK_K) * x[None, :]
-            acc = tl.sum(acc2, axis=1)
+            acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, BLOCK_K, 32)
         elif FMT == 2 or FMT == 3:
             size: tl.constexpr = 144 if FMT == 2 else 210
             for s in tl.static_range(0, K // 256):  # unrolled: every super-block's loads in flight at once
@@ -315,9 +308,9 @@ if triton is not None:
     _NO_TILE = {"TILE": False}
     _TILE = {"TILE": True}
 
-    @triton.autotune(configs=_configs([(16, 256, 4, _TILE), (16, 256, 4, _NO_TILE), (8, 256, 4, _NO_TILE),
-                                       (32, 256, 4, _NO_TILE), (16, 512, 4, _NO_TILE), (32, 128, 8, _NO_TILE),
-                                       (32, 128, 4, _TILE)]),
+    @triton.autotune(configs=_configs([(16, 256, 4, _TILE), (4, 256, 2, _TILE), (8, 256, 4, _TILE),
+                                       (16, 256, 4, _NO_TILE), (8, 256, 4, _NO_TILE), (32, 256, 4, _NO_TILE),
+                                       (16, 512, 4, _NO_TILE), (32, 128, 8, _NO_TILE)]),
                      key=["N", "K", "FMT"])
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, K: tl.constexpr, stride_e,
@@ -352,14 +345,15 @@ if triton is not None:
                          TILE)
         return tl.where(active, part * s, 0.0)
 
-    @triton.autotune(configs=_configs([(16, 128, 4, {"UNROLL": True, **_TILE}), (8, 256, 4, {"UNROLL": False, **_NO_TILE}),
+    @triton.autotune(configs=_configs([(4, 256, 4, {"UNROLL": False, **_TILE}),
+                                       (8, 256, 4, {"UNROLL": True, **_TILE}),
+                                       (4, 256, 4, {"UNROLL": True, **_TILE}),
+                                       (16, 128, 4, {"UNROLL": False, **_TILE}),
+                                       (8, 256, 4, {"UNROLL": False, **_NO_TILE}),
                                        (4, 256, 4, {"UNROLL": False, **_NO_TILE}),
                                        (16, 256, 4, {"UNROLL": False, **_NO_TILE}),
                                        (8, 512, 4, {"UNROLL": False, **_NO_TILE}),
-                                       (16, 128, 8, {"UNROLL": False, **_NO_TILE}),
-                                       (4, 256, 4, {"UNROLL": True, **_NO_TILE}),
-                                       (16, 256, 8, {"UNROLL": True, **_NO_TILE}),
-                                       (16, 128, 4, {"UNROLL": False, **_TILE})]),
+                                       (4, 256, 4, {"UNROLL": True, **_NO_TILE})]),
                      key=["N", "FFN", "K", "FMT"])
     @triton.jit
     def _down_sum_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, FFN: tl.constexpr, stride_e,

@@ -44,9 +44,9 @@ if triton is not None:
 
     _T, _NT = {"TILE": True}, {"TILE": False}
 
-    @triton.autotune(configs=gpu_kernels._configs([(16, 256, 4, _T), (16, 256, 4, _NT), (32, 256, 4, _NT),
-                                                   (8, 256, 4, _NT), (64, 256, 8, _NT), (32, 128, 4, _NT),
-                                                   (32, 128, 4, _T)]), key=["N", "K", "FMT"])
+    @triton.autotune(configs=gpu_kernels._configs([(16, 256, 4, _T), (8, 256, 4, _T), (4, 256, 4, _T),
+                                                   (16, 256, 4, _NT), (32, 256, 4, _NT), (8, 256, 4, _NT),
+                                                   (32, 128, 4, _NT), (32, 128, 4, _T)]), key=["N", "K", "FMT"])
     @triton.jit
     def _matvec_kernel(x_ptr, w_ptr, d_ptr, out_ptr, N, K: tl.constexpr, stride_n, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, FMT: tl.constexpr, TILE: tl.constexpr):
