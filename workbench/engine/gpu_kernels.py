@@ -308,7 +308,7 @@ if triton is not None:
     _NO_TILE = {"TILE": False}
     _TILE = {"TILE": True}
 
-    @triton.autotune(configs=_configs([(16, 256, 4, _TILE), (4, 256, 2, _TILE), (8, 256, 4, _TILE),
+    @triton.autotune(configs=_configs([(16, 256, 4, _TILE), (4, 256, 2, _TILE), (2, 256, 2, _TILE), (8, 256, 4, _TILE),
                                        (16, 256, 4, _NO_TILE), (8, 256, 4, _NO_TILE), (32, 256, 4, _NO_TILE),
                                        (16, 512, 4, _NO_TILE), (32, 128, 8, _NO_TILE)]),
                      key=["N", "K", "FMT"])
@@ -349,6 +349,7 @@ if triton is not None:
                                        (8, 256, 4, {"UNROLL": True, **_TILE}),
                                        (4, 256, 4, {"UNROLL": True, **_TILE}),
                                        (16, 128, 4, {"UNROLL": False, **_TILE}),
+                                       (2, 256, 4, {"UNROLL": False, **_TILE}),
                                        (8, 256, 4, {"UNROLL": False, **_NO_TILE}),
                                        (4, 256, 4, {"UNROLL": False, **_NO_TILE}),
                                        (16, 256, 4, {"UNROLL": False, **_NO_TILE}),

@@ -44,7 +44,7 @@ if triton is not None:
 
     _T, _NT = {"TILE": True}, {"TILE": False}
 
-    @triton.autotune(configs=gpu_kernels._configs([(16, 256, 4, _T), (8, 256, 4, _T), (4, 256, 4, _T),
+    @triton.autotune(configs=gpu_kernels._configs([(16, 256, 4, _T), (8, 256, 4, _T), (4, 256, 4, _T), (2, 256, 2, _T),
                                                    (16, 256, 4, _NT), (32, 256, 4, _NT), (8, 256, 4, _NT),
                                                    (32, 128, 4, _NT), (32, 128, 4, _T)]), key=["N", "K", "FMT"])
     @triton.jit
