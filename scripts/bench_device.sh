@@ -29,7 +29,8 @@
 # BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (64 / 2), BENCH_MARGIN (512MiB) and LLAMA_N_CPU_MOE tune
 # the side-by-side stages. Stage candidates: scripts/check_kernel_candidates.py (each autotuning
 # candidate of the one-token kernels against PyTorch at S1's shapes, and what the engine's check keeps;
-# $OUT/candidates.txt); stage explore: the same with more forms tried ($OUT/explore.txt). A session's run in one call (~560 s; carry .llamacpp/pack, or .llamacpp after
+# $OUT/candidates.txt); stage explore: the same with more forms tried ($OUT/explore.txt).
+# A session's run in one call (~560 s; carry .llamacpp/pack, or .llamacpp after
 # `scripts/build_llamacpp.sh fetch` (stage build then takes ~250 s in the background), and .llamacpp/whl):
 #   OUT=$OUT BENCH_ALL_GPU=0 BENCH_TIME_S=570 CANDIDATES_TIME_S=150 scripts/bench_device.sh build candidates \
 #       calibrate engine_q4 engine_q8 engine engine_uniform placements

@@ -65,11 +65,13 @@ def explore(kernel, which: str) -> None:
     if "--explore" in ARGS:
         from triton import Config
 
-        have = {(c.kwargs.get("BLOCK_N"), c.kwargs.get("BLOCK_K"), c.num_warps, tuple(sorted(c.kwargs.items())))
-                for c in kernel.configs}
+        def form(c) -> tuple:
+            return c.num_warps, tuple(sorted(c.kwargs.items()))
+
+        have = {form(c) for c in kernel.configs}
         for o in EXPLORE[which]:
             c = Config({"BLOCK_N": o[0], "BLOCK_K": o[1], **o[3]}, num_warps=o[2])
-            if (o[0], o[1], o[2], tuple(sorted(c.kwargs.items()))) not in have:
+            if form(c) not in have:
                 kernel.configs.append(c)
 
 

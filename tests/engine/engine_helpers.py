@@ -125,8 +125,8 @@ def attach_bus_share(engine, fraction: float):
 
 def force_kernel_form(monkeypatch, form: str) -> None:
     """Make the autotuned one-token kernels run one form of their row loop (``"tile"``: rows decoded a
-    tile at a time into one accumulator, ``"blocks"``: a block or super-block at a time, pairs of the down projection unrolled or not)
-    whatever the autotuner would pick, so that tests check each."""
+    tile at a time into one accumulator, ``"blocks"``: a block or super-block at a time, pairs of the
+    down projection unrolled or not) whatever the autotuner would pick, so that tests check each."""
     from triton import Config
 
     from workbench.engine import gpu_kernels, packed

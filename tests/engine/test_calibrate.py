@@ -183,3 +183,14 @@ def test_the_host_read_is_at_least_what_the_fused_kernel_read_from_ram(monkeypat
         assert prof.host_read_bandwidth == pytest.approx(fused)
     else:
         assert prof.host_read_bandwidth == 1e6
+
+
+def test_repeat_gives_the_median_or_the_fastest_call():
+    """The host read takes the fastest pass (``best``); other steps the median of the calls' own times."""
+    from workbench.engine.calibrate import _repeat, _Run
+
+    run = _Run(10.0, None, None, [("host", 1.0)])
+    times = iter([0.5, 0.1, 0.3, 0.9, 0.2])
+    assert _repeat(run, lambda: next(times), 0.0, min_reps=5) == 0.3
+    times = iter([0.5, 0.1, 0.3, 0.9, 0.2])
+    assert _repeat(run, lambda: next(times), 0.0, min_reps=5, best=True) == 0.1
