@@ -143,3 +143,16 @@ def test_measured_h200_profile_file_agrees_with_the_preset():
     for a, b in ((g.launch_s, m.launch_s), (g.expert_bandwidth, m.expert_bandwidth), (g.bf16_flops, m.bf16_flops)):
         assert a == pytest.approx(b, rel=0.01)
     assert bench.h2d_pinned == pytest.approx(measured.h2d_pinned, rel=0.02)  # BENCH.md and calibrate agree
+
+
+def test_a_profile_at_another_host_read_scales_the_cpu_rates_with_it():
+    base = preset("bench-h200")
+    slower = base.at_host_read(0.8 * base.host_read_bandwidth)
+    assert slower.host_read_bandwidth == pytest.approx(0.8 * base.host_read_bandwidth)
+    for fmt, rate in base.cpu_expert_throughput.items():
+        assert slower.cpu_expert_throughput[fmt] == pytest.approx(0.8 * rate)
+    assert slower.gpus == base.gpus and slower.sync_s == base.sync_s  # the GPU side stays
+    # a reading far off (a probe that met a burst) moves the rates at most by the limits
+    assert base.at_host_read(0.01 * base.host_read_bandwidth).host_read_bandwidth == pytest.approx(
+        0.5 * base.host_read_bandwidth)
+    assert base.at_host_read(float("nan")) is base and base.at_host_read(0.0) is base

@@ -77,3 +77,43 @@ def test_host_fit_recovers_known_costs():
     assert sync == pytest.approx(truth_sync, rel=0.3) and rate == pytest.approx(truth_rate, rel=0.05)
     assert calibrate_engine._fit_host(model, [runs[0], runs[0]], 1 / 4e10)[0] is None  # one equation twice
     assert calibrate_engine._fit_host(model, runs[:1], 1 / 4e10)[0] is None
+
+
+def test_kept_block_rates_are_fitted_to_the_resident_runs_in_their_format(monkeypatch):
+    """Each kept format's GPU rate is the one at which the model predicts the engine's decode of
+    the calibration model written in that format; a format whose block does not divide the shape
+    keeps its measured rate."""
+    from dataclasses import replace
+
+    from workbench.core import synth
+    from workbench.core.costmodel import CostModel, EngineShape
+
+    runs = []
+    real = calibrate_engine._decode_seconds
+
+    def record(inv, placement, device, steps=calibrate_engine.STEPS):
+        t = real(inv, placement, device, steps=2)
+        runs.append((inv, placement, t))
+        return t
+
+    monkeypatch.setattr(calibrate_engine, "_decode_seconds", record)
+    monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
+    base = preset("bench-h200")
+    rates = {"q8_0": 1.5e12, "q4_k": 6e11}
+    base = replace(base, gpus=(replace(base.gpus[0], expert_throughput=rates),))
+    shape = synth.SynthShape("calibration", "qwen3moe", 2, 256, 4, 2, 64, 8, 2, 256, 256, qk_norm=True)
+    fitted, info = calibrate_engine.fit_kept_rates(base, shape, device="cpu")
+    assert set(info) == {"q8_0", "q4_k"} and len(runs) == 2
+    for fmt, (inv, placement, t) in zip(("q8_0", "q4_k"), runs):
+        assert info[fmt]["resident_s"] == t and info[fmt]["measured_rate"] == rates[fmt]
+        assert fitted.gpus[0].expert_throughput[fmt] == info[fmt]["rate"]
+        model = CostModel(inv, fitted, engine=EngineShape(bus_share=0.0))
+        predicted = 1.0 / model.decode_tps(placement, kv_tokens=16 + calibrate_engine.STEPS)
+        if info[fmt]["rate"] != rates[fmt]:
+            assert predicted == pytest.approx(t, rel=0.02)
+        else:  # no positive solution: the launches alone already take longer than the run
+            assert predicted >= t
+    narrow = synth.SynthShape("calibration", "qwen3moe", 2, 128, 4, 2, 32, 8, 2, 64, 256, qk_norm=True)
+    runs.clear()
+    fitted, info = calibrate_engine.fit_kept_rates(base, narrow, device="cpu")
+    assert set(info) == {"q8_0"} and fitted.gpus[0].expert_throughput["q4_k"] == rates["q4_k"]

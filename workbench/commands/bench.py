@@ -105,6 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--json", metavar="FILE")
     e.add_argument("--save-placements", metavar="DIR", default=None,
                    help="save each run's placement as a project file DIR/<strategy>.json")
+    e.add_argument("--no-host-probe", dest="probe_host", action="store_false",
+                   help="predict with the profile's CPU rates as calibrated, not scaled to the RAM speed "
+                        "read just before each run")
 
 
 def _shape_args(p: argparse.ArgumentParser) -> None:

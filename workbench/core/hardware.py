@@ -168,6 +168,17 @@ class HardwareProfile:
             d = d["hardware"]  # a project file or a calibrate report: take its profile
         return cls.from_json(d).validate()
 
+    def at_host_read(self, read: float, limits: tuple[float, float] = (0.5, 2.0)) -> HardwareProfile:
+        """A copy for a host whose RAM reads ``read`` B/s now: the RAM read and every CPU expert rate
+        scaled by ``read / host_read_bandwidth`` (the fused CPU kernels read at or near the RAM's
+        rate, so they move with it), the factor clamped to ``limits``. A shared host's RAM speed moves
+        between minutes (80 to 99 GB/s on the H200 machine's host) while its calibration stays."""
+        if not (read > 0 and math.isfinite(read) and self.host_read_bandwidth > 0):
+            return self
+        f = min(max(read / self.host_read_bandwidth, limits[0]), limits[1])
+        return replace(self, host_read_bandwidth=self.host_read_bandwidth * f,
+                       cpu_expert_throughput={k: v * f for k, v in self.cpu_expert_throughput.items()})
+
     def with_gpus(self, gpus: tuple[GpuProfile, ...], source: str = "") -> HardwareProfile:
         """A copy with other GPUs (e.g. a measured host with a preset GPU)."""
         return replace(self, gpus=tuple(gpus), source=source or self.source)

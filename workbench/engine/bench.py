@@ -34,6 +34,7 @@ from workbench.core.stats import ExpertStats
 from workbench.engine import cpu_formats as cf
 from workbench.engine import kernel_check
 from workbench.engine.bench_measure import PeakSampler, markdown_table
+from workbench.engine.calibrate import host_read_now
 from workbench.engine.experts import COMPUTE, RESIDENT
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,11 @@ class EngineRun:
     peak_host_bytes: float | None = None
     predicted_decode_tps: float | None = None
     predicted_prefill_tps: float | None = None
+    host_read_gbs: float | None = None
+    """The host's RAM read (GB/s) just before the run, to which the prediction's CPU rates were scaled
+    (``HardwareProfile.at_host_read``); None when not probed."""
+    calibrated_decode_tps: float | None = None
+    """The decode prediction with the calibration's rates as they were (no re-scaling)."""
     roofline_decode_tps: float | None = None
     roofline: dict = field(default_factory=dict)
     engine_paths: dict = field(default_factory=dict)
@@ -307,14 +313,16 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
                    device: str = "cuda", dtype: torch.dtype = torch.bfloat16, prompt: int = 512,
                    gen: int = 128, repeats: int = 3, all_gpu: bool = False,
                    time_limit: float | None = None, margin_bytes: int = 0,
-                   save_placements: str | Path | None = None) -> list[EngineRun]:
+                   save_placements: str | Path | None = None, probe_host: bool = True) -> list[EngineRun]:
     """Plan each strategy under the budget and run it. Routing statistics for the frequency-based
     planners come from the runs before them (put ``n-cpu-moe`` first): measured, not assumed.
     ``time_limit`` (s): strategies that would start later are reported as skipped. ``margin_bytes``:
     VRAM the planner leaves free under ``budget_bytes`` (what the engine and CUDA add beyond the
     planner's estimate); the runs are still judged against ``budget_bytes``. ``save_placements``: a
     folder for each run's placement as a project file ``<strategy>.json`` (with the routing counts
-    the planner saw), which ``workbench generate --placement`` and the profile scripts load."""
+    the planner saw), which ``workbench generate --placement`` and the profile scripts load.
+    ``probe_host``: read the host's RAM speed just before each run and plan and predict with the
+    profile's CPU rates scaled to it (the calibration's prediction is kept next to it)."""
     deadline = None if time_limit is None else time.monotonic() + time_limit
     inv = open_model(model)
     spec = inv.spec
@@ -330,7 +338,10 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
         if deadline is not None and time.monotonic() > deadline:
             runs.append(EngineRun(strategy, strategy, error="skipped: out of time"))
             continue
-        cost = CostModel(inv, profile, stats if stats.tokens > 0 else None)
+        seen = stats if stats.tokens > 0 else None
+        read = host_read_now() if probe_host else None
+        now = profile.at_host_read(read) if read else profile
+        cost = CostModel(inv, now, seen)
         planner = Planner(cost, b or Budget((2**62,)), ctx=prompt + gen, prompt_tokens=prompt)
         try:
             plan = planner.plan(strategy)
@@ -349,7 +360,11 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
                                     vram_budget=budget_bytes if b is not None else None)
         run.predicted_decode_tps = plan.prediction.decode_tps
         run.predicted_prefill_tps = plan.prediction.prefill_tps
-        rf = roofline(cost, plan.placement, profile)
+        if read:
+            run.host_read_gbs = read / 1e9
+            run.calibrated_decode_tps = CostModel(inv, profile, seen).predict(
+                plan.placement, prompt + gen, prompt_tokens=prompt).decode_tps
+        rf = roofline(cost, plan.placement, now)
         run.roofline, run.roofline_decode_tps = rf, rf["tps"]
         if counts.any():
             stats.add(counts)
@@ -382,6 +397,7 @@ def dequantized_extra_bytes(inv, dtype: torch.dtype, dense_kept: bool = True) ->
 RUN_COLUMNS = [("placement", "label"), ("peak GPU GiB", "peak_gpu_gib"), ("fits", "fits"),
                ("prefill tok/s", "prefill_tps"), ("TTFT s", "ttft_s"), ("decode tok/s", "decode_tps"),
                ("predicted decode", "predicted_decode_tps"), ("error %", "prediction_error_pct"),
+               ("as calibrated", "calibrated_decode_tps"), ("RAM GB/s", "host_read_gbs"),
                ("roofline decode", "roofline_decode_tps"), ("of roofline", "roofline_pct"),
                ("peak host GiB", "peak_host_gib"), ("top-10% coverage", "coverage_mean"), ("error", "error")]
 
@@ -454,7 +470,7 @@ def run_command(args) -> int:
                           profile=load_profile(args.profile), device=device, dtype=dtype, prompt=args.prompt,
                           gen=args.gen, repeats=args.repeats, all_gpu=args.all_gpu,
                           time_limit=left, margin_bytes=parse_size(args.margin),
-                          save_placements=args.save_placements)
+                          save_placements=args.save_placements, probe_host=args.probe_host)
     rows = run_rows(runs, budget)
     ratios = compare(runs, llama, budget) if llama else {}
     if args.json:

@@ -168,6 +168,22 @@ def _host_read(run: _Run, nbytes: int) -> float:
     return buf.numel() * 4 / t
 
 
+def host_read_now(passes: int = 4) -> float:
+    """Bytes/s the host's RAM reads now: the fastest of ``passes`` multi-threaded sums over a
+    buffer of eight times the last-level caches (within an eighth of the free memory), as the
+    calibration's host read takes it; ~0.2 s on the H200 machine. For re-scaling a calibration
+    to the host's speed at the moment of a run (``HardwareProfile.at_host_read``)."""
+    nbytes = int(min(max(8 * l3_bytes(), 1 << 29), psutil.virtual_memory().available // 8))
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    buf.sum()  # first touch
+    best = math.inf
+    for _ in range(max(1, passes)):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best
+
+
 def _expert_weights(hidden: int, ffn: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     w1 = (torch.randn(2 * ffn, hidden, generator=g) * 0.02).to(torch.bfloat16)  # gate_up [2I, H]
@@ -669,7 +685,10 @@ def calibrate(
                        f"ms a quarter / half / three quarters on the CPU, "
                        f"{fit['cpu_s'] * 1e3:.2f} ms all on the CPU ({fit['cpu_predicted_s'] * 1e3:.2f} ms predicted); "
                        f"fitted kernel {fit['launch_s'] * 1e6:.2f} us, host point {fit['sync_s'] * 1e6:.0f} us, "
-                       f"CPU experts {fit['cpu_rate'] / 1e9:.1f} GB/s")
+                       f"CPU experts {fit['cpu_rate'] / 1e9:.1f} GB/s"
+                       + "".join(f"; {fmt} blocks all resident {k['resident_s'] * 1e3:.2f} ms, GPU rate "
+                                 f"{k['rate'] / 1e9:.0f} GB/s (kernels alone {k['measured_rate'] / 1e9:.0f})"
+                                 for fmt, k in fit.get("kept", {}).items()))
             prof = replace(prof, provenance=prof.provenance | {"sync_s": "fitted to the engine"})
         except (WorkbenchError, RuntimeError, OSError) as e:
             run.report(f"engine decode not timed ({e}); launch and sync stay as measured")

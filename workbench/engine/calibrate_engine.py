@@ -125,11 +125,53 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     info = {"resident_s": t_res, "quarter_s": t_hybrid[0], "half_s": t_hybrid[1], "three_quarters_s": t_hybrid[2],
             "cpu_s": t_cpu, "launch_s": launch, "sync_s": sync, "cpu_rate": rate,
             "cpu_predicted_s": seconds(fitted, cpu)}
+    fitted, info["kept"] = fit_kept_rates(fitted, shape, device)
     log.info("engine decode per %d-layer step: %.2f ms all resident, %.2f / %.2f / %.2f ms a quarter / half / three "
              "quarters on the CPU, %.2f ms all on the CPU (%.2f predicted); fitted kernel %.2f us, host point %.0f us, "
              "CPU experts %.1f GB/s", LAYERS, t_res * 1e3, *(t * 1e3 for t in t_hybrid), t_cpu * 1e3,
              info["cpu_predicted_s"] * 1e3, launch * 1e6, sync * 1e6, rate / 1e9)
     return fitted, info
+
+
+def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str = "cuda"
+                   ) -> tuple[HardwareProfile, dict[str, dict]]:
+    """``prof`` with each kept block format's GPU rate (``gpus[0].expert_throughput``: Q8_0, Q4_K) fitted
+    to the engine's decode of the calibration model written in that format, every weight resident:
+    the one value at which the model, with the fitted ``launch_s``, predicts that run. The block
+    kernels' own rate, measured alone, leaves out how the engine's step uses them (the kept q/k/v
+    and o matvecs, their places in the graph). A format whose block does not divide the shape, or
+    whose run has no positive solution, keeps its measured rate. Returns the profile and, per
+    format, ``{"resident_s", "measured_rate", "rate"}`` (seconds per step, B/s)."""
+    g0 = prof.gpus[0]
+    rates, info = dict(g0.expert_throughput), {}
+    for fmt in list(rates):
+        block = 256 if fmt.endswith("_k") else 32
+        if fmt not in synth.WEIGHT_TYPES or shape.hidden % block or shape.expert_ffn % block:
+            continue
+        with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
+            path = Path(tmp) / f"calibration-{fmt}.gguf"
+            synth.write_gguf(path, shape, coverage_target=None, wtype=fmt)
+            inv = open_model(path)
+            res = placement_all_gpu(inv)
+            t = _decode_seconds(inv, res, device)
+
+            def seconds(u: float, fmt=fmt, inv=inv, res=res) -> float:
+                gpus = (replace(g0, expert_throughput={**rates, fmt: 1.0 / u}),)
+                p = replace(prof, gpus=gpus + tuple(prof.gpus[1:]))
+                return 1.0 / CostModel(inv, p, engine=EngineShape(bus_share=0.0)).decode_tps(res, kv_tokens=16 + STEPS)
+
+            u0 = 1.0 / rates[fmt]  # seconds are linear in u = 1 / rate (a rate of 0 or inf is not one)
+            a = seconds(u0)
+            slope = (seconds(2 * u0) - a) / u0
+            u = u0 + (t - a) / slope if slope > 0 else 0.0
+        measured = rates[fmt]
+        if u > 0:
+            rates[fmt] = 1.0 / u
+        info[fmt] = {"resident_s": t, "measured_rate": measured, "rate": rates[fmt]}
+        log.info("engine decode per %d-layer step, %s blocks all resident: %.2f ms; their GPU rate %.0f GB/s "
+                 "(kernels alone %.0f GB/s)", LAYERS, fmt, t * 1e3, rates[fmt] / 1e9, measured / 1e9)
+    gpus = (replace(g0, expert_throughput=rates),) + tuple(prof.gpus[1:])
+    return replace(prof, gpus=gpus), info
 
 
 def _fit_host(model, runs: list, u0: float) -> tuple[float | None, float]:
