@@ -34,7 +34,7 @@ from workbench.core.placement import Placement, is_gpu
 from workbench.core.units import KINDS, UnitKey
 
 from . import blocks, bus, gpu_kernels
-from .budget import check_placement
+from .budget import cap_reserved, check_placement, uncap_reserved
 from .experts import COMPUTE, RESIDENT, STREAM, LayerExperts
 from .families import ModelArgs
 from .layouts import FamilyWeights
@@ -176,7 +176,9 @@ class Engine:
 
         ``device`` is the accelerator. ``max_context`` sizes the static KV cache (tokens).
         ``vram_budget`` (bytes) defaults to the free memory of a CUDA device and to no limit on the
-        CPU. ``cancel`` is a ``threading.Event`` or a callable returning True to stop.
+        CPU; one given on CUDA also caps what PyTorch may reserve there until ``close``
+        (``budget.cap_reserved``), so that the process stays within it as NVML counts.
+        ``cancel`` is a ``threading.Event`` or a callable returning True to stop.
         ``cpu_format`` (``cpu_formats.FORMATS``: bf16, f32, int8, int4) computes the CPU tier's experts
         with that weight format on ``cpu_workers`` threads; None keeps them in ``dtype``.
         ``bus_share`` (CUDA): the share of a token's CPU-selected experts that decode sends over the bus
@@ -197,6 +199,7 @@ class Engine:
         args = ModelArgs.from_config(inventory.family, inventory.config)
         if max_context < 1:
             raise WorkbenchError(f"max_context must be at least 1 token, not {max_context}")
+        capped = vram_budget is not None and device.type == "cuda"  # a budget the caller set: held to it
         if vram_budget is None and device.type == "cuda":  # free memory less the activation buffers
             from workbench.core.memory import CUDA_CONTEXT_BYTES, gpu_runtime_overhead
 
@@ -255,6 +258,8 @@ class Engine:
             self._free()
             raise failure.with_traceback(None)
         self.placement = placement.copy()
+        # the fraction of the GPU's memory PyTorch may reserve (``budget.cap_reserved``); None: no cap
+        self.memory_cap = cap_reserved(device, vram_budget) if capped else None
         if device.type == "cuda":  # host telemetry reports the pinned memory of the engine loaded last
             from workbench.telemetry import host
 
@@ -652,3 +657,6 @@ class Engine:
         with self._lock:
             host.clear_pinned_bytes_provider(self.pinned_bytes)
             self._free()
+            if getattr(self, "memory_cap", None) is not None:
+                uncap_reserved(self.device)
+                self.memory_cap = None

@@ -1,0 +1,48 @@
+"""A VRAM budget given to the engine caps what PyTorch may reserve on the GPU until the engine
+closes, so that the process stays within the budget as NVML counts it (on CUDA; run with
+``WORKBENCH_TEST_DEVICE=cuda``). On the CPU there is nothing to cap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.engine_helpers import TEST_DEVICE, TEST_DTYPE
+from workbench.core import synth
+from workbench.core.memory import CUDA_CONTEXT_BYTES
+from workbench.core.readers import open_model
+from workbench.engine import Engine
+
+TOKENS = torch.tensor([3, 17, 5, 42, 9, 11])
+
+
+@pytest.fixture(scope="module")
+def inv(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cap") / "tiny.gguf"
+    synth.write_gguf(path, synth.shape("tiny"), coverage_target=0.5)
+    return open_model(path)
+
+
+def load(inv, **kw):
+    return Engine.load(inv, device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64, **kw)
+
+
+def test_a_given_budget_caps_what_the_allocator_may_reserve_until_close(inv):
+    budget = 2 * 2**30
+    engine = load(inv, vram_budget=budget)
+    if TEST_DEVICE != "cuda":
+        assert engine.memory_cap is None  # the CPU has no allocator to cap
+        assert engine.forward(TOKENS, 0).isfinite().all()
+        engine.close()
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert 0 < engine.memory_cap * total <= budget - CUDA_CONTEXT_BYTES
+    with pytest.raises(torch.OutOfMemoryError):  # past the cap, though the GPU has room
+        torch.empty(budget, dtype=torch.uint8, device="cuda")
+    assert engine.forward(TOKENS, 0).isfinite().all()
+    engine.close()
+    x = torch.empty(budget, dtype=torch.uint8, device="cuda")  # the cap went with the engine
+    del x
+    plain = load(inv)
+    assert plain.memory_cap is None  # no budget given: no cap
+    plain.close()
