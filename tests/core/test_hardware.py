@@ -1,5 +1,6 @@
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -145,14 +146,16 @@ def test_measured_h200_profile_file_agrees_with_the_preset():
     assert bench.h2d_pinned == pytest.approx(measured.h2d_pinned, rel=0.02)  # BENCH.md and calibrate agree
 
 
-def test_a_profile_at_another_host_read_scales_the_cpu_rates_with_it():
-    base = preset("bench-h200")
-    slower = base.at_host_read(0.8 * base.host_read_bandwidth)
-    assert slower.host_read_bandwidth == pytest.approx(0.8 * base.host_read_bandwidth)
-    for fmt, rate in base.cpu_expert_throughput.items():
-        assert slower.cpu_expert_throughput[fmt] == pytest.approx(0.8 * rate)
+def test_a_profile_at_another_host_read_moves_each_cpu_rate_by_its_share_of_ram_time():
+    base = replace(preset("bench-h200"), host_read_bandwidth=100e9,
+                   cpu_expert_throughput={"bf16": 100e9, "q8_0": 50e9, "f32": 150e9})
+    slower = base.at_host_read(80e9)
+    assert slower.host_read_bandwidth == pytest.approx(80e9)
+    assert slower.cpu_expert_throughput["bf16"] == pytest.approx(80e9)  # at the RAM's rate: moves with it
+    assert slower.cpu_expert_throughput["f32"] == pytest.approx(120e9)  # above it (caches): all RAM time
+    # half of its time on the RAM: 1 / (0.5 / 0.8 + 0.5) = 0.889 of the rate
+    assert slower.cpu_expert_throughput["q8_0"] == pytest.approx(50e9 / (0.5 / 0.8 + 0.5))
     assert slower.gpus == base.gpus and slower.sync_s == base.sync_s  # the GPU side stays
-    # a reading far off (a probe that met a burst) moves the rates at most by the limits
-    assert base.at_host_read(0.01 * base.host_read_bandwidth).host_read_bandwidth == pytest.approx(
-        0.5 * base.host_read_bandwidth)
+    # a reading far off (a probe that met a burst) moves the RAM read at most by the limits
+    assert base.at_host_read(1e9).host_read_bandwidth == pytest.approx(50e9)
     assert base.at_host_read(float("nan")) is base and base.at_host_read(0.0) is base

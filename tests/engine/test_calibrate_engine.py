@@ -23,6 +23,7 @@ def test_fitted_costs_fit_the_measured_runs(monkeypatch):
 
     monkeypatch.setattr(calibrate_engine, "_decode_seconds", record)
     monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
+    monkeypatch.setattr(calibrate_engine, "MAX_EXPERTS", 32)  # a tiny expert shape would ask for the most
     base = preset("bench-h200")
     fitted, info = calibrate_engine.fit_engine_costs(base, 64, 32, 2, n_heads=4, n_kv_heads=2, head_dim=16,
                                                      device="cpu")
@@ -117,3 +118,18 @@ def test_kept_block_rates_are_fitted_to_the_resident_runs_in_their_format(monkey
     runs.clear()
     fitted, info = calibrate_engine.fit_kept_rates(base, narrow, device="cpu")
     assert set(info) == {"q8_0"} and fitted.gpus[0].expert_throughput["q4_k"] == rates["q4_k"]
+
+
+def test_a_quarter_of_the_calibration_experts_is_eight_times_the_l3(monkeypatch):
+    from workbench.engine import calibrate
+
+    layers = calibrate_engine.LAYERS
+    expert = 3 * 2048 * 768 * 2  # bf16 bytes of one expert at the Qwen3-30B-A3B shape
+    monkeypatch.setattr(calibrate, "l3_bytes", lambda: 300 * 2**20)  # the H200 host
+    n = calibrate_engine.calibration_experts(2048, 768, 8)
+    assert n % 32 == 0 and 0.25 * n * layers * expert >= 8 * 300 * 2**20 > 0.25 * (n - 32) * layers * expert
+    monkeypatch.setattr(calibrate, "l3_bytes", lambda: 0)  # unknown caches: the floor
+    assert calibrate_engine.calibration_experts(2048, 768, 8) == calibrate_engine.EXPERTS
+    assert calibrate_engine.calibration_experts(2048, 768, 40) == 40  # at least top-k
+    monkeypatch.setattr(calibrate, "l3_bytes", lambda: 2**40)
+    assert calibrate_engine.calibration_experts(2048, 768, 8) == calibrate_engine.MAX_EXPERTS

@@ -205,3 +205,21 @@ def test_an_engine_decodes_through_the_checks_and_computes_the_same(tensor_type,
     kinds = {key[0] for key in kernel_check._checked}
     assert "experts" in kinds and (("matvec" in kinds) == (tensor_type == "Q8_0"))
     assert all(len(k.configs) == 2 for k in pickies.values()) and not kernel_check.dropped and not packed._off
+
+
+def test_a_shape_whose_probes_are_not_finite_is_left_unchecked_after_a_few_tries(monkeypatch):
+    monkeypatch.setattr(kernel_check, "_unfinite", {})
+
+    class Tuned:  # an autotuned kernel with two candidates
+        configs, cache = ["a", "b"], {}
+
+    probes = []
+
+    def probe():
+        probes.append(1)
+        return (lambda: torch.zeros(1)), torch.tensor([float("nan"), 1.0])
+
+    for _ in range(2 * kernel_check.UNFINITE_TRIES):
+        assert kernel_check.run_checked([Tuned()], lambda: 7, "shape", probe, lambda exc: False) == 7
+    assert len(probes) == kernel_check.UNFINITE_TRIES  # then no call pays for the probe any more
+    assert Tuned.configs == ["a", "b"]  # nothing dropped on a probe that says nothing

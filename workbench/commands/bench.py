@@ -106,8 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--save-placements", metavar="DIR", default=None,
                    help="save each run's placement as a project file DIR/<strategy>.json")
     e.add_argument("--no-host-probe", dest="probe_host", action="store_false",
-                   help="predict with the profile's CPU rates as calibrated, not scaled to the RAM speed "
-                        "read just before each run")
+                   help="do not read the host's RAM speed before each run (nor predict at it)")
 
 
 def _shape_args(p: argparse.ArgumentParser) -> None:

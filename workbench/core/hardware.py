@@ -169,15 +169,22 @@ class HardwareProfile:
         return cls.from_json(d).validate()
 
     def at_host_read(self, read: float, limits: tuple[float, float] = (0.5, 2.0)) -> HardwareProfile:
-        """A copy for a host whose RAM reads ``read`` B/s now: the RAM read and every CPU expert rate
-        scaled by ``read / host_read_bandwidth`` (the fused CPU kernels read at or near the RAM's
-        rate, so they move with it), the factor clamped to ``limits``. A shared host's RAM speed moves
-        between minutes (80 to 99 GB/s on the H200 machine's host) while its calibration stays."""
+        """A copy for a host whose RAM reads ``read`` B/s now instead of ``host_read_bandwidth``: the
+        RAM read scaled by ``f = read / host_read_bandwidth`` (clamped to ``limits``), and each CPU
+        expert rate ``r`` by the part of its time spent waiting on the RAM, taken as ``s = r / host
+        read`` (at most 1): ``r / (s / f + 1 - s)``. A kernel that reads at the RAM's rate moves
+        with it; one that computes at half of it (Q8_0 on the H200 host) moves half as much. A shared
+        host's RAM read moves between minutes (80 to 124 GB/s on the H200 machine's host)."""
         if not (read > 0 and math.isfinite(read) and self.host_read_bandwidth > 0):
             return self
         f = min(max(read / self.host_read_bandwidth, limits[0]), limits[1])
+
+        def moved(r: float) -> float:
+            s = min(1.0, r / self.host_read_bandwidth)
+            return r / (s / f + 1.0 - s)
+
         return replace(self, host_read_bandwidth=self.host_read_bandwidth * f,
-                       cpu_expert_throughput={k: v * f for k, v in self.cpu_expert_throughput.items()})
+                       cpu_expert_throughput={k: moved(v) for k, v in self.cpu_expert_throughput.items()})
 
     def with_gpus(self, gpus: tuple[GpuProfile, ...], source: str = "") -> HardwareProfile:
         """A copy with other GPUs (e.g. a measured host with a preset GPU)."""

@@ -138,10 +138,10 @@ class EngineRun:
     predicted_decode_tps: float | None = None
     predicted_prefill_tps: float | None = None
     host_read_gbs: float | None = None
-    """The host's RAM read (GB/s) just before the run, to which the prediction's CPU rates were scaled
-    (``HardwareProfile.at_host_read``); None when not probed."""
-    calibrated_decode_tps: float | None = None
-    """The decode prediction with the calibration's rates as they were (no re-scaling)."""
+    """The host's RAM read (GB/s) just before the run; None when not probed."""
+    at_read_decode_tps: float | None = None
+    """The decode prediction with the profile's CPU rates moved to ``host_read_gbs``
+    (``HardwareProfile.at_host_read``), next to the calibration's own (``predicted_decode_tps``)."""
     roofline_decode_tps: float | None = None
     roofline: dict = field(default_factory=dict)
     engine_paths: dict = field(default_factory=dict)
@@ -321,8 +321,8 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
     planner's estimate); the runs are still judged against ``budget_bytes``. ``save_placements``: a
     folder for each run's placement as a project file ``<strategy>.json`` (with the routing counts
     the planner saw), which ``workbench generate --placement`` and the profile scripts load.
-    ``probe_host``: read the host's RAM speed just before each run and plan and predict with the
-    profile's CPU rates scaled to it (the calibration's prediction is kept next to it)."""
+    ``probe_host``: read the host's RAM speed just before each run and report it with a second
+    prediction at that speed (``EngineRun.at_read_decode_tps``)."""
     deadline = None if time_limit is None else time.monotonic() + time_limit
     inv = open_model(model)
     spec = inv.spec
@@ -339,9 +339,7 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
             runs.append(EngineRun(strategy, strategy, error="skipped: out of time"))
             continue
         seen = stats if stats.tokens > 0 else None
-        read = host_read_now() if probe_host else None
-        now = profile.at_host_read(read) if read else profile
-        cost = CostModel(inv, now, seen)
+        cost = CostModel(inv, profile, seen)
         planner = Planner(cost, b or Budget((2**62,)), ctx=prompt + gen, prompt_tokens=prompt)
         try:
             plan = planner.plan(strategy)
@@ -355,6 +353,7 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
             Path(save_placements).mkdir(parents=True, exist_ok=True)
             save_project(Path(save_placements) / f"{strategy}.json", inv, plan.placement, profile,
                          stats if stats.tokens > 0 else None)
+        read = host_read_now() if probe_host else None
         run, counts = run_placement(inv, plan.placement, label, strategy, device=device, dtype=dtype,
                                     prompt=prompt, gen=gen, repeats=repeats,
                                     vram_budget=budget_bytes if b is not None else None)
@@ -362,9 +361,9 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
         run.predicted_prefill_tps = plan.prediction.prefill_tps
         if read:
             run.host_read_gbs = read / 1e9
-            run.calibrated_decode_tps = CostModel(inv, profile, seen).predict(
+            run.at_read_decode_tps = CostModel(inv, profile.at_host_read(read), seen).predict(
                 plan.placement, prompt + gen, prompt_tokens=prompt).decode_tps
-        rf = roofline(cost, plan.placement, now)
+        rf = roofline(cost, plan.placement, profile)
         run.roofline, run.roofline_decode_tps = rf, rf["tps"]
         if counts.any():
             stats.add(counts)
@@ -397,7 +396,7 @@ def dequantized_extra_bytes(inv, dtype: torch.dtype, dense_kept: bool = True) ->
 RUN_COLUMNS = [("placement", "label"), ("peak GPU GiB", "peak_gpu_gib"), ("fits", "fits"),
                ("prefill tok/s", "prefill_tps"), ("TTFT s", "ttft_s"), ("decode tok/s", "decode_tps"),
                ("predicted decode", "predicted_decode_tps"), ("error %", "prediction_error_pct"),
-               ("as calibrated", "calibrated_decode_tps"), ("RAM GB/s", "host_read_gbs"),
+               ("RAM GB/s", "host_read_gbs"), ("predicted at that RAM", "at_read_decode_tps"),
                ("roofline decode", "roofline_decode_tps"), ("of roofline", "roofline_pct"),
                ("peak host GiB", "peak_host_gib"), ("top-10% coverage", "coverage_mean"), ("error", "error")]
 

@@ -3,19 +3,22 @@
 The machine-level figures (bandwidths, the fused CPU kernel's rate) leave out what the engine
 adds on top: the GPU time of a layer's ~40 small kernels in its CUDA graphs beyond their bytes, and
 the host work of a hybrid layer (the decode server's hand-off). This step writes a small synthetic
-MoE model at the calibration's expert shape (8 layers, 32 experts, a small vocabulary), runs the
+MoE model at the calibration's expert shape (8 layers, 32 or more experts: ``calibration_experts``,
+a small vocabulary), runs the
 engine's decode on CUDA with every expert resident, with a quarter, half and three quarters of them
 on the CPU and with all of them on the CPU, and solves the cost model's ``launch_s`` (from the
 resident run) and ``sync_s`` and CPU expert rate (least squares over the three hybrid runs: one
 fixed and one per-byte cost per hybrid layer, the per-byte one pinned by the runs' spread of 2 to 6
 CPU experts a token) so that it predicts those runs; the all-CPU run checks the result.
-The model then carries them to other placements. The experts (2.4 GB at the Qwen3-30B-A3B shape)
-are many times a server CPU's L3, as a real model's are.
+The model then carries them to other placements. A quarter of the experts is eight times the
+CPU's L3 (160 experts, 12 GB, at the Qwen3-30B-A3B shape on the H200 host's 300 MiB), so the CPU
+reads them from RAM, as a real model's.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import tempfile
 import time
@@ -35,6 +38,21 @@ from workbench.core.readers import open_model
 log = logging.getLogger(__name__)
 
 LAYERS, EXPERTS, VOCAB, STEPS, REPEATS = 8, 32, 2048, 24, 2
+MAX_EXPERTS = 256
+
+
+def calibration_experts(hidden: int, ffn: int, top_k: int, dtype_bytes: int = 2) -> int:
+    """Routed experts per layer of the calibration model: at least ``EXPERTS`` (and ``top_k``), and
+    enough that a quarter of them over ``LAYERS`` layers (the lightest fitted placement's CPU tier)
+    is eight times the last-level caches. With 32 experts at the Qwen3-30B-A3B shape that quarter
+    is 0.6 GB, twice the H200 host's 300 MiB L3: its CPU experts were partly read from the cache,
+    the quarter run came out fast against the others, and the fitted host point swung between 57
+    and 128 µs from call to call. Rounded up to a multiple of 32, at most ``MAX_EXPERTS``."""
+    from .calibrate import l3_bytes
+
+    expert = 3 * hidden * ffn * dtype_bytes
+    want = math.ceil(8 * l3_bytes() / (0.25 * LAYERS * expert)) if expert > 0 else 0
+    return int(min(MAX_EXPERTS, max(EXPERTS, top_k, 32 * math.ceil(want / 32))))
 
 
 def _decode_seconds(inv, placement, device: str, steps: int = STEPS) -> float:
@@ -92,8 +110,9 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     "quarter_s", "half_s", "three_quarters_s", "cpu_s", "launch_s", "sync_s", "cpu_rate",
     "cpu_predicted_s"}`` (seconds per decode step, B/s; fitted values). ``device``: the engine's
     accelerator (``cuda``; ``cpu`` only exercises the fit in tests)."""
+    experts = calibration_experts(hidden, ffn, top_k)
     shape = synth.SynthShape("calibration", "qwen3moe", LAYERS, hidden, n_heads, n_kv_heads, head_dim,
-                             EXPERTS, min(top_k, EXPERTS), ffn, VOCAB, qk_norm=True)
+                             experts, min(top_k, experts), ffn, VOCAB, qk_norm=True)
     with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
         path = Path(tmp) / "calibration.gguf"
         synth.write_gguf(path, shape, coverage_target=None)

@@ -36,6 +36,10 @@ MAX_TRIES = 64
 """Combinations of the kernels' candidates tried for a first one that agrees."""
 
 _checked: set = set()
+_unfinite: dict = {}  # shape key -> probes that were not finite
+UNFINITE_TRIES = 3
+"""Probes of one shape that may come out not finite (e.g. a random model's overflowing activations)
+before its candidates are left unchecked; each try costs a reference computation."""
 """Shape keys whose candidates were checked in this process."""
 
 dropped: list[str] = []
@@ -78,8 +82,12 @@ def run_checked(kernels: list, launch: Callable, key, probe: Callable, failed_he
 def _check(kernels: list, key, probe: Callable, failed_here: Callable) -> None:
     run, ref = probe()
     ref = ref.float()
-    if not bool(torch.isfinite(ref).all()):  # weights that are not numbers: nothing to compare with
-        log.warning("the probe of %s is not finite: its kernels' candidates are not checked", key)
+    if not bool(torch.isfinite(ref).all()):  # activations or weights that are not numbers: nothing to compare
+        _unfinite[key] = _unfinite.get(key, 0) + 1
+        if _unfinite[key] >= UNFINITE_TRIES:  # the next calls would pay for the probe again and again
+            _checked.add(key)
+            log.warning("the probes of %s were not finite %d times: its kernels' candidates stay unchecked",
+                        key, UNFINITE_TRIES)
         return
     bound = CHECK_TOL * max(float(ref.abs().max()), 1e-30)
     lists = [list(k.configs) for k in kernels]
