@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""What does the decode server's hand-off cost per hybrid layer, beyond the CPU experts' own time?
+
+Drives the native decode server (``cpu_kernel.server``, as ``served.DecodeServer`` does) from the
+host instead of from a CUDA graph: for each of ``--layers`` layers per step, the host writes the
+layer's packet (``--picks`` of the token's selections are the CPU's, the rest -1), stores the step
+number in its ``flag_in`` and spins until ``flag_out`` holds it. It times, per layer (medians over
+``--steps`` steps, microseconds):
+
+- ``round trip``: packet written to result seen, with the CPU experts of the packet;
+- ``kernel``: the same experts through the fused kernel called on this thread (``moe_decode``,
+  ``moe_decode_q8``), on as many threads: what the CPU would take without the server;
+- ``hand-off``: ``round trip - kernel``; with ``--picks 0`` the round trip is the hand-off alone.
+
+The experts come from one ``[E, ...]`` stack shared by every layer, ``E`` large enough that the
+picks read RAM, not the caches (``--experts``, default 128 at the Qwen3-30B-A3B shape: 1.2 GB in
+bf16). Packets live in page-locked memory where CUDA is present, as in the engine.
+
+    python scripts/time_served_handoff.py --format bf16 --picks 0,1,2
+    python scripts/time_served_handoff.py --format q8_0 --picks 0,1 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workbench.engine import cpu_kernel, served  # noqa: E402
+
+
+def stacks(fmt: str, experts: int, hidden: int, ffn: int) -> list[torch.Tensor]:
+    """The server's weight stacks for ``fmt`` (random values; bf16 ``[w13, w2]``, Q8_0 ``[q13, d13,
+    q2, d2]``)."""
+    g = torch.Generator().manual_seed(0)
+    if fmt == "bf16":
+        w13 = (torch.randn(experts, 2 * ffn, hidden, generator=g) * 0.02).to(torch.bfloat16)
+        w2 = (torch.randn(experts, hidden, ffn, generator=g) * 0.02).to(torch.bfloat16)
+        return [w13, w2]
+    q13 = torch.randint(-127, 128, (experts, 2 * ffn, hidden), dtype=torch.int8, generator=g)
+    q2 = torch.randint(-127, 128, (experts, hidden, ffn), dtype=torch.int8, generator=g)
+    d13 = torch.full((experts, 2 * ffn, hidden // 32), 1e-4, dtype=torch.float16)
+    d2 = torch.full((experts, hidden, ffn // 32), 1e-4, dtype=torch.float16)
+    return [q13, d13, q2, d2]
+
+
+def direct(fmt: str, w: list[torch.Tensor], x: torch.Tensor, rows: np.ndarray, weights: np.ndarray) -> None:
+    """The same experts through the fused kernel on this thread."""
+    if fmt == "bf16":
+        cpu_kernel.moe_decode(x, w[0], w[1], rows, weights)
+    else:
+        cpu_kernel.moe_decode_q8(x, w[0], w[1], w[2], w[3], rows, weights)
+
+
+def measure(fmt: str, layers: int, experts: int, hidden: int, ffn: int, k: int, picks: int, steps: int,
+            threads: int, w: list[torch.Tensor]) -> dict:
+    """Per-layer medians (s) of the round trip through the server and of the direct kernel call."""
+    pin = torch.cuda.is_available()
+    srv = cpu_kernel.server(threads)
+    slots = []
+    for _ in range(layers):
+        packet = torch.zeros(2 * k + hidden, dtype=torch.float32, pin_memory=pin)
+        flag_in = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
+        out = torch.zeros(hidden, dtype=torch.float32, pin_memory=pin)
+        flag_out = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
+        kind = 0 if fmt == "bf16" else 1
+        srv.add_layer(kind, w, 0, 0, ffn, k, packet, flag_in, out, flag_out)
+        slots.append((packet.numpy(), flag_in.numpy(), flag_out.numpy()))
+    srv.start()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    trips, kernels = [], []
+    try:
+        for step in range(1, steps + 1):
+            for packet, flag_in, flag_out in slots:
+                rows = np.full(k, -1.0, np.float32)
+                chosen = rng.choice(experts, size=picks, replace=False)
+                rows[:picks] = chosen
+                packet[:k] = rows
+                packet[k:2 * k] = 1.0 / k
+                packet[2 * k:] = x
+                t = time.perf_counter()
+                flag_in[0] = step
+                while flag_out[0] != step:
+                    pass
+                trips.append(time.perf_counter() - t)
+            if picks:  # the same work on this thread, for the kernel's own time
+                chosen = rng.choice(experts, size=picks, replace=False)
+                xt = torch.from_numpy(x)
+                t = time.perf_counter()
+                direct(fmt, w, xt, chosen, np.full(picks, 1.0 / k, np.float32))
+                kernels.append(time.perf_counter() - t)
+        served_errors = srv.errors()
+    finally:
+        srv.stop()
+    trip = statistics.median(trips[layers:])  # the first step warms up
+    kernel = statistics.median(kernels[1:]) if len(kernels) > 1 else 0.0
+    return {"format": fmt, "picks": picks, "layers": layers, "threads": threads, "round_trip_s": trip,
+            "kernel_s": kernel, "handoff_s": trip - kernel, "errors": int(served_errors)}
+
+
+def measure_cuda(layers: int, hidden: int, ffn: int, k: int, steps: int, threads: int, w: list[torch.Tensor],
+                 fmt: str) -> dict:
+    """Per-layer seconds of the accelerator's side of the hand-off, as a decode step's CUDA graph has
+    it, with packets that give the CPU nothing to compute: the packet's and the step number's copies
+    into page-locked memory, then ``served._wait_add_kernel`` polling the result flag and adding the
+    result. Against the same graph without them (one small kernel per layer)."""
+    dev = torch.device("cuda")
+    srv = cpu_kernel.server(threads)
+    step = torch.zeros(1, dtype=torch.int64, device=dev)
+    status = torch.zeros(1, dtype=torch.int32, device=dev)
+    acc = torch.zeros(hidden, dtype=torch.bfloat16, device=dev)
+    pieces = []
+    for _ in range(layers):
+        packet_dev = torch.full((2 * k + hidden,), -1.0, dtype=torch.float32, device=dev)
+        packet = torch.zeros(2 * k + hidden, dtype=torch.float32, pin_memory=True)
+        flag_in = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        out = torch.zeros(hidden, dtype=torch.float32, pin_memory=True)
+        flag_out = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        srv.add_layer(0 if fmt == "bf16" else 1, w, 0, 0, ffn, k, packet, flag_in, out, flag_out)
+        pieces.append((packet_dev, packet, flag_in, out, flag_out))
+    block = min(1024, 1 << (hidden - 1).bit_length())
+
+    def handoff() -> None:
+        step.add_(1)
+        for packet_dev, packet, flag_in, out, flag_out in pieces:
+            acc.mul_(1.0)  # the layer's own work, here one small kernel
+            packet.copy_(packet_dev, non_blocking=True)
+            flag_in.copy_(step, non_blocking=True)
+            served._wait_add_kernel[(1,)](flag_out, step, out, acc, status, hidden, int(10e9), BLOCK_H=block)
+
+    def plain() -> None:
+        step.add_(1)
+        for _ in pieces:
+            acc.mul_(1.0)
+
+    srv.start()
+    try:
+        out = {}
+        for name, body in (("with", handoff), ("without", plain)):
+            body()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                body()
+            times = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                g.replay()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            out[name] = statistics.median(times[2:]) / layers
+        if int(status[0]):
+            raise RuntimeError("a wait timed out")
+    finally:
+        srv.stop()
+    return {"gpu_handoff_s": out["with"] - out["without"], "graph_layer_s": out["without"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--format", default="bf16", choices=["bf16", "q8_0"])
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--ffn", type=int, default=768)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--picks", default="0,1,2", help="CPU selections per packet, a list (0,1,2)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=None, help="server threads (default: as the engine's)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not cpu_kernel.available():
+        print(f"the fused CPU kernel is unavailable: {cpu_kernel.unavailable_reason()}")
+        return 1
+    threads = args.threads or served.server_threads()
+    torch.set_num_threads(threads)
+    w = stacks(args.format, args.experts, args.hidden, args.ffn)
+    rows = []
+    for picks in (int(p) for p in args.picks.split(",")):
+        r = measure(args.format, args.layers, args.experts, args.hidden, args.ffn, args.top_k, picks, args.steps,
+                    threads, w)
+        rows.append(r)
+        print(f"{args.format} picks {picks}: round trip {r['round_trip_s'] * 1e6:8.1f} us, kernel "
+              f"{r['kernel_s'] * 1e6:8.1f} us, hand-off {r['handoff_s'] * 1e6:7.1f} us per layer "
+              f"({threads} threads, {r['errors']} errors)", flush=True)
+    if torch.cuda.is_available() and served.triton is not None:
+        r = measure_cuda(args.layers, args.hidden, args.ffn, args.top_k, args.steps, threads, w, args.format)
+        rows.append(r)
+        print(f"accelerator side, nothing for the CPU: {r['gpu_handoff_s'] * 1e6:.1f} us per layer beyond "
+              f"a graph's {r['graph_layer_s'] * 1e6:.1f} us", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
