@@ -36,6 +36,8 @@
 #       calibrate engine_q4 engine_q8 engine engine_uniform placements
 # (BENCH_TIME_S skips what would start too late; the first process on a fresh machine also compiles
 # every autotuning candidate of the Triton kernels, and stage candidates checks them all)
+# WORKBENCH_SERVER_TEAM=spin runs the decode server's passes on its own spinning threads (stage
+# handoff compares both; the default is torch's OpenMP pool).
 # and the engine's other CUDA tests in a second call: OUT=$OUT scripts/bench_device.sh tests  (carry .whl_engine)
 # To skip stage calibrate (~90 s), carry a profile from an earlier call (e.g. .dev/h200.json, ignored)
 # and copy it to $OUT/h200.json first: the side-by-side stages predict with $OUT/h200.json when present.
@@ -244,7 +246,11 @@ stage_calibrate() {  # the profile the later stages predict with ($OUT/h200.json
     log "calibrate"; python3 -m workbench calibrate -o "$OUT/h200.json" 2>>"$OUT/device.log" | tail -4 | tee -a "$OUT/device.log"
 }
 stage_engine() {  # S1 skewed: llama.cpp and ours, with all on the GPU too
-    [ -f "$models/s1.gguf" ] || { log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; }
+    if [ -f "$models/s1.gguf" ]; then  # a stage before may have left it uniform
+        wb reskew "$models/s1.gguf" --coverage 0.5 | tee -a "$OUT/device.log"
+    else
+        log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5
+    fi
     local all=(); [ "${BENCH_ALL_GPU:-1}" = 1 ] && all=(--all-gpu)
     side_by_side "$models/s1.gguf" "S1 bf16 skewed" engine_s1_skew.json n-cpu-moe,frequency,balanced "${all[@]}"
 }

@@ -11,6 +11,9 @@ number in its ``flag_in`` and spins until ``flag_out`` holds it. It times, per l
 - ``kernel``: the same experts through the fused kernel called on this thread (``moe_decode``,
   ``moe_decode_q8``), on as many threads: what the CPU would take without the server;
 - ``hand-off``: ``round trip - kernel``; with ``--picks 0`` the round trip is the hand-off alone.
+  Across ``--picks`` the round trip's growth per pick is the weights' read, the rest is fixed.
+
+``--team spin,omp``: the server's passes on its own spinning threads, then on torch's OpenMP pool.
 
 The experts come from one ``[E, ...]`` stack shared by every layer, ``E`` large enough that the
 picks read RAM, not the caches (``--experts``, default 128 at the Qwen3-30B-A3B shape: 1.2 GB in
@@ -61,10 +64,10 @@ def direct(fmt: str, w: list[torch.Tensor], x: torch.Tensor, rows: np.ndarray, w
 
 
 def measure(fmt: str, layers: int, experts: int, hidden: int, ffn: int, k: int, picks: int, steps: int,
-            threads: int, w: list[torch.Tensor]) -> dict:
+            threads: int, w: list[torch.Tensor], own_team: bool = True) -> dict:
     """Per-layer medians (s) of the round trip through the server and of the direct kernel call."""
     pin = torch.cuda.is_available()
-    srv = cpu_kernel.server(threads)
+    srv = cpu_kernel.server(threads, own_team=own_team)
     slots = []
     for _ in range(layers):
         packet = torch.zeros(2 * k + hidden, dtype=torch.float32, pin_memory=pin)
@@ -103,7 +106,8 @@ def measure(fmt: str, layers: int, experts: int, hidden: int, ffn: int, k: int, 
         srv.stop()
     trip = statistics.median(trips[layers:])  # the first step warms up
     kernel = statistics.median(kernels[1:]) if len(kernels) > 1 else 0.0
-    return {"format": fmt, "picks": picks, "layers": layers, "threads": threads, "round_trip_s": trip,
+    return {"format": fmt, "picks": picks, "layers": layers, "threads": threads, "own_team": own_team,
+            "round_trip_s": trip,
             "kernel_s": kernel, "handoff_s": trip - kernel, "errors": int(served_errors)}
 
 
@@ -176,6 +180,8 @@ def main() -> int:
     ap.add_argument("--picks", default="0,1,2", help="CPU selections per packet, a list (0,1,2)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=None, help="server threads (default: as the engine's)")
+    ap.add_argument("--team", default="spin,omp",
+                    help="the server's passes on its own spinning threads (spin), on torch's OpenMP pool (omp), or both")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not cpu_kernel.available():
@@ -185,13 +191,14 @@ def main() -> int:
     torch.set_num_threads(threads)
     w = stacks(args.format, args.experts, args.hidden, args.ffn)
     rows = []
-    for picks in (int(p) for p in args.picks.split(",")):
-        r = measure(args.format, args.layers, args.experts, args.hidden, args.ffn, args.top_k, picks, args.steps,
-                    threads, w)
-        rows.append(r)
-        print(f"{args.format} picks {picks}: round trip {r['round_trip_s'] * 1e6:8.1f} us, kernel "
-              f"{r['kernel_s'] * 1e6:8.1f} us, hand-off {r['handoff_s'] * 1e6:7.1f} us per layer "
-              f"({threads} threads, {r['errors']} errors)", flush=True)
+    for team in args.team.split(","):
+        for picks in (int(p) for p in args.picks.split(",")):
+            r = measure(args.format, args.layers, args.experts, args.hidden, args.ffn, args.top_k, picks, args.steps,
+                        threads, w, own_team=team == "spin")
+            rows.append(r)
+            print(f"{args.format} {team} picks {picks}: round trip {r['round_trip_s'] * 1e6:8.1f} us, kernel "
+                  f"{r['kernel_s'] * 1e6:8.1f} us, hand-off {r['handoff_s'] * 1e6:7.1f} us per layer "
+                  f"({threads} threads, {r['errors']} errors)", flush=True)
     if torch.cuda.is_available() and served.triton is not None:
         r = measure_cuda(args.layers, args.hidden, args.ffn, args.top_k, args.steps, threads, w, args.format)
         rows.append(r)

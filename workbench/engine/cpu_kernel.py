@@ -243,17 +243,19 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
                                                weights, bg, tokens), background)
 
 
-def server(threads: int, spin_us: int = 2000):
+def server(threads: int, spin_us: int = 2000, own_team: bool = False):
     """A native decode server (``csrc/moe_decode.cpp``, ``Server``): a thread that computes the CPU
     experts of one-token steps from packets the accelerator copies into page-locked memory, polling
     their flags (``served.DecodeServer`` drives it). ``threads``: its parallel passes' threads;
-    ``spin_us``: how long it keeps spinning after the last packet before it polls every 50 us.
+    ``spin_us``: how long it (and its team) keeps spinning after the last packet before it sleeps.
+    ``own_team``: the passes run on the server's own spinning threads (``SpinTeam``); False: on
+    torch's OpenMP pool, whose workers may sleep between packets.
 
     Raises RuntimeError when the kernel is unavailable."""
     mod = _load()
     if mod is None:
         raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_failed}")
-    return mod.Server(int(threads), int(spin_us))
+    return mod.Server(int(threads), int(spin_us), bool(own_team))
 
 
 _background = threading.Lock()

@@ -129,6 +129,15 @@ def server_threads() -> int:
     return max(1, torch.get_num_threads() - 1)
 
 
+def server_team() -> bool:
+    """``WORKBENCH_SERVER_TEAM``: ``spin`` runs the server's passes on its own spinning threads
+    (``SpinTeam`` in ``csrc/moe_decode.cpp``); ``omp`` (default) on torch's OpenMP pool. The team is
+    not the default until it is measured on the GPU machine against the pool
+    (``scripts/time_served_handoff.py --team spin,omp`` and the S1 runs): with more spinning threads
+    than cores it loses a time slice per pass (2-core tests: ms per packet)."""
+    return os.environ.get("WORKBENCH_SERVER_TEAM", "omp").strip().lower() == "spin"
+
+
 def supports(lx: LayerExperts) -> bool:
     """Whether ``lx``'s one-token steps can be served: a hybrid layer whose CPU tier runs through the
     fused kernel (float stacks or kept Q8_0 / k-quant blocks), nothing streamed, plain SwiGLU."""
@@ -170,7 +179,7 @@ class DecodeServer:
         self.bus_count = torch.zeros(1, dtype=torch.int64, device=device)  # pairs the bus computed so far
         self.pair_ids = torch.arange(k, dtype=torch.int64, device=device)  # the bus kernel's "experts": pairs
         self.bus_stream = torch.cuda.Stream(device) if self.cuda and _bus_side_stream() else None
-        self.native = cpu_kernel.server(threads)
+        self.native = cpu_kernel.server(threads, own_team=server_team())
         self.layers: dict[int, _Layer] = {}
         for lx in layers:
             slot = _Layer(lx, k, hidden, self.cuda)

@@ -21,8 +21,11 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 #ifdef _OPENMP
 #include <omp.h>
@@ -440,6 +443,136 @@ Pairs group_pairs(const int64_t* rows, const int64_t* tok, const float* wt, int6
 // is zeroed.
 // Each weight row is read from memory once per call and dotted with every token of its group
 // while it sits in L1, so a prompt's expert hit by c tokens costs about one read of its weights.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// A team of threads for the decode server's two passes per packet. Between a decode step's hybrid
+// layers the server waits ~0.1 ms for the next packet; OpenMP's workers (libgomp) sleep on a futex
+// as soon as a process has more OpenMP threads than cores (torch's own pool counts), so each pass
+// paid their wake-up: ~78 us per packet on the H200 host beyond the weights' read
+// (scripts/time_served_handoff.py). These workers spin on a generation counter while packets keep
+// coming (``spin_us`` after the last job, as the server thread does), then sleep on a condition
+// variable. The calling thread runs part 0 itself. One caller at a time.
+class SpinTeam {
+ public:
+  SpinTeam(int64_t threads, int64_t spin_us) : n_(std::max<int64_t>(1, threads)), spin_us_(spin_us) {
+    for (int64_t i = 1; i < n_; ++i) workers_.emplace_back([this, i] { work(i); });
+  }
+  ~SpinTeam() {
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      stop_.store(true);
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+  // f(b, e) over [begin, end) split into at most n_ contiguous parts of at least ``grain`` items.
+  void run(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
+    const int64_t len = end - begin;
+    if (len <= 0) return;
+    const int64_t parts = std::min<int64_t>(n_, std::max<int64_t>(1, len / std::max<int64_t>(1, grain)));
+    if (parts == 1) {
+      f(begin, end);
+      return;
+    }
+    job_ = &f, begin_ = begin, end_ = end, parts_ = parts;
+    // every worker acknowledges every job, taking a part or not: none still reads this job's fields
+    // when the next one overwrites them
+    pending_.store(n_ - 1, std::memory_order_relaxed);
+    bool wake;
+    {
+      std::lock_guard<std::mutex> lk(m_);  // pairs with a worker about to sleep: no lost wake-up
+      gen_.fetch_add(1, std::memory_order_release);
+      wake = sleepers_ > 0;
+    }
+    if (wake) cv_.notify_all();
+    std::exception_ptr err;
+    try {
+      part(0);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    for (unsigned n = 1; pending_.load(std::memory_order_acquire) != 0; ++n) relax(n);  // f outlives every part
+    if (err) std::rethrow_exception(err);
+    if (failed_.exchange(false)) throw std::runtime_error("a part of the decode server's pass failed");
+  }
+
+ private:
+  // A spinning thread's pause; every 16th also yields the core, so that a thread the OS left
+  // without one (more runnable threads than cores) gets it back within a time slice's fraction.
+  static void relax(unsigned n) {
+    cpu_relax();
+    if (n % 16 == 0) std::this_thread::yield();
+  }
+
+  void part(int64_t i) const {
+    const int64_t len = end_ - begin_;
+    const int64_t b = begin_ + len * i / parts_, e = begin_ + len * (i + 1) / parts_;
+    if (b < e) (*job_)(b, e);
+  }
+
+  void work(int64_t i) {
+    uint64_t seen = 0;
+    auto last = std::chrono::steady_clock::now();
+    const auto spin = std::chrono::microseconds(spin_us_);
+    for (unsigned n = 1;; ++n) {
+      const uint64_t g = gen_.load(std::memory_order_acquire);
+      if (g == seen) {
+        if (std::chrono::steady_clock::now() - last < spin) {
+          relax(n);
+          continue;
+        }
+        std::unique_lock<std::mutex> lk(m_);
+        ++sleepers_;
+        cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+        --sleepers_;
+        continue;
+      }
+      seen = g;
+      if (stop_.load()) return;
+      if (i < parts_) {
+        try {
+          part(i);
+        } catch (...) {  // reported by run() on the calling thread
+          failed_.store(true);
+        }
+      }
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+      last = std::chrono::steady_clock::now();
+    }
+  }
+
+  const int64_t n_, spin_us_;
+  std::vector<std::thread> workers_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  int64_t sleepers_ = 0;  // guarded by m_
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int64_t> pending_{0};
+  std::atomic<bool> stop_{false}, failed_{false};
+  const std::function<void(int64_t, int64_t)>* job_ = nullptr;
+  int64_t begin_ = 0, end_ = 0, parts_ = 1;
+};
+
+// The decode server's thread runs its passes on its own team; every other thread on torch's pool.
+thread_local SpinTeam* tl_team = nullptr;
+
+template <typename F>
+void parallel_rows(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (tl_team != nullptr) {
+    tl_team->run(begin, end, grain, std::function<void(int64_t, int64_t)>(f));
+  } else {
+    at::parallel_for(begin, end, grain, f);
+  }
+}
+
 struct NoHook {
   void operator()(const float*) const {}
 };
@@ -454,7 +587,7 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
   // pass 1: item (group g, row i) needs gate row i and up row I + i of g's expert. A task reads its
   // gate rows, then its up rows: one sequential stream at a time, which the hardware prefetchers
   // follow best (interleaving rows of several pages measured 1.5x slower per core).
-  at::parallel_for(0, G * I, 16, [&](int64_t begin, int64_t end) {
+  parallel_rows(0, G * I, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> gate;
     for (int64_t p = begin; p < end;) {
       const int64_t g = p / I, i0 = p % I, len = std::min(I - i0, end - p);
@@ -474,7 +607,7 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
   // another, streaming one contiguous block of each expert's down matrix
   const int64_t* tok = pr.tok.data();
   const float* wt = pr.wt.data();
-  at::parallel_for(0, H, 16, [&](int64_t begin, int64_t end) {
+  parallel_rows(0, H, 16, [&](int64_t begin, int64_t end) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t s = start[g], e = start[g + 1];
       for (int64_t o = begin; o < end; ++o)
@@ -763,14 +896,8 @@ at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13
 // a new value means a new packet: it computes the experts into ``out`` (float32 [H], page-locked,
 // zeroed first) and stores the same value into ``flag_out``, which the accelerator polls before it
 // adds ``out``. The thread spins while steps keep coming (``spin_us`` after the last packet) and
-// then polls every 50 us.
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
+// then polls every 50 us. Its two passes per packet run on its own ``SpinTeam`` (``own_team``), or
+// on torch's OpenMP pool.
 
 struct ServedLayer {
   int64_t kind = 0;  // 0 float stacks (w13, w2), 1 Q8_0 (q13, d13, q2, d2), 2 k-quants (b13, b2)
@@ -783,7 +910,8 @@ struct ServedLayer {
 
 class Server {
  public:
-  Server(int64_t threads, int64_t spin_us) : threads_(std::max<int64_t>(1, threads)), spin_us_(spin_us) {}
+  Server(int64_t threads, int64_t spin_us, bool own_team)
+      : threads_(std::max<int64_t>(1, threads)), spin_us_(spin_us), own_team_(own_team) {}
   ~Server() { stop(); }
 
   int64_t add_layer(int64_t kind, std::vector<at::Tensor> w, int64_t f13, int64_t f2, int64_t I, int64_t k,
@@ -846,6 +974,9 @@ class Server {
     at::init_num_threads();
     omp_set_num_threads(static_cast<int>(threads_));
 #endif
+    std::unique_ptr<SpinTeam> team;
+    if (own_team_ && threads_ > 1) team = std::make_unique<SpinTeam>(threads_, spin_us_);
+    tl_team = team.get();  // this thread's passes run on it (null: torch's OpenMP pool)
     auto last = std::chrono::steady_clock::now();
     const auto spin = std::chrono::microseconds(spin_us_);
     while (!stop_.load(std::memory_order_relaxed)) {
@@ -869,6 +1000,7 @@ class Server {
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
     }
+    tl_team = nullptr;
   }
 
   // The layer's packet into its out; false (out zeroed) on a bad row or a failure.
@@ -913,6 +1045,7 @@ class Server {
   }
 
   int64_t threads_, spin_us_;
+  bool own_team_;
   std::vector<ServedLayer> layers_;
   std::vector<int64_t> rows_;
   std::vector<float> wt_;
@@ -950,7 +1083,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Wait for the run started with threads > 0; False if it failed (its output is then undefined)",
         py::call_guard<py::gil_scoped_release>());
   py::class_<Server>(m, "Server")
-      .def(py::init<int64_t, int64_t>(), py::arg("threads"), py::arg("spin_us"))
+      .def(py::init<int64_t, int64_t, bool>(), py::arg("threads"), py::arg("spin_us"), py::arg("own_team") = false)
       .def("add_layer", &Server::add_layer, "A hybrid layer's CPU stacks and page-locked packet, flags and out")
       .def("start", &Server::start)
       .def("stop", &Server::stop, py::call_guard<py::gil_scoped_release>())

@@ -1,0 +1,67 @@
+"""The decode server's passes on its own team of spinning threads (``SpinTeam``) give what the fused
+kernel gives called directly, bit for bit, for float and Q8_0 stacks and any number of threads:
+packets driven from the host, as ``scripts/time_served_handoff.py`` drives them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from workbench.engine import cpu_kernel
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="needs the fused CPU kernel (a C++ compiler)")
+
+E, H, FFN, K = 6, 64, 96, 4
+
+
+def stacks(fmt: str) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    if fmt == "q8_0":
+        q13 = torch.randint(-127, 128, (E, 2 * FFN, H), dtype=torch.int8, generator=g)
+        q2 = torch.randint(-127, 128, (E, H, FFN), dtype=torch.int8, generator=g)
+        d13 = (torch.rand(E, 2 * FFN, H // 32, generator=g) * 1e-3).to(torch.float16)
+        d2 = (torch.rand(E, H, FFN // 32, generator=g) * 1e-3).to(torch.float16)
+        return [q13, d13, q2, d2]
+    return [(torch.randn(E, 2 * FFN, H, generator=g) * 0.05).to(torch.bfloat16),
+            (torch.randn(E, H, FFN, generator=g) * 0.05).to(torch.bfloat16)]
+
+
+def direct(fmt: str, w: list[torch.Tensor], x: torch.Tensor, rows: list[int], wt: list[float]) -> torch.Tensor:
+    if fmt == "q8_0":
+        return cpu_kernel.moe_decode_q8(x, *w, rows, wt)
+    return cpu_kernel.moe_decode(x, w[0], w[1], rows, wt)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0"])
+@pytest.mark.parametrize("threads,own_team", [(1, True), (3, True), (4, True), (3, False)])
+def test_served_packets_equal_the_direct_kernel(fmt, threads, own_team):
+    w = stacks(fmt)
+    layers = []
+    srv = cpu_kernel.server(threads, spin_us=200, own_team=own_team)
+    for _ in range(2):
+        bufs = [torch.zeros(2 * K + H), torch.zeros(1, dtype=torch.int64), torch.zeros(H),
+                torch.zeros(1, dtype=torch.int64)]
+        srv.add_layer(0 if fmt == "bf16" else 1, w, 0, 0, FFN, K, *bufs)
+        layers.append(bufs)
+    srv.start()
+    rng = np.random.default_rng(1)
+    try:
+        for step in range(1, 7):
+            for packet, flag_in, out, flag_out in layers:
+                n = int(rng.integers(0, K + 1))
+                rows = [int(r) for r in rng.choice(E, size=n, replace=False)]
+                wt = [float(v) for v in rng.random(n)]
+                x = torch.from_numpy(rng.standard_normal(H).astype(np.float32))
+                packet[:K] = -1.0
+                packet[:n] = torch.tensor(rows, dtype=torch.float32)
+                packet[K:K + n] = torch.tensor(wt)
+                packet[2 * K:] = x
+                flag_in.fill_(step)
+                while int(flag_out[0]) != step:
+                    pass
+                want = direct(fmt, w, x, rows, wt) if n else torch.zeros(H)
+                assert torch.equal(out, want), (step, n)
+        assert srv.errors() == 0 and srv.served() == 12
+    finally:
+        srv.stop()
