@@ -135,6 +135,9 @@ class EngineRun:
     """PyTorch's peak allocated / reserved (cached) GPU bytes; ``peak_gpu_bytes`` (NVML) adds the CUDA
     context and loaded kernels to the reserved."""
     peak_host_bytes: float | None = None
+    alloc_retries: int | None = None
+    """Times PyTorch's allocator freed its cached blocks and retried an allocation during the run (at
+    the VRAM cap, ``budget.cap_reserved``; each one synchronizes the device)."""
     predicted_decode_tps: float | None = None
     predicted_prefill_tps: float | None = None
     host_read_gbs: float | None = None
@@ -240,9 +243,11 @@ def run_placement(inv, placement: Placement, label: str, strategy: str, *, devic
     run = EngineRun(label, strategy)
     counts = np.zeros((inv.spec.n_layers, max(1, inv.spec.n_experts)), np.int64)
     dev = torch.device(device)
+    retries = 0
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
+        retries = torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)
     with PeakSampler() as sampler:
         engine = None
         try:
@@ -268,6 +273,7 @@ def run_placement(inv, placement: Placement, label: str, strategy: str, *, devic
     if dev.type == "cuda":
         run.peak_torch_bytes = float(torch.cuda.max_memory_allocated(dev))
         run.peak_reserved_bytes = float(torch.cuda.max_memory_reserved(dev))
+        run.alloc_retries = int(torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) - retries)
     if counts.any():
         run.coverage = [float(c) for c in synth.coverage(counts)]
     return run, counts
