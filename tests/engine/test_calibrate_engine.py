@@ -133,3 +133,8 @@ def test_a_quarter_of_the_calibration_experts_is_eight_times_the_l3(monkeypatch)
     assert calibrate_engine.calibration_experts(2048, 768, 40) == 40  # at least top-k
     monkeypatch.setattr(calibrate, "l3_bytes", lambda: 2**40)
     assert calibrate_engine.calibration_experts(2048, 768, 8) == calibrate_engine.MAX_EXPERTS
+    # no more than half the room the whole model must fit in (GPU free memory, host RAM available)
+    room = 16 * 2**30
+    n = calibrate_engine.calibration_experts(2048, 768, 8, room=room)
+    assert n % 32 == 0 and n * layers * expert <= room / 2 < (n + 32) * layers * expert
+    assert calibrate_engine.calibration_experts(2048, 768, 8, room=2**20) == calibrate_engine.EXPERTS  # the floor

@@ -26,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 
 from workbench.core import synth
@@ -41,18 +42,23 @@ LAYERS, EXPERTS, VOCAB, STEPS, REPEATS = 8, 32, 2048, 24, 2
 MAX_EXPERTS = 256
 
 
-def calibration_experts(hidden: int, ffn: int, top_k: int, dtype_bytes: int = 2) -> int:
+def calibration_experts(hidden: int, ffn: int, top_k: int, dtype_bytes: int = 2, room: int | None = None) -> int:
     """Routed experts per layer of the calibration model: at least ``EXPERTS`` (and ``top_k``), and
     enough that a quarter of them over ``LAYERS`` layers (the lightest fitted placement's CPU tier)
     is eight times the last-level caches. With 32 experts at the Qwen3-30B-A3B shape that quarter
     is 0.6 GB, twice the H200 host's 300 MiB L3: its CPU experts were partly read from the cache,
     the quarter run came out fast against the others, and the fitted host point swung between 57
-    and 128 µs from call to call. Rounded up to a multiple of 32, at most ``MAX_EXPERTS``."""
+    and 128 µs from call to call. Rounded up to a multiple of 32, at most ``MAX_EXPERTS``, and at
+    most what half of ``room`` holds (bytes: the smaller of the GPU's free memory and the host's
+    available RAM, each of which holds the whole model in one of the fitted runs)."""
     from .calibrate import l3_bytes
 
     expert = 3 * hidden * ffn * dtype_bytes
     want = math.ceil(8 * l3_bytes() / (0.25 * LAYERS * expert)) if expert > 0 else 0
-    return int(min(MAX_EXPERTS, max(EXPERTS, top_k, 32 * math.ceil(want / 32))))
+    n = min(MAX_EXPERTS, 32 * math.ceil(want / 32))
+    if room is not None and expert > 0:
+        n = min(n, 32 * int(room / 2 / (LAYERS * expert) // 32))
+    return int(max(EXPERTS, top_k, n))
 
 
 def _decode_seconds(inv, placement, device: str, steps: int = STEPS) -> float:
@@ -110,7 +116,10 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     "quarter_s", "half_s", "three_quarters_s", "cpu_s", "launch_s", "sync_s", "cpu_rate",
     "cpu_predicted_s"}`` (seconds per decode step, B/s; fitted values). ``device``: the engine's
     accelerator (``cuda``; ``cpu`` only exercises the fit in tests)."""
-    experts = calibration_experts(hidden, ffn, top_k)
+    room = psutil.virtual_memory().available
+    if device == "cuda" and torch.cuda.is_available():
+        room = min(room, torch.cuda.mem_get_info()[0])
+    experts = calibration_experts(hidden, ffn, top_k, room=room)
     shape = synth.SynthShape("calibration", "qwen3moe", LAYERS, hidden, n_heads, n_kv_heads, head_dim,
                              experts, min(top_k, experts), ffn, VOCAB, qk_norm=True)
     with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
