@@ -3,13 +3,13 @@
 The machine-level figures (bandwidths, the fused CPU kernel's rate) leave out what the engine
 adds on top: the GPU time of a layer's ~40 small kernels in its CUDA graphs beyond their bytes, and
 the host work of a hybrid layer (the decode server's hand-off). This step writes a small synthetic
-MoE model at the calibration's expert shape (8 layers, 32 or more experts: ``calibration_experts``,
-a small vocabulary), runs the
-engine's decode on CUDA with every expert resident, with a quarter, half and three quarters of them
-on the CPU and with all of them on the CPU, and solves the cost model's ``launch_s`` (from the
-resident run) and ``sync_s`` and CPU expert rate (least squares over the three hybrid runs: one
-fixed and one per-byte cost per hybrid layer, the per-byte one pinned by the runs' spread of 2 to 6
-CPU experts a token) so that it predicts those runs; the all-CPU run checks the result.
+MoE model at the calibration's expert shape (8 layers, ``calibration_experts`` experts, a small
+vocabulary), runs the engine's decode on CUDA with every expert resident, with a quarter, half and
+three quarters of them on the CPU and with all of them on the CPU, and solves the cost model's
+``launch_s`` (from the resident run) and ``sync_s`` and CPU expert rate (least squares over the
+three hybrid runs: one fixed and one per-byte cost per hybrid layer, the per-byte one pinned by the
+runs' spread of 2 to 6 CPU experts a token) so that it predicts those runs; the all-CPU run checks the result. Written
+again in Q8_0 and Q4_K, all resident, it gives those blocks' GPU rates (``fit_kept_rates``).
 The model then carries them to other placements. A quarter of the experts is eight times the
 CPU's L3 (160 experts, 12 GB, at the Qwen3-30B-A3B shape on the H200 host's 300 MiB), so the CPU
 reads them from RAM, as a real model's.
