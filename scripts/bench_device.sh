@@ -37,7 +37,8 @@
 # (BENCH_TIME_S skips what would start too late; the first process on a fresh machine also compiles
 # every autotuning candidate of the Triton kernels, and stage candidates checks them all)
 # WORKBENCH_SERVER_TEAM=spin runs the decode server's passes on its own spinning threads (stage
-# handoff compares both; the default is torch's OpenMP pool).
+# handoff compares both; stage engine_team runs ours on S1 bf16 and Q8_0 with it, to set against
+# stages engine and engine_q8 of the same call; the default is torch's OpenMP pool).
 # and the engine's other CUDA tests in a second call: OUT=$OUT scripts/bench_device.sh tests  (carry .whl_engine)
 # To skip stage calibrate (~90 s), carry a profile from an earlier call (e.g. .dev/h200.json, ignored)
 # and copy it to $OUT/h200.json first: the side-by-side stages predict with $OUT/h200.json when present.
@@ -154,6 +155,22 @@ stage_handoff() {  # the decode server's hand-off per hybrid layer against the C
         timeout 120 python3 scripts/time_served_handoff.py --format "$1" --picks "$2" 2>&1 | tee -a "$OUT/handoff.txt"
     done
     tail -8 "$OUT/handoff.txt" >>"$OUT/device.log"
+}
+stage_engine_team() {  # S1 skewed bf16 and Q8_0, ours only, the decode server on its own spinning team
+    if [ -f "$models/s1.gguf" ]; then wb reskew "$models/s1.gguf" --coverage 0.5 | tee -a "$OUT/device.log"
+    else log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; fi
+    local prof=bench-h200; [ -f "$OUT/h200.json" ] && prof="$OUT/h200.json"
+    for f in "$models/s1.gguf engine_s1_skew_team.json n-cpu-moe,frequency,balanced" \
+             "$models/s1_q8.gguf engine_s1_q8_team.json n-cpu-moe,frequency"; do set -- $f
+        if [ "$1" = "$models/s1_q8.gguf" ]; then
+            rm -f "$models"/s1.gguf; wb write -o "$1" --shape s1 $layers --weights q8_0 | tee -a "$OUT/device.log"
+        fi
+        log "ours with WORKBENCH_SERVER_TEAM=spin: $1 ($(left) s left)"
+        WORKBENCH_SERVER_TEAM=spin wb run --model "$1" --budget 12GiB --margin "${BENCH_MARGIN:-512MiB}" \
+            --profile "$prof" --strategies "$3" -p 512 -n "${BENCH_ENGINE_GEN:-64}" -r "${BENCH_ENGINE_REPEATS:-2}" \
+            --time-limit $(( $(left) - 20 )) --json "$OUT/$2" | tee -a "$OUT/device.log"
+    done
+    rm -f "$models"/s1_q8.gguf
 }
 stage_write() {  # the S1 skewed file only
     [ -f "$models/s1.gguf" ] || { log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5 | tee -a "$OUT/device.log"; }

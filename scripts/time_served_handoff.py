@@ -112,13 +112,13 @@ def measure(fmt: str, layers: int, experts: int, hidden: int, ffn: int, k: int, 
 
 
 def measure_cuda(layers: int, hidden: int, ffn: int, k: int, steps: int, threads: int, w: list[torch.Tensor],
-                 fmt: str) -> dict:
+                 fmt: str, own_team: bool = False) -> dict:
     """Per-layer seconds of the accelerator's side of the hand-off, as a decode step's CUDA graph has
     it, with packets that give the CPU nothing to compute: the packet's and the step number's copies
     into page-locked memory, then ``served._wait_add_kernel`` polling the result flag and adding the
     result. Against the same graph without them (one small kernel per layer)."""
     dev = torch.device("cuda")
-    srv = cpu_kernel.server(threads)
+    srv = cpu_kernel.server(threads, own_team=own_team)
     step = torch.zeros(1, dtype=torch.int64, device=dev)
     status = torch.zeros(1, dtype=torch.int32, device=dev)
     acc = torch.zeros(hidden, dtype=torch.bfloat16, device=dev)
@@ -200,7 +200,8 @@ def main() -> int:
                   f"{r['kernel_s'] * 1e6:8.1f} us, hand-off {r['handoff_s'] * 1e6:7.1f} us per layer "
                   f"({threads} threads, {r['errors']} errors)", flush=True)
     if torch.cuda.is_available() and served.triton is not None:
-        r = measure_cuda(args.layers, args.hidden, args.ffn, args.top_k, args.steps, threads, w, args.format)
+        r = measure_cuda(args.layers, args.hidden, args.ffn, args.top_k, args.steps, threads, w, args.format,
+                         own_team=args.team.split(",")[0] == "spin")
         rows.append(r)
         print(f"accelerator side, nothing for the CPU: {r['gpu_handoff_s'] * 1e6:.1f} us per layer beyond "
               f"a graph's {r['graph_layer_s'] * 1e6:.1f} us", flush=True)
