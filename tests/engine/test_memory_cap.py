@@ -46,3 +46,21 @@ def test_a_given_budget_caps_what_the_allocator_may_reserve_until_close(inv):
     plain = load(inv)
     assert plain.memory_cap is None  # no budget given: no cap
     plain.close()
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="PyTorch's allocator retries exist on CUDA")
+def test_a_prompt_that_makes_the_allocator_free_its_cache_at_the_cap_is_warned_once(inv, caplog):
+    engine = load(inv, vram_budget=2 * 2**30)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    room = int(engine.memory_cap * total - torch.cuda.memory_reserved())
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # cached for another stream: the prompt's allocations cannot reuse it
+        hog = torch.empty(room - 2**20, dtype=torch.uint8, device="cuda")  # the cap 1 MiB away
+        del hog
+    torch.cuda.synchronize()
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            assert engine.forward(torch.arange(40), 0).isfinite().all()
+    assert caplog.text.count("the VRAM budget is tight") == 1
+    engine.close()

@@ -260,6 +260,8 @@ class Engine:
         self.placement = placement.copy()
         # the fraction of the GPU's memory PyTorch may reserve (``budget.cap_reserved``); None: no cap
         self.memory_cap = cap_reserved(device, vram_budget) if capped else None
+        self._warned_cap = False
+        self._retries_at_load = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if capped else 0
         if device.type == "cuda":  # host telemetry reports the pinned memory of the engine loaded last
             from workbench.telemetry import host
 
@@ -476,7 +478,10 @@ class Engine:
                     f"positions, and going back to position {start_pos} lost some it needs; go on from "
                     f"position {ring.next_pos} or start again from 0")
             try:
-                return self._forward(ids, start_pos, last_only)
+                out = self._forward(ids, start_pos, last_only)
+                if T > 1 and self.memory_cap is not None:
+                    self._warn_at_cap()
+                return out
             except torch.OutOfMemoryError:
                 pass  # reported below, outside the except block, once the failed step's activations are freed
         if self.device.type == "cuda":
@@ -485,6 +490,17 @@ class Engine:
             f"out of memory on {self.device} computing {T} tokens at once; feed the prompt in smaller "
             f"pieces or keep fewer experts resident (positions {start_pos}..{start_pos + T - 1} of the "
             f"KV cache must be written again)")
+
+    def _warn_at_cap(self) -> None:
+        """Once per engine: warn when PyTorch had to free its cache to stay within the VRAM budget's
+        cap (each time synchronizes the GPU: a budget this tight costs speed)."""
+        retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) - self._retries_at_load
+        if retries > 0 and not self._warned_cap:
+            self._warned_cap = True
+            log.warning("the VRAM budget is tight: PyTorch freed its cached GPU memory %d times to stay within "
+                        "%.2f GiB, which slows prompts and decoding; a larger budget or fewer resident experts "
+                        "avoid it", retries, self.memory_cap * torch.cuda.get_device_properties(self.device)
+                        .total_memory / 2**30)
 
     def pinned_bytes(self) -> int:
         """Bytes of page-locked host memory the engine holds (streamed experts' host copies, the CPU
