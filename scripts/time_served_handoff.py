@@ -63,20 +63,28 @@ def direct(fmt: str, w: list[torch.Tensor], x: torch.Tensor, rows: np.ndarray, w
         cpu_kernel.moe_decode_q8(x, w[0], w[1], w[2], w[3], rows, weights)
 
 
+def add_layers(srv, fmt: str, w: list[torch.Tensor], ffn: int, k: int, hidden: int, layers: int,
+               pin: bool) -> list[tuple[torch.Tensor, ...]]:
+    """``layers`` layers of ``srv`` over the stacks ``w``, each with its ``(packet, flag_in, out,
+    flag_out)`` (page-locked with ``pin``), as ``served.DecodeServer`` gives them."""
+    out = []
+    for _ in range(layers):
+        bufs = (torch.zeros(2 * k + hidden, dtype=torch.float32, pin_memory=pin),
+                torch.zeros(1, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(hidden, dtype=torch.float32, pin_memory=pin),
+                torch.zeros(1, dtype=torch.int64, pin_memory=pin))
+        srv.add_layer(0 if fmt == "bf16" else 1, w, 0, 0, ffn, k, *bufs)
+        out.append(bufs)
+    return out
+
+
 def measure(fmt: str, layers: int, experts: int, hidden: int, ffn: int, k: int, picks: int, steps: int,
             threads: int, w: list[torch.Tensor], own_team: bool = True) -> dict:
     """Per-layer medians (s) of the round trip through the server and of the direct kernel call."""
     pin = torch.cuda.is_available()
     srv = cpu_kernel.server(threads, own_team=own_team)
-    slots = []
-    for _ in range(layers):
-        packet = torch.zeros(2 * k + hidden, dtype=torch.float32, pin_memory=pin)
-        flag_in = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
-        out = torch.zeros(hidden, dtype=torch.float32, pin_memory=pin)
-        flag_out = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
-        kind = 0 if fmt == "bf16" else 1
-        srv.add_layer(kind, w, 0, 0, ffn, k, packet, flag_in, out, flag_out)
-        slots.append((packet.numpy(), flag_in.numpy(), flag_out.numpy()))
+    slots = [(packet.numpy(), flag_in.numpy(), flag_out.numpy())
+             for packet, flag_in, _, flag_out in add_layers(srv, fmt, w, ffn, k, hidden, layers, pin)]
     srv.start()
     rng = np.random.default_rng(0)
     x = rng.standard_normal(hidden).astype(np.float32)
@@ -122,15 +130,8 @@ def measure_cuda(layers: int, hidden: int, ffn: int, k: int, steps: int, threads
     step = torch.zeros(1, dtype=torch.int64, device=dev)
     status = torch.zeros(1, dtype=torch.int32, device=dev)
     acc = torch.zeros(hidden, dtype=torch.bfloat16, device=dev)
-    pieces = []
-    for _ in range(layers):
-        packet_dev = torch.full((2 * k + hidden,), -1.0, dtype=torch.float32, device=dev)
-        packet = torch.zeros(2 * k + hidden, dtype=torch.float32, pin_memory=True)
-        flag_in = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-        out = torch.zeros(hidden, dtype=torch.float32, pin_memory=True)
-        flag_out = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-        srv.add_layer(0 if fmt == "bf16" else 1, w, 0, 0, ffn, k, packet, flag_in, out, flag_out)
-        pieces.append((packet_dev, packet, flag_in, out, flag_out))
+    pieces = [(torch.full((2 * k + hidden,), -1.0, dtype=torch.float32, device=dev), *bufs)
+              for bufs in add_layers(srv, fmt, w, ffn, k, hidden, layers, pin=True)]
     block = min(1024, 1 << (hidden - 1).bit_length())
 
     def handoff() -> None:

@@ -155,13 +155,19 @@ def l3_bytes() -> int:
     return sum(sizes.values())
 
 
+def _ram_buffer(nbytes: int) -> torch.Tensor:
+    """A float32 buffer of ``nbytes``, but at least eight times the last-level caches (within an
+    eighth of the free memory): summed, it reads the RAM, not the caches."""
+    nbytes = int(min(max(nbytes, 8 * l3_bytes()), psutil.virtual_memory().available // 8))
+    return torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+
+
 def _host_read(run: _Run, nbytes: int) -> float:
     """Bytes/s a multi-threaded sum reads from a buffer much larger than the caches: ``nbytes``, but
     at least eight times the last-level caches (within an eighth of the free memory). A server's L3
     holds hundreds of MB and keeps part of a smaller buffer between passes: 512 MiB read at 123 GB/s
     on the H200 machine (300 MiB of L3), whose RAM gives 88."""
-    nbytes = int(min(max(nbytes, 8 * l3_bytes()), psutil.virtual_memory().available // 8))
-    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    buf = _ram_buffer(nbytes)
     # the fastest pass: what the RAM can give; slower passes met other readers (the median moved
     # 117 -> 93 GB/s between calls on the H200 machine while the engine's speed did not)
     t = _repeat(run, lambda: buf.sum(), run.share["host"], best=True)
@@ -173,8 +179,7 @@ def host_read_now(passes: int = 4) -> float:
     buffer of eight times the last-level caches (within an eighth of the free memory), as the
     calibration's host read takes it; ~0.2 s on the H200 machine. For re-scaling a calibration
     to the host's speed at the moment of a run (``HardwareProfile.at_host_read``)."""
-    nbytes = int(min(max(8 * l3_bytes(), 1 << 29), psutil.virtual_memory().available // 8))
-    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    buf = _ram_buffer(1 << 29)
     buf.sum()  # first touch
     best = math.inf
     for _ in range(max(1, passes)):

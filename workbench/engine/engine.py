@@ -494,8 +494,10 @@ class Engine:
     def _warn_at_cap(self) -> None:
         """Once per engine: warn when PyTorch had to free its cache to stay within the VRAM budget's
         cap (each time synchronizes the GPU: a budget this tight costs speed)."""
+        if self._warned_cap:
+            return
         retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) - self._retries_at_load
-        if retries > 0 and not self._warned_cap:
+        if retries > 0:
             self._warned_cap = True
             log.warning("the VRAM budget is tight: PyTorch freed its cached GPU memory %d times to stay within "
                         "%.2f GiB, which slows prompts and decoding; a larger budget or fewer resident experts "
