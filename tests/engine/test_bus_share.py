@@ -5,6 +5,7 @@ same split runs with the slots on the CPU accelerator and the Triton kernels in 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,8 +91,9 @@ def test_prefill_fetches_the_experts_many_tokens_select(fetch_tokens, tiny_model
 
 @pytest.mark.parametrize("tensor_type,width", [("Q8_0", 64), ("Q4_K", 256)])
 def test_kept_blocks_travel_as_blocks_and_compute_as_their_dequantization(tensor_type, width, tiny_gguf, monkeypatch):
-    """CPU experts kept in the file's blocks: the bus carries the blocks and the device dequantizes
-    them; logits and tokens match the same experts dequantized at load and computed on the CPU."""
+    """CPU experts kept in the file's blocks: the bus carries the blocks into block slots and the
+    kernels read them there; logits and tokens match the same experts dequantized at load and
+    computed on the CPU."""
     sizes = {"hidden_size": width, "moe_intermediate_size": width // 2 if tensor_type == "Q8_0" else width,
              "intermediate_size": width, "mlp_only_layers": []}
     inv = open_inventory(tiny_gguf("qwen3_moe", tensor_type, **sizes))
@@ -131,6 +133,37 @@ def test_kept_blocks_travel_as_blocks_and_compute_as_their_dequantization(tensor
         assert median_error(runs[0][0], runs[1][0]) < max(LOGITS_RTOL, 2.5 * own)
     if TEST_DTYPE == torch.float32:
         assert runs[0][1] == runs[1][1]
+
+
+@pytest.mark.parametrize("tensor_type,width", [("Q8_0", 64), ("Q4_K+Q6_K", 256), ("F32", 64)])
+def test_the_slots_hold_an_expert_as_the_file_stores_it_and_the_load_counts_them(tensor_type, width, tiny_gguf,
+                                                                                 monkeypatch):
+    """A slot of kept experts is one expert's blocks, as many bytes as the file gives an expert (no
+    float slots beside them); the memory the engine reserves before loading (``_bus_bytes``) is what
+    the slots take."""
+    from workbench.core.units import UnitKey
+    from workbench.engine import engine as engine_mod
+
+    monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", "1")
+    sizes = {"hidden_size": width, "moe_intermediate_size": width, "intermediate_size": width, "mlp_only_layers": []}
+    inv = open_inventory(tiny_gguf("qwen3_moe", tensor_type, **sizes))
+    placement = placements(inv)["compute"]
+    engine = decode_step_engine(inv, placement)
+    try:
+        share = attach_bus_share(engine, 1.0)
+        a = engine.args
+        expected = engine_mod._bus_bytes(inv, a, placement, torch.device("cuda"), engine.dtype, 1.0,
+                                          engine._keeps_blocks)
+        assert share.nbytes == expected
+        layer = a.moe_layers[0]
+        if tensor_type == "F32":
+            assert engine.experts[layer].kept_cpu is None
+            assert expected == bus.SLOTS * 3 * width * width * engine.dtype.itemsize
+        else:
+            assert engine.experts[layer].kept_cpu is not None
+            assert expected == bus.SLOTS * inv.units[UnitKey(layer, "expert", 0)].nbytes
+    finally:
+        engine.close()
 
 
 @pytest.mark.skipif(TEST_DEVICE == "cpu", reason="page-locking needs CUDA")
@@ -186,3 +219,9 @@ def test_a_prompt_whose_grouped_kernel_fails_is_computed_by_the_loop(tiny_model_
     model = tiny_hf_model("qwen3_moe")
     ref = reference_logits(model, PROMPT)
     assert rel_err(logits, ref) < logits_tolerance(model, PROMPT, ref)
+
+
+@pytest.mark.parametrize("rows,expect", [([3, 4, 5, 9, 10, 2], [(0, 3), (3, 5), (5, 6)]), ([7], [(0, 1)]), ([], []),
+                                         ([5, 4, 3], [(0, 1), (1, 2), (2, 3)])])
+def test_a_batch_of_rows_is_copied_in_runs_of_consecutive_rows(rows, expect):
+    assert bus.runs(np.array(rows, dtype=np.int64)) == expect

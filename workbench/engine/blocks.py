@@ -77,6 +77,16 @@ def _q6_k(b: torch.Tensor, nb: int) -> torch.Tensor:
     return (d[..., None] * sc[..., None] * q).reshape(-1, nb, 256)
 
 
+def kernel_args(fmt: tuple[str, str] | None, stacks: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A tier's stacks as the GPU kernels take them (``gpu_kernels.experts_one_token``,
+    ``prefill_kernels.swiglu_grouped``): float ``[w13, w2]`` (``fmt`` None) and k-quant ``[b13, b2]``
+    as they are, Q8_0 ``[q13, d13, q2, d2]`` as ``(q13, q2, d13, d2)``."""
+    if fmt is not None and fmt[0] == "q8_0":
+        q13, d13, q2, d2 = stacks
+        return q13, q2, d13, d2
+    return tuple(stacks)
+
+
 def take(parts: list[torch.Tensor], rows) -> list[torch.Tensor]:
     """Rows ``rows`` (an index along axis 0) of every tensor of stacked kept matrices."""
     return [t[rows] for t in parts]

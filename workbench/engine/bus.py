@@ -22,7 +22,11 @@ always travel; of the others the hottest travel and the coldest stay with the CP
 (``costmodel.prefill_fetch``: the CPU's fused kernel costs a weight read per token, a copy about
 ``(1 - fraction) / fraction`` reads), and the CPU computes them on its own thread meanwhile.
 ``WORKBENCH_PREFILL_FETCH_TOKENS`` sets the threshold for measuring other splits. Device slots:
-``costmodel.BUS_SLOTS`` experts (75 MB at the Qwen3-30B-A3B shape in bf16).
+``costmodel.BUS_SLOTS`` experts (75 MB at the Qwen3-30B-A3B shape in bf16, 40 MB in Q8_0).
+
+Experts a GGUF file keeps in its quantized blocks travel as blocks and stay blocks in the slots; the
+kernels read them in place, as they read the resident tier's blocks. Nothing is dequantized on the
+way: each expert is its copies alone, and consecutive rows of a batch travel in one copy per tensor.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from workbench.core.costmodel import BUS_SHARE as DEFAULT_FRACTION
 from workbench.core.costmodel import BUS_SLOTS as SLOTS
 from workbench.core.costmodel import PREFILL_FETCH_TOKENS
 
-from .packed import dequantize_blocks
+from . import blocks
 
 log = logging.getLogger(__name__)
 
@@ -100,16 +104,40 @@ def _unregister_all(registered: dict[int, list[torch.Tensor]], device: torch.dev
                 unregister(t)
 
 
+def runs(rows: np.ndarray) -> list[tuple[int, int]]:
+    """``[(j0, j1), ...]``: the pieces ``rows[j0:j1]`` of consecutive values (each one more than the last)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if not rows.size:
+        return []
+    cuts = (np.nonzero(np.diff(rows) != 1)[0] + 1).tolist()
+    return list(zip([0, *cuts], [*cuts, rows.size]))
+
+
+def slot_shapes(shape13: tuple[int, int], shape2: tuple[int, int], dtype: torch.dtype,
+                kept: tuple | None = None) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """``(shape, dtype)`` of one expert in each of a slot set's tensors: float ``[2I, H]``, ``[H, I]``
+    in ``dtype`` (``kept`` None), or the blocks of layout ``kept`` (``LayerExperts.kept_layout``)."""
+    if kept is None:
+        return [(tuple(shape13), dtype), (tuple(shape2), dtype)]
+    (f13, f2), _, k13, k2 = kept
+    parts = blocks.alloc(f13, (), shape13[0], k13, "meta") + blocks.alloc(f2, (), shape2[0], k2, "meta")
+    return [(tuple(t.shape), t.dtype) for t in parts]
+
+
 class BusShare:
     """Device slots for experts fetched over the bus in one decode step, shared by every layer (a
     layer's copies start after its routing is known, so the previous layer's kernel has finished
-    reading the slots). ``shape13 = (2I, H)``, ``shape2 = (H, I)``."""
+    reading the slots). ``shape13 = (2I, H)``, ``shape2 = (H, I)``.
+
+    The slots hold an expert as its CPU stacks hold it: float ``[w13, w2]`` rows, or a kept layout's
+    blocks (``LayerExperts.kept_layout``), which the kernels read in place. One set of slots per
+    layout the layers bring (``slot_stacks``): a Q4_K_M file whose down matrices are Q4_K in some
+    layers and Q6_K in others has two."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, n_experts: int, shape13: tuple[int, int],
                  shape2: tuple[int, int], fraction: float, slots: int = SLOTS):
-        self.device, self.fraction, self.slots = device, fraction, slots
-        self.w13 = torch.empty((slots, *shape13), dtype=dtype, device=device)
-        self.w2 = torch.empty((slots, *shape2), dtype=dtype, device=device)
+        self.device, self.dtype, self.fraction, self.slots = device, dtype, fraction, slots
+        self.shape13, self.shape2 = shape13, shape2
         self.cuda = device.type == "cuda"  # elsewhere (tests: Triton's interpreter) the copies are plain
         self.map_host = torch.full((n_experts,), -1, dtype=torch.int64, pin_memory=self.cuda)
         self._map_np = self.map_host.numpy()  # the same memory, written without per-item tensor calls
@@ -119,7 +147,7 @@ class BusShare:
         self.ready = [torch.cuda.Event() for _ in range(2)] if self.cuda else None  # prefill: two halves
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
         self.fetch_tokens = fetch_tokens_from_env()
-        self._staging: dict[tuple, list[torch.Tensor]] = {}
+        self._slots: dict[tuple | None, list[torch.Tensor]] = {}
         self._set = np.zeros(0, dtype=np.int64)
         self.registered: dict[int, list[torch.Tensor]] = {}  # by id() of the owner (a LayerExperts)
         self._release_all = weakref.finalize(self, _unregister_all, self.registered, device)
@@ -127,9 +155,17 @@ class BusShare:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the slots (and of the staging for one kept expert's blocks, once a layer has them)."""
-        staging = sum(t.numel() * t.element_size() for ts in self._staging.values() for t in ts)
-        return (self.w13.numel() + self.w2.numel()) * self.w13.element_size() + staging
+        """Device bytes of the slots (of every layout made so far)."""
+        return sum(t.numel() * t.element_size() for ts in self._slots.values() for t in ts)
+
+    def slot_stacks(self, kept: tuple | None = None) -> list[torch.Tensor]:
+        """The slots of layout ``kept`` (None: float), shaped as the CPU stacks, ``[slots, ...]`` each:
+        float ``[w13, w2]``, Q8_0 ``[q13, d13, q2, d2]``, k-quants ``[b13, b2]``. Made on first use."""
+        stacks = self._slots.get(kept)
+        if stacks is None:
+            stacks = self._slots[kept] = [torch.empty((self.slots, *shape), dtype=dt, device=self.device)
+                                          for shape, dt in slot_shapes(self.shape13, self.shape2, self.dtype, kept)]
+        return stacks
 
     def share(self, n: int) -> int:
         """How many of ``n`` CPU-selected experts of one token go over the bus."""
@@ -137,10 +173,9 @@ class BusShare:
 
     def pin(self, owner, stacks: list[torch.Tensor], kept: tuple | None = None) -> bool:
         """Page-lock ``owner``'s CPU-tier ``stacks``; True when all of them are (then it may share).
-        ``kept``: ``LayerExperts.kept_layout()`` when the stacks are kept quantized blocks: the device
-        then stages one expert's blocks and dequantizes them into a slot."""
-        if kept is not None and kept not in self._staging:  # one staging per layout of blocks
-            self._staging[kept] = [torch.empty(t.shape[1:], dtype=t.dtype, device=self.device) for t in stacks]
+        ``kept``: ``LayerExperts.kept_layout()`` when the stacks are kept quantized blocks: the slots
+        then hold that layout's blocks (half of bf16's bytes for Q8_0, about a quarter for Q4_K)."""
+        self.slot_stacks(kept)
         if not self.cuda:
             return True
         ok = True
@@ -167,20 +202,14 @@ class BusShare:
         """Host bytes page-locked by ``pin``."""
         return sum(t.numel() * t.element_size() for ts in self.registered.values() for t in ts)
 
-    def _load(self, slot: int, row: int, src: list[torch.Tensor], kept: tuple | None = None) -> None:
-        """Queue on the current stream the copy of row ``row`` of the pinned host stacks ``src`` into
-        slot ``slot``: float ``[w13, w2]`` as they are, or kept blocks (half or a quarter of the bytes
-        over the bus) dequantized on the device."""
-        if src[0].is_floating_point():
-            self.w13[slot].copy_(src[0][row], non_blocking=True)
-            self.w2[slot].copy_(src[1][row], non_blocking=True)
-            return
-        staging = self._staging[kept]  # made by pin()
-        for buf, t in zip(staging, src):
-            buf.copy_(t[row], non_blocking=True)
-        (f13, f2), n, k13, k2 = kept
-        self.w13[slot].copy_(dequantize_blocks(f13, staging[:n], k13, self.w13.dtype))
-        self.w2[slot].copy_(dequantize_blocks(f2, staging[n:], k2, self.w2.dtype))
+    def _load(self, base: int, rows: np.ndarray, src: list[torch.Tensor], kept: tuple | None = None) -> None:
+        """Queue on the current stream the copies of rows ``rows`` of the pinned host stacks ``src``
+        (float, or kept blocks of layout ``kept``) into slots ``base``, ``base + 1``, ..., as they are:
+        one copy per tensor for each run of consecutive rows (a prompt's batch is often one run)."""
+        for j0, j1 in runs(rows):
+            r = int(rows[j0])
+            for dst, t in zip(self._slots[kept], src):
+                dst[base + j0:base + j1].copy_(t[r:r + j1 - j0], non_blocking=True)
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: np.ndarray,
             rows: np.ndarray, src: list[torch.Tensor], kept: tuple | None = None) -> torch.Tensor:
@@ -188,7 +217,7 @@ class BusShare:
         with ``kept`` their layout if they are kept blocks, see ``_load``) into the slots on the copy
         stream and queue, on the current stream after the copies, their weighted sum for the token ``x [1, H]`` with routing ``ids``/``weights``
         ``[k]`` on the device: ``[1, H]`` (pairs of other experts read nothing). Does not wait."""
-        from . import gpu_kernels
+        from .experts import one_token_on
 
         m = self._map_np  # the previous step's copy of the map finished before this step's routing
         m[self._set] = -1
@@ -200,7 +229,7 @@ class BusShare:
 
         # a prefill's grouped kernels may still read the slots
         self._copy_in(0, rows, src, kept, self.free, self.done, then)
-        return gpu_kernels.experts_one_token(x, ids, weights, self.map_dev, self.w13, self.w2)
+        return one_token_on(x, ids, weights, self.map_dev, self._slots[kept], None if kept is None else kept[0])
 
     def _copy_in(self, base: int, rows: np.ndarray, src: list[torch.Tensor], kept: tuple | None, after: list,
                  done, then=None) -> None:
@@ -208,8 +237,7 @@ class BusShare:
         slots ``base``, ``base + 1``, ..., run ``then()``, record ``done``; the current stream waits for
         ``done``. Without CUDA the same work, in order."""
         if not self.cuda:
-            for j, r in enumerate(rows.tolist()):
-                self._load(base + j, r, src, kept)
+            self._load(base, rows, src, kept)
             if then is not None:
                 then()
             self.copied += len(rows)
@@ -219,8 +247,7 @@ class BusShare:
         try:
             for ev in after:
                 self.stream.wait_event(ev)
-            for j, r in enumerate(rows.tolist()):
-                self._load(base + j, r, src, kept)
+            self._load(base, rows, src, kept)
             if then is not None:
                 then()
             done.record(self.stream)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -96,19 +97,32 @@ def keeps_dense(inventory: Inventory, device: torch.device) -> bool:
             and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
 
 
-def _bus_bytes(args: ModelArgs, placement: Placement, device: torch.device, dtype_bytes: int, share: float) -> int:
+def _bus_bytes(inventory: Inventory, args: ModelArgs, placement: Placement, device: torch.device,
+               dtype: torch.dtype, share: float, keeps: bool) -> int:
     """Device bytes of the bus share's slots (``bus.BusShare``) when the engine will make one: on CUDA,
-    with experts computed on the CPU and a ``share`` above 0."""
+    with experts computed on the CPU and a ``share`` above 0; one slot set per layout of those layers'
+    experts (float in ``dtype``, or their GGUF blocks when ``keeps``: ``keeps_blocks``)."""
     if device.type != "cuda" or not args.n_experts or share <= 0:
         return 0
+
     def on_cpu(a) -> bool:
         return not is_gpu(a.tier) and a.mode != "stream"
 
-    if not (on_cpu(placement.default) or any(on_cpu(a) for k, a in placement.assignments.items()
-                                             if k.kind == "expert")):
-        return 0
-    slots = bus.SLOTS * 3 * args.expert_ffn * args.hidden * dtype_bytes
-    return slots + 3 * args.expert_ffn * args.hidden * 34 // 32  # and staging for one kept expert's blocks
+    layers = {layer for layer in args.moe_layers
+              if any(on_cpu(placement.get(UnitKey(layer, "expert", e))) for e in range(args.n_experts))}
+    layouts = {_expert_formats(inventory, layer) if keeps else None for layer in layers}
+    shape13, shape2 = (2 * args.expert_ffn, args.hidden), (args.hidden, args.expert_ffn)
+    per_slot = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+                   for f in layouts
+                   for shape, dt in bus.slot_shapes(shape13, shape2, dtype,
+                                                    None if f is None else (f, None, args.hidden, args.expert_ffn)))
+    return bus.SLOTS * per_slot
+
+
+def _expert_formats(inventory: Inventory, layer: int) -> tuple[str, str]:
+    """``(gate/up, down)`` block formats of ``layer``'s routed experts in a GGUF file (``blocks.FORMATS``)."""
+    t = inventory.tensors
+    return tuple(blocks.FORMATS[t[f"blk.{layer}.ffn_{p}_exps.weight"].dtype.upper()] for p in ("gate", "down"))
 
 
 def _served_mode(raw: str) -> str:
@@ -207,8 +221,9 @@ class Engine:
             vram_budget = max(0, torch.cuda.mem_get_info(device)[0] - activations)
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
         bus_share = bus.fraction_from_env() if bus_share is None else min(1.0, max(0.0, float(bus_share)))
-        bus_bytes = 0 if cpu_format is not None else _bus_bytes(args, placement, device, dtype_bytes, bus_share)
         keeps = keeps_blocks(inventory, args, cpu_format)
+        bus_bytes = 0 if cpu_format is not None else _bus_bytes(inventory, args, placement, device, dtype, bus_share,
+                                                                  keeps)
         dense_kept = keeps_dense(inventory, device)
         predicted = check_placement(inventory, args, placement, 1, dtype_bytes, max_context, vram_budget, bus_bytes,
                                     keeps, dense_kept)
@@ -575,7 +590,8 @@ class Engine:
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
         check_placement(self.inventory, self.args, placement, 1, dtype_bytes, self.max_context, vram,
                         0 if self._bus is not None or self.cpu_format is not None
-                        else _bus_bytes(self.args, placement, self.device, dtype_bytes, self.bus_share),
+                        else _bus_bytes(self.inventory, self.args, placement, self.device, self.dtype,
+                                        self.bus_share, self._keeps_blocks),
                         self._keeps_blocks, self._keeps_dense)
         changed = [layer for layer in self.args.moe_layers
                    if placement.stream_slots != self.placement.stream_slots

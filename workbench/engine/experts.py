@@ -131,12 +131,7 @@ def one_token_on(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, rowmap
     """``gpu_kernels.experts_one_token`` over a tier's stacks as ``LayerExperts`` holds them: float
     ``[w13, w2]`` (``fmt`` None) or kept blocks in ``fmt`` (Q8_0 ``[q13, d13, q2, d2]``, k-quants
     ``[b13, b2]``). ``x [1, H]``, ``ids``/``scale [k]``, ``rowmap [E]`` -> ``[1, H]``."""
-    if fmt is None:
-        return gpu_kernels.experts_one_token(x, ids, scale, rowmap, stacks[0], stacks[1])
-    if fmt[0] == "q8_0":
-        q13, d13, q2, d2 = stacks
-        return gpu_kernels.experts_one_token(x, ids, scale, rowmap, q13, q2, d13, d2)
-    return gpu_kernels.experts_one_token(x, ids, scale, rowmap, stacks[0], stacks[1], fmt=fmt)
+    return gpu_kernels.experts_one_token(x, ids, scale, rowmap, *blocks.kernel_args(fmt, stacks), fmt=fmt)
 
 
 class LayerExperts:
@@ -242,9 +237,7 @@ class LayerExperts:
         """The resident tier's kept blocks for the grouped prompt kernels (None: float stacks)."""
         if self.kept_res is None:
             return None
-        p = self.kept_res
-        args = (p[0], p[2], p[1], p[3]) if self.kept[0] == "q8_0" else (p[0], p[1])
-        return KeptStacks(args, self.kept, lambda rows=None: self._dequant(self.kept_res, rows))
+        return KeptStacks(blocks.kernel_args(self.kept, self.kept_res), self.kept, lambda rows=None: self._dequant(self.kept_res, rows))
 
     def resident_stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The resident tier as float stacks ``w13 [R, 2I, H]``, ``w2 [R, H, I]`` (kept blocks:
@@ -588,33 +581,38 @@ class LayerExperts:
     def _run_fetched(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
                      sel: np.ndarray, out: torch.Tensor, scale_input: bool) -> None:
         """Copy the experts of the pairs ``sel`` to the GPU slots (``bus.half_slots`` at a time, the two
-        halves alternating) and add their pairs to ``out`` there, queued without waiting. With the
-        grouped kernels the pairs are sorted, gathered and indexed once for the layer and each batch is
-        only its copies and two kernel launches over its slice of one tile table."""
+        halves alternating; kept blocks travel and stay blocks) and add their pairs to ``out`` there,
+        queued without waiting. With the grouped kernels the pairs are sorted, gathered and indexed
+        once for the layer and each batch is only its copies and two kernel launches over its slice of
+        one tile table."""
         experts = ids_host[sel]
         n = self.bus.half_slots
-        stacks, kept = self.cpu_stacks(), self.kept_layout()
+        stacks, layout = self.cpu_stacks(), self.kept_layout()
+        slots = self.bus.slot_stacks(layout)
+        fmt = None if layout is None else layout[0]
+        args = blocks.kernel_args(fmt, slots)
         order = np.argsort(experts, kind="stable")
         pairs, experts = sel[order], experts[order]
         uniq, starts, counts = np.unique(experts, return_index=True, return_counts=True)
         if not uniq.size:
             return
-        if not scale_input and prefill_kernels.usable_for(x, self.bus.w13, self.bus.w2, None, None, self.act):
+        if not scale_input and (prefill_kernels.takes_blocks(x, fmt, self.act, self.bias) if fmt is not None
+                                else prefill_kernels.usable_for(x, *slots, None, None, self.act)):
             j = np.arange(uniq.size)
-            slots = np.where((j // n) % 2 == 1, self.bus.half_base(1), self.bus.half_base(0)) + j % n
+            slot = np.where((j // n) % 2 == 1, self.bus.half_base(1), self.bus.half_base(0)) + j % n
             per = (counts + prefill_kernels.BLOCK_M - 1) // prefill_kernels.BLOCK_M  # tiles per expert
             ends = np.cumsum(np.bincount(j // n, weights=per)).astype(np.int64)  # tile table end of each batch
             dev = x.device
-            tiles_t = _h2d(torch.from_numpy(prefill_kernels.tile_table(starts, counts, slots)), dev)
+            tiles_t = _h2d(torch.from_numpy(prefill_kernels.tile_table(starts, counts, slot)), dev)
             tok_t = _h2d(torch.from_numpy(token[pairs]), dev)
             xs = x[tok_t]
-            h, ys = prefill_kernels.buffers(xs, self.bus.w2)
+            h, ys = prefill_kernels.buffers(xs, args[1], fmt)
             begin = 0
             for b, start in enumerate(range(0, uniq.size, n)):
                 batch = uniq[start:start + n]
-                self.bus.fetch(b % 2, batch, self.local[batch], stacks, kept)
+                self.bus.fetch(b % 2, batch, self.local[batch], stacks, layout)
                 try:
-                    prefill_kernels.grouped_into(xs, tiles_t[begin:ends[b]], self.bus.w13, self.bus.w2, h, ys)
+                    prefill_kernels.grouped_into(xs, tiles_t[begin:ends[b]], *args[:2], h, ys, *args[2:], fmt=fmt)
                 except Exception as exc:
                     if b or not gpu_kernels.failed_here(exc):
                         raise
@@ -626,13 +624,15 @@ class LayerExperts:
                 ws = flat_w[_h2d(torch.from_numpy(pairs), dev)].to(x.dtype)[:, None]
                 out.index_add_(0, tok_t, ys * ws)
                 return
+        kept = None if fmt is None else KeptStacks(args, fmt, lambda rows=None: self._dequant(slots, rows))
+        w13, w2 = (None, None) if kept is not None else slots
         for b, start in enumerate(range(0, uniq.size, n)):  # one grouped call per batch
             batch = uniq[start:start + n]
-            base = self.bus.fetch(b % 2, batch, self.local[batch], stacks, kept)
+            base = self.bus.fetch(b % 2, batch, self.local[batch], stacks, layout)
             in_batch = np.isin(experts, batch)
             slot = base + np.searchsorted(batch, experts[in_batch])  # batch is sorted
-            _grouped_host(x, pairs[in_batch], token, slot, flat_w, out, scale_input, self.bus.w13, self.bus.w2,
-                          None, None, self.act)
+            _grouped_host(x, pairs[in_batch], token, slot, flat_w, out, scale_input, w13, w2, None, None, self.act,
+                          kept=kept)
             self.bus.done_with(b % 2)
 
     def _run_streamed(self, x, token, flat_w, ids_host, sel, out, scale_input) -> None:

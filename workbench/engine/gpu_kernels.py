@@ -557,8 +557,8 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     ``rowmap [E]`` int64: each expert's row in ``w13 [R, 2I, H]`` (gate rows first) and
     ``w2 [R, H, I]``, or -1 when it lives elsewhere (that pair adds nothing and reads nothing).
     With ``d13 [R, 2I, H/32]`` / ``d2 [R, H, I/32]`` (float16) the stacks are GGUF Q8_0: ``w13``/``w2``
-    int8 values, one scale per 32 along the input axis (contiguous stacks). ``fmt=(gate/up format,
-    down format)`` of ``"q4_k"``/``"q6_k"``: ``w13 [R, 2I, H/256*bytes]`` and ``w2 [R, H, I/256*bytes]``
+    int8 values, one scale per 32 along the input axis (contiguous stacks; ``fmt`` may then say
+    ``("q8_0", "q8_0")`` or be None). ``fmt=(gate/up format, down format)`` of ``"q4_k"``/``"q6_k"``: ``w13 [R, 2I, H/256*bytes]`` and ``w2 [R, H, I/256*bytes]``
     are the rows' raw GGUF k-quant bytes (uint8).
     The first call per shape checks the kernels' autotuning candidates against PyTorch
     (``kernel_check``: host syncs, eager only); later calls: no host sync, capturable in a CUDA graph.
@@ -571,7 +571,7 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     i = w2.shape[2]
     if fmt is not None:
         code13, code2 = FMT_CODES[fmt[0]], FMT_CODES[fmt[1]]
-        i = w2.shape[2] // blocks.KQUANTS[fmt[1]] * 256
+        i = w2.shape[2] if fmt[1] == "q8_0" else w2.shape[2] // blocks.KQUANTS[fmt[1]] * 256
 
     def launch(x=x, ids=ids, scale=scale, rowmap=rowmap):
         h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
