@@ -74,6 +74,35 @@ def test_one_token_as_a_row_equals_the_decode_call(kernel):
     assert torch.equal(as_prompt[0], one)
 
 
+@pytest.mark.parametrize("fmt,h,i", [("bf16", 256, 96), ("f32", 100, 36), ("f16", 192, 64), ("q8_0", 128, 64)])
+def test_each_token_of_a_prompt_equals_its_own_decode_call_bit_for_bit(kernel, fmt, h, i):
+    """A prompt's expert picked by several tokens dots each weight vector with up to four tokens at
+    once; every token's row is still exactly what its own one-token call gives (sums in the same
+    order), for 1 to 11 tokens per expert (groups of four and every remainder)."""
+    gen = torch.Generator().manual_seed(7)
+    e, T = 4, 11
+    dtype = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16, "q8_0": torch.float32}[fmt]
+    w13, w2 = random_experts(e, h, i, dtype, gen)
+    if fmt == "q8_0":
+        q13, d13, _ = _q8_0(w13)
+        q2, d2, _ = _q8_0(w2)
+
+        def call(x, rows, weights, tokens=None):
+            return kernel.moe_decode_q8(x, q13, d13, q2, d2, rows, weights, tokens=tokens)
+    else:
+        def call(x, rows, weights, tokens=None):
+            return kernel.moe_decode(x, w13, w2, rows, weights, tokens=tokens)
+    x = torch.randn(T, h, generator=gen).to(torch.bfloat16 if fmt in ("bf16", "q8_0") else dtype)
+    # token t picks expert 0 and expert 1 + t % 3; expert 3 gets tokens 2, 5, 8; expert 0 all 11
+    tokens = torch.arange(T).repeat_interleave(2)
+    rows = torch.stack([torch.zeros(T, dtype=torch.int64), 1 + torch.arange(T) % 3], dim=1).reshape(-1)
+    weights = torch.rand(2 * T, generator=gen) + 0.1
+    y = call(x, rows, weights, tokens)
+    for t in range(T):
+        own = call(x[t], rows[2 * t:2 * t + 2], weights[2 * t:2 * t + 2])
+        assert torch.equal(y[t], own), t
+
+
 def test_a_prompt_runs_in_the_background(kernel):
     gen = torch.Generator().manual_seed(5)
     w13, w2 = random_experts(8, 256, 128, torch.bfloat16, gen)

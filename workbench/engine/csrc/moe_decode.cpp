@@ -176,6 +176,69 @@ inline float dot_q8(const int8_t* q, const Half* d, const float* x, int64_t K) {
   return s;
 }
 
+// The dots of one weight row with several inputs at once, for a prompt's expert that several
+// tokens select: each weight vector is loaded and widened once for N (1..4) inputs, where calling
+// the one-input dot N times widens it N times. For every input the sums run in the one-input dot's
+// order, so each result is bit for bit the one-input dot's.
+
+// f(std::integral_constant<int, N>, j) for j = 0, 4, 8, ... < c, N = min(4, c - j).
+template <typename F>
+inline void in_fours(int64_t c, F&& f) {
+  int64_t j = 0;
+  for (; j + 4 <= c; j += 4) f(std::integral_constant<int, 4>{}, j);
+  const int64_t r = c - j;
+  if (r == 3) f(std::integral_constant<int, 3>{}, j);
+  else if (r == 2) f(std::integral_constant<int, 2>{}, j);
+  else if (r == 1) f(std::integral_constant<int, 1>{}, j);
+}
+
+// res[j] = dot(w[0:K], xs[j][0:K]) for j < N.
+template <int N, typename W>
+inline void dot_n(const W* w, const float* const* xs, int64_t K, float* res) {
+  vf32 acc0[N] = {}, acc1[N] = {};
+  int64_t k = 0;
+  for (; k + 2 * LANES <= K; k += 2 * LANES) {
+    const vf32 w0 = load_vec(w + k), w1 = load_vec(w + k + LANES);
+    for (int j = 0; j < N; ++j) {
+      acc0[j] += w0 * load_vec(xs[j] + k);
+      acc1[j] += w1 * load_vec(xs[j] + k + LANES);
+    }
+  }
+  if (k + LANES <= K) {
+    const vf32 w0 = load_vec(w + k);
+    for (int j = 0; j < N; ++j) acc0[j] += w0 * load_vec(xs[j] + k);
+    k += LANES;
+  }
+  for (int j = 0; j < N; ++j) {
+    vf32 a = acc0[j] + acc1[j];
+    float s = 0.f;
+    for (int64_t l = 0; l < LANES; ++l) s += a[l];
+    for (int64_t i = k; i < K; ++i) s += load_one(w + i) * xs[j][i];
+    res[j] = s;
+  }
+}
+
+// res[j] = dot_q8(q, d, xs[j], K) for j < N.
+template <int N>
+inline void dot_q8_n(const int8_t* q, const Half* d, const float* const* xs, int64_t K, float* res) {
+  vf32 acc[N] = {};
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const int64_t k = 32 * b;
+    vf32 blk[N] = {};
+    for (int64_t v = 0; v < 32; v += LANES) {
+      const vf32 w = load_vec(q + k + v);
+      for (int j = 0; j < N; ++j) blk[j] += w * load_vec(xs[j] + k + v);
+    }
+    const float scale = half_to_float(d + b);
+    for (int j = 0; j < N; ++j) acc[j] += scale * blk[j];
+  }
+  for (int j = 0; j < N; ++j) {
+    float s = 0.f;
+    for (int64_t l = 0; l < LANES; ++l) s += acc[j][l];
+    res[j] = s;
+  }
+}
+
 // GGUF Q4_K: super-blocks of 256 values, 144 bytes each: float16 d and dmin, 12 bytes of 6-bit
 // scales and minimums for 8 sub-blocks of 32, then 128 bytes of 4-bit values (in each 64-value
 // chunk, the low nibbles of 32 bytes are values 0..31 and the high nibbles values 32..63).
@@ -312,8 +375,33 @@ inline float dot_bf16(const uint16_t* w, const uint16_t* xb, int64_t K) {
   for (; k < K; ++k) s += load_one(w + k) * load_one(xb + k);
   return s;
 }
+// res[j] = dot_bf16(w, xb[j], K) for j < N: each 32 weights loaded once for the N inputs.
+template <int N>
+inline void dot_bf16_n(const uint16_t* w, const uint16_t* const* xb, int64_t K, float* res) {
+  __m512 acc[N][4];
+  for (int j = 0; j < N; ++j)
+    for (int u = 0; u < 4; ++u) acc[j][u] = _mm512_setzero_ps();
+  auto bh = [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p)); };
+  int64_t k = 0;
+  for (; k + 128 <= K; k += 128)
+    for (int u = 0; u < 4; ++u) {
+      const __m512bh wv = bh(w + k + 32 * u);
+      for (int j = 0; j < N; ++j) acc[j][u] = _mm512_dpbf16_ps(acc[j][u], wv, bh(xb[j] + k + 32 * u));
+    }
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh wv = bh(w + k);
+    for (int j = 0; j < N; ++j) acc[j][0] = _mm512_dpbf16_ps(acc[j][0], wv, bh(xb[j] + k));
+  }
+  for (int j = 0; j < N; ++j) {
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]), _mm512_add_ps(acc[j][2], acc[j][3])));
+    for (int64_t i = k; i < K; ++i) s += load_one(w + i) * load_one(xb[j] + i);
+    res[j] = s;
+  }
+}
 constexpr bool HAS_BF16_DOT = true;
 #else
+template <int N>
+inline void dot_bf16_n(const uint16_t*, const uint16_t* const*, int64_t, float*) {}
 inline float dot_q4k_bf16(const uint8_t*, const uint16_t*, const float*, int64_t) { return 0.f; }
 inline float dot_bf16(const uint16_t*, const uint16_t*, int64_t) { return 0.f; }
 constexpr bool HAS_BF16_DOT = false;
@@ -438,11 +526,6 @@ Pairs group_pairs(const int64_t* rows, const int64_t* tok, const float* wt, int6
   return g;
 }
 
-// The fused experts over any weight layout: dot13(g, r, p) = row r of group g's w13 . x[tok[p]]
-// (r < 2I, gate rows first), dot2(g, o, p, ap) = row o of group g's w2 . ap (= a[p], pair p's activations). out [T, H]
-// is zeroed.
-// Each weight row is read from memory once per call and dotted with every token of its group
-// while it sits in L1, so a prompt's expert hit by c tokens costs about one read of its weights.
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -577,6 +660,12 @@ struct NoHook {
   void operator()(const float*) const {}
 };
 
+// The fused experts over any weight layout. dot13(g, r, s, c, res): res[k] = row r of group g's
+// w13 . x[tok[s + k]] for k < c (r < 2I, gate rows first); dot2(g, o, s, c, as, res): res[k] = row o
+// of group g's w2 . as[k * I] (pair s + k's activations). out [T, H] is zeroed.
+// Each weight row is read from memory once per call and dotted with every token of its group
+// while it sits in L1 (the float and Q8_0 dots widen each weight vector once per four tokens), so
+// a prompt's expert hit by c tokens costs about one read of its weights and c cheap dots.
 template <typename Dot13, typename Dot2, typename Hook = NoHook>
 void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13, Dot2 dot2, Hook between = Hook()) {
   const int64_t G = pr.groups(), n = pr.size();
@@ -588,15 +677,17 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
   // gate rows, then its up rows: one sequential stream at a time, which the hardware prefetchers
   // follow best (interleaving rows of several pages measured 1.5x slower per core).
   parallel_rows(0, G * I, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> gate;
+    std::vector<float> gate, up;
     for (int64_t p = begin; p < end;) {
       const int64_t g = p / I, i0 = p % I, len = std::min(I - i0, end - p);
       const int64_t s = start[g], c = start[g + 1] - s;
       gate.resize(static_cast<size_t>(len * c));
-      for (int64_t q = 0; q < len; ++q)
-        for (int64_t k = 0; k < c; ++k) gate[q * c + k] = dot13(g, i0 + q, s + k);
-      for (int64_t q = 0; q < len; ++q)
-        for (int64_t k = 0; k < c; ++k) a[(s + k) * I + i0 + q] = silu(gate[q * c + k]) * dot13(g, I + i0 + q, s + k);
+      up.resize(static_cast<size_t>(c));
+      for (int64_t q = 0; q < len; ++q) dot13(g, i0 + q, s, c, gate.data() + q * c);
+      for (int64_t q = 0; q < len; ++q) {
+        dot13(g, I + i0 + q, s, c, up.data());
+        for (int64_t k = 0; k < c; ++k) a[(s + k) * I + i0 + q] = silu(gate[q * c + k]) * up[k];
+      }
       p += len;
     }
   });
@@ -608,10 +699,14 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
   const int64_t* tok = pr.tok.data();
   const float* wt = pr.wt.data();
   parallel_rows(0, H, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> res;
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t s = start[g], e = start[g + 1];
-      for (int64_t o = begin; o < end; ++o)
-        for (int64_t p = s; p < e; ++p) out[tok[p] * H + o] += wt[p] * dot2(g, o, p, a + p * I);
+      const int64_t s = start[g], c = start[g + 1] - s;
+      res.resize(static_cast<size_t>(c));
+      for (int64_t o = begin; o < end; ++o) {
+        dot2(g, o, s, c, a + s * I, res.data());
+        for (int64_t k = 0; k < c; ++k) out[tok[s + k] * H + o] += wt[s + k] * res[k];
+      }
     }
   });
 }
@@ -634,14 +729,30 @@ void run_float(const float* x, const W* w13, const W* w2, const Pairs& pr, int64
     }
   }
   grouped_rows(pr, H, I, out,
-               [&](int64_t g, int64_t r, int64_t p) {
+               [&](int64_t g, int64_t r, int64_t s, int64_t c, float* res) {
                  const W* row = w13 + rows[g] * e13 + r * H;
-                 if constexpr (std::is_same_v<W, uint16_t>) {
-                   if (bf16) return dot_bf16(row, xb.data() + tok[p] * H, H);
-                 }
-                 return dot(row, x + tok[p] * H, H);
+                 in_fours(c, [&](auto n, int64_t j) {
+                   constexpr int N = decltype(n)::value;
+                   if constexpr (std::is_same_v<W, uint16_t>) {
+                     if (bf16) {
+                       const uint16_t* xs[N];
+                       for (int q = 0; q < N; ++q) xs[q] = xb.data() + tok[s + j + q] * H;
+                       return dot_bf16_n<N>(row, xs, H, res + j);
+                     }
+                   }
+                   const float* xs[N];
+                   for (int q = 0; q < N; ++q) xs[q] = x + tok[s + j + q] * H;
+                   dot_n<N>(row, xs, H, res + j);
+                 });
                },
-               [&](int64_t g, int64_t o, int64_t, const float* ap) { return dot(w2 + rows[g] * e2 + o * I, ap, I); });
+               [&](int64_t g, int64_t o, int64_t, int64_t c, const float* as, float* res) {
+                 in_fours(c, [&](auto n, int64_t j) {
+                   constexpr int N = decltype(n)::value;
+                   const float* xs[N];
+                   for (int q = 0; q < N; ++q) xs[q] = as + (j + q) * I;
+                   dot_n<N>(w2 + rows[g] * e2 + o * I, xs, I, res + j);
+                 });
+               });
 }
 
 void run_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2, const Half* d2, const Pairs& pr,
@@ -650,13 +761,23 @@ void run_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2
   const int64_t* rows = pr.rows.data();
   const int64_t* tok = pr.tok.data();
   grouped_rows(pr, H, I, out,
-               [&](int64_t g, int64_t r, int64_t p) {
+               [&](int64_t g, int64_t r, int64_t s, int64_t c, float* res) {
                  const int64_t off = rows[g] * e13 + r * H;
-                 return dot_q8(q13 + off, d13 + off / 32, x + tok[p] * H, H);
+                 in_fours(c, [&](auto n, int64_t j) {
+                   constexpr int N = decltype(n)::value;
+                   const float* xs[N];
+                   for (int q = 0; q < N; ++q) xs[q] = x + tok[s + j + q] * H;
+                   dot_q8_n<N>(q13 + off, d13 + off / 32, xs, H, res + j);
+                 });
                },
-               [&](int64_t g, int64_t o, int64_t, const float* ap) {
+               [&](int64_t g, int64_t o, int64_t, int64_t c, const float* as, float* res) {
                  const int64_t off = rows[g] * e2 + o * I;
-                 return dot_q8(q2 + off, d2 + off / 32, ap, I);
+                 in_fours(c, [&](auto n, int64_t j) {
+                   constexpr int N = decltype(n)::value;
+                   const float* xs[N];
+                   for (int q = 0; q < N; ++q) xs[q] = as + (j + q) * I;
+                   dot_q8_n<N>(q2 + off, d2 + off / 32, xs, I, res + j);
+                 });
                });
 }
 
@@ -677,13 +798,17 @@ void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const ui
   }
   grouped_rows(
       pr, H, I, out,
-      [&](int64_t g, int64_t r, int64_t p) {
+      [&](int64_t g, int64_t r, int64_t s, int64_t c, float* res) {
         const uint8_t* row = b13 + (rows[g] * 2 * I + r) * row13;
-        const float* xs = xsum.data() + tok[p] * (H / 32);
-        return bf16 ? dot_q4k_bf16(row, xb.data() + tok[p] * H, xs, H) : dot_kq(f13, row, x + tok[p] * H, xs, H);
+        for (int64_t k = 0; k < c; ++k) {
+          const int64_t t = tok[s + k];
+          const float* xs = xsum.data() + t * (H / 32);
+          res[k] = bf16 ? dot_q4k_bf16(row, xb.data() + t * H, xs, H) : dot_kq(f13, row, x + t * H, xs, H);
+        }
       },
-      [&](int64_t g, int64_t o, int64_t p, const float* ap) {
-        return dot_kq(f2, b2 + (rows[g] * H + o) * row2, ap, asum.data() + p * (I / 32), I);
+      [&](int64_t g, int64_t o, int64_t s, int64_t c, const float* as, float* res) {
+        const uint8_t* row = b2 + (rows[g] * H + o) * row2;
+        for (int64_t k = 0; k < c; ++k) res[k] = dot_kq(f2, row, as + k * I, asum.data() + (s + k) * (I / 32), I);
       },
       [&](const float* a) {
         for (int64_t p = 0; p < n; ++p) block_sums(a + p * I, I, asum.data() + p * (I / 32));
