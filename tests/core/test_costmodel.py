@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workbench.core.costmodel import CostModel, EngineShape, cpu_rate, lru_hit_probs
+from workbench.core.costmodel import CostModel, EngineShape, cpu_rate, lru_hit_probs, prompt_pair_reads
 from workbench.core.memory import estimate_memory, placement_all_gpu, placement_cpu_moe, placement_n_cpu_moe
 from workbench.core.placement import CPU_COMPUTE, CPU_STREAM, ON_GPU0, Placement
 from workbench.core.stats import ExpertStats
@@ -347,6 +347,34 @@ def test_prefill_fetch_splits_where_the_cpu_and_the_bus_finish_together():
     assert abs(cpu - bus) <= 1
     assert not prefill_fetch(counts, 16, 0.0)[:5].any() and prefill_fetch(counts, 16, 1.0).all()
     assert not prefill_fetch(counts, 10**9, 0.0).any()
+
+
+def test_a_measured_cost_per_further_token_gives_the_cpu_the_experts_it_computes_in_time():
+    """With the fused kernel's cost per further token measured (``prompt_pair_reads``), an expert of
+    ``t`` tokens costs the CPU ``1 + (t - 1) * pair`` reads instead of ``t``: the split gives the CPU
+    more experts, the GEMM takes over later, and the CPU's share of the prompt's time grows."""
+    from workbench.core.costmodel import cpu_prompt_reads, fused_prompt_limit, prefill_fetch
+
+    assert list(cpu_prompt_reads([1, 4, 20])) == [1, 4, 8]  # not measured: a read per token, a GEMM's 8
+    assert list(cpu_prompt_reads([1, 4, 20], 0.25)) == [1, 1.75, 5.75]
+    assert list(cpu_prompt_reads([1, 4, 20], [np.nan, 0.25, 0.0])) == [1, 1.75, 1]
+    assert fused_prompt_limit(None) == 8 and fused_prompt_limit(0.25) == 29 and fused_prompt_limit(0.0) == math.inf
+    counts = np.array([2, 3, 4, 5, 6, 7, 8, 9, 10, 12])
+    slow, cheap = prefill_fetch(counts, 16, 0.5), prefill_fetch(counts, 16, 0.5, pair_reads=0.1)
+    assert cheap.sum() < slow.sum() and not (cheap & ~slow).any()  # the CPU keeps all it kept, and more
+    cpu = cpu_prompt_reads(counts[~cheap], 0.1).sum()
+    assert abs(cpu - cheap.sum()) <= cpu_prompt_reads(counts.max(), 0.1)  # the lanes finish together
+
+    inv = synth_inventory(1, 8, hidden=1024, expert_ffn=512, top_k=2)
+    p = placement_cpu_moe(inv)
+    hw = h200_profile()
+    plain = CostModel(inv, hw).predict(p, prompt_tokens=40).prefill_layers[0]
+    measured = dataclasses.replace(hw, cpu_prompt_flops={"bf16": 4e12})
+    cm = CostModel(inv, measured)
+    assert np.allclose(cm.pair_reads[0], prompt_pair_reads(measured, "BF16", 3 * 1024 * 512, 3 * 1024 * 512 * 2))
+    fast = cm.predict(p, prompt_tokens=40).prefill_layers[0]
+    assert fast.bus < plain.bus  # fewer experts travel: the CPU computes them, each in less time
+    assert max(fast.cpu, fast.bus) < max(plain.cpu, plain.bus)
 
 
 def test_experts_kept_in_blocks_read_at_their_formats_gpu_rate():

@@ -26,6 +26,7 @@ from tests.engine.engine_helpers import (
     rel_err,
 )
 from workbench.engine import bus, gpu_kernels
+from workbench.engine import engine as engine_mod
 from workbench.engine.experts import COMPUTE
 
 pytestmark = pytest.mark.skipif(not gpu_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
@@ -41,6 +42,7 @@ def test_share_splits_the_cpu_selected_experts(fraction, n, expect):
 @pytest.mark.parametrize("name,read,default,given,value", [
     ("WORKBENCH_BUS_SHARE", bus.fraction_from_env, bus.DEFAULT_FRACTION, "0", 0.0),
     ("WORKBENCH_PREFILL_FETCH_TOKENS", bus.fetch_tokens_from_env, bus.PREFILL_FETCH_TOKENS, "40", 40),
+    ("WORKBENCH_PROMPT_PAIR_READS", engine_mod._pair_reads_from_env, None, "0.2", 0.2),
 ])
 def test_settings_from_the_environment(name, read, default, given, value, monkeypatch):
     monkeypatch.setenv(name, given)
@@ -87,6 +89,29 @@ def test_prefill_fetches_the_experts_many_tokens_select(fetch_tokens, tiny_model
     assert rel_err(logits, ref) < logits_tolerance(model, PROMPT, ref)  # bf16: this model has a near-tie
     if TEST_DTYPE == torch.float32:
         assert tokens == reference_tokens(model, PROMPT, N_NEW)
+
+
+def test_a_cheap_further_token_keeps_more_of_a_prompts_experts_on_the_cpu(tiny_model_dir, tiny_hf_model):
+    """``Engine.set_prompt_pair_reads``: the measured cost of a prompt's further token per CPU expert.
+    At a tenth of a read the CPU takes experts that at a read per token travel, and the logits stay
+    transformers'."""
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    copied, runs = {}, {}
+    for pair in (None, 0.1):
+        engine = decode_step_engine(inv, placements(inv)["compute"])
+        try:
+            engine.set_prompt_pair_reads(pair)
+            assert all(lx.prompt_pair_reads == pair for lx in engine.experts.values())
+            share = attach_bus_share(engine, 0.5)
+            runs[pair] = engine.forward(torch.tensor(PROMPT), 0)
+            copied[pair] = share.copied
+        finally:
+            engine.close()
+    assert 0 < copied[0.1] < copied[None]
+    model = tiny_hf_model("qwen3_moe")
+    ref = reference_logits(model, PROMPT)
+    for logits in runs.values():
+        assert rel_err(logits, ref) < logits_tolerance(model, PROMPT, ref)
 
 
 @pytest.mark.parametrize("tensor_type,width", [("Q8_0", 64), ("Q4_K", 256)])

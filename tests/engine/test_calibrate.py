@@ -156,6 +156,28 @@ def test_kept_quant_formats_are_timed_with_their_fused_kernels():
         assert prof.cpu_expert_throughput[fmt] > 1e6
 
 
+def test_a_prompts_further_tokens_per_expert_are_timed_on_each_fused_kernel():
+    """``cpu_prompt_flops``: what the fused kernels do with a prompt's further tokens per expert,
+    beyond the expert's read; the engine's prompt split reads it through the cost model."""
+    from workbench.core.costmodel import prompt_pair_reads
+
+    if not cpu_kernel.available():
+        pytest.skip("no fused CPU kernel here")
+    prof = calibrate(256, 256, budget_s=2.0, weight_bytes=4 << 20, use_cuda=False, formats=["bf16", "int8", "int4"])
+    prof.validate()
+    expect = {"bf16"} | ({"q8_0"} if "int8" in format_table() else set()) | ({"q4_k"} if "int4" in format_table()
+                                                                            else set())
+    assert set(prof.cpu_prompt_flops) == expect and prof.provenance["cpu_prompt_flops"] == "measured"
+    for fmt, flops in prof.cpu_prompt_flops.items():
+        assert 1e8 < flops <= 1e15, fmt
+        bytes_per = {"bf16": 2, "q8_0": 34 / 32, "q4_k": 144 / 256}[fmt]
+        pair = prompt_pair_reads(prof, fmt.upper(), 3 * 256 * 256, 3 * 256 * 256 * bytes_per)
+        assert pair is not None and pair > 0
+    back = HardwareProfile.from_json(json.loads(json.dumps(prof.to_json())))
+    assert back.cpu_prompt_flops == prof.cpu_prompt_flops
+    assert HardwareProfile.from_json({**prof.to_json(), "cpu_prompt_flops": None}).cpu_prompt_flops == {}
+
+
 def test_the_host_read_buffer_is_larger_than_the_caches():
     """The L3 size comes from /sys, every instance once; the host read uses eight times that at least."""
     from workbench.engine.calibrate import l3_bytes

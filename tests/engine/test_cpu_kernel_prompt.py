@@ -159,7 +159,8 @@ PROMPT = [3, 17, 5, 42, 9, 11, 60, 7, 22, 33, 1, 4, 8, 19, 27, 31, 2, 50, 12, 14
 def test_a_prompt_on_the_cpu_tier_splits_between_the_kernel_and_torch_gemms(kernel, tiny_model_dir, tiny_hf_model,
                                                                               monkeypatch):
     """Experts few of a prompt's tokens pick go through the fused kernel, those many pick through torch's
-    GEMMs; both together, either alone, and transformers give the same logits (float32)."""
+    GEMMs (past ``costmodel.fused_prompt_limit``: 8 tokens unmeasured, more the cheaper a further token
+    is measured to be); both together, either alone, and transformers give the same logits (float32)."""
     from tests.engine.engine_helpers import open_inventory, placements, reference_logits, rel_err
     from workbench.engine import Engine, experts
 
@@ -178,19 +179,22 @@ def test_a_prompt_on_the_cpu_tier_splits_between_the_kernel_and_torch_gemms(kern
     monkeypatch.setattr(cpu_kernel, "moe_decode", count_fused)
     monkeypatch.setattr(experts.LayerExperts, "_grouped_cpu", count_gemm)
     runs = {}
-    for limit in (experts.FUSED_PROMPT_TOKENS, 0, 10**9):
-        monkeypatch.setattr(experts, "FUSED_PROMPT_TOKENS", limit)
+    limit_of = experts.fused_prompt_limit
+    for case in ("measured cost", "default", "gemm only"):
+        monkeypatch.setattr(experts, "fused_prompt_limit", (lambda pr: 0) if case == "gemm only" else limit_of)
         engine = Engine.load(inv, placements(inv)["compute"], device="cpu", dtype=torch.float32, max_context=64)
         try:
             assert all(lx.fused_cpu for lx in engine.experts.values())
+            if case == "measured cost":  # further tokens cost nothing: the kernel takes every expert
+                engine.set_prompt_pair_reads(0.0)
             before = dict(calls)
-            runs[limit] = engine.forward(torch.tensor(PROMPT), 0)
+            runs[case] = engine.forward(torch.tensor(PROMPT), 0)
             used = {k: calls[k] - before[k] for k in calls}
         finally:
             engine.close()
-        if limit == 0:
+        if case == "gemm only":
             assert used["fused"] == 0 and used["gemm"] > 0
-        elif limit == 10**9:
+        elif case == "measured cost":
             assert used["fused"] > 0 and used["gemm"] == 0
         else:
             assert used["fused"] > 0 and used["gemm"] > 0  # this prompt has both kinds of experts

@@ -63,16 +63,61 @@ a chunk to the GPU (pinned, once) instead of computing it on the CPU; of the oth
 splits by time."""
 
 
-def prefill_fetch(counts: np.ndarray, fetch_tokens: float, bus_share: float) -> np.ndarray:
+def cpu_prompt_reads(tokens, pair_reads=None) -> np.ndarray:
+    """The CPU's time for a prompt's CPU-tier expert that ``tokens`` tokens pick, in reads of the
+    expert at its decode rate: the fused kernel's one read plus ``pair_reads`` per further token
+    (``prompt_pair_reads``; None or NaN, not measured: a read per token), at most
+    ``FUSED_PROMPT_TOKENS`` reads, where torch's GEMM takes over (``fused_prompt_limit``)."""
+    t = np.maximum(np.asarray(tokens, dtype=float), 1.0)
+    pr = np.asarray(np.nan if pair_reads is None else pair_reads, dtype=float)
+    fused = np.where(np.isnan(pr), t, 1.0 + (t - 1.0) * np.nan_to_num(pr))
+    return np.minimum(fused, FUSED_PROMPT_TOKENS)
+
+
+def fused_prompt_limit(pair_reads: float | None) -> float:
+    """Most tokens of a prompt's CPU-tier expert the fused CPU kernel computes before torch's GEMM
+    takes it (about ``FUSED_PROMPT_TOKENS`` reads' time): ``FUSED_PROMPT_TOKENS`` when the kernel's
+    cost per token is not measured, else where ``1 + (t - 1) * pair_reads`` reaches the GEMM's."""
+    if pair_reads is None or math.isnan(pair_reads):
+        return float(FUSED_PROMPT_TOKENS)
+    if pair_reads <= 0:
+        return math.inf
+    return max(float(FUSED_PROMPT_TOKENS), 1.0 + (FUSED_PROMPT_TOKENS - 1) / pair_reads)
+
+
+def prompt_pair_reads(profile: HardwareProfile, dtype: str, params: float, nbytes: float) -> float | None:
+    """The fused CPU kernel's time for one further token of a prompt's expert (``params`` weights,
+    ``nbytes`` stored as ``dtype``) over its time to read the expert at batch 1
+    (``cpu_prompt_flops`` against ``cpu_rate``); None when the profile did not measure the format."""
+    table = {k.lower(): v for k, v in profile.cpu_prompt_flops.items()}
+    fmt = weight_format(dtype)
+    flops = table.get(fmt) or table.get("bf16" if fmt in ("f16", "fp16", "f32") else "")
+    if not flops or flops <= 0 or nbytes <= 0:
+        return None
+    return (2.0 * params / flops) / (nbytes / cpu_rate(profile, dtype))
+
+
+def model_prompt_pair_reads(inventory: Inventory, profile: HardwareProfile) -> float | None:
+    """``prompt_pair_reads`` for the routed experts of ``inventory`` (its first expert's format and
+    size), None without experts or a measurement for their format."""
+    unit = next((u for k, u in sorted(inventory.units.items()) if k.kind == "expert"), None)
+    if unit is None or not unit.tensors:
+        return None
+    dtype = max(unit.tensors, key=lambda t: t.nbytes).tensor.dtype  # as CostModel takes it
+    return prompt_pair_reads(profile, dtype, unit.n_params, unit.nbytes)
+
+
+def prefill_fetch(counts: np.ndarray, fetch_tokens: float, bus_share: float,
+                  pair_reads: float | None = None) -> np.ndarray:
     """Which of one layer's CPU-tier experts a prompt chunk sends over the bus: a boolean mask like
     ``counts`` (tokens of the chunk that select each expert).
 
     An expert ``fetch_tokens`` or more tokens select always travels. Of the others the hottest travel
     and the coldest stay with the CPU, split where the two lanes finish together: the CPU's time for
-    an expert is one weight read per token (its fused kernel is compute-bound per token) up to
-    ``FUSED_PROMPT_TOKENS`` reads (a GEMM), the bus's is one copy of the expert,
-    ``(1 - bus_share) / bus_share`` reads (``bus_share``: the bus's part of the two lanes' summed read
-    rates, as in decode; 0 sends no more, 1 sends all).
+    an expert is ``cpu_prompt_reads`` (one read plus ``pair_reads`` per further token, or a read per
+    token when that is not measured; at most ``FUSED_PROMPT_TOKENS`` reads, a GEMM), the bus's is one
+    copy of the expert, ``(1 - bus_share) / bus_share`` reads (``bus_share``: the bus's part of the
+    two lanes' summed read rates, as in decode; 0 sends no more, 1 sends all).
     """
     counts = np.asarray(counts, dtype=float)
     fetch = counts >= fetch_tokens
@@ -82,7 +127,7 @@ def prefill_fetch(counts: np.ndarray, fetch_tokens: float, bus_share: float) -> 
     if bus_share >= 1:
         return np.ones_like(fetch)
     order = rest[np.argsort(counts[rest], kind="stable")]  # coldest first
-    cpu = np.concatenate([[0.0], np.cumsum(np.minimum(counts[order], FUSED_PROMPT_TOKENS))])  # the m coldest
+    cpu = np.concatenate([[0.0], np.cumsum(cpu_prompt_reads(counts[order], pair_reads))])  # the m coldest
     bus = (1 - bus_share) / bus_share * (fetch.sum() + order.size - np.arange(order.size + 1))
     m = int(np.argmin(np.maximum(cpu, bus)))
     fetch[order[m:]] = True
@@ -201,6 +246,7 @@ class CostModel:
         self.expert_params = np.zeros((L, E))
         self.expert_cpu_rate = np.ones((L, E))
         self.expert_format = np.full((L, E), "bf16", dtype=object)
+        self.pair_reads = np.full((L, E), np.nan)  # prompt_pair_reads per expert (NaN: not measured)
         self._gpu_rate_cache: dict[int, np.ndarray] = {}
         self.present = np.zeros((L, E), dtype=bool)
         self.expert_keys: list[UnitKey] = []
@@ -219,6 +265,8 @@ class CostModel:
                 rates[dtype] = cpu_rate(profile, dtype)
             self.expert_cpu_rate[key.layer, key.expert] = rates[dtype]
             self.expert_format[key.layer, key.expert] = weight_format(dtype)
+            pair = prompt_pair_reads(profile, dtype, unit.n_params, unit.nbytes)
+            self.pair_reads[key.layer, key.expert] = np.nan if pair is None else pair
         self.expert_keys.sort()
         self.moe_layer = self.present.any(axis=1)
         self.stats = stats
@@ -583,12 +631,13 @@ class CostModel:
         choose_cpu = on_cpu <= fetch
         if self.engine.bus_share > 0:  # the engine's rule for CPU-compute experts (prefill_fetch)
             given_used = n_tok / np.maximum(used, 1e-12)  # tokens per expert when the chunk uses it
-            reads = used * np.clip(given_used, 1.0, FUSED_PROMPT_TOKENS)  # the kernel, or a GEMM
+            reads = used * cpu_prompt_reads(given_used, self.pair_reads)  # the kernel, or a GEMM
             on_cpu = np.where(stream, on_cpu, b * reads / self.expert_cpu_rate)
             compute = host & ~stream
             for layer in np.flatnonzero(compute.any(axis=1)):
                 cols = np.flatnonzero(compute[layer])
-                sent = prefill_fetch(given_used[layer, cols], PREFILL_FETCH_TOKENS, self.engine.bus_share)
+                sent = prefill_fetch(given_used[layer, cols], PREFILL_FETCH_TOKENS, self.engine.bus_share,
+                                     float(self.pair_reads[layer, cols[0]]))
                 choose_cpu[layer, cols] = ~sent
         if not self.engine.prefill_fetch_compute:
             choose_cpu |= ~stream

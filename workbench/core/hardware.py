@@ -73,8 +73,10 @@ class HardwareProfile:
     to the bytes of expert weights per second the CPU serves at batch 1. ``h2d_pinned`` /
     ``h2d_pageable`` / ``d2h_pinned`` are host<->GPU copy bandwidths (B/s). ``sync_s`` is the cost of
     one host<->GPU synchronisation (s), paid per MoE layer when CPU experts are used.
-    ``cpu_flops`` is the CPU's bf16 GEMM rate (FLOP/s) for prefill. ``source`` says where the numbers
-    come from ("measured on ... at ..." or "preset: datasheet").
+    ``cpu_flops`` is the CPU's bf16 GEMM rate (FLOP/s) for prefill. ``cpu_prompt_flops`` maps a
+    format the fused CPU kernel reads (``"bf16"``, ``"q8_0"``...) to the FLOP/s its further tokens
+    per expert cost in a prompt, beyond the expert's one read (absent: measured before it was). ``source``
+    says where the numbers come from ("measured on ... at ..." or "preset: datasheet").
     """
 
     name: str
@@ -86,6 +88,7 @@ class HardwareProfile:
     d2h_pinned: float
     cpu_expert_throughput: dict[str, float] = field(default_factory=dict)
     cpu_flops: float = 1e11
+    cpu_prompt_flops: dict[str, float] = field(default_factory=dict)
     cpu_cores: int = 1
     sync_s: float = 5e-5
     source: str = ""
@@ -108,6 +111,7 @@ class HardwareProfile:
             d["cpu_expert_throughput"] = {
                 str(k): float(v) for k, v in dict(d.get("cpu_expert_throughput", {})).items()
             }
+            d["cpu_prompt_flops"] = {str(k): float(v) for k, v in dict(d.get("cpu_prompt_flops") or {}).items()}
             d["provenance"] = dict(d.get("provenance", {}))
             return cls(**_none_to_nan(d, cls))
         except (TypeError, ValueError, AttributeError) as e:
@@ -129,6 +133,8 @@ class HardwareProfile:
         for fmt, value in self.cpu_expert_throughput.items():
             out += _check_rate(f"cpu_expert_throughput[{fmt}]", value, "B/s")
         out += _check_rate("cpu_flops", self.cpu_flops, "FLOP/s")
+        for fmt, value in self.cpu_prompt_flops.items():
+            out += _check_rate(f"cpu_prompt_flops[{fmt}]", value, "FLOP/s")
         if not (isinstance(self.cpu_cores, int) and self.cpu_cores >= 1):
             out.append(f"cpu_cores must be a whole number >= 1, got {self.cpu_cores!r}")
         if not (0 <= self.sync_s < 1):

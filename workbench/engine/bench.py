@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from workbench.core import synth
-from workbench.core.costmodel import CostModel
+from workbench.core.costmodel import CostModel, model_prompt_pair_reads
 from workbench.core.errors import WorkbenchError
 from workbench.core.fmt import parse_size
 from workbench.core.hardware import HardwareProfile, preset
@@ -236,8 +236,11 @@ def measure_engine(engine, *, prompt: int, gen: int, repeats: int, seed: int = 0
 
 
 def run_placement(inv, placement: Placement, label: str, strategy: str, *, device: str, dtype: torch.dtype,
-                  prompt: int, gen: int, repeats: int, vram_budget: int | None) -> tuple[EngineRun, np.ndarray]:
-    """Load ``placement``, measure it, close the engine. Returns the run and its routing counts."""
+                  prompt: int, gen: int, repeats: int, vram_budget: int | None,
+                 pair_reads: float | None = None) -> tuple[EngineRun, np.ndarray]:
+    """Load ``placement``, measure it, close the engine. Returns the run and its routing counts.
+    ``pair_reads``: the profile's cost of a prompt's further token per CPU expert
+    (``costmodel.model_prompt_pair_reads``), which the engine's prompt split then uses."""
     from workbench.engine import Engine
 
     run = EngineRun(label, strategy)
@@ -255,6 +258,7 @@ def run_placement(inv, placement: Placement, label: str, strategy: str, *, devic
             engine = Engine.load(inv, placement, device=dev, dtype=dtype, max_context=prompt + gen,
                                  vram_budget=vram_budget)
             run.load_s = time.perf_counter() - t0
+            engine.set_prompt_pair_reads(pair_reads)
             m = measure_engine(engine, prompt=prompt, gen=gen, repeats=repeats)
             counts = engine.routing_counts()
             run.engine_paths = engine_paths(engine, counts)
@@ -286,7 +290,8 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
     (``{layer: "gate/up format+down format"}``), ``tiers`` (``{layer: [resident, compute, stream]}``
     expert counts), ``dropped_candidates`` (kernel candidates this process found computing wrong
     here: ``kernel_check.dropped``) and, given its routing ``counts [L, E]``, ``cpu_selected`` (``{layer: selections of
-    CPU-tier experts per token}``: the host work of each hybrid layer)."""
+    CPU-tier experts per token}``: the host work of each hybrid layer), and ``prompt_pair_reads`` (the
+    prompt split's cost of a further token per CPU expert, in reads; None: a read per token)."""
     share = getattr(engine, "_bus", None)
     kept = {str(layer): "+".join(lx.kept) for layer, lx in engine.experts.items() if lx.kept is not None}
     tiers = {str(layer): [int(n) for n in lx.n_tier] for layer, lx in engine.experts.items()}
@@ -296,6 +301,7 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
     server = getattr(decoder, "server", None)
     out["served_layers"] = sorted(server.layers) if server is not None else []
     out["served_bus_pairs"] = server.bus_pairs if server is not None else 0
+    out["prompt_pair_reads"] = getattr(engine, "prompt_pair_reads", None)
     if counts is not None and counts.any():
         k = max(1, engine.args.top_k)
         cpu = {}
@@ -362,7 +368,8 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
         read = host_read_now() if probe_host else None
         run, counts = run_placement(inv, plan.placement, label, strategy, device=device, dtype=dtype,
                                     prompt=prompt, gen=gen, repeats=repeats,
-                                    vram_budget=budget_bytes if b is not None else None)
+                                    vram_budget=budget_bytes if b is not None else None,
+                                    pair_reads=model_prompt_pair_reads(inv, profile))
         run.predicted_decode_tps = plan.prediction.decode_tps
         run.predicted_prefill_tps = plan.prediction.prefill_tps
         if read:

@@ -243,42 +243,75 @@ def _pool_experts(per_expert: int, top_k: int, weight_bytes: int) -> int:
     return max(top_k, min(512, pool // per_expert))
 
 
-def _time_fused(run: _Run, step: str, n: int, top_k: int, per_expert: int, call) -> float:
-    """Bytes/s of ``call(rows, weights)`` over a pool of ``n`` experts of ``per_expert`` bytes,
-    ``top_k`` distinct experts per call as in a decode step, each pass reading the whole pool."""
+PROMPT_TOKENS = 16
+"""Tokens per expert in the calibration's prompt pass over the fused kernels (``cpu_prompt_flops``)."""
+
+
+def _time_fused(run: _Run, step: str, n: int, top_k: int, per_expert: int, call: _FusedCall) -> tuple[float, float]:
+    """``(bytes/s, prompt FLOP/s)`` of a fused kernel over a pool of ``n`` experts of ``per_expert``
+    bytes: ``call(x, rows, weights, tokens)`` with ``top_k`` distinct experts per call as in a decode
+    step, each pass reading the whole pool; then the same with ``PROMPT_TOKENS`` tokens per expert
+    as in a prompt, whose time beyond the decode pass's is the further tokens' FLOP/s
+    (``HardwareProfile.cpu_prompt_flops``; 2 FLOP per weight and token)."""
     k = min(top_k, n)
     weights = torch.full((k,), 1.0 / k)
     starts = list(range(0, n - k + 1, k)) or [0]
 
     def one_pass() -> None:
         for s in starts:
-            call(torch.arange(s, s + k), weights)
+            call(None, torch.arange(s, s + k), weights, None)
 
     one_pass()
-    t = _repeat(run, one_pass, 0.3 * run.share[step])
+    t = _repeat(run, one_pass, 0.2 * run.share[step])
     rate = per_expert * k * len(starts) / t
     if n * per_expert >= 8 * l3_bytes():  # read from RAM, not from the caches
         run.ram_reads.append(rate)
-    return rate
+
+    c = PROMPT_TOKENS
+    tokens = torch.arange(c).repeat(k)
+    prompt_weights = weights.repeat_interleave(c)
+
+    def prompt_pass() -> None:
+        for s in starts:
+            call(c, torch.arange(s, s + k).repeat_interleave(c), prompt_weights, tokens)
+
+    prompt_pass()
+    tp = _repeat(run, prompt_pass, 0.2 * run.share[step])
+    flops = 2.0 * call.params * k * len(starts) * (c - 1) / max(tp - t, 1e-9)
+    return rate, min(flops, 1e15)
+
+
+class _FusedCall:
+    """``call(x_tokens, rows, weights, tokens)`` for ``_time_fused``: ``kernel(x, rows, weights,
+    tokens=...)`` with ``x`` one token (``x_tokens`` None) or ``x_tokens`` tokens of ``hidden`` values."""
+
+    def __init__(self, kernel, hidden: int, ffn: int, dtype: torch.dtype, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.kernel, self.params = kernel, 3 * hidden * ffn
+        self.x = torch.randn(PROMPT_TOKENS, hidden, generator=g).to(dtype)
+
+    def __call__(self, x_tokens, rows, weights, tokens):
+        if x_tokens is None:
+            return self.kernel(self.x[0], rows, weights)
+        return self.kernel(self.x[:x_tokens], rows, weights, tokens=tokens)
 
 
 def _cpu_fused(run: _Run, step: str, experts: list, hidden: int, ffn: int, top_k: int,
-               weight_bytes: int) -> float:
-    """Bytes/s of expert weights the fused decode kernel (``cpu_kernel.moe_decode``) reaches, over
-    a ``_pool_experts`` pool stacked as ``[E, 2I, H]`` / ``[E, H, I]`` (copies of the first packed
-    expert)."""
+               weight_bytes: int) -> tuple[float, float]:
+    """``_time_fused`` of the fused decode kernel (``cpu_kernel.moe_decode``) over a ``_pool_experts``
+    pool stacked as ``[E, 2I, H]`` / ``[E, H, I]`` (copies of the first packed expert)."""
     p1, p2 = experts[0]  # bf16/f32 formats keep the plain weight in ``data``
     n = _pool_experts(p1.nbytes + p2.nbytes, top_k, weight_bytes)
     w13 = p1.data.expand(n, *p1.data.shape).clone()
     w2 = p2.data.expand(n, *p2.data.shape).clone()
-    x = torch.randn(hidden).to(w13.dtype)
     per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()  # gate, up and down
-    return _time_fused(run, step, n, top_k, per_expert, lambda r, w: cpu_kernel.moe_decode(x, w13, w2, r, w))
+    call = _FusedCall(lambda x, r, w, **kw: cpu_kernel.moe_decode(x, w13, w2, r, w, **kw), hidden, ffn, w13.dtype)
+    return _time_fused(run, step, n, top_k, per_expert, call)
 
 
-def _cpu_fused_q8(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weight_bytes: int) -> float:
-    """Bytes/s of Q8_0 expert blocks (int8 values and float16 scales) the fused Q8_0 decode kernel
-    (``cpu_kernel.moe_decode_q8``) reaches over a ``_pool_experts`` pool."""
+def _cpu_fused_q8(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weight_bytes: int) -> tuple[float, float]:
+    """``_time_fused`` of the fused Q8_0 kernel (``cpu_kernel.moe_decode_q8``) over a ``_pool_experts``
+    pool of Q8_0 blocks (int8 values and float16 scales)."""
     per_expert = 3 * hidden * ffn * 34 // 32
     n = _pool_experts(per_expert, top_k, weight_bytes)
     g = torch.Generator().manual_seed(0)
@@ -286,14 +319,14 @@ def _cpu_fused_q8(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weigh
     q2 = torch.randint(-127, 128, (n, hidden, ffn), dtype=torch.int8, generator=g)
     d13 = torch.full((n, 2 * ffn, hidden // 32), 1e-3, dtype=torch.float16)
     d2 = torch.full((n, hidden, ffn // 32), 1e-3, dtype=torch.float16)
-    x = torch.randn(hidden, generator=g).to(torch.bfloat16)
-    return _time_fused(run, step, n, top_k, per_expert,
-                       lambda r, w: cpu_kernel.moe_decode_q8(x, q13, d13, q2, d2, r, w))
+    call = _FusedCall(lambda x, r, w, **kw: cpu_kernel.moe_decode_q8(x, q13, d13, q2, d2, r, w, **kw),
+                       hidden, ffn, torch.bfloat16)
+    return _time_fused(run, step, n, top_k, per_expert, call)
 
 
-def _cpu_fused_q4k(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weight_bytes: int) -> float:
-    """Bytes/s of Q4_K blocks the fused Q4_K decode kernel (``cpu_kernel.moe_decode_q4k``) reaches
-    over a ``_pool_experts`` pool."""
+def _cpu_fused_q4k(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weight_bytes: int) -> tuple[float, float]:
+    """``_time_fused`` of the fused Q4_K kernel (``cpu_kernel.moe_decode_q4k``) over a
+    ``_pool_experts`` pool of Q4_K blocks."""
     per_expert = 3 * hidden * ffn * 144 // 256
     n = _pool_experts(per_expert, top_k, weight_bytes)
     g = torch.Generator().manual_seed(0)
@@ -301,8 +334,9 @@ def _cpu_fused_q4k(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weig
     b2 = torch.randint(0, 256, (n, hidden, ffn // 256 * 144), dtype=torch.uint8, generator=g)
     for b in (b13, b2):  # small finite float16 d and dmin (0x1400: about 1e-3)
         b.view(n, b.shape[1], -1, 144)[..., 0:4] = torch.tensor([0x00, 0x14, 0x00, 0x14], dtype=torch.uint8)
-    x = torch.randn(hidden, generator=g).to(torch.bfloat16)
-    return _time_fused(run, step, n, top_k, per_expert, lambda r, w: cpu_kernel.moe_decode_q4k(x, b13, b2, r, w))
+    call = _FusedCall(lambda x, r, w, **kw: cpu_kernel.moe_decode_q4k(x, b13, b2, r, w, **kw),
+                       hidden, ffn, torch.bfloat16)
+    return _time_fused(run, step, n, top_k, per_expert, call)
 
 
 # -- GPU ---------------------------------------------------------------------------------------
@@ -586,6 +620,7 @@ def calibrate(
     run.finish("host", f"host RAM read {read / 1e9:.1f} GB/s")
 
     throughput: dict[str, float] = {}
+    prompt_flops: dict[str, float] = {}  # fused kernels' further tokens per expert in a prompt
     bf16_experts = None
     for name in names:
         step = f"cpu:{name}"
@@ -606,15 +641,20 @@ def calibrate(
             run.finish(step, f"CPU {name}: skipped ({e})")
             continue
         if name in ("bf16", "f32") and cpu_kernel.available():  # what the engine's decode runs
-            bps = _cpu_fused(run, step, experts, hidden, expert_ffn, top_k, weight_bytes)
+            bps, prompt_flops[name] = _cpu_fused(run, step, experts, hidden, expert_ffn, top_k, weight_bytes)
+            run.report(f"CPU {name} (fused) prompt: {prompt_flops[name] / 1e9:.0f} GFLOP/s per further token")
         if name == "int8" and cpu_kernel.available() and hidden % 32 == 0 and expert_ffn % 32 == 0:
             # GGUF Q8_0 experts: the engine keeps the blocks and runs the fused Q8_0 kernel
-            throughput["q8_0"] = _cpu_fused_q8(run, step, hidden, expert_ffn, top_k, weight_bytes)
-            run.report(f"CPU q8_0 (fused): {throughput['q8_0'] / 1e9:.1f} GB/s of weights")
+            throughput["q8_0"], prompt_flops["q8_0"] = _cpu_fused_q8(run, step, hidden, expert_ffn, top_k,
+                                                                     weight_bytes)
+            run.report(f"CPU q8_0 (fused): {throughput['q8_0'] / 1e9:.1f} GB/s of weights, prompt "
+                       f"{prompt_flops['q8_0'] / 1e9:.0f} GFLOP/s per further token")
         if name == "int4" and cpu_kernel.available() and hidden % 256 == 0 and expert_ffn % 256 == 0:
             # GGUF Q4_K experts: kept as blocks, the fused Q4_K kernel
-            throughput["q4_k"] = _cpu_fused_q4k(run, step, hidden, expert_ffn, top_k, weight_bytes)
-            run.report(f"CPU q4_k (fused): {throughput['q4_k'] / 1e9:.1f} GB/s of weights")
+            throughput["q4_k"], prompt_flops["q4_k"] = _cpu_fused_q4k(run, step, hidden, expert_ffn, top_k,
+                                                                      weight_bytes)
+            run.report(f"CPU q4_k (fused): {throughput['q4_k'] / 1e9:.1f} GB/s of weights, prompt "
+                       f"{prompt_flops['q4_k'] / 1e9:.0f} GFLOP/s per further token")
         throughput[name] = bps
         bf16_experts = experts if name == "bf16" else bf16_experts
         del experts
@@ -645,6 +685,7 @@ def calibrate(
         "host_ram_bytes": "measured",
         "cpu_cores": "measured",
         "cpu_flops": "measured" if cpu_flops else "default",
+        "cpu_prompt_flops": "measured" if prompt_flops else "absent",
     }
     prof = HardwareProfile(
         name=info.model,
@@ -656,6 +697,7 @@ def calibrate(
         d2h_pinned=math.nan,
         cpu_expert_throughput=throughput,
         cpu_flops=cpu_flops or 1e11,
+        cpu_prompt_flops=prompt_flops,
         cpu_cores=info.usable_cores,
         source=source,
         provenance=provenance,

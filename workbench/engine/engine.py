@@ -125,6 +125,20 @@ def _expert_formats(inventory: Inventory, layer: int) -> tuple[str, str]:
     return tuple(blocks.FORMATS[t[f"blk.{layer}.ffn_{p}_exps.weight"].dtype.upper()] for p in ("gate", "down"))
 
 
+def _pair_reads_from_env() -> float | None:
+    """``WORKBENCH_PROMPT_PAIR_READS`` as a number of reads >= 0 (see ``Engine.set_prompt_pair_reads``),
+    or None when unset or not a number."""
+    raw = os.environ.get("WORKBENCH_PROMPT_PAIR_READS", "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        log.warning("WORKBENCH_PROMPT_PAIR_READS=%r is not a number; ignored", raw)
+        return None
+    return value if value >= 0 and math.isfinite(value) else None
+
+
 def _served_mode(raw: str) -> str:
     """``WORKBENCH_SERVED`` as ``auto``, ``on`` or ``off`` (``1``/``0``, ``true``/``false``, ``yes``/``no``
     too; anything else: ``auto``)."""
@@ -236,6 +250,7 @@ class Engine:
         self.served_mode = _served_mode(os.environ.get("WORKBENCH_SERVED", "auto"))
         self._decoder = None
         self._bus, self.bus_share, self._keeps_blocks, self._keeps_dense = None, bus_share, keeps, dense_kept
+        self.prompt_pair_reads = _pair_reads_from_env()
         self._reader = WeightReader(inventory)
         self._fw = FamilyWeights(self._reader, args)
         self.cpu_format, self._pool = cpu_format, None
@@ -348,6 +363,7 @@ class Engine:
         lx = LayerExperts(layer, a.n_experts, self.device, self.dtype, self._worker, placement.stream_slots,
                           act, a.expert_bias)
         shape13, shape2 = (2 * a.expert_ffn, a.hidden), (a.hidden, a.expert_ffn)
+        lx.prompt_pair_reads = self.prompt_pair_reads
         self.experts[layer] = lx  # reachable for _free() if a later allocation fails
         loader.unit = UnitKey(layer, "expert", 0)
         fmt = self._kept_format(layer)
@@ -577,6 +593,17 @@ class Engine:
         return {layer: (lx.hits, lx.misses) for layer, lx in self.experts.items() if lx.cache_w13 is not None}
 
     # -- placement -------------------------------------------------------------------------------
+
+    def set_prompt_pair_reads(self, pair_reads: float | None) -> None:
+        """What a prompt's further token of a CPU-tier expert costs the fused CPU kernel, in reads of
+        the expert (``costmodel.model_prompt_pair_reads`` from a calibrated profile; None: a read
+        per token, the rule without a measurement). Prompts split their CPU-tier experts between the
+        CPU and the bus (``costmodel.prefill_fetch``) and between the kernel and torch's GEMM
+        (``costmodel.fused_prompt_limit``) by it. ``WORKBENCH_PROMPT_PAIR_READS``, when set, wins."""
+        env = _pair_reads_from_env()
+        self.prompt_pair_reads = env if env is not None else pair_reads
+        for lx in self.experts.values():
+            lx.prompt_pair_reads = self.prompt_pair_reads
 
     def apply_placement(self, placement: Placement, progress: Progress | None = None, cancel=None) -> None:
         """Move routed experts between tiers without reloading the model: each layer whose expert

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from workbench.core.costmodel import FUSED_PROMPT_TOKENS, prefill_fetch
+from workbench.core.costmodel import fused_prompt_limit, prefill_fetch
 
 from . import blocks, cpu_kernel, gpu_kernels, prefill_kernels
 from .packed import dequantize_blocks
@@ -163,6 +163,7 @@ class LayerExperts:
         self.kept_res: list[torch.Tensor] | None = None  # resident tier likewise, on the accelerator
         self.fused_cpu = False  # the compute tier through cpu_kernel.moe_decode (set by the engine)
         self.bus = None  # bus.BusShare: decode sends some CPU-selected experts over the bus (set by the engine)
+        self.prompt_pair_reads: float | None = None  # Engine.set_prompt_pair_reads
         self.fast_gpu = os.environ.get("WORKBENCH_GPU_KERNELS", "1") != "0"  # one-token resident experts in Triton
         self.cache_expert: list[int] = []
         self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> cache slot, oldest first
@@ -490,9 +491,9 @@ class LayerExperts:
         fused = None  # a fused kernel's call, given the pairs' weights
         one = x.shape[0] == 1  # decode: x [H]; a prompt: x [T, H] and a token per pair
         gemm = None  # pairs of experts many tokens select: one GEMM each (torch's CPU GEMM runs near its
-        if not one and self._fused_cpu(scale_input):  # FLOP rate), where the kernel costs a read per token
+        if not one and self._fused_cpu(scale_input):  # FLOP rate), past what the kernel does in that time
             _, inverse, counts = np.unique(rows, return_inverse=True, return_counts=True)
-            many = counts[inverse.reshape(-1)] > FUSED_PROMPT_TOKENS
+            many = counts[inverse.reshape(-1)] > fused_prompt_limit(self.prompt_pair_reads)
             if many.any():
                 gemm = (sel[many], rows[many])
                 sel, rows = sel[~many], rows[~many]
@@ -574,7 +575,7 @@ class LayerExperts:
         CPU finish together) and those the CPU computes: ``(sent, cpu)``."""
         experts = ids_host[sel]
         uniq, counts = np.unique(experts, return_counts=True)
-        hot = uniq[prefill_fetch(counts, self.bus.fetch_tokens, self.bus.fraction)]
+        hot = uniq[prefill_fetch(counts, self.bus.fetch_tokens, self.bus.fraction, self.prompt_pair_reads)]
         travels = np.isin(experts, hot)
         return sel[travels], sel[~travels]
 

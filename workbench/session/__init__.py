@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from psygnal import Signal, SignalGroup
 
+from workbench.core.costmodel import model_prompt_pair_reads
 from workbench.core.errors import PlacementError, WorkbenchError
 from workbench.core.fmt import bytes2human
 from workbench.core.hardware import HardwareProfile
@@ -318,6 +319,8 @@ class Session(ChatMixin):
         self.hardware = profile
         self.hardware_note = note
         self.dirty = self.inventory is not None
+        if self.engine is not None and self.inventory is not None:
+            self.engine.set_prompt_pair_reads(None if profile is None else model_prompt_pair_reads(self.inventory, profile))
         self.events.hardware_changed.emit(profile)
         self._budgets_changed()
 
@@ -477,6 +480,8 @@ class Session(ChatMixin):
             else:
                 self.close_engine()
                 self.engine = services.load_engine(self.inventory, placement, progress, cancel, force)
+                if self.hardware is not None:  # a calibrated CPU's prompt cost per token sets the prompt split
+                    self.engine.set_prompt_pair_reads(model_prompt_pair_reads(self.inventory, self.hardware))
                 try:
                     self.chat_runtime()  # tokenizer and template now, not at the first message
                 except WorkbenchError as e:
