@@ -656,6 +656,62 @@ void parallel_rows(int64_t begin, int64_t end, int64_t grain, const F& f) {
   }
 }
 
+// Threads at::parallel_for gives [0, len) at ``grain`` on a pool of ``pool``: none past what the
+// grain allows, one when the range is a single grain.
+inline int64_t pass_parts(int64_t len, int64_t grain, int64_t pool) {
+  if (len <= 0) return 0;
+  if (len <= grain || pool <= 1) return 1;
+  return std::min(pool, (len + grain - 1) / grain);
+}
+
+// Part ``t`` of ``parts`` of [0, len), as at::parallel_for cuts it (contiguous, equal but the last).
+template <typename F>
+inline void pass_part(int64_t len, int64_t parts, int64_t t, const F& f) {
+  if (t >= parts) return;
+  const int64_t chunk = (len + parts - 1) / parts, b = t * chunk, e = std::min(len, b + chunk);
+  if (b < e) f(b, e);
+}
+
+// f1 over [0, n1), then between(), then f2 over [0, n2), each pass split as at::parallel_for splits
+// it. With OpenMP the two passes share one parallel region whose threads meet at a barrier: a call
+// wakes torch's pool once, not twice (a pool asleep between decode packets costs tens of us per
+// wake-up on the H200 host, scripts/time_served_handoff.py). On the decode server's own team, two
+// jobs; elsewhere, two at::parallel_for calls.
+template <typename F1, typename H, typename F2>
+void parallel_passes(int64_t n1, int64_t g1, const F1& f1, const H& between, int64_t n2, int64_t g2, const F2& f2) {
+#ifdef _OPENMP
+  const int64_t pool = at::get_num_threads();
+  const int64_t want = std::max(pass_parts(n1, g1, pool), pass_parts(n2, g2, pool));
+  if (tl_team == nullptr && want > 1 && !at::in_parallel_region()) {
+    std::exception_ptr err;
+    std::atomic<bool> failed{false};
+    auto guarded = [&](auto&& fn) {
+      try {
+        fn();
+      } catch (...) {
+        if (!failed.exchange(true)) err = std::current_exception();
+      }
+    };
+#pragma omp parallel num_threads(static_cast<int>(want))
+    {
+      const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+      guarded([&] { pass_part(n1, std::min(n, pass_parts(n1, g1, pool)), t, f1); });
+#pragma omp barrier
+#pragma omp single
+      guarded([&] {
+        if (!failed.load()) between();
+      });
+      if (!failed.load()) guarded([&] { pass_part(n2, std::min(n, pass_parts(n2, g2, pool)), t, f2); });
+    }
+    if (err) std::rethrow_exception(err);
+    return;
+  }
+#endif
+  parallel_rows(0, n1, g1, f1);
+  between();
+  parallel_rows(0, n2, g2, f2);
+}
+
 struct NoHook {
   void operator()(const float*) const {}
 };
@@ -676,7 +732,7 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
   // pass 1: item (group g, row i) needs gate row i and up row I + i of g's expert. A task reads its
   // gate rows, then its up rows: one sequential stream at a time, which the hardware prefetchers
   // follow best (interleaving rows of several pages measured 1.5x slower per core).
-  parallel_rows(0, G * I, 16, [&](int64_t begin, int64_t end) {
+  auto pass1 = [&](int64_t begin, int64_t end) {
     std::vector<float> gate, up;
     for (int64_t p = begin; p < end;) {
       const int64_t g = p / I, i0 = p % I, len = std::min(I - i0, end - p);
@@ -690,15 +746,13 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
       }
       p += len;
     }
-  });
-
-  between(a);  // e.g. per-block sums of the activations, which Q4_K's minimums need
+  };
 
   // pass 2: a task owns output columns [begin, end) of every token and walks the groups one after
   // another, streaming one contiguous block of each expert's down matrix
   const int64_t* tok = pr.tok.data();
   const float* wt = pr.wt.data();
-  parallel_rows(0, H, 16, [&](int64_t begin, int64_t end) {
+  auto pass2 = [&](int64_t begin, int64_t end) {
     std::vector<float> res;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t s = start[g], c = start[g + 1] - s;
@@ -708,7 +762,10 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
         for (int64_t k = 0; k < c; ++k) out[tok[s + k] * H + o] += wt[s + k] * res[k];
       }
     }
-  });
+  };
+
+  // between the passes: e.g. per-block sums of the activations, which Q4_K's minimums need
+  parallel_passes(G * I, 16, pass1, [&] { between(a); }, H, 16, pass2);
 }
 
 template <typename W>
