@@ -133,6 +133,12 @@ inline float dot(const W* w, const float* x, int64_t K) {
   return s;
 }
 
+inline float hsum(vf32 v) {
+  float s = 0.f;
+  for (int64_t l = 0; l < LANES; ++l) s += v[l];
+  return s;
+}
+
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 // GGUF Q8_0: blocks of 32 int8 values q with one float16 scale d (value = d * q). The engine keeps
@@ -239,6 +245,68 @@ inline void dot_q8_n(const int8_t* q, const Half* d, const float* const* xs, int
   }
 }
 
+// Four weight rows at once with N inputs, for a prompt's expert that four or more tokens select:
+// each weight vector is loaded (and widened) once for the N inputs and each input vector once for
+// the four rows, half a load per multiply-add where dot_n<4> needs one and a quarter. One
+// accumulator per (row, input), so the sums run in another order than dot's (f32 rounding apart).
+// The 4 x N accumulators need AVX-512's 32 registers; AVX2 builds keep to one row at a time.
+constexpr bool ROW_BLOCKS = LANES == 16;
+
+// res[r * ldr + j] = dot(w[r][0:K], xs[j][0:K]) for r < 4, j < N.
+template <int N, typename W>
+inline void dot_4rows(const W* const* w, const float* const* xs, int64_t K, float* res, int64_t ldr) {
+  vf32 acc[4][N] = {};
+  int64_t k = 0;
+  for (; k + LANES <= K; k += LANES) {
+    vf32 xv[N];
+    for (int j = 0; j < N; ++j) xv[j] = load_vec(xs[j] + k);
+    for (int r = 0; r < 4; ++r) {
+      const vf32 wv = load_vec(w[r] + k);
+      for (int j = 0; j < N; ++j) acc[r][j] += wv * xv[j];
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < N; ++j) {
+      float sum = hsum(acc[r][j]);
+      for (int64_t i = k; i < K; ++i) sum += load_one(w[r] + i) * xs[j][i];
+      res[r * ldr + j] = sum;
+    }
+}
+
+// res[r * ldr + j] = dot_q8(q[r], d[r], xs[j], K) for r < 4, j < N: each 32-value block's int8
+// values widened once, scaled by the block's d, then multiplied with the N inputs.
+template <int N>
+inline void dot_q8_4rows(const int8_t* const* q, const Half* const* d, const float* const* xs, int64_t K, float* res,
+                         int64_t ldr) {
+  vf32 acc[4][N] = {};
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const int64_t k = 32 * b;
+    float scale[4];
+    for (int r = 0; r < 4; ++r) scale[r] = half_to_float(d[r] + b);
+    for (int64_t v = 0; v < 32; v += LANES) {
+      vf32 xv[N];
+      for (int j = 0; j < N; ++j) xv[j] = load_vec(xs[j] + k + v);
+      for (int r = 0; r < 4; ++r) {
+        const vf32 wv = load_vec(q[r] + k + v) * scale[r];
+        for (int j = 0; j < N; ++j) acc[r][j] += wv * xv[j];
+      }
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < N; ++j) res[r * ldr + j] = hsum(acc[r][j]);
+}
+
+// res[q * c + k] = the dot of row q < nrows with input k < c: one(q, j, N, out) for row q and
+// inputs j .. j + N - 1, four(q, j, N, out) for rows q .. q + 3 (``out`` rows ``c`` apart), the
+// latter where four or more inputs share the rows.
+template <typename One, typename Four>
+inline void rows_by_inputs(int64_t nrows, int64_t c, float* res, One&& one, Four&& four) {
+  int64_t q = 0;
+  if (ROW_BLOCKS && c >= 4)
+    for (; q + 4 <= nrows; q += 4) in_fours(c, [&](auto n, int64_t j) { four(q, j, n, res + q * c + j); });
+  for (; q < nrows; ++q) in_fours(c, [&](auto n, int64_t j) { one(q, j, n, res + q * c + j); });
+}
+
 // GGUF Q4_K: super-blocks of 256 values, 144 bytes each: float16 d and dmin, 12 bytes of 6-bit
 // scales and minimums for 8 sub-blocks of 32, then 128 bytes of 4-bit values (in each 64-value
 // chunk, the low nibbles of 32 bytes are values 0..31 and the high nibbles values 32..63).
@@ -262,12 +330,6 @@ inline void nibbles(const uint8_t* p, vf32& lo, vf32& hi) {  // LANES bytes -> l
     hi[l] = static_cast<float>(p[l] >> 4);
   }
 #endif
-}
-
-inline float hsum(vf32 v) {
-  float s = 0.f;
-  for (int64_t l = 0; l < LANES; ++l) s += v[l];
-  return s;
 }
 
 // Q4_K's 6-bit scale and minimum of sub-block j (0..7) of the 12 scale bytes sc.
@@ -398,10 +460,35 @@ inline void dot_bf16_n(const uint16_t* w, const uint16_t* const* xb, int64_t K, 
     res[j] = s;
   }
 }
+// res[r * ldr + j] = the bf16 dot of w[r] with xb[j] for r < 4, j < N (one accumulator each).
+template <int N>
+inline void dot_bf16_4rows(const uint16_t* const* w, const uint16_t* const* xb, int64_t K, float* res, int64_t ldr) {
+  __m512 acc[4][N];
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < N; ++j) acc[r][j] = _mm512_setzero_ps();
+  auto bh = [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p)); };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh xv[N];
+    for (int j = 0; j < N; ++j) xv[j] = bh(xb[j] + k);
+    for (int r = 0; r < 4; ++r) {
+      const __m512bh wv = bh(w[r] + k);
+      for (int j = 0; j < N; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, xv[j]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < N; ++j) {
+      float sum = _mm512_reduce_add_ps(acc[r][j]);
+      for (int64_t i = k; i < K; ++i) sum += load_one(w[r] + i) * load_one(xb[j] + i);
+      res[r * ldr + j] = sum;
+    }
+}
 constexpr bool HAS_BF16_DOT = true;
 #else
 template <int N>
 inline void dot_bf16_n(const uint16_t*, const uint16_t* const*, int64_t, float*) {}
+template <int N>
+inline void dot_bf16_4rows(const uint16_t* const*, const uint16_t* const*, int64_t, float*, int64_t) {}
 inline float dot_q4k_bf16(const uint8_t*, const uint16_t*, const float*, int64_t) { return 0.f; }
 inline float dot_bf16(const uint16_t*, const uint16_t*, int64_t) { return 0.f; }
 constexpr bool HAS_BF16_DOT = false;
@@ -716,12 +803,14 @@ struct NoHook {
   void operator()(const float*) const {}
 };
 
-// The fused experts over any weight layout. dot13(g, r, s, c, res): res[k] = row r of group g's
-// w13 . x[tok[s + k]] for k < c (r < 2I, gate rows first); dot2(g, o, s, c, as, res): res[k] = row o
-// of group g's w2 . as[k * I] (pair s + k's activations). out [T, H] is zeroed.
+// The fused experts over any weight layout. dot13(g, r0, nrows, s, c, res): res[q * c + k] = row
+// r0 + q of group g's w13 . x[tok[s + k]] for q < nrows, k < c (rows < 2I, gate rows first);
+// dot2(g, o0, nrows, s, c, as, res): res[q * c + k] = row o0 + q of group g's w2 . as[k * I] (pair
+// s + k's activations). out [T, H] is zeroed.
 // Each weight row is read from memory once per call and dotted with every token of its group
-// while it sits in L1 (the float and Q8_0 dots widen each weight vector once per four tokens), so
-// a prompt's expert hit by c tokens costs about one read of its weights and c cheap dots.
+// while it sits in L1 (the float and Q8_0 dots widen each weight vector once per four tokens, and
+// with four tokens or more take four rows at a time), so a prompt's expert hit by c tokens costs
+// about one read of its weights and c cheap dots.
 template <typename Dot13, typename Dot2, typename Hook = NoHook>
 void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13, Dot2 dot2, Hook between = Hook()) {
   const int64_t G = pr.groups(), n = pr.size();
@@ -738,12 +827,11 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
       const int64_t g = p / I, i0 = p % I, len = std::min(I - i0, end - p);
       const int64_t s = start[g], c = start[g + 1] - s;
       gate.resize(static_cast<size_t>(len * c));
-      up.resize(static_cast<size_t>(c));
-      for (int64_t q = 0; q < len; ++q) dot13(g, i0 + q, s, c, gate.data() + q * c);
-      for (int64_t q = 0; q < len; ++q) {
-        dot13(g, I + i0 + q, s, c, up.data());
-        for (int64_t k = 0; k < c; ++k) a[(s + k) * I + i0 + q] = silu(gate[q * c + k]) * up[k];
-      }
+      up.resize(static_cast<size_t>(len * c));
+      dot13(g, i0, len, s, c, gate.data());
+      dot13(g, I + i0, len, s, c, up.data());
+      for (int64_t q = 0; q < len; ++q)
+        for (int64_t k = 0; k < c; ++k) a[(s + k) * I + i0 + q] = silu(gate[q * c + k]) * up[q * c + k];
       p += len;
     }
   };
@@ -756,16 +844,41 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
     std::vector<float> res;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t s = start[g], c = start[g + 1] - s;
-      res.resize(static_cast<size_t>(c));
-      for (int64_t o = begin; o < end; ++o) {
-        dot2(g, o, s, c, a + s * I, res.data());
-        for (int64_t k = 0; k < c; ++k) out[tok[s + k] * H + o] += wt[s + k] * res[k];
-      }
+      res.resize(static_cast<size_t>((end - begin) * c));
+      dot2(g, begin, end - begin, s, c, a + s * I, res.data());
+      for (int64_t o = begin; o < end; ++o)
+        for (int64_t k = 0; k < c; ++k) out[tok[s + k] * H + o] += wt[s + k] * res[(o - begin) * c + k];
     }
   };
 
   // between the passes: e.g. per-block sums of the activations, which Q4_K's minimums need
   parallel_passes(G * I, 16, pass1, [&] { between(a); }, H, 16, pass2);
+}
+
+// Pointers to N inputs: f(k) for k = j .. j + N - 1.
+template <int N, typename T, typename F>
+inline void inputs(int64_t j, const T** xs, F&& f) {
+  for (int q = 0; q < N; ++q) xs[q] = f(j + q);
+}
+
+// rows_by_inputs over the matrix at ``base`` (K values a row): one(N, row, xs, K, out) and
+// four(N, rows[4], xs, K, out, ldr) against the inputs xk(k) (pointers to K values each).
+template <typename R, typename XK, typename One, typename Four>
+inline void matrix_rows(const R* base, int64_t K, int64_t nrows, int64_t c, float* res, XK xk, One one, Four four) {
+  using X = std::remove_const_t<std::remove_pointer_t<decltype(xk(0))>>;
+  rows_by_inputs(
+      nrows, c, res,
+      [&](int64_t q, int64_t j, auto n, float* o) {
+        const X* xs[decltype(n)::value];
+        inputs<decltype(n)::value>(j, xs, xk);
+        one(n, base + q * K, xs, K, o);
+      },
+      [&](int64_t q, int64_t j, auto n, float* o) {
+        const R* w[4] = {base + q * K, base + (q + 1) * K, base + (q + 2) * K, base + (q + 3) * K};
+        const X* xs[decltype(n)::value];
+        inputs<decltype(n)::value>(j, xs, xk);
+        four(n, w, xs, K, o, c);
+      });
 }
 
 template <typename W>
@@ -785,31 +898,34 @@ void run_float(const float* x, const W* w13, const W* w2, const Pairs& pr, int64
       bf16 = as_bf16(x, T * H, xb.data());
     }
   }
-  grouped_rows(pr, H, I, out,
-               [&](int64_t g, int64_t r, int64_t s, int64_t c, float* res) {
-                 const W* row = w13 + rows[g] * e13 + r * H;
-                 in_fours(c, [&](auto n, int64_t j) {
-                   constexpr int N = decltype(n)::value;
-                   if constexpr (std::is_same_v<W, uint16_t>) {
-                     if (bf16) {
-                       const uint16_t* xs[N];
-                       for (int q = 0; q < N; ++q) xs[q] = xb.data() + tok[s + j + q] * H;
-                       return dot_bf16_n<N>(row, xs, H, res + j);
-                     }
-                   }
-                   const float* xs[N];
-                   for (int q = 0; q < N; ++q) xs[q] = x + tok[s + j + q] * H;
-                   dot_n<N>(row, xs, H, res + j);
-                 });
-               },
-               [&](int64_t g, int64_t o, int64_t, int64_t c, const float* as, float* res) {
-                 in_fours(c, [&](auto n, int64_t j) {
-                   constexpr int N = decltype(n)::value;
-                   const float* xs[N];
-                   for (int q = 0; q < N; ++q) xs[q] = as + (j + q) * I;
-                   dot_n<N>(w2 + rows[g] * e2 + o * I, xs, I, res + j);
-                 });
-               });
+  // the float dots, and the bf16 ones for bf16 rows against bf16-exact inputs
+  auto f32_one = [](auto n, const W* row, const float* const* xs, int64_t K, float* o) {
+    dot_n<decltype(n)::value>(row, xs, K, o);
+  };
+  auto f32_four = [](auto n, const W* const* w, const float* const* xs, int64_t K, float* o, int64_t ldr) {
+    dot_4rows<decltype(n)::value>(w, xs, K, o, ldr);
+  };
+  grouped_rows(
+      pr, H, I, out,
+      [&](int64_t g, int64_t r0, int64_t nrows, int64_t s, int64_t c, float* res) {
+        const W* base = w13 + rows[g] * e13 + r0 * H;
+        if constexpr (std::is_same_v<W, uint16_t>) {
+          if (bf16)
+            return matrix_rows(
+                base, H, nrows, c, res, [&](int64_t k) { return static_cast<const uint16_t*>(xb.data() + tok[s + k] * H); },
+                [](auto n, const uint16_t* row, const uint16_t* const* xs, int64_t K, float* o) {
+                  dot_bf16_n<decltype(n)::value>(row, xs, K, o);
+                },
+                [](auto n, const uint16_t* const* w, const uint16_t* const* xs, int64_t K, float* o, int64_t ldr) {
+                  dot_bf16_4rows<decltype(n)::value>(w, xs, K, o, ldr);
+                });
+        }
+        matrix_rows(base, H, nrows, c, res, [&](int64_t k) { return x + tok[s + k] * H; }, f32_one, f32_four);
+      },
+      [&](int64_t g, int64_t o0, int64_t nrows, int64_t, int64_t c, const float* as, float* res) {
+        matrix_rows(w2 + rows[g] * e2 + o0 * I, I, nrows, c, res, [&](int64_t k) { return as + k * I; }, f32_one,
+                    f32_four);
+      });
 }
 
 void run_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2, const Half* d2, const Pairs& pr,
@@ -817,25 +933,36 @@ void run_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2
   const int64_t e13 = 2 * I * H, e2 = H * I;  // values per expert; scales: 1 per 32
   const int64_t* rows = pr.rows.data();
   const int64_t* tok = pr.tok.data();
-  grouped_rows(pr, H, I, out,
-               [&](int64_t g, int64_t r, int64_t s, int64_t c, float* res) {
-                 const int64_t off = rows[g] * e13 + r * H;
-                 in_fours(c, [&](auto n, int64_t j) {
-                   constexpr int N = decltype(n)::value;
-                   const float* xs[N];
-                   for (int q = 0; q < N; ++q) xs[q] = x + tok[s + j + q] * H;
-                   dot_q8_n<N>(q13 + off, d13 + off / 32, xs, H, res + j);
-                 });
-               },
-               [&](int64_t g, int64_t o, int64_t, int64_t c, const float* as, float* res) {
-                 const int64_t off = rows[g] * e2 + o * I;
-                 in_fours(c, [&](auto n, int64_t j) {
-                   constexpr int N = decltype(n)::value;
-                   const float* xs[N];
-                   for (int q = 0; q < N; ++q) xs[q] = as + (j + q) * I;
-                   dot_q8_n<N>(q2 + off, d2 + off / 32, xs, I, res + j);
-                 });
-               });
+  // rows r0 .. r0 + nrows of the matrix at value offset ``off`` (K values a row) against inputs xk(k)
+  auto block = [](const int8_t* q, const Half* d, int64_t off, int64_t K, int64_t nrows, int64_t c, float* res,
+                  auto xk) {
+    rows_by_inputs(
+        nrows, c, res,
+        [&](int64_t r, int64_t j, auto n, float* o) {
+          constexpr int N = decltype(n)::value;
+          const float* xs[N];
+          inputs<N>(j, xs, xk);
+          const int64_t at = off + r * K;
+          dot_q8_n<N>(q + at, d + at / 32, xs, K, o);
+        },
+        [&](int64_t r, int64_t j, auto n, float* o) {
+          constexpr int N = decltype(n)::value;
+          const float* xs[N];
+          inputs<N>(j, xs, xk);
+          const int8_t* qr[4];
+          const Half* dr[4];
+          for (int i = 0; i < 4; ++i) qr[i] = q + off + (r + i) * K, dr[i] = d + (off + (r + i) * K) / 32;
+          dot_q8_4rows<N>(qr, dr, xs, K, o, c);
+        });
+  };
+  grouped_rows(
+      pr, H, I, out,
+      [&](int64_t g, int64_t r0, int64_t nrows, int64_t s, int64_t c, float* res) {
+        block(q13, d13, rows[g] * e13 + r0 * H, H, nrows, c, res, [&](int64_t k) { return x + tok[s + k] * H; });
+      },
+      [&](int64_t g, int64_t o0, int64_t nrows, int64_t, int64_t c, const float* as, float* res) {
+        block(q2, d2, rows[g] * e2 + o0 * I, I, nrows, c, res, [&](int64_t k) { return as + k * I; });
+      });
 }
 
 void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const uint8_t* b2, int64_t f2,
@@ -855,17 +982,22 @@ void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const ui
   }
   grouped_rows(
       pr, H, I, out,
-      [&](int64_t g, int64_t r, int64_t s, int64_t c, float* res) {
-        const uint8_t* row = b13 + (rows[g] * 2 * I + r) * row13;
-        for (int64_t k = 0; k < c; ++k) {
-          const int64_t t = tok[s + k];
-          const float* xs = xsum.data() + t * (H / 32);
-          res[k] = bf16 ? dot_q4k_bf16(row, xb.data() + t * H, xs, H) : dot_kq(f13, row, x + t * H, xs, H);
+      [&](int64_t g, int64_t r0, int64_t nrows, int64_t s, int64_t c, float* res) {
+        for (int64_t q = 0; q < nrows; ++q) {
+          const uint8_t* row = b13 + (rows[g] * 2 * I + r0 + q) * row13;
+          for (int64_t k = 0; k < c; ++k) {
+            const int64_t t = tok[s + k];
+            const float* xs = xsum.data() + t * (H / 32);
+            res[q * c + k] = bf16 ? dot_q4k_bf16(row, xb.data() + t * H, xs, H) : dot_kq(f13, row, x + t * H, xs, H);
+          }
         }
       },
-      [&](int64_t g, int64_t o, int64_t s, int64_t c, const float* as, float* res) {
-        const uint8_t* row = b2 + (rows[g] * H + o) * row2;
-        for (int64_t k = 0; k < c; ++k) res[k] = dot_kq(f2, row, as + k * I, asum.data() + (s + k) * (I / 32), I);
+      [&](int64_t g, int64_t o0, int64_t nrows, int64_t s, int64_t c, const float* as, float* res) {
+        for (int64_t q = 0; q < nrows; ++q) {
+          const uint8_t* row = b2 + (rows[g] * H + o0 + q) * row2;
+          for (int64_t k = 0; k < c; ++k)
+            res[q * c + k] = dot_kq(f2, row, as + k * I, asum.data() + (s + k) * (I / 32), I);
+        }
       },
       [&](const float* a) {
         for (int64_t p = 0; p < n; ++p) block_sums(a + p * I, I, asum.data() + p * (I / 32));
