@@ -24,7 +24,10 @@
 # CUDA and scripts/time_prompt_kernels.py), dense_kernels (tests/engine/test_packed.py on CUDA and
 # scripts/time_dense_kernels.py: kept Q8_0/Q4_K/Q6_K projections and head against bf16), placements (those the side-by-side stages ran,
 # as $OUT/placements.tar.gz), pack (llama-bench binary
-# as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it).
+# as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it),
+# handoff (scripts/time_served_handoff.py, both server teams), engine_team (S1 bf16 and Q8_0 with the
+# decode server's spinning team), cpu_prompt (scripts/time_cpu_prompt.py: the fused kernel by tokens
+# per expert against torch's GEMMs; $OUT/cpu_prompt.json).
 # At most 8 files come back per call: choose the stages of one call accordingly.
 # BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (64 / 2), BENCH_MARGIN (512MiB) and LLAMA_N_CPU_MOE tune
 # the side-by-side stages. Stage candidates: scripts/check_kernel_candidates.py (each autotuning
@@ -155,6 +158,10 @@ stage_handoff() {  # the decode server's hand-off per hybrid layer against the C
         timeout 120 python3 scripts/time_served_handoff.py --format "$1" --picks "$2" 2>&1 | tee -a "$OUT/handoff.txt"
     done
     tail -8 "$OUT/handoff.txt" >>"$OUT/device.log"
+}
+stage_cpu_prompt() {  # a prompt's CPU-tier experts on the fused kernel by tokens per expert, and torch's GEMMs
+    timeout 240 python3 scripts/time_cpu_prompt.py --formats bf16,q8_0 --tokens 1,2,4,8,16,32 --gemm \
+        --json "$OUT/cpu_prompt.json" 2>&1 | tee -a "$OUT/device.log"
 }
 stage_engine_team() {  # S1 skewed bf16 and Q8_0, ours only, the decode server on its own spinning team
     if [ -f "$models/s1.gguf" ]; then wb reskew "$models/s1.gguf" --coverage 0.5 | tee -a "$OUT/device.log"
