@@ -119,10 +119,17 @@ def _bus_bytes(inventory: Inventory, args: ModelArgs, placement: Placement, devi
     return bus.SLOTS * per_slot
 
 
-def _expert_formats(inventory: Inventory, layer: int) -> tuple[str, str]:
-    """``(gate/up, down)`` block formats of ``layer``'s routed experts in a GGUF file (``blocks.FORMATS``)."""
-    t = inventory.tensors
-    return tuple(blocks.FORMATS[t[f"blk.{layer}.ffn_{p}_exps.weight"].dtype.upper()] for p in ("gate", "down"))
+def _expert_formats(inventory: Inventory, layer: int) -> tuple[str, str] | None:
+    """``(gate/up, down)`` block formats of ``layer``'s routed experts in a GGUF file (``blocks.FORMATS``),
+    as ``FamilyWeights.expert_blocks`` finds them (stacked ``ffn_*_exps`` tensors whose formats the
+    kernels pair), or None: the engine dequantizes that layer's experts."""
+    t = [inventory.tensors.get(f"blk.{layer}.ffn_{p}_exps.weight") for p in ("gate", "up", "down")]
+    if any(x is None for x in t):
+        return None
+    f = [blocks.FORMATS.get(x.dtype.upper()) for x in t]
+    if None in f or f[0] != f[1] or not blocks.pairs_well(f[0], f[2]):
+        return None
+    return f[0], f[2]
 
 
 def _pair_reads_from_env() -> float | None:
