@@ -246,6 +246,36 @@ def test_a_prompt_whose_grouped_kernel_fails_is_computed_by_the_loop(tiny_model_
     assert rel_err(logits, ref) < logits_tolerance(model, PROMPT, ref)
 
 
+def test_kept_blocks_whose_grouped_kernel_fails_are_dequantized_in_their_slots(tiny_gguf, monkeypatch):
+    """Kept Q8_0 experts fetched for a prompt whose grouped kernel fails to build: their slots are
+    dequantized and computed one expert at a time, and the logits are those of the same experts
+    dequantized at load."""
+    from workbench.engine import prefill_kernels
+
+    sizes = {"hidden_size": 64, "moe_intermediate_size": 32, "intermediate_size": 64, "mlp_only_layers": []}
+    inv = open_inventory(tiny_gguf("qwen3_moe", "Q8_0", **sizes))
+    runs = {}
+    for keep in ("0", "1"):
+        monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", keep)
+        monkeypatch.setattr(prefill_kernels, "_disabled", [])
+        if keep == "1":
+            def broken(*a, **k):
+                raise prefill_kernels.triton.CompilationError("x.py", None, "no such instruction")
+
+            monkeypatch.setattr(prefill_kernels._grouped_kernel, "run", broken)
+        engine = decode_step_engine(inv, placements(inv)["compute"])
+        try:
+            share = attach_bus_share(engine, 1.0 if keep == "1" else 0.0)
+            share.fetch_tokens = 1
+            runs[keep] = engine.forward(torch.tensor(PROMPT), 0)
+            if keep == "1":
+                assert share.copied > 0 and not prefill_kernels.available()
+                assert all(lx.kept_cpu is not None for lx in engine.experts.values())
+        finally:
+            engine.close()
+    assert rel_err(runs["1"], runs["0"]) < (1e-5 if TEST_DTYPE == torch.float32 else LOGITS_RTOL)
+
+
 @pytest.mark.parametrize("rows,expect", [([3, 4, 5, 9, 10, 2], [(0, 3), (3, 5), (5, 6)]), ([7], [(0, 1)]), ([], []),
                                          ([5, 4, 3], [(0, 1), (1, 2), (2, 3)])])
 def test_a_batch_of_rows_is_copied_in_runs_of_consecutive_rows(rows, expect):
