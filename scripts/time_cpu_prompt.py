@@ -32,8 +32,14 @@ from workbench.engine import cpu_kernel  # noqa: E402
 
 
 def pool(fmt: str, experts: int, hidden: int, ffn: int) -> list[torch.Tensor]:
-    """Random expert stacks: bf16 ``[w13, w2]`` or Q8_0 ``[q13, d13, q2, d2]``."""
+    """Random expert stacks: bf16 ``[w13, w2]``, Q8_0 ``[q13, d13, q2, d2]`` or Q4_K ``[b13, b2]``."""
     g = torch.Generator().manual_seed(0)
+    if fmt == "q4_k":
+        b13 = torch.randint(0, 256, (experts, 2 * ffn, hidden // 256 * 144), dtype=torch.uint8, generator=g)
+        b2 = torch.randint(0, 256, (experts, hidden, ffn // 256 * 144), dtype=torch.uint8, generator=g)
+        for b in (b13, b2):  # small finite float16 d and dmin (0x1400: about 1e-3)
+            b.view(experts, b.shape[1], -1, 144)[..., 0:4] = torch.tensor([0x00, 0x14, 0x00, 0x14], dtype=torch.uint8)
+        return [b13, b2]
     if fmt == "bf16":
         return [(torch.randn(experts, 2 * ffn, hidden, generator=g) * 0.02).to(torch.bfloat16),
                 (torch.randn(experts, hidden, ffn, generator=g) * 0.02).to(torch.bfloat16)]
@@ -47,6 +53,8 @@ def fused(fmt: str, w: list[torch.Tensor], x: torch.Tensor, rows: np.ndarray, we
           tokens: np.ndarray) -> None:
     if fmt == "bf16":
         cpu_kernel.moe_decode(x, w[0], w[1], rows, weights, tokens=tokens)
+    elif fmt == "q4_k":
+        cpu_kernel.moe_decode_q4k(x, w[0], w[1], rows, weights, tokens=tokens)
     else:
         cpu_kernel.moe_decode_q8(x, *w, rows, weights, tokens=tokens)
 
@@ -60,7 +68,7 @@ def gemm(w: list[torch.Tensor], x: torch.Tensor, experts: np.ndarray, ffn: int) 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", default="bf16,q8_0")
+    ap.add_argument("--formats", default="bf16,q8_0", help="of bf16, q8_0, q4_k")
     ap.add_argument("--tokens", default="1,2,4,8,16,32", help="tokens per expert, a list")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--per-call", type=int, default=8)

@@ -74,16 +74,18 @@ def test_one_token_as_a_row_equals_the_decode_call(kernel):
     assert torch.equal(as_prompt[0], one)
 
 
-@pytest.mark.parametrize("fmt,h,i", [("bf16", 256, 96), ("f32", 100, 36), ("f16", 192, 64), ("q8_0", 128, 64)])
+@pytest.mark.parametrize("fmt,h,i", [("bf16", 256, 96), ("f32", 100, 36), ("f16", 192, 64), ("q8_0", 128, 64),
+                                     ("q4_k", 256, 256), ("q4_k+q6_k", 256, 256)])
 @pytest.mark.parametrize("T,per_token", [(11, 2), (3, 1)])
 def test_each_token_of_a_prompt_matches_its_own_decode_call(kernel, fmt, h, i, T, per_token):
     """A prompt's expert picked by several tokens dots each weight vector with up to four tokens at
-    once, and with four or more takes four weight rows at a time. A token's row matches its own
-    one-token call: bit for bit while its experts have fewer than four tokens (the same sums in the
-    same order), to float32 rounding past that (other orders), for 1 to 11 tokens per expert."""
+    once (k-quant values decoded once for them), and with four or more takes four float or Q8_0
+    weight rows at a time. A token's row matches its own one-token call: bit for bit while its
+    experts have fewer than four tokens and for k-quants (the same sums in the same order), to
+    float32 rounding otherwise (other orders), for 1 to 11 tokens per expert."""
     gen = torch.Generator().manual_seed(7)
     e = 4
-    dtype = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16, "q8_0": torch.float32}[fmt]
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16}.get(fmt, torch.float32)
     w13, w2 = random_experts(e, h, i, dtype, gen)
     if fmt == "q8_0":
         q13, d13, _ = _q8_0(w13)
@@ -91,10 +93,17 @@ def test_each_token_of_a_prompt_matches_its_own_decode_call(kernel, fmt, h, i, T
 
         def call(x, rows, weights, tokens=None):
             return kernel.moe_decode_q8(x, q13, d13, q2, d2, rows, weights, tokens=tokens)
+    elif fmt.startswith("q4_k"):
+        fmt2 = "q6_k" if fmt.endswith("q6_k") else "q4_k"
+        b13 = _q4_k_blocks(e * 2 * i, h, gen)[0].reshape(e, 2 * i, -1)
+        b2 = _q4_k_blocks(e * h, i, gen, fmt2)[0].reshape(e, h, -1)
+
+        def call(x, rows, weights, tokens=None):
+            return kernel.moe_decode_q4k(x, b13, b2, rows, weights, "q4_k", fmt2, tokens=tokens)
     else:
         def call(x, rows, weights, tokens=None):
             return kernel.moe_decode(x, w13, w2, rows, weights, tokens=tokens)
-    x = torch.randn(T, h, generator=gen).to(torch.bfloat16 if fmt in ("bf16", "q8_0") else dtype)
+    x = torch.randn(T, h, generator=gen).to(dtype if fmt in ("f32", "f16") else torch.bfloat16)
     # T = 11: token t picks expert 0 (11 tokens) and expert 1 + t % 3 (3 or 4 tokens each);
     # T = 3: token t picks expert t alone (one token each)
     tokens = torch.arange(T).repeat_interleave(per_token)
@@ -105,7 +114,7 @@ def test_each_token_of_a_prompt_matches_its_own_decode_call(kernel, fmt, h, i, T
     for t in range(T):
         pick = slice(per_token * t, per_token * (t + 1))
         own = call(x[t], rows[pick], weights[pick])
-        if per_token == 1:
+        if per_token == 1 or fmt.startswith("q4_k"):
             assert torch.equal(y[t], own), t
         else:
             assert relative_error(y[t], own) < 1e-6, t

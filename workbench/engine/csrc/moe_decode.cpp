@@ -363,28 +363,32 @@ struct Q4kSuper {
   }
 };
 
-// dot of one Q4_K row with x[0:K]; xsum[K/32] holds the sums of x over each 32-value block.
-inline float dot_q4k(const uint8_t* row, const float* x, const float* xsum, int64_t K) {
-  vf32 acc = {};
-  float mins = 0.f;
+// dots of one Q4_K row with N inputs xs[j][0:K]; xsums[j][K/32] holds the sums of input j over each
+// 32-value block. The row's values are decoded once for the N inputs; each input's sums run in the
+// one-input order (N = 1 is dot_q4k).
+template <int N>
+inline void dot_q4k_n(const uint8_t* row, const float* const* xs, const float* const* xsums, int64_t K, float* res) {
+  vf32 acc[N] = {};
+  float mins[N] = {};
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const Q4kSuper q(row, sb);
-    const float* xb = x + 256 * sb;
     for (int64_t c = 0; c < 4; ++c) {
-      float d0, d1;
-      q.chunk(c, xsum + 8 * sb, d0, d1, mins);
-      const float* xc = xb + 64 * c;
-      vf32 low = {}, high = {};
-      for (int64_t j = 0; j < 32; j += LANES) {
+      float d0 = 0.f, d1 = 0.f;
+      for (int j = 0; j < N; ++j) q.chunk(c, xsums[j] + 8 * sb, d0, d1, mins[j]);
+      vf32 low[N] = {}, high[N] = {};
+      for (int64_t v = 0; v < 32; v += LANES) {
         vf32 lo, hi;
-        nibbles(q.qs + 32 * c + j, lo, hi);
-        low += lo * load_vec(xc + j);
-        high += hi * load_vec(xc + 32 + j);
+        nibbles(q.qs + 32 * c + v, lo, hi);
+        for (int j = 0; j < N; ++j) {
+          const float* xc = xs[j] + 256 * sb + 64 * c;
+          low[j] += lo * load_vec(xc + v);
+          high[j] += hi * load_vec(xc + 32 + v);
+        }
       }
-      acc += d0 * low + d1 * high;
+      for (int j = 0; j < N; ++j) acc[j] += d0 * low[j] + d1 * high[j];
     }
   }
-  return hsum(acc) - mins;
+  for (int j = 0; j < N; ++j) res[j] = hsum(acc[j]) - mins[j];
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -394,7 +398,9 @@ inline float dot_q4k(const uint8_t* row, const float* x, const float* xsum, int6
 // adds the exact products in f32: the result differs from dot_q4k only in the order of the sums.
 // 64 values a step: one 32-byte load, one widening, two table lookups and two dot instructions,
 // where the f32 path widens every value twice and converts it.
-inline float dot_q4k_bf16(const uint8_t* row, const uint16_t* xb, const float* xsum, int64_t K) {
+template <int N>
+inline void dot_q4k_bf16_n(const uint8_t* row, const uint16_t* const* xb, const float* const* xsums, int64_t K,
+                           float* res) {
   alignas(64) static constexpr uint16_t tab[32] = {  // bf16 bits of 0..15 (twice: 16..31 never indexed)
       0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
       0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
@@ -402,26 +408,29 @@ inline float dot_q4k_bf16(const uint8_t* row, const uint16_t* xb, const float* x
       0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
   const __m512i table = _mm512_load_si512(reinterpret_cast<const void*>(tab));
   const __m512i low4 = _mm512_set1_epi16(0x0F);
-  __m512 acc = _mm512_setzero_ps();
-  float mins = 0.f;
+  __m512 acc[N];
+  float mins[N] = {};
+  for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const Q4kSuper q(row, sb);
-    const uint16_t* xc = xb + 256 * sb;
     for (int64_t c = 0; c < 4; ++c) {
-      float d0, d1;
-      q.chunk(c, xsum + 8 * sb, d0, d1, mins);
+      float d0 = 0.f, d1 = 0.f;
+      for (int j = 0; j < N; ++j) q.chunk(c, xsums[j] + 8 * sb, d0, d1, mins[j]);
       const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.qs + 32 * c)));
       const __m512bh qlo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(w, low4), table);
       const __m512bh qhi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
-      const __m512bh xlo = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xc + 64 * c));
-      const __m512bh xhi = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xc + 64 * c + 32));
-      const __m512 low = _mm512_dpbf16_ps(_mm512_setzero_ps(), qlo, xlo);
-      const __m512 high = _mm512_dpbf16_ps(_mm512_setzero_ps(), qhi, xhi);
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(d0), low, acc);
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(d1), high, acc);
+      for (int j = 0; j < N; ++j) {
+        const uint16_t* xc = xb[j] + 256 * sb + 64 * c;
+        const __m512bh xlo = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xc));
+        const __m512bh xhi = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(xc + 32));
+        const __m512 low = _mm512_dpbf16_ps(_mm512_setzero_ps(), qlo, xlo);
+        const __m512 high = _mm512_dpbf16_ps(_mm512_setzero_ps(), qhi, xhi);
+        acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(d0), low, acc[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(d1), high, acc[j]);
+      }
     }
   }
-  return _mm512_reduce_add_ps(acc) - mins;
+  for (int j = 0; j < N; ++j) res[j] = _mm512_reduce_add_ps(acc[j]) - mins[j];
 }
 // dot(w[0:K], x[0:K]) of bf16 weights with bf16-exact inputs given as their bits xb: VDPBF16PS
 // multiplies 32 pairs a step (exact products, summed in f32) straight from the loaded bits, where
@@ -489,7 +498,8 @@ template <int N>
 inline void dot_bf16_n(const uint16_t*, const uint16_t* const*, int64_t, float*) {}
 template <int N>
 inline void dot_bf16_4rows(const uint16_t* const*, const uint16_t* const*, int64_t, float*, int64_t) {}
-inline float dot_q4k_bf16(const uint8_t*, const uint16_t*, const float*, int64_t) { return 0.f; }
+template <int N>
+inline void dot_q4k_bf16_n(const uint8_t*, const uint16_t* const*, const float* const*, int64_t, float*) {}
 inline float dot_bf16(const uint16_t*, const uint16_t*, int64_t) { return 0.f; }
 constexpr bool HAS_BF16_DOT = false;
 #endif
@@ -542,8 +552,10 @@ inline vf32 q6_values(const uint8_t* ql, const uint8_t* qh, int64_t g, int64_t j
 #endif
 }
 
-inline float dot_q6k(const uint8_t* row, const float* x, const float*, int64_t K) {
-  vf32 acc = {};
+// dots of one Q6_K row with N inputs (the row's values decoded once for them; N = 1 is the one-input dot).
+template <int N>
+inline void dot_q6k_n(const uint8_t* row, const float* const* xs, const float* const*, int64_t K, float* res) {
+  vf32 acc[N] = {};
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const uint8_t* b = row + 210 * sb;
     const float d = half_to_float(reinterpret_cast<const Half*>(b + 208));
@@ -551,23 +563,33 @@ inline float dot_q6k(const uint8_t* row, const float* x, const float*, int64_t K
     for (int64_t h = 0; h < 2; ++h) {
       const uint8_t* ql = b + 64 * h;
       const uint8_t* qh = b + 128 + 32 * h;
-      const float* xh = x + 256 * sb + 128 * h;
       for (int64_t g = 0; g < 4; ++g) {
         const int64_t s = 8 * h + 2 * g;  // one scale per 16 values
-        for (int64_t j = 0; j < 32; j += LANES)
-          acc += (d * sc[s + j / 16]) * (q6_values(ql, qh, g, j) * load_vec(xh + 32 * g + j));
+        for (int64_t j = 0; j < 32; j += LANES) {
+          const vf32 q6 = q6_values(ql, qh, g, j);
+          const float scale = d * sc[s + j / 16];
+          for (int t = 0; t < N; ++t) acc[t] += scale * (q6 * load_vec(xs[t] + 256 * sb + 128 * h + 32 * g + j));
+        }
       }
     }
   }
-  return hsum(acc);
+  for (int t = 0; t < N; ++t) res[t] = hsum(acc[t]);
+}
+
+// k-quant dots of one row with N inputs: fmt 0 Q4_K, 1 Q6_K.
+template <int N>
+inline void dot_kq_n(int64_t fmt, const uint8_t* row, const float* const* xs, const float* const* xsums, int64_t K,
+                     float* res) {
+  if (fmt == 0) {
+    dot_q4k_n<N>(row, xs, xsums, K, res);
+  } else {
+    dot_q6k_n<N>(row, xs, xsums, K, res);
+  }
 }
 
 // k-quant formats by code: 0 Q4_K, 1 Q6_K; bytes per 256 values.
 inline int64_t kq_bytes(int64_t fmt) { return fmt == 0 ? 144 : 210; }
 
-inline float dot_kq(int64_t fmt, const uint8_t* row, const float* x, const float* xsum, int64_t K) {
-  return fmt == 0 ? dot_q4k(row, x, xsum, K) : dot_q6k(row, x, xsum, K);
-}
 
 // WORKBENCH_CPU_BF16_DOT=0 keeps the f32 path for bf16 inputs too (read once).
 inline bool bf16_dots_enabled() {
@@ -985,18 +1007,32 @@ void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const ui
       [&](int64_t g, int64_t r0, int64_t nrows, int64_t s, int64_t c, float* res) {
         for (int64_t q = 0; q < nrows; ++q) {
           const uint8_t* row = b13 + (rows[g] * 2 * I + r0 + q) * row13;
-          for (int64_t k = 0; k < c; ++k) {
-            const int64_t t = tok[s + k];
-            const float* xs = xsum.data() + t * (H / 32);
-            res[q * c + k] = bf16 ? dot_q4k_bf16(row, xb.data() + t * H, xs, H) : dot_kq(f13, row, x + t * H, xs, H);
-          }
+          in_fours(c, [&](auto n, int64_t j) {
+            constexpr int N = decltype(n)::value;
+            const float* sums[N];
+            inputs<N>(j, sums, [&](int64_t k) { return static_cast<const float*>(xsum.data() + tok[s + k] * (H / 32)); });
+            if (bf16) {
+              const uint16_t* xs[N];
+              inputs<N>(j, xs, [&](int64_t k) { return static_cast<const uint16_t*>(xb.data() + tok[s + k] * H); });
+              return dot_q4k_bf16_n<N>(row, xs, sums, H, res + q * c + j);
+            }
+            const float* xs[N];
+            inputs<N>(j, xs, [&](int64_t k) { return x + tok[s + k] * H; });
+            dot_kq_n<N>(f13, row, xs, sums, H, res + q * c + j);
+          });
         }
       },
       [&](int64_t g, int64_t o0, int64_t nrows, int64_t s, int64_t c, const float* as, float* res) {
         for (int64_t q = 0; q < nrows; ++q) {
           const uint8_t* row = b2 + (rows[g] * H + o0 + q) * row2;
-          for (int64_t k = 0; k < c; ++k)
-            res[q * c + k] = dot_kq(f2, row, as + k * I, asum.data() + (s + k) * (I / 32), I);
+          in_fours(c, [&](auto n, int64_t j) {
+            constexpr int N = decltype(n)::value;
+            const float* xs[N];
+            const float* sums[N];
+            inputs<N>(j, xs, [&](int64_t k) { return as + k * I; });
+            inputs<N>(j, sums, [&](int64_t k) { return static_cast<const float*>(asum.data() + (s + k) * (I / 32)); });
+            dot_kq_n<N>(f2, row, xs, sums, I, res + q * c + j);
+          });
         }
       },
       [&](const float* a) {
