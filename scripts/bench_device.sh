@@ -160,7 +160,7 @@ stage_handoff() {  # the decode server's hand-off per hybrid layer against the C
     tail -8 "$OUT/handoff.txt" >>"$OUT/device.log"
 }
 stage_cpu_prompt() {  # a prompt's CPU-tier experts on the fused kernel by tokens per expert, and torch's GEMMs
-    timeout 240 python3 scripts/time_cpu_prompt.py --formats bf16,q8_0 --tokens 1,2,4,8,16,32 --gemm \
+    timeout 240 python3 scripts/time_cpu_prompt.py --formats bf16,q8_0,q4_k --tokens 1,2,4,8,16,32 --gemm \
         --json "$OUT/cpu_prompt.json" 2>&1 | tee -a "$OUT/device.log"
 }
 stage_engine_team() {  # S1 skewed bf16 and Q8_0, ours only, the decode server on its own spinning team

@@ -216,3 +216,16 @@ def test_repeat_gives_the_median_or_the_fastest_call():
     assert _repeat(run, lambda: next(times), 0.0, min_reps=5) == 0.3
     times = iter([0.5, 0.1, 0.3, 0.9, 0.2])
     assert _repeat(run, lambda: next(times), 0.0, min_reps=5, best=True) == 0.1
+
+
+def test_the_profile_text_shows_the_prompt_rates_when_measured():
+    import dataclasses
+
+    from workbench.commands.calibrate import format_profile
+    from workbench.core.hardware import preset
+
+    base = preset("bench-h200")
+    assert "in a prompt" not in format_profile(dataclasses.replace(base, cpu_prompt_flops={}))
+    text = format_profile(dataclasses.replace(base, cpu_prompt_flops={"bf16": 2.5e11, "q8_0": 1.2e11},
+                                              provenance={**base.provenance, "cpu_prompt_flops": "measured"}))
+    assert "in a prompt (each further token per expert, FLOP/s): bf16 250 G; q8_0 120 G;  [measured]" in text

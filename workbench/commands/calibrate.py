@@ -76,6 +76,10 @@ def format_profile(p: HardwareProfile) -> str:
         + "".join(f" {fmt} {_rate(v)};" for fmt, v in p.cpu_expert_throughput.items())
         + tag("cpu_expert_throughput"),
     ]
+    if p.cpu_prompt_flops:
+        lines.append("  CPU experts in a prompt (each further token per expert, FLOP/s):"
+                     + "".join(f" {fmt} {v / 1e9:.0f} G;" for fmt, v in p.cpu_prompt_flops.items())
+                     + tag("cpu_prompt_flops"))
     return "\n".join(lines)
 
 
