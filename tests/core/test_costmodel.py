@@ -359,6 +359,11 @@ def test_a_measured_cost_per_further_token_gives_the_cpu_the_experts_it_computes
     assert list(cpu_prompt_reads([1, 4, 20], 0.25)) == [1, 1.75, 5.75]
     assert list(cpu_prompt_reads([1, 4, 20], [np.nan, 0.25, 0.0])) == [1, 1.75, 1]
     assert fused_prompt_limit(None) == 8 and fused_prompt_limit(0.25) == 29 and fused_prompt_limit(0.0) == math.inf
+    assert list(cpu_prompt_reads([1, 20], None, gemm=False)) == [1, 20]  # kept blocks: no GEMM to cap it
+    assert list(cpu_prompt_reads([20, 20], 0.5, gemm=[True, False])) == [8, 10.5]
+    assert fused_prompt_limit(None, gemm=False) == math.inf
+    busy = np.full(40, 12)  # unmeasured: 12 reads each on the kernel, 8 where a GEMM may take them
+    assert prefill_fetch(busy, 16, 0.5, gemm=False).sum() > prefill_fetch(busy, 16, 0.5).sum()
     counts = np.array([2, 3, 4, 5, 6, 7, 8, 9, 10, 12])
     slow, cheap = prefill_fetch(counts, 16, 0.5), prefill_fetch(counts, 16, 0.5, pair_reads=0.1)
     assert cheap.sum() < slow.sum() and not (cheap & ~slow).any()  # the CPU keeps all it kept, and more

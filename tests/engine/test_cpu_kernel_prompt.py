@@ -218,3 +218,42 @@ def test_a_prompt_on_the_cpu_tier_splits_between_the_kernel_and_torch_gemms(kern
     ref = reference_logits(tiny_hf_model("qwen3_moe"), PROMPT)
     for logits in runs.values():
         assert rel_err(logits, ref) < 1e-4
+
+
+def test_experts_kept_in_blocks_stay_with_the_kernel_however_many_tokens_pick_them(kernel, tiny_gguf, monkeypatch):
+    """A GEMM would first dequantize a kept expert (hundreds of reads' time), so a prompt's kept
+    Q8_0 experts go through the fused kernel at any token count; the logits are those of the same
+    experts dequantized at load."""
+    import numpy as np
+
+    from tests.engine.engine_helpers import open_inventory, placements, rel_err
+    from workbench.engine import Engine, experts
+
+    sizes = {"hidden_size": 64, "moe_intermediate_size": 32, "intermediate_size": 64, "mlp_only_layers": []}
+    inv = open_inventory(tiny_gguf("qwen3_moe", "Q8_0", **sizes))
+    prompt = (PROMPT * 3)[:64]
+    calls = {"gemm": 0, "most": 0}
+    gemm, fused = experts.LayerExperts._grouped_cpu, cpu_kernel.moe_decode_q8
+
+    def count_gemm(self, *a, **k):
+        calls["gemm"] += 1
+        return gemm(self, *a, **k)
+
+    def count_fused(x, q13, d13, q2, d2, rows, *a, **k):
+        calls["most"] = max(calls["most"], int(np.bincount(np.asarray(rows)).max()))
+        return fused(x, q13, d13, q2, d2, rows, *a, **k)
+
+    monkeypatch.setattr(experts.LayerExperts, "_grouped_cpu", count_gemm)
+    monkeypatch.setattr(cpu_kernel, "moe_decode_q8", count_fused)
+    runs = {}
+    for keep in ("1", "0"):
+        monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", keep)
+        engine = Engine.load(inv, placements(inv)["compute"], device="cpu", dtype=torch.float32, max_context=80)
+        try:
+            runs[keep] = engine.forward(torch.tensor(prompt), 0)
+            if keep == "1":
+                assert all(lx.kept_cpu is not None for lx in engine.experts.values())
+                assert calls["gemm"] == 0 and calls["most"] > experts.fused_prompt_limit(None)
+        finally:
+            engine.close()
+    assert rel_err(runs["1"], runs["0"]) < 1e-5

@@ -57,27 +57,35 @@ FUSED_PROMPT_TOKENS = 8
 weight read per token); one picked by more, through torch's CPU GEMM (about this many reads' time:
 bf16 GEMMs of a few tokens measured 0.8 ms per Qwen3-30B-A3B expert on the H200 machine's host, the
 kernel 0.12 ms per token)."""
+KEPT_EXPERT_FORMATS = ("q8_0", "q4_k", "q6_k")
+"""Routed expert formats (``weight_format``) the engine keeps in their GGUF blocks on the CPU too."""
 PREFILL_FETCH_TOKENS = 16
 """With the bus share, prefill always copies a CPU-tier expert picked by at least this many tokens of
 a chunk to the GPU (pinned, once) instead of computing it on the CPU; of the others, ``prefill_fetch``
 splits by time."""
 
 
-def cpu_prompt_reads(tokens, pair_reads=None) -> np.ndarray:
+def cpu_prompt_reads(tokens, pair_reads=None, gemm=True) -> np.ndarray:
     """The CPU's time for a prompt's CPU-tier expert that ``tokens`` tokens pick, in reads of the
     expert at its decode rate: the fused kernel's one read plus ``pair_reads`` per further token
     (``prompt_pair_reads``; None or NaN, not measured: a read per token), at most
-    ``FUSED_PROMPT_TOKENS`` reads, where torch's GEMM takes over (``fused_prompt_limit``)."""
+    ``FUSED_PROMPT_TOKENS`` reads where torch's GEMM may take over (``gemm``, a bool or a mask like
+    ``tokens``: float experts; experts kept in GGUF blocks stay with the kernel, see
+    ``fused_prompt_limit``)."""
     t = np.maximum(np.asarray(tokens, dtype=float), 1.0)
     pr = np.asarray(np.nan if pair_reads is None else pair_reads, dtype=float)
     fused = np.where(np.isnan(pr), t, 1.0 + (t - 1.0) * np.nan_to_num(pr))
-    return np.minimum(fused, FUSED_PROMPT_TOKENS)
+    return np.where(gemm, np.minimum(fused, FUSED_PROMPT_TOKENS), fused)
 
 
-def fused_prompt_limit(pair_reads: float | None) -> float:
+def fused_prompt_limit(pair_reads: float | None, gemm: bool = True) -> float:
     """Most tokens of a prompt's CPU-tier expert the fused CPU kernel computes before torch's GEMM
     takes it (about ``FUSED_PROMPT_TOKENS`` reads' time): ``FUSED_PROMPT_TOKENS`` when the kernel's
-    cost per token is not measured, else where ``1 + (t - 1) * pair_reads`` reaches the GEMM's."""
+    cost per token is not measured, else where ``1 + (t - 1) * pair_reads`` reaches the GEMM's.
+    Without ``gemm`` (experts kept in GGUF blocks, which a GEMM would first dequantize: ~36 ms per
+    Q4_K expert of Qwen3-30B-A3B on a 2-core host, 200 reads) no limit."""
+    if not gemm:
+        return math.inf
     if pair_reads is None or math.isnan(pair_reads):
         return float(FUSED_PROMPT_TOKENS)
     if pair_reads <= 0:
@@ -108,7 +116,7 @@ def model_prompt_pair_reads(inventory: Inventory, profile: HardwareProfile) -> f
 
 
 def prefill_fetch(counts: np.ndarray, fetch_tokens: float, bus_share: float,
-                  pair_reads: float | None = None) -> np.ndarray:
+                  pair_reads: float | None = None, gemm: bool = True) -> np.ndarray:
     """Which of one layer's CPU-tier experts a prompt chunk sends over the bus: a boolean mask like
     ``counts`` (tokens of the chunk that select each expert).
 
@@ -117,7 +125,8 @@ def prefill_fetch(counts: np.ndarray, fetch_tokens: float, bus_share: float,
     an expert is ``cpu_prompt_reads`` (one read plus ``pair_reads`` per further token, or a read per
     token when that is not measured; at most ``FUSED_PROMPT_TOKENS`` reads, a GEMM), the bus's is one
     copy of the expert, ``(1 - bus_share) / bus_share`` reads (``bus_share``: the bus's part of the
-    two lanes' summed read rates, as in decode; 0 sends no more, 1 sends all).
+    two lanes' summed read rates, as in decode; 0 sends no more, 1 sends all). ``gemm``: as in
+    ``cpu_prompt_reads`` (False for experts kept in GGUF blocks).
     """
     counts = np.asarray(counts, dtype=float)
     fetch = counts >= fetch_tokens
@@ -127,7 +136,7 @@ def prefill_fetch(counts: np.ndarray, fetch_tokens: float, bus_share: float,
     if bus_share >= 1:
         return np.ones_like(fetch)
     order = rest[np.argsort(counts[rest], kind="stable")]  # coldest first
-    cpu = np.concatenate([[0.0], np.cumsum(cpu_prompt_reads(counts[order], pair_reads))])  # the m coldest
+    cpu = np.concatenate([[0.0], np.cumsum(cpu_prompt_reads(counts[order], pair_reads, gemm))])  # the m coldest
     bus = (1 - bus_share) / bus_share * (fetch.sum() + order.size - np.arange(order.size + 1))
     m = int(np.argmin(np.maximum(cpu, bus)))
     fetch[order[m:]] = True
@@ -631,13 +640,14 @@ class CostModel:
         choose_cpu = on_cpu <= fetch
         if self.engine.bus_share > 0:  # the engine's rule for CPU-compute experts (prefill_fetch)
             given_used = n_tok / np.maximum(used, 1e-12)  # tokens per expert when the chunk uses it
-            reads = used * cpu_prompt_reads(given_used, self.pair_reads)  # the kernel, or a GEMM
+            gemm = ~np.isin(self.expert_format, KEPT_EXPERT_FORMATS)  # kept blocks: the kernel at any count
+            reads = used * cpu_prompt_reads(given_used, self.pair_reads, gemm)  # the kernel, or a GEMM
             on_cpu = np.where(stream, on_cpu, b * reads / self.expert_cpu_rate)
             compute = host & ~stream
             for layer in np.flatnonzero(compute.any(axis=1)):
                 cols = np.flatnonzero(compute[layer])
                 sent = prefill_fetch(given_used[layer, cols], PREFILL_FETCH_TOKENS, self.engine.bus_share,
-                                     float(self.pair_reads[layer, cols[0]]))
+                                     float(self.pair_reads[layer, cols[0]]), bool(gemm[layer, cols[0]]))
                 choose_cpu[layer, cols] = ~sent
         if not self.engine.prefill_fetch_compute:
             choose_cpu |= ~stream

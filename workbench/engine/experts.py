@@ -493,7 +493,7 @@ class LayerExperts:
         gemm = None  # pairs of experts many tokens select: one GEMM each (torch's CPU GEMM runs near its
         if not one and self._fused_cpu(scale_input):  # FLOP rate), past what the kernel does in that time
             _, inverse, counts = np.unique(rows, return_inverse=True, return_counts=True)
-            many = counts[inverse.reshape(-1)] > fused_prompt_limit(self.prompt_pair_reads)
+            many = counts[inverse.reshape(-1)] > fused_prompt_limit(self.prompt_pair_reads, self.kept_cpu is None)
             if many.any():
                 gemm = (sel[many], rows[many])
                 sel, rows = sel[~many], rows[~many]
@@ -575,7 +575,8 @@ class LayerExperts:
         CPU finish together) and those the CPU computes: ``(sent, cpu)``."""
         experts = ids_host[sel]
         uniq, counts = np.unique(experts, return_counts=True)
-        hot = uniq[prefill_fetch(counts, self.bus.fetch_tokens, self.bus.fraction, self.prompt_pair_reads)]
+        hot = uniq[prefill_fetch(counts, self.bus.fetch_tokens, self.bus.fraction, self.prompt_pair_reads,
+                                 self.kept_cpu is None)]
         travels = np.isin(experts, hot)
         return sel[travels], sel[~travels]
 
