@@ -198,7 +198,7 @@ def test_a_prompt_on_the_cpu_tier_splits_between_the_kernel_and_torch_gemms(kern
     runs = {}
     limit_of = experts.fused_prompt_limit
     for case in ("measured cost", "default", "gemm only"):
-        monkeypatch.setattr(experts, "fused_prompt_limit", (lambda pr: 0) if case == "gemm only" else limit_of)
+        monkeypatch.setattr(experts, "fused_prompt_limit", (lambda pr, gemm=True: 0) if case == "gemm only" else limit_of)
         engine = Engine.load(inv, placements(inv)["compute"], device="cpu", dtype=torch.float32, max_context=64)
         try:
             assert all(lx.fused_cpu for lx in engine.experts.values())
