@@ -42,6 +42,10 @@
 
 namespace {
 
+// Helpers of the inner loops: always inlined. The dots' templates for one to four inputs make GCC's
+// size heuristics leave some of them as calls otherwise: Q4_K decode rows measured a third slower.
+#define HOT __attribute__((always_inline))
+
 // f32 lanes of one vector: one register of the widest kind -march allows. (A 16-lane vector on an
 // AVX2 machine is two registers, which GCC keeps in memory between loop iterations: 4x slower.)
 #if defined(__AVX512F__)
@@ -54,13 +58,13 @@ constexpr int64_t LANES = 8;
 typedef float vf32 __attribute__((vector_size(4 * LANES)));
 typedef uint32_t vu32 __attribute__((vector_size(4 * LANES)));
 typedef uint16_t vu16 __attribute__((vector_size(2 * LANES)));
-inline vf32 load_vec(const float* p) {
+HOT inline vf32 load_vec(const float* p) {
   vf32 v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline vf32 load_vec(const uint16_t* p) {  // bf16 is the top half of an f32
+HOT inline vf32 load_vec(const uint16_t* p) {  // bf16 is the top half of an f32
   vu16 h;
   std::memcpy(&h, p, sizeof(h));
   return reinterpret_cast<vf32>(__builtin_convertvector(h, vu32) << 16);
@@ -71,7 +75,7 @@ struct Half {
   uint16_t bits;
 };
 
-inline vf32 load_vec(const Half* p) {
+HOT inline vf32 load_vec(const Half* p) {
 #if defined(__AVX512F__)
   return reinterpret_cast<vf32>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 #elif defined(__F16C__)
@@ -144,7 +148,7 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 // GGUF Q8_0: blocks of 32 int8 values q with one float16 scale d (value = d * q). The engine keeps
 // a matrix [N, K] as qs int8 [N, K] and ds float16 [N, K / 32]; K is a multiple of 32.
 // int8 -> f32 by the CPU's sign extension and conversion (compilers scalarise the generic form).
-inline vf32 load_vec(const int8_t* p) {
+HOT inline vf32 load_vec(const int8_t* p) {
 #if defined(__AVX512F__)
   return reinterpret_cast<vf32>(
       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
@@ -160,7 +164,7 @@ inline vf32 load_vec(const int8_t* p) {
 #endif
 }
 
-inline float half_to_float(const Half* p) {
+HOT inline float half_to_float(const Half* p) {
 #if defined(__F16C__)
   return _cvtsh_ss(p->bits);
 #else
@@ -311,7 +315,7 @@ inline void rows_by_inputs(int64_t nrows, int64_t c, float* res, One&& one, Four
 // scales and minimums for 8 sub-blocks of 32, then 128 bytes of 4-bit values (in each 64-value
 // chunk, the low nibbles of 32 bytes are values 0..31 and the high nibbles values 32..63).
 // value = d * sc[j] * q - dmin * m[j]. A matrix [N, K] is kept as its raw bytes [N, K / 256 * 144].
-inline void nibbles(const uint8_t* p, vf32& lo, vf32& hi) {  // LANES bytes -> low and high nibbles
+HOT inline void nibbles(const uint8_t* p, vf32& lo, vf32& hi) {  // LANES bytes -> low and high nibbles
 #if defined(__AVX512F__)
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(0x0F);
@@ -333,7 +337,7 @@ inline void nibbles(const uint8_t* p, vf32& lo, vf32& hi) {  // LANES bytes -> l
 }
 
 // Q4_K's 6-bit scale and minimum of sub-block j (0..7) of the 12 scale bytes sc.
-inline void q4k_scale_min(const uint8_t* sc, int64_t j, int& s, int& m) {
+HOT inline void q4k_scale_min(const uint8_t* sc, int64_t j, int& s, int& m) {
   if (j < 4) {
     s = sc[j] & 63, m = sc[j + 4] & 63;
   } else {
@@ -354,7 +358,7 @@ struct Q4kSuper {
   }
   // Chunk c (values 64c .. 64c + 63, sub-blocks 2c and 2c + 1): d times each sub-block's scale into
   // d0 / d1, and the minimums' part of the dot (xs: the sums of x per 32 values) added to mins.
-  void chunk(int64_t c, const float* xs, float& d0, float& d1, float& mins) const {
+  HOT void chunk(int64_t c, const float* xs, float& d0, float& d1, float& mins) const {
     int s0, m0, s1, m1;
     q4k_scale_min(sc, 2 * c, s0, m0);
     q4k_scale_min(sc, 2 * c + 1, s1, m1);
@@ -364,8 +368,8 @@ struct Q4kSuper {
 };
 
 // dots of one Q4_K row with N inputs xs[j][0:K]; xsums[j][K/32] holds the sums of input j over each
-// 32-value block. The row's values are decoded once for the N inputs; each input's sums run in the
-// one-input order (N = 1 is dot_q4k).
+// 32-value block. The row's values are decoded once for the N inputs; each input's sums run in
+// dot_q4k's order.
 template <int N>
 inline void dot_q4k_n(const uint8_t* row, const float* const* xs, const float* const* xsums, int64_t K, float* res) {
   vf32 acc[N] = {};
@@ -520,7 +524,7 @@ inline bool as_bf16(const float* x, int64_t n, uint16_t* xb) {
 // 2 bits, 16 int8 scales (one per 16 values), float16 d. In each 128-value half, group g (32 values)
 // takes nibble g / 2 of low bytes (g % 2) * 32 + l and bits 2g of high byte l; value = d * sc * (q - 32).
 // Values j .. j + LANES - 1 of group g (j < 32).
-inline vf32 q6_values(const uint8_t* ql, const uint8_t* qh, int64_t g, int64_t j) {
+HOT inline vf32 q6_values(const uint8_t* ql, const uint8_t* qh, int64_t g, int64_t j) {
 #if defined(__AVX512F__) || defined(__AVX2__)
   const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03);
 #if defined(__AVX512F__)
@@ -1005,6 +1009,21 @@ void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const ui
   grouped_rows(
       pr, H, I, out,
       [&](int64_t g, int64_t r0, int64_t nrows, int64_t s, int64_t c, float* res) {
+        if (c == 1) {  // a decode step: one input, no pointer tables
+          const int64_t t = tok[s];
+          const float* sums = xsum.data() + t * (H / 32);
+          const uint16_t* xh = xb.data() + t * H;
+          const float* xf = x + t * H;
+          for (int64_t q = 0; q < nrows; ++q) {
+            const uint8_t* row = b13 + (rows[g] * 2 * I + r0 + q) * row13;
+            if (bf16) {
+              dot_q4k_bf16_n<1>(row, &xh, &sums, H, res + q);
+            } else {
+              dot_kq_n<1>(f13, row, &xf, &sums, H, res + q);
+            }
+          }
+          return;
+        }
         for (int64_t q = 0; q < nrows; ++q) {
           const uint8_t* row = b13 + (rows[g] * 2 * I + r0 + q) * row13;
           in_fours(c, [&](auto n, int64_t j) {
@@ -1023,6 +1042,11 @@ void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const ui
         }
       },
       [&](int64_t g, int64_t o0, int64_t nrows, int64_t s, int64_t c, const float* as, float* res) {
+        if (c == 1) {
+          const float* sums = asum.data() + s * (I / 32);
+          for (int64_t q = 0; q < nrows; ++q) dot_kq_n<1>(f2, b2 + (rows[g] * H + o0 + q) * row2, &as, &sums, I, res + q);
+          return;
+        }
         for (int64_t q = 0; q < nrows; ++q) {
           const uint8_t* row = b2 + (rows[g] * H + o0 + q) * row2;
           in_fours(c, [&](auto n, int64_t j) {
