@@ -117,26 +117,6 @@ inline float load_one(const uint16_t* p) {
   return f;
 }
 
-// dot(w[0:K], x[0:K]) in f32, two vector accumulators.
-template <typename W>
-inline float dot(const W* w, const float* x, int64_t K) {
-  vf32 acc0 = {}, acc1 = {};
-  int64_t k = 0;
-  for (; k + 2 * LANES <= K; k += 2 * LANES) {
-    acc0 += load_vec(w + k) * load_vec(x + k);
-    acc1 += load_vec(w + k + LANES) * load_vec(x + k + LANES);
-  }
-  if (k + LANES <= K) {
-    acc0 += load_vec(w + k) * load_vec(x + k);
-    k += LANES;
-  }
-  acc0 += acc1;
-  float s = 0.f;
-  for (int64_t l = 0; l < LANES; ++l) s += acc0[l];
-  for (; k < K; ++k) s += load_one(w + k) * x[k];
-  return s;
-}
-
 inline float hsum(vf32 v) {
   float s = 0.f;
   for (int64_t l = 0; l < LANES; ++l) s += v[l];
@@ -172,24 +152,10 @@ HOT inline float half_to_float(const Half* p) {
 #endif
 }
 
-// dot(d * q [0:K], x[0:K]) in f32: one 32-value block at a time, scaled once per block.
-inline float dot_q8(const int8_t* q, const Half* d, const float* x, int64_t K) {
-  vf32 acc = {};
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const int64_t k = 32 * b;
-    vf32 blk = {};
-    for (int64_t v = 0; v < 32; v += LANES) blk += load_vec(q + k + v) * load_vec(x + k + v);
-    acc += half_to_float(d + b) * blk;
-  }
-  float s = 0.f;
-  for (int64_t l = 0; l < LANES; ++l) s += acc[l];
-  return s;
-}
-
-// The dots of one weight row with several inputs at once, for a prompt's expert that several
-// tokens select: each weight vector is loaded and widened once for N (1..4) inputs, where calling
-// the one-input dot N times widens it N times. For every input the sums run in the one-input dot's
-// order, so each result is bit for bit the one-input dot's.
+// The dots of one weight row with N (1..4) inputs at once, for a prompt's expert that several
+// tokens select: each weight vector is loaded and widened once for the N inputs. For every input
+// the sums run in the same order whatever N is, so a token's result in a prompt is bit for bit its
+// result alone (N = 1, a decode step).
 
 // f(std::integral_constant<int, N>, j) for j = 0, 4, 8, ... < c, N = min(4, c - j).
 template <typename F>
@@ -202,7 +168,7 @@ inline void in_fours(int64_t c, F&& f) {
   else if (r == 1) f(std::integral_constant<int, 1>{}, j);
 }
 
-// res[j] = dot(w[0:K], xs[j][0:K]) for j < N.
+// res[j] = w[0:K] . xs[j][0:K] in f32 for j < N, two vector accumulators each.
 template <int N, typename W>
 inline void dot_n(const W* w, const float* const* xs, int64_t K, float* res) {
   vf32 acc0[N] = {}, acc1[N] = {};
@@ -228,7 +194,8 @@ inline void dot_n(const W* w, const float* const* xs, int64_t K, float* res) {
   }
 }
 
-// res[j] = dot_q8(q, d, xs[j], K) for j < N.
+// res[j] = (d * q)[0:K] . xs[j][0:K] in f32 for j < N (GGUF Q8_0 values q, one scale d per 32):
+// one 32-value block at a time, scaled once per block.
 template <int N>
 inline void dot_q8_n(const int8_t* q, const Half* d, const float* const* xs, int64_t K, float* res) {
   vf32 acc[N] = {};
@@ -252,11 +219,11 @@ inline void dot_q8_n(const int8_t* q, const Half* d, const float* const* xs, int
 // Four weight rows at once with N inputs, for a prompt's expert that four or more tokens select:
 // each weight vector is loaded (and widened) once for the N inputs and each input vector once for
 // the four rows, half a load per multiply-add where dot_n<4> needs one and a quarter. One
-// accumulator per (row, input), so the sums run in another order than dot's (f32 rounding apart).
+// accumulator per (row, input), so the sums run in another order than dot_n's (f32 rounding apart).
 // The 4 x N accumulators need AVX-512's 32 registers; AVX2 builds keep to one row at a time.
 constexpr bool ROW_BLOCKS = LANES == 16;
 
-// res[r * ldr + j] = dot(w[r][0:K], xs[j][0:K]) for r < 4, j < N.
+// res[r * ldr + j] = w[r][0:K] . xs[j][0:K] for r < 4, j < N.
 template <int N, typename W>
 inline void dot_4rows(const W* const* w, const float* const* xs, int64_t K, float* res, int64_t ldr) {
   vf32 acc[4][N] = {};
@@ -277,7 +244,7 @@ inline void dot_4rows(const W* const* w, const float* const* xs, int64_t K, floa
     }
 }
 
-// res[r * ldr + j] = dot_q8(q[r], d[r], xs[j], K) for r < 4, j < N: each 32-value block's int8
+// res[r * ldr + j] = (d[r] * q[r]) . xs[j] for r < 4, j < N: each 32-value block's int8
 // values widened once, scaled by the block's d, then multiplied with the N inputs.
 template <int N>
 inline void dot_q8_4rows(const int8_t* const* q, const Half* const* d, const float* const* xs, int64_t K, float* res,
@@ -368,8 +335,8 @@ struct Q4kSuper {
 };
 
 // dots of one Q4_K row with N inputs xs[j][0:K]; xsums[j][K/32] holds the sums of input j over each
-// 32-value block. The row's values are decoded once for the N inputs; each input's sums run in
-// dot_q4k's order.
+// 32-value block. The row's values are decoded once for the N inputs; each input's sums run in the
+// same order whatever N is.
 template <int N>
 inline void dot_q4k_n(const uint8_t* row, const float* const* xs, const float* const* xsums, int64_t K, float* res) {
   vf32 acc[N] = {};
@@ -399,7 +366,7 @@ inline void dot_q4k_n(const uint8_t* row, const float* const* xs, const float* c
 // The Q4_K dot for inputs that bfloat16 holds exactly (a bf16 model's hidden state: the GPU sends
 // it as f32, every value's low 16 bits zero), given as their bf16 bits xb[K]. A 4-bit value is a
 // small integer, exact in bf16 too, so VDPBF16PS multiplies the same numbers the f32 path does and
-// adds the exact products in f32: the result differs from dot_q4k only in the order of the sums.
+// adds the exact products in f32: the result differs from dot_q4k_n only in the order of the sums.
 // 64 values a step: one 32-byte load, one widening, two table lookups and two dot instructions,
 // where the f32 path widens every value twice and converts it.
 template <int N>
@@ -436,21 +403,10 @@ inline void dot_q4k_bf16_n(const uint8_t* row, const uint16_t* const* xb, const 
   }
   for (int j = 0; j < N; ++j) res[j] = _mm512_reduce_add_ps(acc[j]) - mins[j];
 }
-// dot(w[0:K], x[0:K]) of bf16 weights with bf16-exact inputs given as their bits xb: VDPBF16PS
-// multiplies 32 pairs a step (exact products, summed in f32) straight from the loaded bits, where
-// the f32 path widens and shifts every weight first. Four accumulators hide the instruction's latency.
-inline float dot_bf16(const uint16_t* w, const uint16_t* xb, int64_t K) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  auto bh = [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p)); };
-  int64_t k = 0;
-  for (; k + 128 <= K; k += 128)
-    for (int u = 0; u < 4; ++u) acc[u] = _mm512_dpbf16_ps(acc[u], bh(w + k + 32 * u), bh(xb + k + 32 * u));
-  for (; k + 32 <= K; k += 32) acc[0] = _mm512_dpbf16_ps(acc[0], bh(w + k), bh(xb + k));
-  float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-  for (; k < K; ++k) s += load_one(w + k) * load_one(xb + k);
-  return s;
-}
-// res[j] = dot_bf16(w, xb[j], K) for j < N: each 32 weights loaded once for the N inputs.
+// res[j] = w[0:K] . xb[j][0:K] of bf16 weights with bf16-exact inputs given as their bits xb[j]
+// (j < N): VDPBF16PS multiplies 32 pairs a step (exact products, summed in f32) straight from the
+// loaded bits, where the f32 path widens and shifts every weight first; each 32 weights are loaded
+// once for the N inputs. Four accumulators per input hide the instruction's latency.
 template <int N>
 inline void dot_bf16_n(const uint16_t* w, const uint16_t* const* xb, int64_t K, float* res) {
   __m512 acc[N][4];
@@ -504,7 +460,6 @@ template <int N>
 inline void dot_bf16_4rows(const uint16_t* const*, const uint16_t* const*, int64_t, float*, int64_t) {}
 template <int N>
 inline void dot_q4k_bf16_n(const uint8_t*, const uint16_t* const*, const float* const*, int64_t, float*) {}
-inline float dot_bf16(const uint16_t*, const uint16_t*, int64_t) { return 0.f; }
 constexpr bool HAS_BF16_DOT = false;
 #endif
 
@@ -556,7 +511,8 @@ HOT inline vf32 q6_values(const uint8_t* ql, const uint8_t* qh, int64_t g, int64
 #endif
 }
 
-// dots of one Q6_K row with N inputs (the row's values decoded once for them; N = 1 is the one-input dot).
+// dots of one Q6_K row with N inputs: the row's values decoded once for them, each input's sums in
+// the same order whatever N is.
 template <int N>
 inline void dot_q6k_n(const uint8_t* row, const float* const* xs, const float* const*, int64_t K, float* res) {
   vf32 acc[N] = {};
@@ -999,7 +955,7 @@ void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const ui
   const int64_t* tok = pr.tok.data();
   std::vector<float> xsum(static_cast<size_t>(T * (H / 32))), asum(static_cast<size_t>(n * (I / 32)));
   for (int64_t t = 0; t < T; ++t) block_sums(x + t * H, H, xsum.data() + t * (H / 32));
-  // Q4_K gate/up rows against bf16-exact inputs: the bf16 dot (same products, see dot_q4k_bf16)
+  // Q4_K gate/up rows against bf16-exact inputs: the bf16 dot (same products, see dot_q4k_bf16_n)
   std::vector<uint16_t> xb;
   bool bf16 = HAS_BF16_DOT && f13 == 0 && bf16_dots_enabled();
   if (bf16) {
