@@ -29,34 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench.engine import cpu_kernel  # noqa: E402
-
-
-def pool(fmt: str, experts: int, hidden: int, ffn: int) -> list[torch.Tensor]:
-    """Random expert stacks: bf16 ``[w13, w2]``, Q8_0 ``[q13, d13, q2, d2]`` or Q4_K ``[b13, b2]``."""
-    g = torch.Generator().manual_seed(0)
-    if fmt == "q4_k":
-        b13 = torch.randint(0, 256, (experts, 2 * ffn, hidden // 256 * 144), dtype=torch.uint8, generator=g)
-        b2 = torch.randint(0, 256, (experts, hidden, ffn // 256 * 144), dtype=torch.uint8, generator=g)
-        for b in (b13, b2):  # small finite float16 d and dmin (0x1400: about 1e-3)
-            b.view(experts, b.shape[1], -1, 144)[..., 0:4] = torch.tensor([0x00, 0x14, 0x00, 0x14], dtype=torch.uint8)
-        return [b13, b2]
-    if fmt == "bf16":
-        return [(torch.randn(experts, 2 * ffn, hidden, generator=g) * 0.02).to(torch.bfloat16),
-                (torch.randn(experts, hidden, ffn, generator=g) * 0.02).to(torch.bfloat16)]
-    return [torch.randint(-127, 128, (experts, 2 * ffn, hidden), dtype=torch.int8, generator=g),
-            torch.full((experts, 2 * ffn, hidden // 32), 1e-4, dtype=torch.float16),
-            torch.randint(-127, 128, (experts, hidden, ffn), dtype=torch.int8, generator=g),
-            torch.full((experts, hidden, ffn // 32), 1e-4, dtype=torch.float16)]
-
-
-def fused(fmt: str, w: list[torch.Tensor], x: torch.Tensor, rows: np.ndarray, weights: np.ndarray,
-          tokens: np.ndarray) -> None:
-    if fmt == "bf16":
-        cpu_kernel.moe_decode(x, w[0], w[1], rows, weights, tokens=tokens)
-    elif fmt == "q4_k":
-        cpu_kernel.moe_decode_q4k(x, w[0], w[1], rows, weights, tokens=tokens)
-    else:
-        cpu_kernel.moe_decode_q8(x, *w, rows, weights, tokens=tokens)
+from workbench.engine.calibrate import random_stacks, run_fused  # noqa: E402
 
 
 def gemm(w: list[torch.Tensor], x: torch.Tensor, experts: np.ndarray, ffn: int) -> None:
@@ -84,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(c) for c in args.tokens.split(",")]
     rows_out = []
     for fmt in args.formats.split(","):
-        w = pool(fmt, args.experts, args.hidden, args.ffn)
+        w = random_stacks(fmt, args.experts, args.hidden, args.ffn)
         per_expert = sum(t[0].numel() * t.element_size() for t in w)
         one = None
         for c in counts:
@@ -97,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokens = np.tile(np.arange(c), args.per_call)
                 weights = np.ones(rows.size, dtype=np.float32)
                 t0 = time.perf_counter()
-                fused(fmt, w, x, rows, weights, tokens)
+                run_fused(fmt, w, x, rows, weights, tokens=tokens)
                 best["fused"] = min(best["fused"], time.perf_counter() - t0)
                 if args.gemm and fmt == "bf16":
                     t0 = time.perf_counter()

@@ -38,29 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench.engine import cpu_kernel, served  # noqa: E402
-
-
-def stacks(fmt: str, experts: int, hidden: int, ffn: int) -> list[torch.Tensor]:
-    """The server's weight stacks for ``fmt`` (random values; bf16 ``[w13, w2]``, Q8_0 ``[q13, d13,
-    q2, d2]``)."""
-    g = torch.Generator().manual_seed(0)
-    if fmt == "bf16":
-        w13 = (torch.randn(experts, 2 * ffn, hidden, generator=g) * 0.02).to(torch.bfloat16)
-        w2 = (torch.randn(experts, hidden, ffn, generator=g) * 0.02).to(torch.bfloat16)
-        return [w13, w2]
-    q13 = torch.randint(-127, 128, (experts, 2 * ffn, hidden), dtype=torch.int8, generator=g)
-    q2 = torch.randint(-127, 128, (experts, hidden, ffn), dtype=torch.int8, generator=g)
-    d13 = torch.full((experts, 2 * ffn, hidden // 32), 1e-4, dtype=torch.float16)
-    d2 = torch.full((experts, hidden, ffn // 32), 1e-4, dtype=torch.float16)
-    return [q13, d13, q2, d2]
-
-
-def direct(fmt: str, w: list[torch.Tensor], x: torch.Tensor, rows: np.ndarray, weights: np.ndarray) -> None:
-    """The same experts through the fused kernel on this thread."""
-    if fmt == "bf16":
-        cpu_kernel.moe_decode(x, w[0], w[1], rows, weights)
-    else:
-        cpu_kernel.moe_decode_q8(x, w[0], w[1], w[2], w[3], rows, weights)
+from workbench.engine.calibrate import random_stacks, run_fused  # noqa: E402
 
 
 def add_layers(srv, fmt: str, w: list[torch.Tensor], ffn: int, k: int, hidden: int, layers: int,
@@ -107,7 +85,7 @@ def measure(fmt: str, layers: int, experts: int, hidden: int, ffn: int, k: int, 
                 chosen = rng.choice(experts, size=picks, replace=False)
                 xt = torch.from_numpy(x)
                 t = time.perf_counter()
-                direct(fmt, w, xt, chosen, np.full(picks, 1.0 / k, np.float32))
+                run_fused(fmt, w, xt, chosen, np.full(picks, 1.0 / k, np.float32))
                 kernels.append(time.perf_counter() - t)
         served_errors = srv.errors()
     finally:
@@ -190,7 +168,7 @@ def main() -> int:
         return 1
     threads = args.threads or served.server_threads()
     torch.set_num_threads(threads)
-    w = stacks(args.format, args.experts, args.hidden, args.ffn)
+    w = random_stacks(args.format, args.experts, args.hidden, args.ffn)
     rows = []
     for team in args.team.split(","):
         for picks in (int(p) for p in args.picks.split(",")):

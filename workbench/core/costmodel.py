@@ -105,14 +105,18 @@ def prompt_pair_reads(profile: HardwareProfile, dtype: str, params: float, nbyte
     return (2.0 * params / flops) / (nbytes / cpu_rate(profile, dtype))
 
 
+def expert_dtype(unit) -> str:
+    """The storage type a routed expert ``unit`` is rated by: its largest tensor's (BF16 without any)."""
+    return max(unit.tensors, key=lambda t: t.nbytes).tensor.dtype if unit.tensors else "BF16"
+
+
 def model_prompt_pair_reads(inventory: Inventory, profile: HardwareProfile) -> float | None:
     """``prompt_pair_reads`` for the routed experts of ``inventory`` (its first expert's format and
     size), None without experts or a measurement for their format."""
     unit = next((u for k, u in sorted(inventory.units.items()) if k.kind == "expert"), None)
     if unit is None or not unit.tensors:
         return None
-    dtype = max(unit.tensors, key=lambda t: t.nbytes).tensor.dtype  # as CostModel takes it
-    return prompt_pair_reads(profile, dtype, unit.n_params, unit.nbytes)
+    return prompt_pair_reads(profile, expert_dtype(unit), unit.n_params, unit.nbytes)
 
 
 def prefill_fetch(counts: np.ndarray, fetch_tokens: float, bus_share: float,
@@ -260,6 +264,7 @@ class CostModel:
         self.present = np.zeros((L, E), dtype=bool)
         self.expert_keys: list[UnitKey] = []
         rates: dict[str, float] = {}
+        pairs: dict[tuple, float] = {}  # prompt_pair_reads by (dtype, params, bytes): one per expert shape
         for key, unit in inventory.units.items():
             if key.kind != "expert":
                 continue
@@ -269,13 +274,16 @@ class CostModel:
             self.present[key.layer, key.expert] = True
             self.expert_bytes[key.layer, key.expert] = unit.nbytes
             self.expert_params[key.layer, key.expert] = unit.n_params
-            dtype = max(unit.tensors, key=lambda t: t.nbytes).tensor.dtype if unit.tensors else "BF16"
+            dtype = expert_dtype(unit)
             if dtype not in rates:
                 rates[dtype] = cpu_rate(profile, dtype)
             self.expert_cpu_rate[key.layer, key.expert] = rates[dtype]
             self.expert_format[key.layer, key.expert] = weight_format(dtype)
-            pair = prompt_pair_reads(profile, dtype, unit.n_params, unit.nbytes)
-            self.pair_reads[key.layer, key.expert] = np.nan if pair is None else pair
+            shape = (dtype, unit.n_params, unit.nbytes)
+            if shape not in pairs:
+                pair = prompt_pair_reads(profile, *shape)
+                pairs[shape] = np.nan if pair is None else pair
+            self.pair_reads[key.layer, key.expert] = pairs[shape]
         self.expert_keys.sort()
         self.moe_layer = self.present.any(axis=1)
         self.stats = stats

@@ -344,6 +344,7 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
     extra = dequantized_extra_bytes(inv, dtype, keeps_dense(inv, torch.device(device)))
     budget = Budget((budget_bytes,), margin=margin_bytes + extra)
     runs = []
+    pair_reads = model_prompt_pair_reads(inv, profile)  # the engine's prompt split, from the profile
     todo = [("all-gpu", None)] if all_gpu else []
     todo += [(s, budget) for s in strategies]
     for strategy, b in todo:
@@ -369,7 +370,7 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
         run, counts = run_placement(inv, plan.placement, label, strategy, device=device, dtype=dtype,
                                     prompt=prompt, gen=gen, repeats=repeats,
                                     vram_budget=budget_bytes if b is not None else None,
-                                    pair_reads=model_prompt_pair_reads(inv, profile))
+                                    pair_reads=pair_reads)
         run.predicted_decode_tps = plan.prediction.decode_tps
         run.predicted_prefill_tps = plan.prediction.prefill_tps
         if read:

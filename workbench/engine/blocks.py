@@ -20,6 +20,7 @@ import torch
 FORMATS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
 """GGUF storage types the engine keeps -> the format names used here."""
 BLOCK = {"q8_0": 32, "q4_k": 256, "q6_k": 256}
+"""Values per block along K: a kept matrix needs K to be a multiple."""
 KQUANTS = {"q4_k": 144, "q6_k": 210}
 """Bytes per 256-value super-block."""
 
@@ -27,7 +28,15 @@ KQUANTS = {"q4_k": 144, "q6_k": 210}
 def pairs_well(fmt13: str, fmt2: str) -> bool:
     """Whether the kernels take gate/up in ``fmt13`` with down in ``fmt2``: both Q8_0, or both k-quants."""
     return (fmt13 == fmt2 == "q8_0") or (fmt13 in KQUANTS and fmt2 in KQUANTS)
-"""Values per block along K: a kept matrix needs K to be a multiple."""
+
+
+def expert_formats(gate: str | None, up: str | None, down: str | None) -> tuple[str, str] | None:
+    """``(gate/up, down)`` formats of an expert whose three matrices are stored as ``gate``, ``up``,
+    ``down`` (``FORMATS`` names; None: not one of them) when the kernels take them kept in their
+    blocks: gate and up alike, and ``pairs_well`` with down. Else None (the engine dequantizes)."""
+    if gate is None or down is None or gate != up or not pairs_well(gate, down):
+        return None
+    return gate, down
 
 
 def alloc(fmt: str, lead: tuple[int, ...], n: int, k: int, device=None) -> list[torch.Tensor]:

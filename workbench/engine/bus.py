@@ -19,8 +19,9 @@ Prefill chunks use the same slots differently: a CPU-tier expert that travels is
 once and computed there for all of its tokens (two halves of the slots alternate, so a batch travels
 while the previous one computes). Those that ``fetch_tokens`` or more tokens of the chunk select
 always travel; of the others the hottest travel and the coldest stay with the CPU
-(``costmodel.prefill_fetch``: the CPU's fused kernel costs a weight read per token, a copy about
-``(1 - fraction) / fraction`` reads), and the CPU computes them on its own thread meanwhile.
+(``costmodel.prefill_fetch``: the CPU's fused kernel costs a weight read plus what each further
+token costs, as calibration measured it or a read per token, a copy about ``(1 - fraction) /
+fraction`` reads), and the CPU computes them on its own thread meanwhile.
 ``WORKBENCH_PREFILL_FETCH_TOKENS`` sets the threshold for measuring other splits. Device slots:
 ``costmodel.BUS_SLOTS`` experts (75 MB at the Qwen3-30B-A3B shape in bf16, 40 MB in Q8_0).
 

@@ -281,6 +281,36 @@ def _time_fused(run: _Run, step: str, n: int, top_k: int, per_expert: int, call:
     return rate, min(flops, 1e15)
 
 
+def random_stacks(fmt: str, n: int, hidden: int, ffn: int, seed: int = 0) -> list[torch.Tensor]:
+    """``n`` random experts stacked as the fused CPU kernels take them, for timing: ``"bf16"``
+    ``[w13, w2]``, ``"q8_0"`` ``[q13, d13, q2, d2]`` (int8 values, float16 scales of 1e-3) or
+    ``"q4_k"`` ``[b13, b2]`` (raw super-blocks whose d and dmin are about 1e-3, so every value is finite)."""
+    g = torch.Generator().manual_seed(seed)
+    if fmt == "bf16":
+        return [(torch.randn(n, 2 * ffn, hidden, generator=g) * 0.02).to(torch.bfloat16),
+                (torch.randn(n, hidden, ffn, generator=g) * 0.02).to(torch.bfloat16)]
+    if fmt == "q8_0":
+        return [torch.randint(-127, 128, (n, 2 * ffn, hidden), dtype=torch.int8, generator=g),
+                torch.full((n, 2 * ffn, hidden // 32), 1e-3, dtype=torch.float16),
+                torch.randint(-127, 128, (n, hidden, ffn), dtype=torch.int8, generator=g),
+                torch.full((n, hidden, ffn // 32), 1e-3, dtype=torch.float16)]
+    b13 = torch.randint(0, 256, (n, 2 * ffn, hidden // 256 * 144), dtype=torch.uint8, generator=g)
+    b2 = torch.randint(0, 256, (n, hidden, ffn // 256 * 144), dtype=torch.uint8, generator=g)
+    for b in (b13, b2):  # small finite float16 d and dmin (0x1400: about 1e-3)
+        b.view(n, b.shape[1], -1, 144)[..., 0:4] = torch.tensor([0x00, 0x14, 0x00, 0x14], dtype=torch.uint8)
+    return [b13, b2]
+
+
+def run_fused(fmt: str, stacks: list[torch.Tensor], x: torch.Tensor, rows, weights, **kw) -> torch.Tensor:
+    """The fused CPU kernel of ``fmt`` (``random_stacks``' formats) over ``stacks``: ``cpu_kernel.moe_decode``,
+    ``moe_decode_q8`` or ``moe_decode_q4k`` with ``x``, ``rows``, ``weights`` and ``kw`` (``tokens``...)."""
+    if fmt == "q8_0":
+        return cpu_kernel.moe_decode_q8(x, *stacks, rows, weights, **kw)
+    if fmt == "q4_k":
+        return cpu_kernel.moe_decode_q4k(x, *stacks, rows, weights, **kw)
+    return cpu_kernel.moe_decode(x, *stacks, rows, weights, **kw)
+
+
 class _FusedCall:
     """``call(x_tokens, rows, weights, tokens)`` for ``_time_fused``: ``kernel(x, rows, weights,
     tokens=...)`` with ``x`` one token (``x_tokens`` None) or ``x_tokens`` tokens of ``hidden`` values."""
@@ -314,13 +344,8 @@ def _cpu_fused_q8(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weigh
     pool of Q8_0 blocks (int8 values and float16 scales)."""
     per_expert = 3 * hidden * ffn * 34 // 32
     n = _pool_experts(per_expert, top_k, weight_bytes)
-    g = torch.Generator().manual_seed(0)
-    q13 = torch.randint(-127, 128, (n, 2 * ffn, hidden), dtype=torch.int8, generator=g)
-    q2 = torch.randint(-127, 128, (n, hidden, ffn), dtype=torch.int8, generator=g)
-    d13 = torch.full((n, 2 * ffn, hidden // 32), 1e-3, dtype=torch.float16)
-    d2 = torch.full((n, hidden, ffn // 32), 1e-3, dtype=torch.float16)
-    call = _FusedCall(lambda x, r, w, **kw: cpu_kernel.moe_decode_q8(x, q13, d13, q2, d2, r, w, **kw),
-                       hidden, ffn, torch.bfloat16)
+    w = random_stacks("q8_0", n, hidden, ffn)
+    call = _FusedCall(lambda x, r, wt, **kw: run_fused("q8_0", w, x, r, wt, **kw), hidden, ffn, torch.bfloat16)
     return _time_fused(run, step, n, top_k, per_expert, call)
 
 
@@ -329,13 +354,8 @@ def _cpu_fused_q4k(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weig
     ``_pool_experts`` pool of Q4_K blocks."""
     per_expert = 3 * hidden * ffn * 144 // 256
     n = _pool_experts(per_expert, top_k, weight_bytes)
-    g = torch.Generator().manual_seed(0)
-    b13 = torch.randint(0, 256, (n, 2 * ffn, hidden // 256 * 144), dtype=torch.uint8, generator=g)
-    b2 = torch.randint(0, 256, (n, hidden, ffn // 256 * 144), dtype=torch.uint8, generator=g)
-    for b in (b13, b2):  # small finite float16 d and dmin (0x1400: about 1e-3)
-        b.view(n, b.shape[1], -1, 144)[..., 0:4] = torch.tensor([0x00, 0x14, 0x00, 0x14], dtype=torch.uint8)
-    call = _FusedCall(lambda x, r, w, **kw: cpu_kernel.moe_decode_q4k(x, b13, b2, r, w, **kw),
-                       hidden, ffn, torch.bfloat16)
+    w = random_stacks("q4_k", n, hidden, ffn)
+    call = _FusedCall(lambda x, r, wt, **kw: run_fused("q4_k", w, x, r, wt, **kw), hidden, ffn, torch.bfloat16)
     return _time_fused(run, step, n, top_k, per_expert, call)
 
 

@@ -126,10 +126,7 @@ def _expert_formats(inventory: Inventory, layer: int) -> tuple[str, str] | None:
     t = [inventory.tensors.get(f"blk.{layer}.ffn_{p}_exps.weight") for p in ("gate", "up", "down")]
     if any(x is None for x in t):
         return None
-    f = [blocks.FORMATS.get(x.dtype.upper()) for x in t]
-    if None in f or f[0] != f[1] or not blocks.pairs_well(f[0], f[2]):
-        return None
-    return f[0], f[2]
+    return blocks.expert_formats(*(blocks.FORMATS.get(x.dtype.upper()) for x in t))
 
 
 def _pair_reads_from_env() -> float | None:

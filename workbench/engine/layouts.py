@@ -15,7 +15,7 @@ import torch
 from workbench.core.errors import ModelFormatError
 from workbench.core.memory import kept_in_blocks
 
-from .blocks import pairs_well
+from .blocks import expert_formats
 from .families import ModelArgs
 from .packed import Packed
 from .weights import WeightReader
@@ -190,14 +190,15 @@ class FamilyWeights:
         """Expert ``e`` of ``layer`` in the GGUF's quantized blocks, as stored (``WeightReader.blocks``):
         ``{"fmt": (gate/up format, down format), "w13": (gate tensors, up tensors), "w2": down tensors}``
         (formats of ``blocks.FORMATS``), or None unless the file is a GGUF holding the three expert
-        matrices in formats the kernels pair (``blocks.pairs_well``)."""
+        matrices in formats the kernels pair (``blocks.expert_formats``)."""
         if not self.gguf:
             return None
         parts = [self.reader.blocks(f"blk.{layer}.ffn_{p}_exps.weight", e) for p in ("gate", "up", "down")]
-        if any(p is None for p in parts) or parts[0][0] != parts[1][0] or not pairs_well(parts[0][0], parts[2][0]):
+        if any(p is None for p in parts):
             return None
-        (f13, g), (_, u), (f2, d) = parts
-        return {"fmt": (f13, f2), "w13": (g, u), "w2": d}
+        (f13, g), (fu, u), (f2, d) = parts
+        fmt = expert_formats(f13, fu, f2)
+        return None if fmt is None else {"fmt": fmt, "w13": (g, u), "w2": d}
 
     def expert(self, layer: int, e: int) -> dict:
         """Expert ``e`` of ``layer``: ``{"w13": (gate [I, H], up [I, H]), "w2": [H, I]}`` (CPU views of

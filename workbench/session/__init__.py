@@ -319,8 +319,8 @@ class Session(ChatMixin):
         self.hardware = profile
         self.hardware_note = note
         self.dirty = self.inventory is not None
-        if self.engine is not None and self.inventory is not None:
-            self.engine.set_prompt_pair_reads(None if profile is None else model_prompt_pair_reads(self.inventory, profile))
+        if self.engine is not None:
+            self._tune_prompts()
         self.events.hardware_changed.emit(profile)
         self._budgets_changed()
 
@@ -480,8 +480,7 @@ class Session(ChatMixin):
             else:
                 self.close_engine()
                 self.engine = services.load_engine(self.inventory, placement, progress, cancel, force)
-                if self.hardware is not None:  # a calibrated CPU's prompt cost per token sets the prompt split
-                    self.engine.set_prompt_pair_reads(model_prompt_pair_reads(self.inventory, self.hardware))
+                self._tune_prompts()
                 try:
                     self.chat_runtime()  # tokenizer and template now, not at the first message
                 except WorkbenchError as e:
@@ -491,6 +490,12 @@ class Session(ChatMixin):
             raise
         self.engine_placement = placement
         self.events.engine_state.emit("ready", f"engine ready on {services.engine_device(self.engine)}")
+
+    def _tune_prompts(self) -> None:
+        """Hand the loaded engine the hardware profile's cost of a prompt's further token per CPU
+        expert (``costmodel.model_prompt_pair_reads``; none without a profile or its measurement)."""
+        hw, inv = self.hardware, self.inventory
+        self.engine.set_prompt_pair_reads(None if hw is None or inv is None else model_prompt_pair_reads(inv, hw))
 
     def _only_experts_moved(self, placement: Placement) -> bool:
         """True when the loaded engine runs this model and ``placement`` differs from its
