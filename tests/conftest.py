@@ -84,3 +84,32 @@ def tiny_gguf(_tiny_cache, tiny_model_dir):
         return _tiny_cache["ggufs"][key]
 
     return make
+
+
+@pytest.fixture
+def exact_cpu_dots():
+    """The fused CPU kernel's exact float dots for k-quant experts during one test (the int8 dots,
+    the default where the CPU has AVX512-VNNI, round the inputs: ``cpu_kernel.int8_dots``)."""
+    from workbench.engine import cpu_kernel
+
+    was = cpu_kernel.int8_dots()
+    cpu_kernel.int8_dots(False)
+    yield
+    cpu_kernel.int8_dots(was)
+
+
+@pytest.fixture(params=["f32 dots", "int8 dots"])
+def kq_dots(request):
+    """The fused CPU kernel's dots for k-quant experts during one test: the exact float ones (False),
+    or the int8 ones (True; skipped where the CPU lacks AVX512-VNNI). The setting is restored after."""
+    from workbench.engine import cpu_kernel
+
+    if not cpu_kernel.available():
+        pytest.skip(f"fused CPU kernel unavailable here: {cpu_kernel.unavailable_reason()}")
+    was = cpu_kernel.int8_dots()
+    int8 = request.param == "int8 dots"
+    if cpu_kernel.int8_dots(int8) != int8:
+        cpu_kernel.int8_dots(was)
+        pytest.skip("the int8 dots need AVX512-VNNI")
+    yield int8
+    cpu_kernel.int8_dots(was)

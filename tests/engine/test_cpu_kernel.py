@@ -365,14 +365,41 @@ def _q4_k_blocks(n: int, k: int, gen: torch.Generator, fmt: str = "q4_k") -> tup
     return torch.from_numpy(raw.reshape(n, -1).copy()), torch.from_numpy(ref)
 
 
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` as the int8 dots see it: per 32 values ``dx * round(x / dx)``, ``dx = max|x| / 127``
+    in float32 (round half to even, as the CPU rounds)."""
+    shape = x.shape
+    x = x.float().reshape(-1, 32)
+    dx = x.abs().amax(1, keepdim=True) / 127
+    q = torch.where(dx > 0, torch.round(x / torch.where(dx > 0, dx, torch.ones_like(dx))), torch.zeros_like(x))
+    return (q * dx).reshape(shape)
+
+
+def kq_reference(x, r13, r2, rows, weights, int8: bool) -> torch.Tensor:
+    """The experts of dequantized ``r13 [E, 2I, H]``, ``r2 [E, H, I]`` in float64, with the inputs and the
+    activations rounded as the int8 dots round them when ``int8``."""
+    ffn = r2.shape[2]
+    ref = torch.zeros(r2.shape[1], dtype=torch.float64)
+    xin = int8_rounded(x) if int8 else x
+    for r, wt in zip(rows, weights.double().tolist()):
+        h = r13[r] @ xin.double()
+        a = torch.nn.functional.silu(h[:ffn]) * h[ffn:]
+        ref += wt * (r2[r] @ (int8_rounded(a.float()).double() if int8 else a))
+    return ref
+
+
 @pytest.mark.parametrize("H,ffn,rows,fmt13,fmt2", [
     (256, 256, [0, 2, 2], "q4_k", "q4_k"), (2048, 768, [3, 1, 0, 2], "q4_k", "q4_k"), (512, 256, [1], "q4_k", "q4_k"),
     (256, 256, [0, 3], "q4_k", "q6_k"), (512, 256, [2, 1], "q6_k", "q6_k"),  # Q4_K_M: some down matrices in Q6_K
 ])
 @pytest.mark.parametrize("x_type", ["bf16", "f32 bf16-exact", "f32"])
-def test_q4_k_matches_ggufs_dequantization(kernel, H, ffn, rows, fmt13, fmt2, x_type):
-    """Inputs a bfloat16 holds exactly (as bf16, or as the f32 the decode server's packet carries)
-    take the bf16 dot products on CPUs with AVX512-BF16, other f32 inputs the f32 ones: both match."""
+def test_q4_k_matches_ggufs_dequantization(kernel, kq_dots, H, ffn, rows, fmt13, fmt2, x_type):
+    """The f32 dots: inputs a bfloat16 holds exactly (as bf16, or as the f32 the decode server's
+    packet carries) take the bf16 dot products on CPUs with AVX512-BF16, other f32 inputs the f32
+    ones: both match gguf-py's dequantization to float32 precision. The int8 dots compute the
+    dequantized weights against the inputs rounded to int8 per 32 values: that to float32 precision
+    (allowing a value rounded the other way where the kernel's f32 activations and the float64 ones
+    straddle a rounding boundary), the unrounded inputs' result within about 1%."""
     gen = torch.Generator().manual_seed(H + ffn)
     E = 4
     b13, r13 = _q4_k_blocks(E * 2 * ffn, H, gen, fmt13)
@@ -384,11 +411,12 @@ def test_q4_k_matches_ggufs_dequantization(kernel, H, ffn, rows, fmt13, fmt2, x_
         x = x.float() if x_type == "f32 bf16-exact" else x.float() + torch.randn(H, generator=gen) * 1e-4
     weights = torch.rand(len(rows), generator=gen) + 0.5
     y = kernel.moe_decode_q4k(x, b13, b2, torch.tensor(rows), weights, fmt13, fmt2)
-    ref = torch.zeros(H, dtype=torch.float64)
-    for r, wt in zip(rows, weights.double().tolist()):
-        h = r13[r] @ x.double()
-        ref += wt * (r2[r] @ (torch.nn.functional.silu(h[:ffn]) * h[ffn:]))
-    assert relative_error(y, ref) < 1e-5
+    exact = kq_reference(x, r13, r2, rows, weights, int8=False)
+    if not kq_dots:
+        assert relative_error(y, exact) < 1e-5
+        return
+    assert relative_error(y, kq_reference(x, r13, r2, rows, weights, int8=True)) < 5e-4
+    assert relative_error(y, exact) < 3e-2
 
 
 def test_q4_k_bad_input_is_refused(kernel):
@@ -422,6 +450,7 @@ def test_bf16_dots_can_be_turned_off_and_agree_with_the_f32_ones(kernel, tmp_pat
             + call +
             f"np.save({str(tmp_path)!r} + '/y' + sys.argv[-1] + '.npy', y.numpy())\n")
     for name, env in (("on", {}), ("off", {"WORKBENCH_CPU_BF16_DOT": "0"})):
+        env = {**env, "WORKBENCH_CPU_INT8_DOT": "0"}  # the Q4_K rows' float dots, not the integer ones
         proc = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=300,
                               env={**os.environ, **env})
         assert proc.returncode == 0, proc.stderr

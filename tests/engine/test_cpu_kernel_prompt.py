@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from workbench.engine import cpu_kernel
 
-from .test_cpu_kernel import _q4_k_blocks, _q8_0, random_experts, relative_error
+from .test_cpu_kernel import _q4_k_blocks, _q8_0, int8_rounded, random_experts, relative_error
 
 
 @pytest.fixture(scope="module")
@@ -19,13 +19,15 @@ def kernel():
     return cpu_kernel
 
 
-def reference(x, w13, w2, tokens, rows, weights) -> torch.Tensor:
-    """``out[t] += weights[j] * w2[rows[j]] @ (silu(g) * u)`` for each pair ``j`` of token ``t``, float64."""
+def reference(x, w13, w2, tokens, rows, weights, int8: bool = False) -> torch.Tensor:
+    """``out[t] += weights[j] * w2[rows[j]] @ (silu(g) * u)`` for each pair ``j`` of token ``t``, float64;
+    with ``int8``, the tokens and activations rounded as the k-quant int8 dots round them."""
     i = w2.shape[2]
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
     for t, r, wt in zip(tokens.tolist(), rows.tolist(), weights.tolist()):
-        h = w13[r].double() @ x[t].double()
-        out[t] += wt * (w2[r].double() @ (F.silu(h[:i]) * h[i:]))
+        h = w13[r].double() @ (int8_rounded(x[t]) if int8 else x[t]).double()
+        a = F.silu(h[:i]) * h[i:]
+        out[t] += wt * (w2[r].double() @ (int8_rounded(a.float()).double() if int8 else a))
     return out
 
 
@@ -77,12 +79,15 @@ def test_one_token_as_a_row_equals_the_decode_call(kernel):
 @pytest.mark.parametrize("fmt,h,i", [("bf16", 256, 96), ("f32", 100, 36), ("f16", 192, 64), ("q8_0", 128, 64),
                                      ("q4_k", 256, 256), ("q4_k+q6_k", 256, 256)])
 @pytest.mark.parametrize("T,per_token", [(11, 2), (3, 1)])
-def test_each_token_of_a_prompt_matches_its_own_decode_call(kernel, fmt, h, i, T, per_token):
+def test_each_token_of_a_prompt_matches_its_own_decode_call(kernel, kq_dots, fmt, h, i, T, per_token):
     """A prompt's expert picked by several tokens dots each weight vector with up to four tokens at
     once (k-quant values decoded once for them), and with four or more takes four float or Q8_0
     weight rows at a time. A token's row matches its own one-token call: bit for bit while its
-    experts have fewer than four tokens and for k-quants (the same sums in the same order), to
-    float32 rounding otherwise (other orders), for 1 to 11 tokens per expert."""
+    experts have fewer than four tokens and for k-quants (the same sums in the same order, with the
+    f32 dots and the int8 ones alike), to float32 rounding otherwise (other orders), for 1 to 11
+    tokens per expert."""
+    if kq_dots and not fmt.startswith("q4_k"):
+        pytest.skip("the int8 dots are the k-quants'")
     gen = torch.Generator().manual_seed(7)
     e = 4
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16}.get(fmt, torch.float32)
@@ -144,7 +149,7 @@ def test_q8_0_prompt_matches_ggufs_dequantization(kernel):
 
 
 @pytest.mark.parametrize("fmt2", ["q4_k", "q6_k"])
-def test_k_quant_prompt_matches_ggufs_dequantization(kernel, fmt2):
+def test_k_quant_prompt_matches_ggufs_dequantization(kernel, kq_dots, fmt2):
     gen = torch.Generator().manual_seed(7)
     H, ffn, e, T = 256, 256, 4, 10
     b13, r13 = _q4_k_blocks(e * 2 * ffn, H, gen)
@@ -154,7 +159,8 @@ def test_k_quant_prompt_matches_ggufs_dequantization(kernel, fmt2):
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
     tokens, rows, weights = prompt_pairs(T, 2, e, gen)
     y = kernel.moe_decode_q4k(x, b13, b2, rows, weights, "q4_k", fmt2, tokens=tokens)
-    assert relative_error(y, reference(x, r13, r2, tokens, rows, weights)) < 1e-5
+    # the int8 dots: as in test_q4_k_matches_ggufs_dequantization
+    assert relative_error(y, reference(x, r13, r2, tokens, rows, weights, kq_dots)) < (5e-4 if kq_dots else 1e-5)
 
 
 @pytest.mark.parametrize("tokens,match", [

@@ -127,10 +127,11 @@ def check_dense_kept(engine: Engine, inv, kept: bool) -> None:
 
 @pytest.mark.parametrize("tensor_type,sizes", [("Q8_0", dict(QUANT_SIZES, mlp_only_layers=[])), ("Q4_K", Q4_K_SIZES),
                                                ("Q4_K+Q6_K", Q4_K_SIZES)])
-def test_kept_blocks_compute_what_their_dequantized_copies_compute(tensor_type, sizes, tiny_gguf, monkeypatch):
-    """Experts kept in the file's blocks (CPU decode: the fused kernel for the format; GPU decode: the
-    Triton kernels; prompts: rows dequantized on use; moving tiers) give the logits and tokens of
-    the same experts dequantized at load, resident and on the CPU."""
+def test_kept_blocks_compute_what_their_dequantized_copies_compute(tensor_type, sizes, tiny_gguf, monkeypatch,
+                                                                   exact_cpu_dots):
+    """Experts kept in the file's blocks (CPU decode: the fused kernel for the format, with its exact
+    float dots; GPU decode: the Triton kernels; prompts: rows dequantized on use; moving tiers) give
+    the logits and tokens of the same experts dequantized at load, resident and on the CPU."""
     inv = open_inventory(tiny_gguf("qwen3_moe", tensor_type, **sizes))
     p = placements(inv)
     monkeypatch.setattr(model, "FUSE_QKV", True)  # q, k and v as one matrix, as on CUDA
@@ -165,6 +166,30 @@ def test_kept_blocks_compute_what_their_dequantized_copies_compute(tensor_type, 
     assert rel_err(runs["resident1"][0], runs["resident0"][0]) < 1e-5
     assert runs["resident1"][1] == runs["resident0"][1]
     assert runs["resident1"][2] < runs["resident0"][2]  # int8 blocks on the accelerator, not float32
+
+
+def test_k_quant_experts_on_the_int8_dots_stay_close_to_the_exact_ones(tiny_gguf):
+    """Where the CPU has AVX512-VNNI, Q4_K / Q6_K experts the CPU computes take the int8 dots by
+    default (inputs rounded to int8 per 32 values, as llama.cpp rounds them): the logits of a prompt
+    stay within a few percent of the exact float dots', and switching back gives those exactly."""
+    from workbench.engine import cpu_kernel
+
+    if not cpu_kernel.available() or not cpu_kernel.int8_dots(True):
+        pytest.skip("the int8 dots need the fused CPU kernel and AVX512-VNNI")
+    inv = open_inventory(tiny_gguf("qwen3_moe", "Q4_K+Q6_K", **Q4_K_SIZES))
+    engine = Engine.load(inv, placements(inv)["compute"], device=TEST_DEVICE, dtype=torch.float32, max_context=64)
+    try:
+        assert next(iter(engine.experts.values())).kept == ("q4_k", "q6_k")
+        int8 = engine.forward(torch.tensor(PROMPT), 0)
+        cpu_kernel.int8_dots(False)
+        exact = engine.forward(torch.tensor(PROMPT), 0)
+        cpu_kernel.int8_dots(True)
+        again = engine.forward(torch.tensor(PROMPT), 0)
+    finally:
+        cpu_kernel.int8_dots(True)
+        engine.close()
+    assert 0 < rel_err(int8, exact) < 5e-2
+    assert torch.equal(again, int8)
 
 
 def test_mxfp4_gpt_oss_matches_transformers_on_gguf_dequantized_experts(tiny_model_dir, tiny_hf_model, tmp_path):

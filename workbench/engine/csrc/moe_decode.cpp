@@ -40,6 +40,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "int8_dots.h"
+
 namespace {
 
 // Helpers of the inner loops: always inlined. The dots' templates for one to four inputs make GCC's
@@ -947,8 +949,64 @@ void run_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2
       });
 }
 
+// Whether k-quant experts take the integer dots (int8_dots.h): where the CPU has AVX512-VNNI, unless
+// set_int8_dots(false) (Python: cpu_kernel.int8_dots, WORKBENCH_CPU_INT8_DOT=0) keeps the exact float ones.
+std::atomic<bool> g_int8_dots{true};
+inline bool int8_dots_on() { return int8dot::AVAILABLE && g_int8_dots.load(std::memory_order_relaxed); }
+
+// run_kq with the inputs rounded to int8 per 32 values (int8_dots.h): gate/up rows against the
+// tokens, down rows against each pair's activations (rounded between the passes).
+void run_kq_int8(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const uint8_t* b2, int64_t f2,
+                 const Pairs& pr, int64_t H, int64_t I, float* out) {
+  const int64_t row13 = H / 256 * kq_bytes(f13), row2 = I / 256 * kq_bytes(f2);  // bytes per matrix row
+  const int64_t n = pr.size();
+  const int64_t* rows = pr.rows.data();
+  const int64_t* tok = pr.tok.data();
+  int8dot::Inputs xin, ain;
+  xin.init(T, H, f13 == 0);
+  ain.init(n, I, f2 == 0);
+  if (T > 16) {
+    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) xin.set(t, x + t * H);
+    });
+  } else {
+    for (int64_t t = 0; t < T; ++t) xin.set(t, x + t * H);
+  }
+  // rows [0, nrows) of a matrix at ``base`` (``bytes`` a row, K values) against c inputs in(k)
+  auto matrix = [](const uint8_t* base, int64_t bytes, int64_t K, int64_t fmt, int64_t nrows, int64_t c, float* res,
+                   auto in) {
+    for (int64_t q = 0; q < nrows; ++q) {
+      const uint8_t* row = base + q * bytes;
+      if (c == 1) {  // a decode step
+        const int8dot::Input one = in(0);
+        int8dot::dot_kq<1>(fmt, row, &one, K, res + q);
+        continue;
+      }
+      in_fours(c, [&](auto nn, int64_t j) {
+        constexpr int N = decltype(nn)::value;
+        int8dot::Input xs[N];
+        for (int i = 0; i < N; ++i) xs[i] = in(j + i);
+        int8dot::dot_kq<N>(fmt, row, xs, K, res + q * c + j);
+      });
+    }
+  };
+  grouped_rows(
+      pr, H, I, out,
+      [&](int64_t g, int64_t r0, int64_t nrows, int64_t s, int64_t c, float* res) {
+        matrix(b13 + (rows[g] * 2 * I + r0) * row13, row13, H, f13, nrows, c, res,
+               [&](int64_t k) { return xin.at(tok[s + k]); });
+      },
+      [&](int64_t g, int64_t o0, int64_t nrows, int64_t s, int64_t c, const float*, float* res) {
+        matrix(b2 + (rows[g] * H + o0) * row2, row2, I, f2, nrows, c, res, [&](int64_t k) { return ain.at(s + k); });
+      },
+      [&](const float* a) {
+        for (int64_t p = 0; p < n; ++p) ain.set(p, a + p * I);
+      });
+}
+
 void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const uint8_t* b2, int64_t f2,
             const Pairs& pr, int64_t H, int64_t I, float* out) {
+  if (int8_dots_on()) return run_kq_int8(x, T, b13, f13, b2, f2, pr, H, I, out);
   const int64_t row13 = H / 256 * kq_bytes(f13), row2 = I / 256 * kq_bytes(f2);  // bytes per matrix row
   const int64_t n = pr.size();
   const int64_t* rows = pr.rows.data();
@@ -1409,6 +1467,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[E, 2I, H/256*bytes], f13, b2 uint8 [E, H, I/256*bytes], f2, I, rows [n] int64, weights [n] f32 -> [H] f32",
         py::arg("x"), py::arg("b13"), py::arg("f13"), py::arg("b2"), py::arg("f2"), py::arg("I"), py::arg("rows"),
         py::arg("weights"), py::arg("threads") = 0, py::arg("tokens") = at::Tensor());
+  m.def("set_int8_dots", [](bool on) { g_int8_dots.store(on); },
+        "k-quant experts' dots with inputs rounded to int8 (True, where the CPU has AVX512-VNNI) or exact f32 ones",
+        py::arg("on"));
+  m.def("int8_dots", [] { return int8_dots_on(); }, "Whether k-quant experts take the int8 dots now");
+  m.def("int8_dots_available", [] { return int8dot::AVAILABLE; }, "Whether this build has the int8 dots");
   m.def("wait_background", &wait_background,
         "Wait for the run started with threads > 0; False if it failed (its output is then undefined)",
         py::call_guard<py::gil_scoped_release>());

@@ -1,0 +1,238 @@
+// Integer dots for experts kept in GGUF k-quant blocks (Q4_K, Q6_K): the input is rounded to int8
+// per 32 values first, as llama.cpp rounds it (to Q8_K) for its own CPU dots, and VPDPBUSD
+// multiplies 64 weight values by 64 input values per instruction, summed in int32, without
+// turning any weight into a float. The float paths of moe_decode.cpp convert every 4-bit value to
+// a float and run the scales per 32 values as scalar code: on an AVX-512 core they compute about
+// 20 G weights/s, this path about 30 G from RAM, 35-38 G from the cache (Qwen3-30B-A3B gate/up
+// rows, one token; BENCHMARKS.md).
+//
+// Rounding: dx = max|x| / 127 per 32 values (float32), q = round-to-nearest-even(x / dx) (0 for a
+// block of zeros). The dot is then exactly the float dot of the dequantized weights with dx * q,
+// summed in another order: the inputs' rounding (about 0.3% of a dot, relative) is its only error.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace int8dot {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool AVAILABLE = true;
+#else
+constexpr bool AVAILABLE = false;
+#endif
+
+// One input as the integer dots read it.
+struct Input {
+  const int8_t* q;    // [K] values, each 128 in the order of the weight layout (see Inputs)
+  const float* dxe;   // [K/4] the scale dx of the four values q[4i .. 4i + 3]
+  const float* s32;   // [K/32] dx * (sum of q) per 32 values, in the input's own order
+  const float* s16;   // [K/16] the same per 16 values
+};
+
+// Inputs [n, K] rounded to int8 for one weight layout. ``q4k``: each 128 values in the order of
+// Q4_K's 4-bit values as one 64-byte load splits them (32 low nibbles of sub-block 0, low of 2,
+// high of 1, high of 3: sub-blocks 0, 2, 1, 3); otherwise in their own order (Q6_K).
+class Inputs {
+ public:
+  void init(int64_t n, int64_t K, bool q4k) {
+    n_ = n, K_ = K, q4k_ = q4k;
+    q_.resize(static_cast<size_t>(n * K));
+    dxe_.resize(static_cast<size_t>(n * K / 4));
+    s32_.resize(static_cast<size_t>(n * K / 32));
+    s16_.resize(static_cast<size_t>(n * K / 16));
+  }
+  // Rounds input i (K floats; K a multiple of 128).
+  void set(int64_t i, const float* x);
+  Input at(int64_t i) const {
+    return {q_.data() + i * K_, dxe_.data() + i * K_ / 4, s32_.data() + i * K_ / 32, s16_.data() + i * K_ / 16};
+  }
+
+ private:
+  int64_t n_ = 0, K_ = 0;
+  bool q4k_ = false;
+  std::vector<int8_t> q_;
+  std::vector<float> dxe_, s32_, s16_;
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+
+#define INT8DOT_HOT __attribute__((always_inline))
+
+inline float half_bits_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return _cvtsh_ss(h);
+}
+
+inline void Inputs::set(int64_t i, const float* x) {
+  int8_t* q = q_.data() + i * K_;
+  float* dxe = dxe_.data() + i * K_ / 4;
+  float* s32 = s32_.data() + i * K_ / 32;
+  float* s16 = s16_.data() + i * K_ / 16;
+  static constexpr int64_t kSlot[4] = {0, 2, 1, 3};  // sub-block -> its place in Q4_K's order
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t b = 0; b < K_ / 32; ++b) {
+    const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+    const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+    const float dx = m / 127.f;
+    __m512i v0 = _mm512_setzero_si512(), v1 = _mm512_setzero_si512();
+    if (m > 0.f) {
+      const __m512 d = _mm512_set1_ps(dx);
+      v0 = _mm512_cvtps_epi32(_mm512_div_ps(x0, d));  // round to nearest even (MXCSR's default)
+      v1 = _mm512_cvtps_epi32(_mm512_div_ps(x1, d));
+    }
+    const int64_t at = q4k_ ? 128 * (b / 4) + 32 * kSlot[b % 4] : 32 * b;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at), _mm512_cvtepi32_epi8(v0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at + 16), _mm512_cvtepi32_epi8(v1));
+    _mm256_storeu_ps(dxe + at / 4, _mm256_set1_ps(dx));
+    const int lo = _mm512_reduce_add_epi32(v0), hi = _mm512_reduce_add_epi32(v1);
+    s16[2 * b] = dx * static_cast<float>(lo);
+    s16[2 * b + 1] = dx * static_cast<float>(hi);
+    s32[b] = dx * static_cast<float>(lo + hi);
+  }
+}
+
+// Reads ahead of the weights: a single core's hardware prefetchers left the integer dots waiting
+// on RAM (22 against 31 G weights/s from RAM, one core, prefetching 2 KiB ahead).
+constexpr int64_t PREFETCH_BYTES = 2048;
+
+INT8DOT_HOT inline void prefetch_block(const uint8_t* b, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH_BYTES + o), _MM_HINT_T0);
+}
+
+INT8DOT_HOT inline float reduce256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// res[j] = Q4_K row . xs[j] for j < N (K values). Q4_K super-block (144 bytes, 256 values): float16
+// d and dmin, 12 bytes of 6-bit scales and minimums of 8 sub-blocks, 128 bytes of 4-bit values;
+// value = d * sc * q - dmin * m. Per super-block and input: d * sc * dx * (int dot of each
+// sub-block) minus dmin * m * (dx * sum of the input's q), the minimums' part for all 8 at once.
+template <int N>
+inline void dot_q4k(const uint8_t* row, const Input* xs, int64_t K, float* res) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // lanes of a 64-value dot: 8 of one sub-block, 8 of another (see Inputs' order)
+  const __m512i pick[4] = {_mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
+                           _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1),
+                           _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4),
+                           _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 5, 5, 5, 5, 5, 5, 5, 5)};
+  __m512 acc[N];
+  __m256 mins[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps(), mins[j] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* b = row + 144 * sb;
+    prefetch_block(b, 144);
+    const float d = half_bits_to_float(b), dmin = half_bits_to_float(b + 2);
+    // the 6-bit scales and minimums: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and
+    // 4-7 (minimums); 4-7 in the nibbles of bytes 8-11 with their top 2 bits in bytes 0-7's top bits
+    uint32_t a0, a1, a2;
+    std::memcpy(&a0, b + 4, 4), std::memcpy(&a1, b + 8, 4), std::memcpy(&a2, b + 12, 4);
+    const uint64_t sc = (a0 & 0x3f3f3f3fu) |
+                        (static_cast<uint64_t>((a2 & 0x0f0f0f0fu) | (((a0 >> 6) & 0x03030303u) << 4)) << 32);
+    const uint64_t mn = (a1 & 0x3f3f3f3fu) |
+                        (static_cast<uint64_t>(((a2 >> 4) & 0x0f0f0f0fu) | (((a1 >> 6) & 0x03030303u) << 4)) << 32);
+    const __m256 s = _mm256_mul_ps(_mm256_set1_ps(d),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc)))));
+    const __m256 m = _mm256_mul_ps(_mm256_set1_ps(dmin),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)))));
+    for (int j = 0; j < N; ++j) mins[j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs[j].s32 + 8 * sb), mins[j]);
+    const __m512 s16 = _mm512_castps256_ps512(s);
+    const uint8_t* qs = b + 16;
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m512i w = _mm512_loadu_si512(reinterpret_cast<const void*>(qs + 64 * h));
+      const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      const __m512 slo = _mm512_permutexvar_ps(pick[2 * h], s16), shi = _mm512_permutexvar_ps(pick[2 * h + 1], s16);
+      for (int j = 0; j < N; ++j) {
+        const int8_t* xq = xs[j].q + 256 * sb + 128 * h;
+        const float* dx = xs[j].dxe + 64 * sb + 32 * h;
+        const __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq));
+        const __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(xq + 64));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), _mm512_mul_ps(slo, _mm512_loadu_ps(dx)), acc[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_mul_ps(shi, _mm512_loadu_ps(dx + 16)), acc[j]);
+      }
+    }
+  }
+  for (int j = 0; j < N; ++j) res[j] = _mm512_reduce_add_ps(acc[j]) - reduce256(mins[j]);
+}
+
+// res[j] = Q6_K row . xs[j] for j < N. Q6_K super-block (210 bytes, 256 values): 128 bytes of low
+// 4 bits, 64 bytes of high 2 bits, 16 int8 scales (one per 16 values), float16 d; value =
+// d * sc * (q - 32). In each 128-value half, 32-value group g takes nibble g / 2 of low bytes
+// (g % 2) * 32 + l and bits 2g of high byte l: one 64-byte load holds groups 0 and 1 in its low
+// nibbles and groups 2 and 3 in its high ones, the input's own order. The offset 32 is taken off
+// once per super-block from the input's sums per 16 values.
+template <int N>
+inline void dot_q6k(const uint8_t* row, const Input* xs, int64_t K, float* res) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
+  // per 16-bit lane, the high bits' shift: groups 0 | 1 (then + 4: groups 2 | 3)
+  const __m512i sh01 = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2,
+                                        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i sh23 = _mm512_add_epi16(sh01, _mm512_set1_epi16(4));
+  // lanes of a 64-value dot: 4 lanes (16 values) per scale; pick t: scales 4t .. 4t + 3
+  alignas(64) static constexpr int32_t kPick[4][16] = {
+      {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7},
+      {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11},
+      {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15}};
+  const __m512i pick[4] = {_mm512_load_si512(kPick[0]), _mm512_load_si512(kPick[1]), _mm512_load_si512(kPick[2]),
+                           _mm512_load_si512(kPick[3])};
+  __m512 acc[N], off[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps(), off[j] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* b = row + 210 * sb;
+    prefetch_block(b, 210);
+    const float d = half_bits_to_float(b + 208);
+    const __m512 s = _mm512_mul_ps(
+        _mm512_set1_ps(d),
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
+    const __m512 s32 = _mm512_mul_ps(s, _mm512_set1_ps(-32.f));
+    for (int j = 0; j < N; ++j) off[j] = _mm512_fmadd_ps(s32, _mm512_loadu_ps(xs[j].s16 + 16 * sb), off[j]);
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(reinterpret_cast<const void*>(b + 64 * h));
+      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
+      const __m512i v01 = _mm512_or_si512(
+          _mm512_and_si512(ql, low4), _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh01), low2), 4));
+      const __m512i v23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                          _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh23), low2), 4));
+      const __m512 s01 = _mm512_permutexvar_ps(pick[2 * h], s), s23 = _mm512_permutexvar_ps(pick[2 * h + 1], s);
+      for (int j = 0; j < N; ++j) {
+        const int8_t* xq = xs[j].q + 256 * sb + 128 * h;
+        const float* dx = xs[j].dxe + 64 * sb + 32 * h;
+        const __m512i i01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v01, _mm512_loadu_si512(xq));
+        const __m512i i23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v23, _mm512_loadu_si512(xq + 64));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i01), _mm512_mul_ps(s01, _mm512_loadu_ps(dx)), acc[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i23), _mm512_mul_ps(s23, _mm512_loadu_ps(dx + 16)), acc[j]);
+      }
+    }
+  }
+  for (int j = 0; j < N; ++j) res[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], off[j]));
+}
+
+#else
+
+inline void Inputs::set(int64_t, const float*) {}
+template <int N>
+inline void dot_q4k(const uint8_t*, const Input*, int64_t, float*) {}
+template <int N>
+inline void dot_q6k(const uint8_t*, const Input*, int64_t, float*) {}
+
+#endif
+
+// k-quant integer dots of one row with N inputs: fmt 0 Q4_K, 1 Q6_K.
+template <int N>
+inline void dot_kq(int64_t fmt, const uint8_t* row, const Input* xs, int64_t K, float* res) {
+  if (fmt == 0) {
+    dot_q4k<N>(row, xs, K, res);
+  } else {
+    dot_q6k<N>(row, xs, K, res);
+  }
+}
+
+}  // namespace int8dot
