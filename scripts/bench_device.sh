@@ -27,7 +27,10 @@
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it),
 # handoff (scripts/time_served_handoff.py, both server teams), engine_team (S1 bf16 and Q8_0 with the
 # decode server's spinning team), cpu_prompt (scripts/time_cpu_prompt.py: the fused kernel by tokens
-# per expert against torch's GEMMs; $OUT/cpu_prompt.json).
+# per expert against torch's GEMMs; $OUT/cpu_prompt.json), cpu_vs_ggml (scripts/time_cpu_vs_ggml.py:
+# one token's CPU experts, ours against llama.cpp's ggml, built from .llamacpp/ggml-src.tar.xz (carry it:
+# scripts/build_llamacpp.sh ggml-pack); $OUT/cpu_vs_ggml.json), engine_q4_hybrid (S1 as Q4_K at BENCH_Q4_BUDGET (4GiB): most experts on the
+# CPU, the case of a large Q4_K model on a small GPU). BENCH_BUDGET (12GiB) sets the side-by-side budget.
 # At most 8 files come back per call: choose the stages of one call accordingly.
 # BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (64 / 2), BENCH_MARGIN (512MiB) and LLAMA_N_CPU_MOE tune
 # the side-by-side stages. Stage candidates: scripts/check_kernel_candidates.py (each autotuning
@@ -140,7 +143,7 @@ side_by_side() {  # file label json strategies [args...]: llama.cpp (-lm none) t
     [ -f "$OUT/h200.json" ] && prof="$OUT/h200.json"
     local tl=$(( $(left) - 20 ))
     log "side by side: $label ($tl s left)"
-    wb run --model "$file" --budget 12GiB --margin "${BENCH_MARGIN:-512MiB}" --profile "$prof" \
+    wb run --model "$file" --budget "${BENCH_BUDGET:-12GiB}" --margin "${BENCH_MARGIN:-512MiB}" --profile "$prof" \
         --strategies "$strategies" -p 512 -n "${BENCH_ENGINE_GEN:-64}" -r "${BENCH_ENGINE_REPEATS:-2}" \
         --time-limit "$tl" "${side[@]}" "$@" --json "$OUT/$json" --save-placements "/tmp/wb_placements/${json%.json}" \
         | tee -a "$OUT/device.log"
@@ -162,6 +165,19 @@ stage_handoff() {  # the decode server's hand-off per hybrid layer against the C
 stage_cpu_prompt() {  # a prompt's CPU-tier experts on the fused kernel by tokens per expert, and torch's GEMMs
     timeout 240 python3 scripts/time_cpu_prompt.py --formats bf16,q8_0,q4_k --tokens 1,2,4,8,16,32 --gemm \
         --json "$OUT/cpu_prompt.json" 2>&1 | tee -a "$OUT/device.log"
+}
+stage_cpu_vs_ggml() {  # one token's CPU experts: ours (int8 and exact dots) against llama.cpp's ggml, same threads
+    [ -f .llamacpp/build-ggml/src/libggml-cpu.a ] || scripts/build_llamacpp.sh ggml-cpu >"$OUT/build_ggml.log" 2>&1 \
+        || { log "ggml CPU build failed"; tail -3 "$OUT/build_ggml.log"; return; }
+    timeout 240 python3 scripts/time_cpu_vs_ggml.py --formats bf16,q8_0,q4_k --threads "$(( $(nproc) - 1 ))" \
+        --experts 128 --json "$OUT/cpu_vs_ggml.json" 2>&1 | tee -a "$OUT/device.log"
+}
+stage_engine_q4_hybrid() {  # S1 as Q4_K under a small budget: most experts on the CPU (a large Q4_K model, a small GPU)
+    rm -f "$models"/s1.gguf
+    log "writing S1 Q4_K"; wb write -o "$models/s1_q4.gguf" --shape s1 $layers --weights q4_k | tee -a "$OUT/device.log"
+    BENCH_BUDGET="${BENCH_Q4_BUDGET:-4GiB}" LLAMA_N_CPU_MOE="${LLAMA_N_CPU_MOE:-15,16,17}" \
+        side_by_side "$models/s1_q4.gguf" "S1 Q4_K skewed, 4 GiB" engine_s1_q4_hybrid.json "n-cpu-moe,frequency"
+    rm -f "$models"/s1_q4.gguf
 }
 stage_engine_team() {  # S1 skewed bf16 and Q8_0, ours only, the decode server on its own spinning team
     if [ -f "$models/s1.gguf" ]; then wb reskew "$models/s1.gguf" --coverage 0.5 | tee -a "$OUT/device.log"

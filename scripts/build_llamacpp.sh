@@ -5,6 +5,9 @@
 #                                     # pruned to what llama-bench needs (a few MiB, carried to the device)
 #   scripts/build_llamacpp.sh build   # on the GPU machine: CUDA build for sm_90 -> .llamacpp/bin/llama-bench
 #   scripts/build_llamacpp.sh cpu     # here: CPU-only build (checks that our GGUF files load)
+#   scripts/build_llamacpp.sh ggml-pack  # here: ggml's CPU sources -> .llamacpp/ggml-src.tar.xz (~1 MiB, carried)
+#   scripts/build_llamacpp.sh ggml-cpu   # anywhere: ggml's CPU backend alone, static, -> .llamacpp/build-ggml
+#                                        # (for scripts/time_cpu_vs_ggml.py; unpacks ggml-src.tar.xz if needed)
 #
 # LLAMA_JOBS (default: nproc) sets the parallel jobs. .llamacpp/ must be ignored by git
 # (.git/info/exclude holds "/.llamacpp/").
@@ -72,5 +75,20 @@ case "$mode" in
         mkdir -p "$dest/bin-cpu"
         cp "$dest/build-cpu/bin/llama-bench" "$dest/bin-cpu/llama-bench"
         ;;
-    *) echo "usage: $0 fetch|build|cpu" >&2; exit 2 ;;
+    ggml-pack)
+        tar -C "$src" --exclude=ggml/src/ggml-cuda -cJf "$dest/ggml-src.tar.xz" ggml
+        du -h "$dest/ggml-src.tar.xz"
+        ;;
+    ggml-cpu)
+        if [ ! -f "$src/ggml/CMakeLists.txt" ]; then
+            mkdir -p "$src" && tar -C "$src" -xJf "$dest/ggml-src.tar.xz"
+        fi
+        [ -f "$src/ggml/ggml.pc.in" ] || : >"$src/ggml/ggml.pc.in"  # pkg-config template, pruned by fetch
+        gen=()
+        command -v ninja >/dev/null && gen=(-G Ninja)
+        cmake -S "$src/ggml" -B "$dest/build-ggml" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+            -DGGML_NATIVE=ON -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF >/dev/null
+        cmake --build "$dest/build-ggml" --target ggml-cpu ggml-base -j "$jobs"
+        ;;
+    *) echo "usage: $0 fetch|build|cpu|ggml-pack|ggml-cpu" >&2; exit 2 ;;
 esac
