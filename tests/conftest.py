@@ -99,7 +99,7 @@ def exact_cpu_dots():
 
 
 @pytest.fixture(params=["f32 dots", "int8 dots"])
-def kq_dots(request):
+def quant_dots(request):
     """The fused CPU kernel's dots for k-quant experts during one test: the exact float ones (False),
     or the int8 ones (True; skipped where the CPU lacks AVX512-VNNI). The setting is restored after."""
     from workbench.engine import cpu_kernel

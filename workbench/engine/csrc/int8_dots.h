@@ -1,14 +1,14 @@
-// Integer dots for experts kept in GGUF k-quant blocks (Q4_K, Q6_K): the input is rounded to int8
-// per 32 values first, as llama.cpp rounds it (to Q8_K) for its own CPU dots, and VPDPBUSD
+// Integer dots for experts kept in GGUF blocks (Q4_K, Q6_K, Q8_0): the input is rounded to int8
+// per 32 values first, as llama.cpp rounds it (to Q8_K / Q8_0) for its own CPU dots, and VPDPBUSD
 // multiplies 64 weight values by 64 input values per instruction, summed in int32, without
-// turning any weight into a float. The float paths of moe_decode.cpp convert every 4-bit value to
-// a float and run the scales per 32 values as scalar code: on an AVX-512 core they compute about
-// 20 G weights/s, this path about 30 G from RAM, 35-38 G from the cache (Qwen3-30B-A3B gate/up
-// rows, one token; BENCHMARKS.md).
+// turning any weight into a float. The float paths of moe_decode.cpp convert every weight value to
+// a float and apply the scales per 32 values in scalar code: on the 2-core AVX-512 test host Q4_K
+// computed about 15 G weights/s per core, this path about 29 G (llama.cpp's ggml: 31 G; BENCHMARKS.md).
 //
 // Rounding: dx = max|x| / 127 per 32 values (float32), q = round-to-nearest-even(x / dx) (0 for a
 // block of zeros). The dot is then exactly the float dot of the dequantized weights with dx * q,
-// summed in another order: the inputs' rounding (about 0.3% of a dot, relative) is its only error.
+// summed in another order: the inputs' rounding (0.3-1% of an expert's output, relative, on random
+// weights) is its only error.
 #pragma once
 
 #include <cstdint>
@@ -20,7 +20,8 @@
 
 namespace int8dot {
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define INT8DOT_AVX512 1
 constexpr bool AVAILABLE = true;
 #else
 constexpr bool AVAILABLE = false;
@@ -34,19 +35,29 @@ struct Input {
   const float* s16;   // [K/16] the same per 16 values
 };
 
-// Inputs [n, K] rounded to int8 for one weight layout. ``q4k``: each 128 values in the order of
-// Q4_K's 4-bit values as one 64-byte load splits them (32 low nibbles of sub-block 0, low of 2,
-// high of 1, high of 3: sub-blocks 0, 2, 1, 3); otherwise in their own order (Q6_K).
+// How Inputs lay out q for a weight format's dot.
+enum class Order {
+  kQ4K,     // each 128 values in the order of Q4_K's 4-bit values as one 64-byte load splits them (32 low
+            // nibbles of sub-block 0, low of 2, high of 1, high of 3: sub-blocks 0, 2, 1, 3); K % 128 == 0
+  kNatural, // their own order (Q6_K)
+  kBiased,  // their own order, as unsigned bytes q + 128: the first factor of VPDPBUSD against signed
+            // Q8_0 weights (Q8_0)
+};
+
+// Format codes of the weights as moe_decode.cpp passes them: 0 Q4_K, 1 Q6_K (the k-quants).
+inline Order order_for_kquant(int64_t fmt) { return fmt == 0 ? Order::kQ4K : Order::kNatural; }
+
+// Inputs [n, K] rounded to int8 for one weight layout (K a multiple of 32).
 class Inputs {
  public:
-  void init(int64_t n, int64_t K, bool q4k) {
-    n_ = n, K_ = K, q4k_ = q4k;
+  void init(int64_t n, int64_t K, Order order) {
+    n_ = n, K_ = K, order_ = order;
     q_.resize(static_cast<size_t>(n * K));
     dxe_.resize(static_cast<size_t>(n * K / 4));
     s32_.resize(static_cast<size_t>(n * K / 32));
     s16_.resize(static_cast<size_t>(n * K / 16));
   }
-  // Rounds input i (K floats; K a multiple of 128).
+  // Rounds input i (K floats).
   void set(int64_t i, const float* x);
   Input at(int64_t i) const {
     return {q_.data() + i * K_, dxe_.data() + i * K_ / 4, s32_.data() + i * K_ / 32, s16_.data() + i * K_ / 16};
@@ -54,12 +65,12 @@ class Inputs {
 
  private:
   int64_t n_ = 0, K_ = 0;
-  bool q4k_ = false;
+  Order order_ = Order::kNatural;
   std::vector<int8_t> q_;
   std::vector<float> dxe_, s32_, s16_;
 };
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef INT8DOT_AVX512
 
 #define INT8DOT_HOT __attribute__((always_inline))
 
@@ -86,9 +97,10 @@ inline void Inputs::set(int64_t i, const float* x) {
       v0 = _mm512_cvtps_epi32(_mm512_div_ps(x0, d));  // round to nearest even (MXCSR's default)
       v1 = _mm512_cvtps_epi32(_mm512_div_ps(x1, d));
     }
-    const int64_t at = q4k_ ? 128 * (b / 4) + 32 * kSlot[b % 4] : 32 * b;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at), _mm512_cvtepi32_epi8(v0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at + 16), _mm512_cvtepi32_epi8(v1));
+    const int64_t at = order_ == Order::kQ4K ? 128 * (b / 4) + 32 * kSlot[b % 4] : 32 * b;
+    const __m128i flip = order_ == Order::kBiased ? _mm_set1_epi8(static_cast<char>(0x80)) : _mm_setzero_si128();
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at), _mm_xor_si128(_mm512_cvtepi32_epi8(v0), flip));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(v1), flip));
     _mm256_storeu_ps(dxe + at / 4, _mm256_set1_ps(dx));
     const int lo = _mm512_reduce_add_epi32(v0), hi = _mm512_reduce_add_epi32(v1);
     s16[2 * b] = dx * static_cast<float>(lo);
@@ -215,6 +227,54 @@ inline void dot_q6k(const uint8_t* row, const Input* xs, int64_t K, float* res) 
   for (int j = 0; j < N; ++j) res[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], off[j]));
 }
 
+// res[j] = Q8_0 row . xs[j] for j < N (inputs in Order::kBiased). Q8_0: per 32 values a float16
+// scale (``d``, K / 32 of them for the row) and 32 int8 values. VPDPBUSD takes the input's q + 128
+// as its unsigned factor; the row's 128 * (sum of each 4 values), one more VPDPBUSD per 64 values
+// shared by the N inputs, is taken off in the same instruction (its accumulator starts there).
+template <int N>
+inline void dot_q8(const int8_t* w, const uint16_t* d, const Input* xs, int64_t K, float* res) {
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  // lanes of a 64-value dot: 8 per block; pick m: blocks 2m and 2m + 1 of 16 scales
+  alignas(64) static constexpr int32_t kPick[8][16] = {
+      {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},         {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+      {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},         {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+      {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9},         {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+      {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
+      {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
+  __m512 acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps();
+  __m512 scales = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const int64_t m = (k / 64) % 8;
+    if (m == 0) {  // the next 16 blocks' scales (fewer at the row's end)
+      const int64_t left = (K - k) / 32;
+      const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+      scales = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + k / 32));
+    }
+    const __m512 s = _mm512_permutexvar_ps(_mm512_load_si512(kPick[m]), scales);
+    _mm_prefetch(reinterpret_cast<const char*>(w + k + PREFETCH_BYTES), _MM_HINT_T0);
+    const __m512i wv = _mm512_loadu_si512(reinterpret_cast<const void*>(w + k));
+    const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, wv));
+    for (int j = 0; j < N; ++j) {
+      const __m512i i = _mm512_dpbusd_epi32(start, _mm512_loadu_si512(xs[j].q + k), wv);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(s, _mm512_loadu_ps(xs[j].dxe + k / 4)), acc[j]);
+    }
+  }
+  float tail[N] = {};
+  if (k < K) {  // one block of 32 left
+    const float s = _cvtsh_ss(d[k / 32]);
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+    const __m256i start = _mm256_sub_epi32(
+        _mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(static_cast<char>(0x80)), wv));
+    for (int j = 0; j < N; ++j) {
+      const __m256i i = _mm256_dpbusd_epi32(start, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[j].q + k)), wv);
+      tail[j] = s * reduce256(_mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_loadu_ps(xs[j].dxe + k / 4)));
+    }
+  }
+  for (int j = 0; j < N; ++j) res[j] = _mm512_reduce_add_ps(acc[j]) + tail[j];
+}
+
 #else
 
 inline void Inputs::set(int64_t, const float*) {}
@@ -222,6 +282,8 @@ template <int N>
 inline void dot_q4k(const uint8_t*, const Input*, int64_t, float*) {}
 template <int N>
 inline void dot_q6k(const uint8_t*, const Input*, int64_t, float*) {}
+template <int N>
+inline void dot_q8(const int8_t*, const uint16_t*, const Input*, int64_t, float*) {}
 
 #endif
 

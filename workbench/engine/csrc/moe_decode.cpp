@@ -9,7 +9,9 @@
 // (at::parallel_for, so torch.set_num_threads governs it): (1) the (gate row, up row) pairs of all
 // selected experts at once, each row read once and dotted with every token of its expert, writing
 // the activations a[n, I]; (2) the H output columns, each thread summing its block of columns over
-// the experts (no atomics). Everything is accumulated in f32. Where the CPU has AVX512-BF16 and the
+// the experts (no atomics). Everything is accumulated in f32. Experts kept in GGUF blocks take the
+// integer dots of int8_dots.h where the CPU has AVX512-VNNI (inputs rounded to int8 per 32 values),
+// unless set_int8_dots(false). Where the CPU has AVX512-BF16 and the
 // inputs are bf16-exact, bf16 and Q4_K gate/up rows use VDPBF16PS; elsewhere a bf16 weight becomes f32 by a 16-bit
 // shift, an f16 one by the CPU's conversion (F16C) or exact bit arithmetic; the dot products use
 // vector extensions, which the compiler maps onto AVX-512 or AVX2 (with -march=native) and fuses
@@ -912,8 +914,110 @@ void run_float(const float* x, const W* w13, const W* w2, const Pairs& pr, int64
       });
 }
 
+// Whether experts kept in GGUF blocks (Q8_0, Q4_K, Q6_K) take the integer dots (int8_dots.h): where the
+// CPU has AVX512-VNNI, unless set_int8_dots(false) (Python: cpu_kernel.int8_dots,
+// WORKBENCH_CPU_INT8_DOT=0) keeps the exact float ones.
+std::atomic<bool> g_int8_dots{true};
+inline bool int8_dots_on() { return int8dot::AVAILABLE && g_int8_dots.load(std::memory_order_relaxed); }
+
+// The T tokens of x [T, H] into ``in`` (a prompt's on torch's pool).
+inline void round_tokens(int8dot::Inputs& in, const float* x, int64_t T, int64_t H) {
+  if (T > 16) {
+    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) in.set(t, x + t * H);
+    });
+  } else {
+    for (int64_t t = 0; t < T; ++t) in.set(t, x + t * H);
+  }
+}
+
+// rows [0, nrows) of a matrix against c inputs in(k) (k < c): dot(row q, inputs, N, out) with N <= 4
+// inputs at a time; res[q * c + k].
+template <typename In, typename Dot>
+inline void int8_rows(int64_t nrows, int64_t c, float* res, In in, Dot dot) {
+  for (int64_t q = 0; q < nrows; ++q) {
+    if (c == 1) {  // a decode step
+      const int8dot::Input one = in(0);
+      dot(q, &one, std::integral_constant<int, 1>{}, res + q);
+      continue;
+    }
+    in_fours(c, [&](auto nn, int64_t j) {
+      int8dot::Input xs[decltype(nn)::value];
+      for (int i = 0; i < decltype(nn)::value; ++i) xs[i] = in(j + i);
+      dot(q, xs, nn, res + q * c + j);
+    });
+  }
+}
+
+// run_q8 with the inputs rounded to int8 per 32 values (int8_dots.h).
+void run_q8_int8(const float* x, int64_t T, const int8_t* q13, const Half* d13, const int8_t* q2, const Half* d2,
+                 const Pairs& pr, int64_t H, int64_t I, float* out) {
+  const int64_t n = pr.size();
+  const int64_t* rows = pr.rows.data();
+  const int64_t* tok = pr.tok.data();
+  int8dot::Inputs xin, ain;
+  xin.init(T, H, int8dot::Order::kBiased);
+  ain.init(n, I, int8dot::Order::kBiased);
+  round_tokens(xin, x, T, H);
+  auto matrix = [](const int8_t* q, const Half* d, int64_t r0, int64_t K, int64_t nrows, int64_t c, float* res,
+                   auto in) {
+    int8_rows(nrows, c, res, in, [&](int64_t r, const int8dot::Input* xs, auto nn, float* o) {
+      const int64_t at = (r0 + r) * K;
+      int8dot::dot_q8<decltype(nn)::value>(q + at, reinterpret_cast<const uint16_t*>(d + at / 32), xs, K, o);
+    });
+  };
+  grouped_rows(
+      pr, H, I, out,
+      [&](int64_t g, int64_t r0, int64_t nrows, int64_t s, int64_t c, float* res) {
+        matrix(q13, d13, rows[g] * 2 * I + r0, H, nrows, c, res, [&](int64_t k) { return xin.at(tok[s + k]); });
+      },
+      [&](int64_t g, int64_t o0, int64_t nrows, int64_t s, int64_t c, const float*, float* res) {
+        matrix(q2, d2, rows[g] * H + o0, I, nrows, c, res, [&](int64_t k) { return ain.at(s + k); });
+      },
+      [&](const float* a) {
+        for (int64_t p = 0; p < n; ++p) ain.set(p, a + p * I);
+      });
+}
+
+// run_kq with the inputs rounded to int8 per 32 values (int8_dots.h): gate/up rows against the
+// tokens, down rows against each pair's activations (rounded between the passes).
+void run_kq_int8(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const uint8_t* b2, int64_t f2,
+                 const Pairs& pr, int64_t H, int64_t I, float* out) {
+  const int64_t row13 = H / 256 * kq_bytes(f13), row2 = I / 256 * kq_bytes(f2);  // bytes per matrix row
+  const int64_t n = pr.size();
+  const int64_t* rows = pr.rows.data();
+  const int64_t* tok = pr.tok.data();
+  int8dot::Inputs xin, ain;
+  xin.init(T, H, int8dot::order_for_kquant(f13));
+  ain.init(n, I, int8dot::order_for_kquant(f2));
+  round_tokens(xin, x, T, H);
+  // rows [0, nrows) of a matrix at ``base`` (``bytes`` a row, K values) against c inputs in(k)
+  auto matrix = [](const uint8_t* base, int64_t bytes, int64_t K, int64_t fmt, int64_t nrows, int64_t c, float* res,
+                   auto in) {
+    int8_rows(nrows, c, res, in, [&](int64_t q, const int8dot::Input* xs, auto nn, float* o) {
+      int8dot::dot_kq<decltype(nn)::value>(fmt, base + q * bytes, xs, K, o);
+    });
+  };
+  grouped_rows(
+      pr, H, I, out,
+      [&](int64_t g, int64_t r0, int64_t nrows, int64_t s, int64_t c, float* res) {
+        matrix(b13 + (rows[g] * 2 * I + r0) * row13, row13, H, f13, nrows, c, res,
+               [&](int64_t k) { return xin.at(tok[s + k]); });
+      },
+      [&](int64_t g, int64_t o0, int64_t nrows, int64_t s, int64_t c, const float*, float* res) {
+        matrix(b2 + (rows[g] * H + o0) * row2, row2, I, f2, nrows, c, res, [&](int64_t k) { return ain.at(s + k); });
+      },
+      [&](const float* a) {
+        for (int64_t p = 0; p < n; ++p) ain.set(p, a + p * I);
+      });
+}
+
 void run_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2, const Half* d2, const Pairs& pr,
             int64_t H, int64_t I, float* out) {
+  if (int8_dots_on() && pr.size() > 0) {
+    const int64_t T = 1 + *std::max_element(pr.tok.begin(), pr.tok.end());
+    return run_q8_int8(x, T, q13, d13, q2, d2, pr, H, I, out);
+  }
   const int64_t e13 = 2 * I * H, e2 = H * I;  // values per expert; scales: 1 per 32
   const int64_t* rows = pr.rows.data();
   const int64_t* tok = pr.tok.data();
@@ -946,61 +1050,6 @@ void run_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2
       },
       [&](int64_t g, int64_t o0, int64_t nrows, int64_t, int64_t c, const float* as, float* res) {
         block(q2, d2, rows[g] * e2 + o0 * I, I, nrows, c, res, [&](int64_t k) { return as + k * I; });
-      });
-}
-
-// Whether k-quant experts take the integer dots (int8_dots.h): where the CPU has AVX512-VNNI, unless
-// set_int8_dots(false) (Python: cpu_kernel.int8_dots, WORKBENCH_CPU_INT8_DOT=0) keeps the exact float ones.
-std::atomic<bool> g_int8_dots{true};
-inline bool int8_dots_on() { return int8dot::AVAILABLE && g_int8_dots.load(std::memory_order_relaxed); }
-
-// run_kq with the inputs rounded to int8 per 32 values (int8_dots.h): gate/up rows against the
-// tokens, down rows against each pair's activations (rounded between the passes).
-void run_kq_int8(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const uint8_t* b2, int64_t f2,
-                 const Pairs& pr, int64_t H, int64_t I, float* out) {
-  const int64_t row13 = H / 256 * kq_bytes(f13), row2 = I / 256 * kq_bytes(f2);  // bytes per matrix row
-  const int64_t n = pr.size();
-  const int64_t* rows = pr.rows.data();
-  const int64_t* tok = pr.tok.data();
-  int8dot::Inputs xin, ain;
-  xin.init(T, H, f13 == 0);
-  ain.init(n, I, f2 == 0);
-  if (T > 16) {
-    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) xin.set(t, x + t * H);
-    });
-  } else {
-    for (int64_t t = 0; t < T; ++t) xin.set(t, x + t * H);
-  }
-  // rows [0, nrows) of a matrix at ``base`` (``bytes`` a row, K values) against c inputs in(k)
-  auto matrix = [](const uint8_t* base, int64_t bytes, int64_t K, int64_t fmt, int64_t nrows, int64_t c, float* res,
-                   auto in) {
-    for (int64_t q = 0; q < nrows; ++q) {
-      const uint8_t* row = base + q * bytes;
-      if (c == 1) {  // a decode step
-        const int8dot::Input one = in(0);
-        int8dot::dot_kq<1>(fmt, row, &one, K, res + q);
-        continue;
-      }
-      in_fours(c, [&](auto nn, int64_t j) {
-        constexpr int N = decltype(nn)::value;
-        int8dot::Input xs[N];
-        for (int i = 0; i < N; ++i) xs[i] = in(j + i);
-        int8dot::dot_kq<N>(fmt, row, xs, K, res + q * c + j);
-      });
-    }
-  };
-  grouped_rows(
-      pr, H, I, out,
-      [&](int64_t g, int64_t r0, int64_t nrows, int64_t s, int64_t c, float* res) {
-        matrix(b13 + (rows[g] * 2 * I + r0) * row13, row13, H, f13, nrows, c, res,
-               [&](int64_t k) { return xin.at(tok[s + k]); });
-      },
-      [&](int64_t g, int64_t o0, int64_t nrows, int64_t s, int64_t c, const float*, float* res) {
-        matrix(b2 + (rows[g] * H + o0) * row2, row2, I, f2, nrows, c, res, [&](int64_t k) { return ain.at(s + k); });
-      },
-      [&](const float* a) {
-        for (int64_t p = 0; p < n; ++p) ain.set(p, a + p * I);
       });
 }
 
