@@ -318,8 +318,8 @@ def _q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("H,ffn,rows", [(64, 32, [0, 2, 2]), (2048, 768, [5, 1, 7, 3, 0, 6, 2, 4]), (96, 64, [1])])
 def test_q8_0_matches_ggufs_dequantization(kernel, quant_dots, H, ffn, rows):
     """The f32 dots match gguf-py's dequantization to float32 precision; the int8 dots compute it
-    against the inputs rounded to int8 per 32 values (see test_q4_k_matches_ggufs_dequantization),
-    for rows of 32 + 64 m values too (the integer dot's last block alone)."""
+    against the inputs rounded to int8 per 32 values (``check_block_dots``), for rows of 32 + 64 m
+    values too (the integer dot's last block alone)."""
     gen = torch.Generator().manual_seed(H + ffn)
     w13, w2 = random_experts(8, H, ffn, torch.float32, gen)
     q13, d13, r13 = _q8_0(w13)
@@ -328,12 +328,7 @@ def test_q8_0_matches_ggufs_dequantization(kernel, quant_dots, H, ffn, rows):
     weights = torch.rand(len(rows), generator=gen) + 0.5
     y = kernel.moe_decode_q8(x, q13, d13, q2, d2, torch.tensor(rows), weights)
     assert y.dtype == torch.float32
-    exact = kq_reference(x, r13, r2, rows, weights, int8=False)
-    if not quant_dots:
-        assert relative_error(y, exact) < 1e-5
-        return
-    assert relative_error(y, kq_reference(x, r13, r2, rows, weights, int8=True)) < 5e-4
-    assert relative_error(y, exact) < 3e-2
+    check_block_dots(y, x, r13, r2, rows, weights, quant_dots)
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -391,6 +386,19 @@ def kq_reference(x, r13, r2, rows, weights, int8: bool) -> torch.Tensor:
     return ref
 
 
+def check_block_dots(y, x, r13, r2, rows, weights, int8: bool) -> None:
+    """``y`` of experts kept in blocks against their dequantization ``r13``, ``r2`` (float64): to float32
+    precision for the f32 dots; for the int8 dots, to float32 precision against the inputs rounded as
+    the kernel rounds them (allowing a value rounded the other way where the kernel's f32 activations
+    and the float64 ones straddle a rounding boundary), within about 1% of the unrounded inputs'."""
+    exact = kq_reference(x, r13, r2, rows, weights, int8=False)
+    if not int8:
+        assert relative_error(y, exact) < 1e-5
+        return
+    assert relative_error(y, kq_reference(x, r13, r2, rows, weights, int8=True)) < 5e-4
+    assert relative_error(y, exact) < 3e-2
+
+
 @pytest.mark.parametrize("H,ffn,rows,fmt13,fmt2", [
     (256, 256, [0, 2, 2], "q4_k", "q4_k"), (2048, 768, [3, 1, 0, 2], "q4_k", "q4_k"), (512, 256, [1], "q4_k", "q4_k"),
     (256, 256, [0, 3], "q4_k", "q6_k"), (512, 256, [2, 1], "q6_k", "q6_k"),  # Q4_K_M: some down matrices in Q6_K
@@ -399,10 +407,8 @@ def kq_reference(x, r13, r2, rows, weights, int8: bool) -> torch.Tensor:
 def test_q4_k_matches_ggufs_dequantization(kernel, quant_dots, H, ffn, rows, fmt13, fmt2, x_type):
     """The f32 dots: inputs a bfloat16 holds exactly (as bf16, or as the f32 the decode server's
     packet carries) take the bf16 dot products on CPUs with AVX512-BF16, other f32 inputs the f32
-    ones: both match gguf-py's dequantization to float32 precision. The int8 dots compute the
-    dequantized weights against the inputs rounded to int8 per 32 values: that to float32 precision
-    (allowing a value rounded the other way where the kernel's f32 activations and the float64 ones
-    straddle a rounding boundary), the unrounded inputs' result within about 1%."""
+    ones: both match gguf-py's dequantization to float32 precision. The int8 dots: see
+    ``check_block_dots``."""
     gen = torch.Generator().manual_seed(H + ffn)
     E = 4
     b13, r13 = _q4_k_blocks(E * 2 * ffn, H, gen, fmt13)
@@ -414,12 +420,7 @@ def test_q4_k_matches_ggufs_dequantization(kernel, quant_dots, H, ffn, rows, fmt
         x = x.float() if x_type == "f32 bf16-exact" else x.float() + torch.randn(H, generator=gen) * 1e-4
     weights = torch.rand(len(rows), generator=gen) + 0.5
     y = kernel.moe_decode_q4k(x, b13, b2, torch.tensor(rows), weights, fmt13, fmt2)
-    exact = kq_reference(x, r13, r2, rows, weights, int8=False)
-    if not quant_dots:
-        assert relative_error(y, exact) < 1e-5
-        return
-    assert relative_error(y, kq_reference(x, r13, r2, rows, weights, int8=True)) < 5e-4
-    assert relative_error(y, exact) < 3e-2
+    check_block_dots(y, x, r13, r2, rows, weights, quant_dots)
 
 
 def test_q4_k_bad_input_is_refused(kernel):

@@ -124,6 +124,16 @@ INT8DOT_HOT inline float reduce256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// acc plus 128 values of input x from value ``at`` on, against two registers of 64 unsigned weight
+// values w0, w1 (x's values at .. at + 63 and at + 64 .. at + 127, in the input's order): the int32
+// sums of each 4 products, times the weights' scale per lane (s0, s1) and the input's dx per lane.
+INT8DOT_HOT inline __m512 dot128(__m512i w0, __m512i w1, __m512 s0, __m512 s1, const Input& x, int64_t at, __m512 acc) {
+  const __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(x.q + at));
+  const __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, _mm512_loadu_si512(x.q + at + 64));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(s0, _mm512_loadu_ps(x.dxe + at / 4)), acc);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(s1, _mm512_loadu_ps(x.dxe + at / 4 + 16)), acc);
+}
+
 // res[j] = Q4_K row . xs[j] for j < N (K values). Q4_K super-block (144 bytes, 256 values): float16
 // d and dmin, 12 bytes of 6-bit scales and minimums of 8 sub-blocks, 128 bytes of 4-bit values;
 // value = d * sc * q - dmin * m. Per super-block and input: d * sc * dx * (int dot of each
@@ -162,14 +172,7 @@ inline void dot_q4k(const uint8_t* row, const Input* xs, int64_t K, float* res) 
       const __m512i w = _mm512_loadu_si512(reinterpret_cast<const void*>(qs + 64 * h));
       const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
       const __m512 slo = _mm512_permutexvar_ps(pick[2 * h], s16), shi = _mm512_permutexvar_ps(pick[2 * h + 1], s16);
-      for (int j = 0; j < N; ++j) {
-        const int8_t* xq = xs[j].q + 256 * sb + 128 * h;
-        const float* dx = xs[j].dxe + 64 * sb + 32 * h;
-        const __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq));
-        const __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(xq + 64));
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il), _mm512_mul_ps(slo, _mm512_loadu_ps(dx)), acc[j]);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ih), _mm512_mul_ps(shi, _mm512_loadu_ps(dx + 16)), acc[j]);
-      }
+      for (int j = 0; j < N; ++j) acc[j] = dot128(lo, hi, slo, shi, xs[j], 256 * sb + 128 * h, acc[j]);
     }
   }
   for (int j = 0; j < N; ++j) res[j] = _mm512_reduce_add_ps(acc[j]) - reduce256(mins[j]);
@@ -214,14 +217,7 @@ inline void dot_q6k(const uint8_t* row, const Input* xs, int64_t K, float* res) 
       const __m512i v23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh23), low2), 4));
       const __m512 s01 = _mm512_permutexvar_ps(pick[2 * h], s), s23 = _mm512_permutexvar_ps(pick[2 * h + 1], s);
-      for (int j = 0; j < N; ++j) {
-        const int8_t* xq = xs[j].q + 256 * sb + 128 * h;
-        const float* dx = xs[j].dxe + 64 * sb + 32 * h;
-        const __m512i i01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v01, _mm512_loadu_si512(xq));
-        const __m512i i23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v23, _mm512_loadu_si512(xq + 64));
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i01), _mm512_mul_ps(s01, _mm512_loadu_ps(dx)), acc[j]);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i23), _mm512_mul_ps(s23, _mm512_loadu_ps(dx + 16)), acc[j]);
-      }
+      for (int j = 0; j < N; ++j) acc[j] = dot128(v01, v23, s01, s23, xs[j], 256 * sb + 128 * h, acc[j]);
     }
   }
   for (int j = 0; j < N; ++j) res[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], off[j]));
