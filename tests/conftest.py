@@ -101,7 +101,7 @@ def exact_cpu_dots():
 @pytest.fixture(params=["f32 dots", "int8 dots"])
 def quant_dots(request):
     """The fused CPU kernel's dots for k-quant experts during one test: the exact float ones (False),
-    or the int8 ones (True; skipped where the CPU lacks AVX512-VNNI). The setting is restored after."""
+    or the int8 ones (True; skipped where the build has neither AVX512-VNNI nor AVX2). The setting is restored after."""
     from workbench.engine import cpu_kernel
 
     if not cpu_kernel.available():
@@ -110,6 +110,6 @@ def quant_dots(request):
     int8 = request.param == "int8 dots"
     if cpu_kernel.int8_dots(int8) != int8:
         cpu_kernel.int8_dots(was)
-        pytest.skip("the int8 dots need AVX512-VNNI")
+        pytest.skip("the int8 dots need AVX-512 with VNNI, or AVX2")
     yield int8
     cpu_kernel.int8_dots(was)

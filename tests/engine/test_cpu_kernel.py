@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -461,3 +462,30 @@ def test_bf16_dots_can_be_turned_off_and_agree_with_the_f32_ones(kernel, tmp_pat
     on, off = np.load(tmp_path / "yon.npy"), np.load(tmp_path / "yoff.npy")
     assert np.abs(off).max() > 0
     assert np.abs(on - off).max() <= 1e-5 * np.abs(off).max()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+def test_the_avx2_build_passes_the_block_formats_tests(kernel, tmp_path):
+    """CPUs without AVX-512 (most desktop Intel parts, Zen 3 and older) get the kernel's AVX2 code: built
+    here with ``-march=haswell`` (``WORKBENCH_CPU_KERNEL_MARCH``) in a fresh directory, its f32 and
+    int8 dots pass the Q8_0 / Q4_K / Q6_K tests, decode and prompts, none skipped."""
+    if not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("needs an x86 CPU with AVX2, FMA and F16C")
+    here = Path(__file__)
+    tests = [f"{here}::test_q8_0_matches_ggufs_dequantization", f"{here}::test_q4_k_matches_ggufs_dequantization",
+             f"{here.parent / 'test_cpu_kernel_prompt.py'}::test_k_quant_prompt_matches_ggufs_dequantization",
+             f"{here.parent / 'test_cpu_kernel_prompt.py'}::test_q8_0_prompt_matches_ggufs_dequantization",
+             f"{here.parent / 'test_cpu_kernel_prompt.py'}::test_each_token_of_a_prompt_matches_its_own_decode_call"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *tests],
+                          capture_output=True, text=True, timeout=900, cwd=here.parents[2],
+                          env={**os.environ, cpu_kernel.ENV_MARCH: "haswell", cpu_kernel.ENV_BUILD_DIR: str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "the int8 dots need" not in proc.stdout  # the int8 dots ran
+    assert list(tmp_path.iterdir()), "built in the fresh directory"

@@ -174,13 +174,13 @@ def test_kept_blocks_compute_what_their_dequantized_copies_compute(tensor_type, 
 @pytest.mark.parametrize("tensor_type,sizes", [("Q8_0", dict(QUANT_SIZES, mlp_only_layers=[])),
                                                ("Q4_K+Q6_K", Q4_K_SIZES)])
 def test_quantized_experts_on_the_int8_dots_stay_close_to_the_exact_ones(tensor_type, sizes, tiny_gguf):
-    """Where the CPU has AVX512-VNNI, Q8_0 / Q4_K / Q6_K experts the CPU computes take the int8 dots by
+    """Where the CPU has AVX512-VNNI or AVX2, Q8_0 / Q4_K / Q6_K experts the CPU computes take the int8 dots by
     default (inputs rounded to int8 per 32 values, as llama.cpp rounds them): the logits of a prompt
     stay within a few percent of the exact float dots', and switching back gives those exactly."""
     from workbench.engine import cpu_kernel
 
     if not cpu_kernel.available() or not cpu_kernel.int8_dots(True):
-        pytest.skip("the int8 dots need the fused CPU kernel and AVX512-VNNI")
+        pytest.skip("the int8 dots need the fused CPU kernel and AVX-512 with VNNI, or AVX2")
     inv = open_inventory(tiny_gguf("qwen3_moe", tensor_type, **sizes))
     engine = Engine.load(inv, placements(inv)["compute"], device=TEST_DEVICE, dtype=torch.float32, max_context=64)
     try:
@@ -206,7 +206,7 @@ def test_the_demo_model_in_q8_0_keeps_its_greedy_text_on_the_int8_dots(tmp_path,
     from workbench.engine import cpu_kernel, gpu_kernels
 
     if not cpu_kernel.available() or not cpu_kernel.int8_dots(True):
-        pytest.skip("the int8 dots need the fused CPU kernel and AVX512-VNNI")
+        pytest.skip("the int8 dots need the fused CPU kernel and AVX-512 with VNNI, or AVX2")
     if TEST_DEVICE == "cpu":  # the CPU experts are under test: no Triton interpreter for the rest (~2 s a token)
         monkeypatch.setattr(gpu_kernels, "usable", lambda t: False)
     inv = open_inventory(write_gguf(DEMO, tmp_path / "demo-q8_0.gguf", "Q8_0")[0])

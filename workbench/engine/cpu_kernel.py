@@ -44,6 +44,9 @@ measure a first build)."""
 
 SOURCE = Path(__file__).parent / "csrc" / "moe_decode.cpp"
 HEADERS = (Path(__file__).parent / "csrc" / "int8_dots.h",)
+ENV_MARCH = "WORKBENCH_CPU_KERNEL_MARCH"
+"""A ``-march`` for the build instead of ``native`` (e.g. ``haswell``: the AVX2 code paths, which the
+tests check on an AVX-512 machine too)."""
 ENV_INT8 = "WORKBENCH_CPU_INT8_DOT"
 """Set to ``0`` to keep experts kept as Q4_K / Q6_K blocks on the exact float dots (``int8_dots``)."""
 
@@ -247,12 +250,13 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
 
 
 def int8_dots(on: bool | None = None) -> bool:
-    """Whether experts kept as Q4_K / Q6_K blocks take the integer dots: each input (a token's hidden
+    """Whether experts kept as Q8_0 / Q4_K / Q6_K blocks take the integer dots: each input (a token's hidden
     state, a pair's activations) rounded to int8 per 32 values (``dx = max|x| / 127``, as llama.cpp
-    rounds its inputs for its own CPU dots), then multiplied by the 4- and 6-bit values with
-    AVX512-VNNI: about 1.5x the float dots' speed per core, at about 0.3% relative error per dot.
+    rounds its inputs for its own CPU dots), then multiplied by the weights' integers with AVX512-VNNI
+    (or AVX2): 1.1-2x the float dots' speed per core, at 0.3-1% relative error on an expert's output.
     ``on`` switches them for the whole process (the decode server too); ``WORKBENCH_CPU_INT8_DOT=0``
-    starts with them off. False where the CPU lacks AVX512-VNNI or the kernel is unavailable."""
+    starts with them off. False where the build lacks AVX-512 with VNNI and AVX2, or the kernel is
+    unavailable."""
     mod = _load()
     if mod is None:
         return False
@@ -387,7 +391,9 @@ def compile_flags() -> list[str]:
     ``libgomp.so.1``). No ``-ffast-math``: linked into a shared object it would switch the whole
     process to flush-to-zero; the kernel vectorises without it."""
     flags = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
-    if platform.machine().lower() in ("x86_64", "amd64", "i686", "x86"):
+    if os.environ.get(ENV_MARCH):
+        flags.append(f"-march={os.environ[ENV_MARCH]}")
+    elif platform.machine().lower() in ("x86_64", "amd64", "i686", "x86"):
         flags.append("-march=native")
     elif platform.machine().lower() in ("aarch64", "arm64"):
         flags.append("-mcpu=native")

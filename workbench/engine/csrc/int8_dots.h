@@ -1,7 +1,7 @@
 // Integer dots for experts kept in GGUF blocks (Q4_K, Q6_K, Q8_0): the input is rounded to int8
 // per 32 values first, as llama.cpp rounds it (to Q8_K / Q8_0) for its own CPU dots, and VPDPBUSD
-// multiplies 64 weight values by 64 input values per instruction, summed in int32, without
-// turning any weight into a float. The float paths of moe_decode.cpp convert every weight value to
+// multiplies 64 weight values by 64 input values per instruction (AVX2: 32, by VPMADDUBSW and
+// VPMADDWD), summed in int32, without turning any weight into a float. The float paths of moe_decode.cpp convert every weight value to
 // a float and apply the scales per 32 values in scalar code: on the 2-core AVX-512 test host Q4_K
 // computed about 15 G weights/s per core, this path about 29 G (llama.cpp's ggml: 31 G; BENCHMARKS.md).
 //
@@ -14,14 +14,20 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512F__)
+#include <cmath>
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace int8dot {
 
+// Two builds: AVX-512 with VNNI (64 values per instruction), and AVX2 (32 values: VPMADDUBSW and
+// VPMADDWD, or AVX-VNNI's VPDPBUSD where -march has it), for the CPUs without AVX-512.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define INT8DOT_AVX512 1
+constexpr bool AVAILABLE = true;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define INT8DOT_AVX2 1
 constexpr bool AVAILABLE = true;
 #else
 constexpr bool AVAILABLE = false;
@@ -35,17 +41,15 @@ struct Input {
   const float* s16;   // [K/16] the same per 16 values
 };
 
-// How Inputs lay out q for a weight format's dot.
-enum class Order {
-  kQ4K,     // each 128 values in the order of Q4_K's 4-bit values as one 64-byte load splits them (32 low
-            // nibbles of sub-block 0, low of 2, high of 1, high of 3: sub-blocks 0, 2, 1, 3); K % 128 == 0
-  kNatural, // their own order (Q6_K)
-  kBiased,  // their own order, as unsigned bytes q + 128: the first factor of VPDPBUSD against signed
-            // Q8_0 weights (Q8_0)
-};
+// The weight format whose dot reads the Inputs: it sets how q is laid out. AVX-512: for Q4_K each
+// 128 values in the order of Q4_K's 4-bit values as one 64-byte load splits them (32 low nibbles of
+// sub-block 0, low of 2, high of 1, high of 3: sub-blocks 0, 2, 1, 3; K % 128 == 0); for Q8_0
+// unsigned bytes q + 128 (VPDPBUSD's unsigned factor against the signed weights); Q6_K in order.
+// AVX2: every format in order, signed.
+enum class Order { kQ4K, kQ6K, kQ8 };
 
 // Format codes of the weights as moe_decode.cpp passes them: 0 Q4_K, 1 Q6_K (the k-quants).
-inline Order order_for_kquant(int64_t fmt) { return fmt == 0 ? Order::kQ4K : Order::kNatural; }
+inline Order order_for_kquant(int64_t fmt) { return fmt == 0 ? Order::kQ4K : Order::kQ6K; }
 
 // Inputs [n, K] rounded to int8 for one weight layout (K a multiple of 32).
 class Inputs {
@@ -65,12 +69,12 @@ class Inputs {
 
  private:
   int64_t n_ = 0, K_ = 0;
-  Order order_ = Order::kNatural;
+  Order order_ = Order::kQ6K;
   std::vector<int8_t> q_;
   std::vector<float> dxe_, s32_, s16_;
 };
 
-#ifdef INT8DOT_AVX512
+#if defined(INT8DOT_AVX512) || defined(INT8DOT_AVX2)
 
 #define INT8DOT_HOT __attribute__((always_inline))
 
@@ -79,6 +83,41 @@ inline float half_bits_to_float(const uint8_t* p) {
   std::memcpy(&h, p, sizeof(h));
   return _cvtsh_ss(h);
 }
+
+// Reads ahead of the weights: a single core's hardware prefetchers left the integer dots waiting
+// on RAM (22 against 31 G weights/s from RAM, one core, prefetching 2 KiB ahead).
+constexpr int64_t PREFETCH_BYTES = 2048;
+
+INT8DOT_HOT inline void prefetch_block(const uint8_t* b, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH_BYTES + o), _MM_HINT_T0);
+}
+
+INT8DOT_HOT inline float reduce256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The 6-bit scales and minimums of a Q4_K super-block's 8 sub-blocks (its 12 bytes at sc), as bytes:
+// sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (minimums); 4-7 in the nibbles of
+// bytes 8-11 with their top 2 bits in bytes 0-7's top bits. d * scale and dmin * minimum as floats.
+INT8DOT_HOT inline void q4k_scales(const uint8_t* sc, float d, float dmin, __m256& s, __m256& m) {
+  uint32_t a0, a1, a2;
+  std::memcpy(&a0, sc, 4), std::memcpy(&a1, sc + 4, 4), std::memcpy(&a2, sc + 8, 4);
+  const uint64_t scales = (a0 & 0x3f3f3f3fu) |
+                          (static_cast<uint64_t>((a2 & 0x0f0f0f0fu) | (((a0 >> 6) & 0x03030303u) << 4)) << 32);
+  const uint64_t mins = (a1 & 0x3f3f3f3fu) |
+                        (static_cast<uint64_t>(((a2 >> 4) & 0x0f0f0f0fu) | (((a1 >> 6) & 0x03030303u) << 4)) << 32);
+  s = _mm256_mul_ps(_mm256_set1_ps(d),
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(scales)))));
+  m = _mm256_mul_ps(_mm256_set1_ps(dmin),
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mins)))));
+}
+
+#endif
+
+#ifdef INT8DOT_AVX512
 
 inline void Inputs::set(int64_t i, const float* x) {
   int8_t* q = q_.data() + i * K_;
@@ -98,7 +137,7 @@ inline void Inputs::set(int64_t i, const float* x) {
       v1 = _mm512_cvtps_epi32(_mm512_div_ps(x1, d));
     }
     const int64_t at = order_ == Order::kQ4K ? 128 * (b / 4) + 32 * kSlot[b % 4] : 32 * b;
-    const __m128i flip = order_ == Order::kBiased ? _mm_set1_epi8(static_cast<char>(0x80)) : _mm_setzero_si128();
+    const __m128i flip = order_ == Order::kQ8 ? _mm_set1_epi8(static_cast<char>(0x80)) : _mm_setzero_si128();
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at), _mm_xor_si128(_mm512_cvtepi32_epi8(v0), flip));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(v1), flip));
     _mm256_storeu_ps(dxe + at / 4, _mm256_set1_ps(dx));
@@ -107,21 +146,6 @@ inline void Inputs::set(int64_t i, const float* x) {
     s16[2 * b + 1] = dx * static_cast<float>(hi);
     s32[b] = dx * static_cast<float>(lo + hi);
   }
-}
-
-// Reads ahead of the weights: a single core's hardware prefetchers left the integer dots waiting
-// on RAM (22 against 31 G weights/s from RAM, one core, prefetching 2 KiB ahead).
-constexpr int64_t PREFETCH_BYTES = 2048;
-
-INT8DOT_HOT inline void prefetch_block(const uint8_t* b, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH_BYTES + o), _MM_HINT_T0);
-}
-
-INT8DOT_HOT inline float reduce256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // acc plus 128 values of input x from value ``at`` on, against two registers of 64 unsigned weight
@@ -152,19 +176,8 @@ inline void dot_q4k(const uint8_t* row, const Input* xs, int64_t K, float* res) 
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const uint8_t* b = row + 144 * sb;
     prefetch_block(b, 144);
-    const float d = half_bits_to_float(b), dmin = half_bits_to_float(b + 2);
-    // the 6-bit scales and minimums: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and
-    // 4-7 (minimums); 4-7 in the nibbles of bytes 8-11 with their top 2 bits in bytes 0-7's top bits
-    uint32_t a0, a1, a2;
-    std::memcpy(&a0, b + 4, 4), std::memcpy(&a1, b + 8, 4), std::memcpy(&a2, b + 12, 4);
-    const uint64_t sc = (a0 & 0x3f3f3f3fu) |
-                        (static_cast<uint64_t>((a2 & 0x0f0f0f0fu) | (((a0 >> 6) & 0x03030303u) << 4)) << 32);
-    const uint64_t mn = (a1 & 0x3f3f3f3fu) |
-                        (static_cast<uint64_t>(((a2 >> 4) & 0x0f0f0f0fu) | (((a1 >> 6) & 0x03030303u) << 4)) << 32);
-    const __m256 s = _mm256_mul_ps(_mm256_set1_ps(d),
-                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc)))));
-    const __m256 m = _mm256_mul_ps(_mm256_set1_ps(dmin),
-                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)))));
+    __m256 s, m;
+    q4k_scales(b + 4, half_bits_to_float(b), half_bits_to_float(b + 2), s, m);
     for (int j = 0; j < N; ++j) mins[j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs[j].s32 + 8 * sb), mins[j]);
     const __m512 s16 = _mm512_castps256_ps512(s);
     const uint8_t* qs = b + 16;
@@ -223,7 +236,7 @@ inline void dot_q6k(const uint8_t* row, const Input* xs, int64_t K, float* res) 
   for (int j = 0; j < N; ++j) res[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], off[j]));
 }
 
-// res[j] = Q8_0 row . xs[j] for j < N (inputs in Order::kBiased). Q8_0: per 32 values a float16
+// res[j] = Q8_0 row . xs[j] for j < N (inputs in Order::kQ8). Q8_0: per 32 values a float16
 // scale (``d``, K / 32 of them for the row) and 32 int8 values. VPDPBUSD takes the input's q + 128
 // as its unsigned factor; the row's 128 * (sum of each 4 values), one more VPDPBUSD per 64 values
 // shared by the N inputs, is taken off in the same instruction (its accumulator starts there).
@@ -269,6 +282,129 @@ inline void dot_q8(const int8_t* w, const uint16_t* d, const Input* xs, int64_t 
     }
   }
   for (int j = 0; j < N; ++j) res[j] = _mm512_reduce_add_ps(acc[j]) + tail[j];
+}
+
+#elif defined(INT8DOT_AVX2)
+
+inline void Inputs::set(int64_t i, const float* x) {  // every order is the values' own, signed
+  int8_t* q = q_.data() + i * K_;
+  float* dxe = dxe_.data() + i * K_ / 4;
+  float* s32 = s32_.data() + i * K_ / 32;
+  float* s16 = s16_.data() + i * K_ / 16;
+  for (int64_t b = 0; b < K_ / 32; ++b) {
+    const float* xb = x + 32 * b;
+    float m = 0.f;
+    for (int64_t l = 0; l < 32; ++l) m = std::fmax(m, std::fabs(xb[l]));
+    const float dx = m / 127.f;
+    int sums[2] = {0, 0};
+    for (int64_t l = 0; l < 32; ++l) {
+      const int v = m > 0.f ? static_cast<int>(std::nearbyint(xb[l] / dx)) : 0;  // round to nearest even
+      q[32 * b + l] = static_cast<int8_t>(v);
+      sums[l / 16] += v;
+    }
+    for (int64_t l = 0; l < 8; ++l) dxe[8 * b + l] = dx;
+    s16[2 * b] = dx * static_cast<float>(sums[0]);
+    s16[2 * b + 1] = dx * static_cast<float>(sums[1]);
+    s32[b] = dx * static_cast<float>(sums[0] + sums[1]);
+  }
+}
+
+// int32 sums of each 4 products of unsigned u and signed s (32 bytes each; each pair's sum must fit
+// int16 without AVX-VNNI, which holds for the weights here: 4- and 6-bit values, |Q8_0| <= 128).
+INT8DOT_HOT inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// acc plus the 32 values of input x from ``at`` on against 32 unsigned weight values w, with the
+// weights' scale per lane ws.
+INT8DOT_HOT inline __m256 dot32(__m256i w, __m256 ws, const Input& x, int64_t at, __m256 acc) {
+  const __m256i i = dot_u8s8(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + at)));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(ws, _mm256_loadu_ps(x.dxe + at / 4)), acc);
+}
+
+// As the AVX-512 dot_q4k: one 32-byte chunk (64 values) a step, its low nibbles sub-block 2c and
+// its high ones 2c + 1, both in the input's order.
+template <int N>
+inline void dot_q4k(const uint8_t* row, const Input* xs, int64_t K, float* res) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[N], mins[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps(), mins[j] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* b = row + 144 * sb;
+    prefetch_block(b, 144);
+    __m256 s, m;
+    q4k_scales(b + 4, half_bits_to_float(b), half_bits_to_float(b + 2), s, m);
+    for (int j = 0; j < N; ++j) mins[j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs[j].s32 + 8 * sb), mins[j]);
+    for (int64_t c = 0; c < 4; ++c) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+      const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+      const __m256 slo = _mm256_permutevar8x32_ps(s, _mm256_set1_epi32(static_cast<int>(2 * c)));
+      const __m256 shi = _mm256_permutevar8x32_ps(s, _mm256_set1_epi32(static_cast<int>(2 * c + 1)));
+      for (int j = 0; j < N; ++j) {
+        acc[j] = dot32(lo, slo, xs[j], 256 * sb + 64 * c, acc[j]);
+        acc[j] = dot32(hi, shi, xs[j], 256 * sb + 64 * c + 32, acc[j]);
+      }
+    }
+  }
+  for (int j = 0; j < N; ++j) res[j] = reduce256(acc[j]) - reduce256(mins[j]);
+}
+
+// As the AVX-512 dot_q6k: one 32-value group a step (low nibbles of low bytes (g % 2) * 32 + l,
+// shifted by 4 for g >= 2, with bits 2g of high byte l), 4 lanes per scale.
+template <int N>
+inline void dot_q6k(const uint8_t* row, const Input* xs, int64_t K, float* res) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+  __m256 acc[N], off[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps(), off[j] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* b = row + 210 * sb;
+    prefetch_block(b, 210);
+    const __m256 d = _mm256_set1_ps(half_bits_to_float(b + 208));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m256 s[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
+                         _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))};
+    for (int j = 0; j < N; ++j)
+      for (int h = 0; h < 2; ++h)
+        off[j] = _mm256_fmadd_ps(_mm256_mul_ps(s[h], _mm256_set1_ps(-32.f)), _mm256_loadu_ps(xs[j].s16 + 16 * sb + 8 * h),
+                                 off[j]);
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      for (int64_t g = 0; g < 4; ++g) {
+        __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (g % 2)));
+        if (g >= 2) lo = _mm256_srli_epi16(lo, 4);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(2 * g))), low2);
+        const __m256i v = _mm256_or_si256(_mm256_and_si256(lo, low4), _mm256_slli_epi16(hi, 4));
+        const __m256i pick = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
+        const __m256 ws = _mm256_permutevar8x32_ps(s[h], pick);
+        for (int j = 0; j < N; ++j) acc[j] = dot32(v, ws, xs[j], 256 * sb + 128 * h + 32 * g, acc[j]);
+      }
+    }
+  }
+  for (int j = 0; j < N; ++j) res[j] = reduce256(_mm256_add_ps(acc[j], off[j]));
+}
+
+// As the AVX-512 dot_q8, a block of 32 a step: |w| as the unsigned factor, the input's sign flipped
+// where w is negative (and zeroed where w is 0) as the signed one.
+template <int N>
+inline void dot_q8(const int8_t* w, const uint16_t* d, const Input* xs, int64_t K, float* res) {
+  __m256 acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k + PREFETCH_BYTES), _MM_HINT_T0);
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+    const __m256i u = _mm256_abs_epi8(wv);
+    const __m256 ws = _mm256_set1_ps(_cvtsh_ss(d[k / 32]));
+    for (int j = 0; j < N; ++j) {
+      const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[j].q + k)), wv);
+      const __m256i i = dot_u8s8(u, sx);
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(ws, _mm256_loadu_ps(xs[j].dxe + k / 4)), acc[j]);
+    }
+  }
+  for (int j = 0; j < N; ++j) res[j] = reduce256(acc[j]);
 }
 
 #else

@@ -10,7 +10,7 @@
 // selected experts at once, each row read once and dotted with every token of its expert, writing
 // the activations a[n, I]; (2) the H output columns, each thread summing its block of columns over
 // the experts (no atomics). Everything is accumulated in f32. Experts kept in GGUF blocks take the
-// integer dots of int8_dots.h where the CPU has AVX512-VNNI (inputs rounded to int8 per 32 values),
+// integer dots of int8_dots.h with AVX512-VNNI or AVX2 (inputs rounded to int8 per 32 values),
 // unless set_int8_dots(false). Where the CPU has AVX512-BF16 and the
 // inputs are bf16-exact, bf16 and Q4_K gate/up rows use VDPBF16PS; elsewhere a bf16 weight becomes f32 by a 16-bit
 // shift, an f16 one by the CPU's conversion (F16C) or exact bit arithmetic; the dot products use
@@ -915,7 +915,7 @@ void run_float(const float* x, const W* w13, const W* w2, const Pairs& pr, int64
 }
 
 // Whether experts kept in GGUF blocks (Q8_0, Q4_K, Q6_K) take the integer dots (int8_dots.h): where the
-// CPU has AVX512-VNNI, unless set_int8_dots(false) (Python: cpu_kernel.int8_dots,
+// build has AVX512-VNNI or AVX2, unless set_int8_dots(false) (Python: cpu_kernel.int8_dots,
 // WORKBENCH_CPU_INT8_DOT=0) keeps the exact float ones.
 std::atomic<bool> g_int8_dots{true};
 inline bool int8_dots_on() { return int8dot::AVAILABLE && g_int8_dots.load(std::memory_order_relaxed); }
@@ -956,8 +956,8 @@ void run_q8_int8(const float* x, int64_t T, const int8_t* q13, const Half* d13, 
   const int64_t* rows = pr.rows.data();
   const int64_t* tok = pr.tok.data();
   int8dot::Inputs xin, ain;
-  xin.init(T, H, int8dot::Order::kBiased);
-  ain.init(n, I, int8dot::Order::kBiased);
+  xin.init(T, H, int8dot::Order::kQ8);
+  ain.init(n, I, int8dot::Order::kQ8);
   round_tokens(xin, x, T, H);
   auto matrix = [](const int8_t* q, const Half* d, int64_t r0, int64_t K, int64_t nrows, int64_t c, float* res,
                    auto in) {
@@ -1517,7 +1517,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("b13"), py::arg("f13"), py::arg("b2"), py::arg("f2"), py::arg("I"), py::arg("rows"),
         py::arg("weights"), py::arg("threads") = 0, py::arg("tokens") = at::Tensor());
   m.def("set_int8_dots", [](bool on) { g_int8_dots.store(on); },
-        "k-quant experts' dots with inputs rounded to int8 (True, where the CPU has AVX512-VNNI) or exact f32 ones",
+        "Experts kept in GGUF blocks: dots with inputs rounded to int8 (True; AVX512-VNNI or AVX2 builds) or exact f32 ones",
         py::arg("on"));
   m.def("int8_dots", [] { return int8_dots_on(); }, "Whether k-quant experts take the int8 dots now");
   m.def("int8_dots_available", [] { return int8dot::AVAILABLE; }, "Whether this build has the int8 dots");
