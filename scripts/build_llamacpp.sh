@@ -7,7 +7,8 @@
 #   scripts/build_llamacpp.sh cpu     # here: CPU-only build (checks that our GGUF files load)
 #   scripts/build_llamacpp.sh ggml-pack  # here: ggml's CPU sources -> .llamacpp/ggml-src.tar.xz (~1 MiB, carried)
 #   scripts/build_llamacpp.sh ggml-cpu   # anywhere: ggml's CPU backend alone, static, -> .llamacpp/build-ggml
-#                                        # (for scripts/time_cpu_vs_ggml.py; unpacks ggml-src.tar.xz if needed)
+#                                        # (for scripts/time_cpu_vs_ggml.py; unpacks ggml-src.tar.xz if needed;
+#                                        # GGML_AVX2_ONLY=1: its AVX2 code -> .llamacpp/build-ggml-avx2)
 #
 # LLAMA_JOBS (default: nproc) sets the parallel jobs. .llamacpp/ must be ignored by git
 # (.git/info/exclude holds "/.llamacpp/").
@@ -86,9 +87,14 @@ case "$mode" in
         [ -f "$src/ggml/ggml.pc.in" ] || : >"$src/ggml/ggml.pc.in"  # pkg-config template, pruned by fetch
         gen=()
         command -v ninja >/dev/null && gen=(-G Ninja)
-        cmake -S "$src/ggml" -B "$dest/build-ggml" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-            -DGGML_NATIVE=ON -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF >/dev/null
-        cmake --build "$dest/build-ggml" --target ggml-cpu ggml-base -j "$jobs"
+        out="$dest/build-ggml" isa=(-DGGML_NATIVE=ON)
+        if [ "${GGML_AVX2_ONLY:-0}" = 1 ]; then  # the AVX2 code of a CPU without AVX-512, -> build-ggml-avx2
+            out="$dest/build-ggml-avx2"
+            isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
+        fi
+        cmake -S "$src/ggml" -B "$out" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+            "${isa[@]}" -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF >/dev/null
+        cmake --build "$out" --target ggml-cpu ggml-base -j "$jobs"
         ;;
     *) echo "usage: $0 fetch|build|cpu|ggml-pack|ggml-cpu" >&2; exit 2 ;;
 esac

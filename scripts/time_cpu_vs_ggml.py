@@ -11,6 +11,9 @@ the calls, in ms per call and GB/s of expert weights.
 
     scripts/build_llamacpp.sh ggml-cpu && python scripts/time_cpu_vs_ggml.py --threads 1,2
     python scripts/time_cpu_vs_ggml.py --formats q4_k,q8_0 --threads 15 --json out.json
+    # both sides' AVX2 code (a CPU without AVX-512):
+    GGML_AVX2_ONLY=1 scripts/build_llamacpp.sh ggml-cpu && WORKBENCH_CPU_KERNEL_MARCH=haswell \
+        python scripts/time_cpu_vs_ggml.py --ggml-build .llamacpp/build-ggml-avx2
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ def main() -> None:
                                                      ".llamacpp/build-ggml, build-cpu, build-cuda)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    if os.environ.get(cpu_kernel.ENV_MARCH):
+        print(f"our kernel built with -march={os.environ[cpu_kernel.ENV_MARCH]}")
     if not cpu_kernel.available():
         raise SystemExit(f"fused CPU kernel unavailable: {cpu_kernel.unavailable_reason()}")
     dirs = [ROOT / ".llamacpp" / d for d in ("build-ggml", "build-cpu", "build-cuda")]
@@ -109,7 +114,8 @@ def main() -> None:
     cpu_kernel.int8_dots(True)
     if a.json:
         a.json.write_text(json.dumps({"experts": a.experts, "k": a.k, "hidden": a.hidden, "ffn": a.ffn,
-                                      "calls": a.calls, "rows": rows}, indent=1))
+                                      "calls": a.calls, "march": os.environ.get(cpu_kernel.ENV_MARCH, "native"),
+                                      "ggml_build": str(build), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
