@@ -745,13 +745,14 @@ inline void pass_part(int64_t len, int64_t parts, int64_t t, const F& f) {
   if (b < e) f(b, e);
 }
 
-// f1 over [0, n1), then between(), then f2 over [0, n2), each pass split as at::parallel_for splits
-// it. With OpenMP the two passes share one parallel region whose threads meet at a barrier: a call
-// wakes torch's pool once, not twice (a pool asleep between decode packets costs tens of us per
-// wake-up on the H200 host, scripts/time_served_handoff.py). On the decode server's own team, two
-// jobs; elsewhere, two at::parallel_for calls.
+// f1 over [0, n1), then between over [0, nb), then f2 over [0, n2), each split as at::parallel_for
+// splits it (between in parts of at least one). With OpenMP the three share one parallel region whose
+// threads meet at barriers: a call wakes torch's pool once, not three times (a pool asleep between
+// decode packets costs tens of us per wake-up on the H200 host, scripts/time_served_handoff.py). On
+// the decode server's own team, three jobs; elsewhere, three at::parallel_for calls.
 template <typename F1, typename H, typename F2>
-void parallel_passes(int64_t n1, int64_t g1, const F1& f1, const H& between, int64_t n2, int64_t g2, const F2& f2) {
+void parallel_passes(int64_t n1, int64_t g1, const F1& f1, int64_t nb, const H& between, int64_t n2, int64_t g2,
+                     const F2& f2) {
 #ifdef _OPENMP
   const int64_t pool = at::get_num_threads();
   const int64_t want = std::max(pass_parts(n1, g1, pool), pass_parts(n2, g2, pool));
@@ -770,10 +771,8 @@ void parallel_passes(int64_t n1, int64_t g1, const F1& f1, const H& between, int
       const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
       guarded([&] { pass_part(n1, std::min(n, pass_parts(n1, g1, pool)), t, f1); });
 #pragma omp barrier
-#pragma omp single
-      guarded([&] {
-        if (!failed.load()) between();
-      });
+      if (!failed.load()) guarded([&] { pass_part(nb, std::min(n, nb), t, between); });
+#pragma omp barrier
       if (!failed.load()) guarded([&] { pass_part(n2, std::min(n, pass_parts(n2, g2, pool)), t, f2); });
     }
     if (err) std::rethrow_exception(err);
@@ -781,12 +780,12 @@ void parallel_passes(int64_t n1, int64_t g1, const F1& f1, const H& between, int
   }
 #endif
   parallel_rows(0, n1, g1, f1);
-  between();
+  parallel_rows(0, nb, 1, between);
   parallel_rows(0, n2, g2, f2);
 }
 
 struct NoHook {
-  void operator()(const float*) const {}
+  void operator()(const float*, int64_t, int64_t) const {}
 };
 
 // The fused experts over any weight layout. dot13(g, r0, nrows, s, c, res): res[q * c + k] = row
@@ -837,8 +836,9 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
     }
   };
 
-  // between the passes: e.g. per-block sums of the activations, which Q4_K's minimums need
-  parallel_passes(G * I, 16, pass1, [&] { between(a); }, H, 16, pass2);
+  // between the passes, over the pairs: e.g. per-block sums of the activations, which Q4_K's
+  // minimums need, or the activations rounded for the int8 dots
+  parallel_passes(G * I, 16, pass1, n, [&](int64_t b, int64_t e) { between(a, b, e); }, H, 16, pass2);
 }
 
 // Pointers to N inputs: f(k) for k = j .. j + N - 1.
@@ -974,8 +974,8 @@ void run_q8_int8(const float* x, int64_t T, const int8_t* q13, const Half* d13, 
       [&](int64_t g, int64_t o0, int64_t nrows, int64_t s, int64_t c, const float*, float* res) {
         matrix(q2, d2, rows[g] * H + o0, I, nrows, c, res, [&](int64_t k) { return ain.at(s + k); });
       },
-      [&](const float* a) {
-        for (int64_t p = 0; p < n; ++p) ain.set(p, a + p * I);
+      [&](const float* a, int64_t b, int64_t e) {
+        for (int64_t p = b; p < e; ++p) ain.set(p, a + p * I);
       });
 }
 
@@ -1007,8 +1007,8 @@ void run_kq_int8(const float* x, int64_t T, const uint8_t* b13, int64_t f13, con
       [&](int64_t g, int64_t o0, int64_t nrows, int64_t s, int64_t c, const float*, float* res) {
         matrix(b2 + (rows[g] * H + o0) * row2, row2, I, f2, nrows, c, res, [&](int64_t k) { return ain.at(s + k); });
       },
-      [&](const float* a) {
-        for (int64_t p = 0; p < n; ++p) ain.set(p, a + p * I);
+      [&](const float* a, int64_t b, int64_t e) {
+        for (int64_t p = b; p < e; ++p) ain.set(p, a + p * I);
       });
 }
 
@@ -1122,8 +1122,8 @@ void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const ui
           });
         }
       },
-      [&](const float* a) {
-        for (int64_t p = 0; p < n; ++p) block_sums(a + p * I, I, asum.data() + p * (I / 32));
+      [&](const float* a, int64_t b, int64_t e) {
+        for (int64_t p = b; p < e; ++p) block_sums(a + p * I, I, asum.data() + p * (I / 32));
       });
 }
 
