@@ -115,6 +115,17 @@ INT8DOT_HOT inline void q4k_scales(const uint8_t* sc, float d, float dmin, __m25
                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mins)))));
 }
 
+// Q4_K super-block sb at b (read ahead): d * scale of its 8 sub-blocks; dmin * minimum times each
+// input's sums per sub-block (the minimums' part of the dot) added to mins[j].
+template <int N>
+INT8DOT_HOT inline __m256 q4k_super(const uint8_t* b, const Input* xs, int64_t sb, __m256* mins) {
+  prefetch_block(b, 144);
+  __m256 s, m;
+  q4k_scales(b + 4, half_bits_to_float(b), half_bits_to_float(b + 2), s, m);
+  for (int j = 0; j < N; ++j) mins[j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs[j].s32 + 8 * sb), mins[j]);
+  return s;
+}
+
 #endif
 
 #ifdef INT8DOT_AVX512
@@ -175,10 +186,7 @@ inline void dot_q4k(const uint8_t* row, const Input* xs, int64_t K, float* res) 
   for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps(), mins[j] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const uint8_t* b = row + 144 * sb;
-    prefetch_block(b, 144);
-    __m256 s, m;
-    q4k_scales(b + 4, half_bits_to_float(b), half_bits_to_float(b + 2), s, m);
-    for (int j = 0; j < N; ++j) mins[j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs[j].s32 + 8 * sb), mins[j]);
+    const __m256 s = q4k_super<N>(b, xs, sb, mins);
     const __m512 s16 = _mm512_castps256_ps512(s);
     const uint8_t* qs = b + 16;
     for (int64_t h = 0; h < 2; ++h) {
@@ -335,10 +343,7 @@ inline void dot_q4k(const uint8_t* row, const Input* xs, int64_t K, float* res) 
   for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps(), mins[j] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const uint8_t* b = row + 144 * sb;
-    prefetch_block(b, 144);
-    __m256 s, m;
-    q4k_scales(b + 4, half_bits_to_float(b), half_bits_to_float(b + 2), s, m);
-    for (int j = 0; j < N; ++j) mins[j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs[j].s32 + 8 * sb), mins[j]);
+    const __m256 s = q4k_super<N>(b, xs, sb, mins);
     for (int64_t c = 0; c < 4; ++c) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
       const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
