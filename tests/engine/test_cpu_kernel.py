@@ -374,7 +374,7 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return (q * dx).reshape(shape)
 
 
-def kq_reference(x, r13, r2, rows, weights, int8: bool) -> torch.Tensor:
+def block_reference(x, r13, r2, rows, weights, int8: bool) -> torch.Tensor:
     """The experts of dequantized ``r13 [E, 2I, H]``, ``r2 [E, H, I]`` in float64, with the inputs and the
     activations rounded as the int8 dots round them when ``int8``."""
     ffn = r2.shape[2]
@@ -392,11 +392,11 @@ def check_block_dots(y, x, r13, r2, rows, weights, int8: bool) -> None:
     precision for the f32 dots; for the int8 dots, to float32 precision against the inputs rounded as
     the kernel rounds them (allowing a value rounded the other way where the kernel's f32 activations
     and the float64 ones straddle a rounding boundary), within about 1% of the unrounded inputs'."""
-    exact = kq_reference(x, r13, r2, rows, weights, int8=False)
+    exact = block_reference(x, r13, r2, rows, weights, int8=False)
     if not int8:
         assert relative_error(y, exact) < 1e-5
         return
-    assert relative_error(y, kq_reference(x, r13, r2, rows, weights, int8=True)) < 5e-4
+    assert relative_error(y, block_reference(x, r13, r2, rows, weights, int8=True)) < 5e-4
     assert relative_error(y, exact) < 3e-2
 
 

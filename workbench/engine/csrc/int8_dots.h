@@ -55,7 +55,7 @@ inline Order order_for_kquant(int64_t fmt) { return fmt == 0 ? Order::kQ4K : Ord
 class Inputs {
  public:
   void init(int64_t n, int64_t K, Order order) {
-    n_ = n, K_ = K, order_ = order;
+    K_ = K, order_ = order;
     q_.resize(static_cast<size_t>(n * K));
     dxe_.resize(static_cast<size_t>(n * K / 4));
     s32_.resize(static_cast<size_t>(n * K / 32));
@@ -68,7 +68,7 @@ class Inputs {
   }
 
  private:
-  int64_t n_ = 0, K_ = 0;
+  int64_t K_ = 0;
   Order order_ = Order::kQ6K;
   std::vector<int8_t> q_;
   std::vector<float> dxe_, s32_, s16_;

@@ -949,63 +949,27 @@ inline void int8_rows(int64_t nrows, int64_t c, float* res, In in, Dot dot) {
   }
 }
 
-// run_q8 with the inputs rounded to int8 per 32 values (int8_dots.h).
-void run_q8_int8(const float* x, int64_t T, const int8_t* q13, const Half* d13, const int8_t* q2, const Half* d2,
-                 const Pairs& pr, int64_t H, int64_t I, float* out) {
-  const int64_t n = pr.size();
-  const int64_t* rows = pr.rows.data();
+// The fused experts with the inputs rounded to int8 per 32 values (int8_dots.h), laid out for the
+// gate/up rows' format (o13) and the down rows' (o2): gate/up rows against the tokens, down rows
+// against each pair's activations (rounded between the passes). row13(g, r, xs, N, out): row r of
+// group g's gate/up matrix against N inputs xs; row2(g, o, xs, N, out): row o of its down matrix.
+template <typename Row13, typename Row2>
+void run_int8(const float* x, int64_t T, const Pairs& pr, int64_t H, int64_t I, int8dot::Order o13,
+              int8dot::Order o2, Row13 row13, Row2 row2, float* out) {
   const int64_t* tok = pr.tok.data();
   int8dot::Inputs xin, ain;
-  xin.init(T, H, int8dot::Order::kQ8);
-  ain.init(n, I, int8dot::Order::kQ8);
+  xin.init(T, H, o13);
+  ain.init(pr.size(), I, o2);
   round_tokens(xin, x, T, H);
-  auto matrix = [](const int8_t* q, const Half* d, int64_t r0, int64_t K, int64_t nrows, int64_t c, float* res,
-                   auto in) {
-    int8_rows(nrows, c, res, in, [&](int64_t r, const int8dot::Input* xs, auto nn, float* o) {
-      const int64_t at = (r0 + r) * K;
-      int8dot::dot_q8<decltype(nn)::value>(q + at, reinterpret_cast<const uint16_t*>(d + at / 32), xs, K, o);
-    });
-  };
   grouped_rows(
       pr, H, I, out,
       [&](int64_t g, int64_t r0, int64_t nrows, int64_t s, int64_t c, float* res) {
-        matrix(q13, d13, rows[g] * 2 * I + r0, H, nrows, c, res, [&](int64_t k) { return xin.at(tok[s + k]); });
+        int8_rows(nrows, c, res, [&](int64_t k) { return xin.at(tok[s + k]); },
+                  [&](int64_t q, const int8dot::Input* xs, auto nn, float* o) { row13(g, r0 + q, xs, nn, o); });
       },
       [&](int64_t g, int64_t o0, int64_t nrows, int64_t s, int64_t c, const float*, float* res) {
-        matrix(q2, d2, rows[g] * H + o0, I, nrows, c, res, [&](int64_t k) { return ain.at(s + k); });
-      },
-      [&](const float* a, int64_t b, int64_t e) {
-        for (int64_t p = b; p < e; ++p) ain.set(p, a + p * I);
-      });
-}
-
-// run_kq with the inputs rounded to int8 per 32 values (int8_dots.h): gate/up rows against the
-// tokens, down rows against each pair's activations (rounded between the passes).
-void run_kq_int8(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const uint8_t* b2, int64_t f2,
-                 const Pairs& pr, int64_t H, int64_t I, float* out) {
-  const int64_t row13 = H / 256 * kq_bytes(f13), row2 = I / 256 * kq_bytes(f2);  // bytes per matrix row
-  const int64_t n = pr.size();
-  const int64_t* rows = pr.rows.data();
-  const int64_t* tok = pr.tok.data();
-  int8dot::Inputs xin, ain;
-  xin.init(T, H, int8dot::order_for_kquant(f13));
-  ain.init(n, I, int8dot::order_for_kquant(f2));
-  round_tokens(xin, x, T, H);
-  // rows [0, nrows) of a matrix at ``base`` (``bytes`` a row, K values) against c inputs in(k)
-  auto matrix = [](const uint8_t* base, int64_t bytes, int64_t K, int64_t fmt, int64_t nrows, int64_t c, float* res,
-                   auto in) {
-    int8_rows(nrows, c, res, in, [&](int64_t q, const int8dot::Input* xs, auto nn, float* o) {
-      int8dot::dot_kq<decltype(nn)::value>(fmt, base + q * bytes, xs, K, o);
-    });
-  };
-  grouped_rows(
-      pr, H, I, out,
-      [&](int64_t g, int64_t r0, int64_t nrows, int64_t s, int64_t c, float* res) {
-        matrix(b13 + (rows[g] * 2 * I + r0) * row13, row13, H, f13, nrows, c, res,
-               [&](int64_t k) { return xin.at(tok[s + k]); });
-      },
-      [&](int64_t g, int64_t o0, int64_t nrows, int64_t s, int64_t c, const float*, float* res) {
-        matrix(b2 + (rows[g] * H + o0) * row2, row2, I, f2, nrows, c, res, [&](int64_t k) { return ain.at(s + k); });
+        int8_rows(nrows, c, res, [&](int64_t k) { return ain.at(s + k); },
+                  [&](int64_t q, const int8dot::Input* xs, auto nn, float* o) { row2(g, o0 + q, xs, nn, o); });
       },
       [&](const float* a, int64_t b, int64_t e) {
         for (int64_t p = b; p < e; ++p) ain.set(p, a + p * I);
@@ -1014,12 +978,23 @@ void run_kq_int8(const float* x, int64_t T, const uint8_t* b13, int64_t f13, con
 
 void run_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2, const Half* d2, const Pairs& pr,
             int64_t H, int64_t I, float* out) {
-  if (int8_dots_on() && pr.size() > 0) {
-    const int64_t T = 1 + *std::max_element(pr.tok.begin(), pr.tok.end());
-    return run_q8_int8(x, T, q13, d13, q2, d2, pr, H, I, out);
-  }
   const int64_t e13 = 2 * I * H, e2 = H * I;  // values per expert; scales: 1 per 32
   const int64_t* rows = pr.rows.data();
+  if (int8_dots_on() && pr.size() > 0) {
+    // row at value offset ``at`` of a matrix of K values a row
+    auto row = [](const int8_t* q, const Half* d, int64_t at, int64_t K, const int8dot::Input* xs, auto nn, float* o) {
+      int8dot::dot_q8<decltype(nn)::value>(q + at, reinterpret_cast<const uint16_t*>(d + at / 32), xs, K, o);
+    };
+    return run_int8(
+        x, 1 + *std::max_element(pr.tok.begin(), pr.tok.end()), pr, H, I, int8dot::Order::kQ8, int8dot::Order::kQ8,
+        [&](int64_t g, int64_t r, const int8dot::Input* xs, auto nn, float* o) {
+          row(q13, d13, rows[g] * e13 + r * H, H, xs, nn, o);
+        },
+        [&](int64_t g, int64_t r, const int8dot::Input* xs, auto nn, float* o) {
+          row(q2, d2, rows[g] * e2 + r * I, I, xs, nn, o);
+        },
+        out);
+  }
   const int64_t* tok = pr.tok.data();
   // rows r0 .. r0 + nrows of the matrix at value offset ``off`` (K values a row) against inputs xk(k)
   auto block = [](const int8_t* q, const Half* d, int64_t off, int64_t K, int64_t nrows, int64_t c, float* res,
@@ -1055,10 +1030,20 @@ void run_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2
 
 void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const uint8_t* b2, int64_t f2,
             const Pairs& pr, int64_t H, int64_t I, float* out) {
-  if (int8_dots_on()) return run_kq_int8(x, T, b13, f13, b2, f2, pr, H, I, out);
   const int64_t row13 = H / 256 * kq_bytes(f13), row2 = I / 256 * kq_bytes(f2);  // bytes per matrix row
   const int64_t n = pr.size();
   const int64_t* rows = pr.rows.data();
+  if (int8_dots_on()) {
+    return run_int8(
+        x, T, pr, H, I, int8dot::order_for_kquant(f13), int8dot::order_for_kquant(f2),
+        [&](int64_t g, int64_t r, const int8dot::Input* xs, auto nn, float* o) {
+          int8dot::dot_kq<decltype(nn)::value>(f13, b13 + (rows[g] * 2 * I + r) * row13, xs, H, o);
+        },
+        [&](int64_t g, int64_t r, const int8dot::Input* xs, auto nn, float* o) {
+          int8dot::dot_kq<decltype(nn)::value>(f2, b2 + (rows[g] * H + r) * row2, xs, I, o);
+        },
+        out);
+  }
   const int64_t* tok = pr.tok.data();
   std::vector<float> xsum(static_cast<size_t>(T * (H / 32))), asum(static_cast<size_t>(n * (I / 32)));
   for (int64_t t = 0; t < T; ++t) block_sums(x + t * H, H, xsum.data() + t * (H / 32));
@@ -1519,8 +1504,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_int8_dots", [](bool on) { g_int8_dots.store(on); },
         "Experts kept in GGUF blocks: dots with inputs rounded to int8 (True; AVX512-VNNI or AVX2 builds) or exact f32 ones",
         py::arg("on"));
-  m.def("int8_dots", [] { return int8_dots_on(); }, "Whether k-quant experts take the int8 dots now");
-  m.def("int8_dots_available", [] { return int8dot::AVAILABLE; }, "Whether this build has the int8 dots");
+  m.def("int8_dots", [] { return int8_dots_on(); }, "Whether experts kept in GGUF blocks take the int8 dots now");
   m.def("wait_background", &wait_background,
         "Wait for the run started with threads > 0; False if it failed (its output is then undefined)",
         py::call_guard<py::gil_scoped_release>());
