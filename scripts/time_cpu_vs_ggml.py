@@ -10,7 +10,7 @@ for quantized formats with the int8 dots and with the exact float ones. Medians 
 the calls, in ms per call and GB/s of expert weights.
 
     scripts/build_llamacpp.sh ggml-cpu && python scripts/time_cpu_vs_ggml.py --threads 1,2
-    python scripts/time_cpu_vs_ggml.py --formats q4_k,q8_0 --threads 15 --json out.json
+    python scripts/time_cpu_vs_ggml.py --formats q4_k,q5_k,q8_0 --threads 15 --json out.json
     # both sides' AVX2 code (a CPU without AVX-512):
     GGML_AVX2_ONLY=1 scripts/build_llamacpp.sh ggml-cpu && WORKBENCH_CPU_KERNEL_MARCH=haswell \
         python scripts/time_cpu_vs_ggml.py --ggml-build .llamacpp/build-ggml-avx2

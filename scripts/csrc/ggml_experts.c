@@ -3,7 +3,7 @@
 // CPU kernel with. Weights are random blocks (small finite scales), the pool larger than any cache;
 // each call picks k distinct experts at random. ggml's persistent thread pool, as llama.cpp uses it.
 //
-//   ggml_experts FORMAT(bf16|q8_0|q4_k) EXPERTS THREADS CALLS HIDDEN FFN K
+//   ggml_experts FORMAT(bf16|q8_0|q2_k|q3_k|q4_k|q5_k) EXPERTS THREADS CALLS HIDDEN FFN K
 // prints one JSON line: {"format", "threads", "median_s", "bytes_per_call"}.
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,8 +27,13 @@ static void fill(struct ggml_tensor* t) {
   uint8_t* p = t->data;
   const size_t n = ggml_nbytes(t);
   for (size_t i = 0; i < n; ++i) p[i] = rand() & 255;
-  if (t->type == GGML_TYPE_Q4_K) {
-    for (size_t i = 0; i < n; i += 144) p[i] = 0, p[i + 1] = 0x14, p[i + 2] = 0, p[i + 3] = 0x14;
+  if (t->type == GGML_TYPE_Q4_K || t->type == GGML_TYPE_Q5_K) {
+    const size_t size = t->type == GGML_TYPE_Q4_K ? 144 : 176;
+    for (size_t i = 0; i < n; i += size) p[i] = 0, p[i + 1] = 0x14, p[i + 2] = 0, p[i + 3] = 0x14;
+  } else if (t->type == GGML_TYPE_Q2_K) {
+    for (size_t i = 0; i < n; i += 84) p[i + 80] = 0, p[i + 81] = 0x14, p[i + 82] = 0, p[i + 83] = 0x14;
+  } else if (t->type == GGML_TYPE_Q3_K) {
+    for (size_t i = 0; i < n; i += 110) p[i + 108] = 0, p[i + 109] = 0x14;
   } else if (t->type == GGML_TYPE_Q8_0) {
     for (size_t i = 0; i < n; i += 34) p[i] = 0, p[i + 1] = 0x14;
   } else if (t->type == GGML_TYPE_BF16) {
@@ -49,6 +54,9 @@ int main(int argc, char** argv) {
   if (!strcmp(fmt, "q8_0")) ty = GGML_TYPE_Q8_0;
   else if (!strcmp(fmt, "bf16")) ty = GGML_TYPE_BF16;
   else if (!strcmp(fmt, "q4_k")) ty = GGML_TYPE_Q4_K;
+  else if (!strcmp(fmt, "q5_k")) ty = GGML_TYPE_Q5_K;
+  else if (!strcmp(fmt, "q2_k")) ty = GGML_TYPE_Q2_K;
+  else if (!strcmp(fmt, "q3_k")) ty = GGML_TYPE_Q3_K;
   else { fprintf(stderr, "unknown format %s\n", fmt); return 2; }
   if (K > E || calls < 10) { fprintf(stderr, "need K <= EXPERTS and CALLS >= 10\n"); return 2; }
   struct ggml_init_params ip = {(size_t)E * 3 * H * I * 2 + ((size_t)64 << 20), NULL, false};

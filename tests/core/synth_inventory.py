@@ -12,7 +12,7 @@ from workbench.core.inventory import Inventory
 from workbench.core.spec import ModelSpec
 from workbench.core.units import TensorInfo, TensorRef, Unit, UnitKey
 
-_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "Q8_0": 34 / 32}
+_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "Q8_0": 34 / 32, "Q4_K": 144 / 256, "Q5_K": 176 / 256, "Q6_K": 210 / 256}
 
 
 def synth_inventory(

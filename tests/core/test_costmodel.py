@@ -401,3 +401,23 @@ def test_experts_kept_in_blocks_read_at_their_formats_gpu_rate():
     assert back.gpus[0].expert_throughput == {"q8_0": 0.1e12} and not back.problems()
     bad = dataclasses.replace(slow, gpus=(dataclasses.replace(hw.gpus[0], expert_throughput={"q4_k": -1.0}),))
     assert any("expert_throughput[q4_k]" in msg for msg in bad.problems())
+
+
+def test_k_quants_calibration_does_not_time_take_q4_ks_rates():
+    """Calibration times Q4_K's kernels, not Q5_K's or Q6_K's (the same super-blocks a few bits
+    wider): experts kept in those formats are rated at Q4_K's GPU and CPU rates, bytes for bytes, and
+    at their own where a profile has them."""
+    inv = synth_inventory(4, 32, hidden=2048, expert_ffn=768, top_k=8, expert_dtype="Q5_K")
+    hw = h200_profile()
+    table = {"q4_k": 0.2e12}
+    rated = dataclasses.replace(hw, gpus=(dataclasses.replace(hw.gpus[0], expert_throughput=table),),
+                                cpu_expert_throughput={**hw.cpu_expert_throughput, "q4_k": 30e9})
+    assert cpu_rate(rated, "Q5_K") == cpu_rate(rated, "Q6_K") == 30e9
+    assert cpu_rate(dataclasses.replace(rated, cpu_expert_throughput={**rated.cpu_expert_throughput,
+                                                                       "q5_k": 40e9}), "Q5_K") == 40e9
+    p = placement_all_gpu(inv)
+    base = CostModel(inv, hw).predict(p, ctx=512)
+    kept = CostModel(inv, rated).predict(p, ctx=512)
+    expert_bytes = sum(u.nbytes for k, u in inv.units.items() if k.kind == "expert" and k.layer == 0) * 8 / 32
+    extra = expert_bytes / 0.2e12 - expert_bytes / hw.gpus[0].expert_bandwidth
+    assert kept.decode_layers[0].gpu == pytest.approx(base.decode_layers[0].gpu + extra, rel=0.01)

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.engine.engine_helpers import random_kquant
 from workbench.engine import cpu_kernel
 
 
@@ -347,23 +348,6 @@ def test_q8_0_bad_input_is_refused(kernel, bad, match):
         kernel.moe_decode_q8(**args)
 
 
-def _q4_k_blocks(n: int, k: int, gen: torch.Generator, fmt: str = "q4_k") -> tuple[torch.Tensor, torch.Tensor]:
-    """Random Q4_K (or Q6_K) rows ``[n, k/256*bytes]`` uint8 (finite, small float16 d and dmin) and
-    gguf-py's dequantization of them, float64 ``[n, k]``."""
-    import numpy as np
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    size = {"q4_k": 144, "q6_k": 210}[fmt]
-    raw = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=gen).numpy()
-    d = (np.abs(torch.randn(n, k // 256, 2, generator=gen).numpy()) * 1e-2 + 1e-3).astype(np.float16)
-    at = slice(0, 4) if fmt == "q4_k" else slice(208, 210)  # Q4_K: d and dmin first; Q6_K: d last
-    raw[..., at] = d.view(np.uint8).reshape(n, k // 256, 4)[..., : at.stop - at.start]
-    qtype = GGMLQuantizationType.Q4_K if fmt == "q4_k" else GGMLQuantizationType.Q6_K
-    ref = dequantize(raw.reshape(n, -1), qtype).astype(np.float64)
-    return torch.from_numpy(raw.reshape(n, -1).copy()), torch.from_numpy(ref)
-
-
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     """``x [..., K]`` as the int8 dots see it: per 32 values ``dx * round(x / dx)``, ``dx = max|x| / 127``
     in float32 (round half to even, as the CPU rounds)."""
@@ -403,6 +387,9 @@ def check_block_dots(y, x, r13, r2, rows, weights, int8: bool) -> None:
 @pytest.mark.parametrize("H,ffn,rows,fmt13,fmt2", [
     (256, 256, [0, 2, 2], "q4_k", "q4_k"), (2048, 768, [3, 1, 0, 2], "q4_k", "q4_k"), (512, 256, [1], "q4_k", "q4_k"),
     (256, 256, [0, 3], "q4_k", "q6_k"), (512, 256, [2, 1], "q6_k", "q6_k"),  # Q4_K_M: some down matrices in Q6_K
+    (512, 256, [2, 0, 3], "q5_k", "q5_k"), (256, 512, [1, 1], "q5_k", "q6_k"),  # Q5_K_M likewise
+    (512, 256, [3, 1], "q3_k", "q4_k"), (256, 512, [0, 2, 1], "q2_k", "q3_k"),  # Q3_K_M, Q2_K
+    (256, 256, [1], "q3_k", "q3_k"), (256, 256, [2], "q2_k", "q2_k"),
 ])
 @pytest.mark.parametrize("x_type", ["bf16", "f32 bf16-exact", "f32"])
 def test_q4_k_matches_ggufs_dequantization(kernel, quant_dots, H, ffn, rows, fmt13, fmt2, x_type):
@@ -412,8 +399,8 @@ def test_q4_k_matches_ggufs_dequantization(kernel, quant_dots, H, ffn, rows, fmt
     ``check_block_dots``."""
     gen = torch.Generator().manual_seed(H + ffn)
     E = 4
-    b13, r13 = _q4_k_blocks(E * 2 * ffn, H, gen, fmt13)
-    b2, r2 = _q4_k_blocks(E * H, ffn, gen, fmt2)
+    b13, r13 = random_kquant(fmt13, E * 2 * ffn, H, gen)
+    b2, r2 = random_kquant(fmt2, E * H, ffn, gen)
     b13, r13 = b13.reshape(E, 2 * ffn, -1), r13.reshape(E, 2 * ffn, H)
     b2, r2 = b2.reshape(E, H, -1), r2.reshape(E, H, ffn)
     x = torch.randn(H, generator=gen).to(torch.bfloat16)
@@ -475,7 +462,7 @@ def _cpu_flags() -> set[str]:
 def test_the_avx2_build_passes_the_block_formats_tests(kernel, tmp_path):
     """CPUs without AVX-512 (most desktop Intel parts, Zen 3 and older) get the kernel's AVX2 code: built
     here with ``-march=haswell`` (``WORKBENCH_CPU_KERNEL_MARCH``) in a fresh directory, its f32 and
-    int8 dots pass the Q8_0 / Q4_K / Q6_K tests, decode and prompts, none skipped."""
+    int8 dots pass the Q8_0 and k-quant (Q2_K to Q6_K) tests, decode and prompts, none skipped."""
     if not {"avx2", "fma", "f16c"} <= _cpu_flags():
         pytest.skip("needs an x86 CPU with AVX2, FMA and F16C")
     here = Path(__file__)

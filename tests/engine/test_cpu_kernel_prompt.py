@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.engine.engine_helpers import random_kquant
 from workbench.engine import cpu_kernel
 
-from .test_cpu_kernel import _q4_k_blocks, _q8_0, int8_rounded, random_experts, relative_error
+from .test_cpu_kernel import _q8_0, int8_rounded, random_experts, relative_error
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,8 @@ def test_one_token_as_a_row_equals_the_decode_call(kernel):
 
 
 @pytest.mark.parametrize("fmt,h,i", [("bf16", 256, 96), ("f32", 100, 36), ("f16", 192, 64), ("q8_0", 128, 64),
-                                     ("q4_k", 256, 256), ("q4_k+q6_k", 256, 256)])
+                                     ("q4_k", 256, 256), ("q4_k+q6_k", 256, 256), ("q5_k+q6_k", 256, 256),
+                                     ("q3_k+q4_k", 256, 256), ("q2_k+q3_k", 256, 256)])
 @pytest.mark.parametrize("T,per_token", [(11, 2), (3, 1)])
 def test_each_token_of_a_prompt_matches_its_own_decode_call(kernel, quant_dots, fmt, h, i, T, per_token):
     """A prompt's expert picked by several tokens dots each weight vector with up to four tokens at
@@ -85,7 +87,8 @@ def test_each_token_of_a_prompt_matches_its_own_decode_call(kernel, quant_dots, 
     weight rows at a time. A token's row matches its own one-token call: bit for bit while its
     experts have fewer than four tokens, for k-quants and for the int8 dots (the same sums in the
     same order), to float32 rounding otherwise (other orders), for 1 to 11 tokens per expert."""
-    if quant_dots and fmt not in ("q8_0", "q4_k", "q4_k+q6_k"):
+    kquant = fmt[:4] in ("q2_k", "q3_k", "q4_k", "q5_k")
+    if quant_dots and fmt != "q8_0" and not kquant:
         pytest.skip("the int8 dots are for experts kept in GGUF blocks")
     gen = torch.Generator().manual_seed(7)
     e = 4
@@ -97,13 +100,14 @@ def test_each_token_of_a_prompt_matches_its_own_decode_call(kernel, quant_dots, 
 
         def call(x, rows, weights, tokens=None):
             return kernel.moe_decode_q8(x, q13, d13, q2, d2, rows, weights, tokens=tokens)
-    elif fmt.startswith("q4_k"):
-        fmt2 = "q6_k" if fmt.endswith("q6_k") else "q4_k"
-        b13 = _q4_k_blocks(e * 2 * i, h, gen)[0].reshape(e, 2 * i, -1)
-        b2 = _q4_k_blocks(e * h, i, gen, fmt2)[0].reshape(e, h, -1)
+    elif kquant:
+        fmt13 = fmt[:4]
+        fmt2 = fmt[5:] or fmt13
+        b13 = random_kquant(fmt13, e * 2 * i, h, gen)[0].reshape(e, 2 * i, -1)
+        b2 = random_kquant(fmt2, e * h, i, gen)[0].reshape(e, h, -1)
 
         def call(x, rows, weights, tokens=None):
-            return kernel.moe_decode_q4k(x, b13, b2, rows, weights, "q4_k", fmt2, tokens=tokens)
+            return kernel.moe_decode_q4k(x, b13, b2, rows, weights, fmt13, fmt2, tokens=tokens)
     else:
         def call(x, rows, weights, tokens=None):
             return kernel.moe_decode(x, w13, w2, rows, weights, tokens=tokens)
@@ -118,7 +122,7 @@ def test_each_token_of_a_prompt_matches_its_own_decode_call(kernel, quant_dots, 
     for t in range(T):
         pick = slice(per_token * t, per_token * (t + 1))
         own = call(x[t], rows[pick], weights[pick])
-        if per_token == 1 or fmt.startswith("q4_k") or (quant_dots and fmt == "q8_0"):
+        if per_token == 1 or kquant or (quant_dots and fmt == "q8_0"):
             assert torch.equal(y[t], own), t
         else:
             assert relative_error(y[t], own) < 1e-6, t
@@ -147,17 +151,18 @@ def test_q8_0_prompt_matches_ggufs_dequantization(kernel, quant_dots):
     assert relative_error(y, reference(x, r13, r2, tokens, rows, weights, quant_dots)) < (5e-4 if quant_dots else 1e-5)
 
 
-@pytest.mark.parametrize("fmt2", ["q4_k", "q6_k"])
-def test_k_quant_prompt_matches_ggufs_dequantization(kernel, quant_dots, fmt2):
+@pytest.mark.parametrize("fmt13,fmt2", [("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q5_k", "q5_k"), ("q5_k", "q6_k"),
+                                        ("q3_k", "q4_k"), ("q2_k", "q3_k")])
+def test_k_quant_prompt_matches_ggufs_dequantization(kernel, quant_dots, fmt13, fmt2):
     gen = torch.Generator().manual_seed(7)
     H, ffn, e, T = 256, 256, 4, 10
-    b13, r13 = _q4_k_blocks(e * 2 * ffn, H, gen)
-    b2, r2 = _q4_k_blocks(e * H, ffn, gen, fmt2)
+    b13, r13 = random_kquant(fmt13, e * 2 * ffn, H, gen)
+    b2, r2 = random_kquant(fmt2, e * H, ffn, gen)
     b13, r13 = b13.reshape(e, 2 * ffn, -1), r13.reshape(e, 2 * ffn, H)
     b2, r2 = b2.reshape(e, H, -1), r2.reshape(e, H, ffn)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
     tokens, rows, weights = prompt_pairs(T, 2, e, gen)
-    y = kernel.moe_decode_q4k(x, b13, b2, rows, weights, "q4_k", fmt2, tokens=tokens)
+    y = kernel.moe_decode_q4k(x, b13, b2, rows, weights, fmt13, fmt2, tokens=tokens)
     # the int8 dots: as in test_q4_k_matches_ggufs_dequantization
     assert relative_error(y, reference(x, r13, r2, tokens, rows, weights, quant_dots)) < (5e-4 if quant_dots else 1e-5)
 

@@ -102,7 +102,7 @@ Q4_K_SIZES = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_si
 
 
 def check_dense_kept(engine: Engine, inv, kept: bool) -> None:
-    """With ``kept``, the attention projections, embeddings and head stored as Q8_0 / Q4_K / Q6_K are
+    """With ``kept``, the attention projections, embeddings and head stored as Q8_0 or a k-quant are
     ``Packed`` in the file's formats (q/k/v of one format fused into one, of several formats a
     ``Group``) and count as stored in the engine's memory report as in the estimate; other ones
     (and all without ``kept``) are tensors."""
@@ -116,7 +116,7 @@ def check_dense_kept(engine: Engine, inv, kept: bool) -> None:
     if "output.weight" in stored:
         mats.append((engine.lm_head, "output.weight"))
     for m, name in mats:
-        in_blocks = kept and stored[name] in ("q8_0", "q4_k", "q6_k")
+        in_blocks = kept and stored[name] in ("q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
         assert isinstance(m, packed.Packed) == in_blocks, name
         assert not in_blocks or m.fmt == stored[name]
     if kept and all(isinstance(attn.w[r], packed.Packed) for r in "qkv"):
@@ -129,7 +129,8 @@ def check_dense_kept(engine: Engine, inv, kept: bool) -> None:
 
 
 @pytest.mark.parametrize("tensor_type,sizes", [("Q8_0", dict(QUANT_SIZES, mlp_only_layers=[])), ("Q4_K", Q4_K_SIZES),
-                                               ("Q4_K+Q6_K", Q4_K_SIZES)])
+                                               ("Q4_K+Q6_K", Q4_K_SIZES), ("Q5_K+Q6_K", Q4_K_SIZES),
+                                               ("Q3_K+Q4_K", Q4_K_SIZES), ("Q2_K+Q3_K", Q4_K_SIZES)])
 def test_kept_blocks_compute_what_their_dequantized_copies_compute(tensor_type, sizes, tiny_gguf, monkeypatch,
                                                                    exact_cpu_dots):
     """Experts kept in the file's blocks (CPU decode: the fused kernel for the format, with its exact
@@ -172,9 +173,10 @@ def test_kept_blocks_compute_what_their_dequantized_copies_compute(tensor_type, 
 
 
 @pytest.mark.parametrize("tensor_type,sizes", [("Q8_0", dict(QUANT_SIZES, mlp_only_layers=[])),
-                                               ("Q4_K+Q6_K", Q4_K_SIZES)])
+                                               ("Q4_K+Q6_K", Q4_K_SIZES), ("Q5_K+Q6_K", Q4_K_SIZES),
+                                               ("Q2_K+Q3_K", Q4_K_SIZES)])
 def test_quantized_experts_on_the_int8_dots_stay_close_to_the_exact_ones(tensor_type, sizes, tiny_gguf):
-    """Where the CPU has AVX512-VNNI or AVX2, Q8_0 / Q4_K / Q6_K experts the CPU computes take the int8 dots by
+    """Where the CPU has AVX512-VNNI or AVX2, Q8_0 and k-quant experts the CPU computes take the int8 dots by
     default (inputs rounded to int8 per 32 values, as llama.cpp rounds them): the logits of a prompt
     stay within a few percent of the exact float dots', and switching back gives those exactly."""
     from workbench.engine import cpu_kernel
@@ -194,7 +196,10 @@ def test_quantized_experts_on_the_int8_dots_stay_close_to_the_exact_ones(tensor_
     finally:
         cpu_kernel.int8_dots(True)
         engine.close()
-    assert 0 < rel_err(int8, exact) < 5e-2
+    rows = sorted(rel_err(int8[i], exact[i]) for i in range(int8.shape[0]))
+    assert 0 < rows[len(rows) // 2] < 3e-2
+    if not tensor_type.startswith("Q2_K"):  # a 2-bit model's routers sit near ties at some positions,
+        assert rel_err(int8, exact) < 5e-2  # where 1% moves an expert in or out of the top k
     assert torch.equal(again, int8)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.engine.engine_helpers import force_kernel_form
+from tests.engine.engine_helpers import force_kernel_form, random_kquant
 from workbench.engine import gpu_kernels
 
 pytestmark = pytest.mark.skipif(not gpu_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
@@ -138,26 +138,17 @@ def test_experts_one_token_on_q8_0_blocks_match_ggufs_dequantization(H, F_, E, k
 
 
 @pytest.mark.parametrize("H,F_,E,k,fmt", [(256, 256, 4, 2, ("q4_k", "q4_k")), (512, 256, 5, 3, ("q4_k", "q4_k")),
-                                          (256, 256, 4, 2, ("q4_k", "q6_k")), (256, 256, 3, 2, ("q6_k", "q6_k"))])
+                                          (256, 256, 4, 2, ("q4_k", "q6_k")), (256, 256, 3, 2, ("q6_k", "q6_k")),
+                                          (512, 256, 4, 2, ("q5_k", "q5_k")), (256, 256, 3, 2, ("q5_k", "q6_k")),
+                                          (256, 512, 3, 2, ("q3_k", "q4_k")), (512, 256, 4, 3, ("q2_k", "q3_k"))])
 @pytest.mark.parametrize("form", ["tile", "blocks"])
 def test_experts_one_token_on_q4_k_blocks_match_ggufs_dequantization(H, F_, E, k, fmt, form, monkeypatch):
-    """Q4_K / Q6_K rows as raw bytes, read in place (inactive pairs read nothing)."""
+    """k-quant rows (Q2_K to Q6_K) as raw bytes, read in place (inactive pairs read nothing)."""
     force_kernel_form(monkeypatch, form)
-    import numpy as np
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     g = torch.Generator().manual_seed(H + F_)
 
     def q4k(n, kk, f):
-        size = {"q4_k": 144, "q6_k": 210}[f]
-        raw = torch.randint(0, 256, (n, kk // 256, size), dtype=torch.uint8, generator=g).numpy()
-        d = (np.abs(torch.randn(n, kk // 256, 2, generator=g).numpy()) * 1e-3 + 1e-4).astype(np.float16)
-        at = slice(0, 4) if f == "q4_k" else slice(208, 210)
-        raw[..., at] = d.view(np.uint8).reshape(n, kk // 256, 4)[..., : at.stop - at.start]
-        qtype = GGMLQuantizationType.Q4_K if f == "q4_k" else GGMLQuantizationType.Q6_K
-        ref = dequantize(raw.reshape(n, -1), qtype).astype(np.float64)
-        return torch.from_numpy(raw.reshape(n, -1).copy()), torch.from_numpy(ref)
+        return random_kquant(f, n, kk, g, scale=1e-3)
 
     b13, r13 = q4k(E * 2 * F_, H, fmt[0])
     b2, r2 = q4k(E * H, F_, fmt[1])

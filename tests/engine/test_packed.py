@@ -11,8 +11,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from tests.engine.engine_helpers import TEST_DEVICE as DEV
-from tests.engine.engine_helpers import force_kernel_form
-from tests.engine.test_blocks import _random_kquant
+from tests.engine.engine_helpers import force_kernel_form, random_kquant
 from workbench.engine import gpu_kernels, packed
 from workbench.engine.packed import Packed
 
@@ -31,9 +30,8 @@ def kept(fmt: str, n: int, k: int, seed: int) -> tuple[Packed, torch.Tensor]:
         ref = dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q8_0)
         parts = [q, d]
     else:  # random bytes with small float16 scales: every bit pattern of the quants and sub-scales
-        raw = _random_kquant(fmt, n, k)
-        ref = dequantize(raw, GGMLQuantizationType.Q4_K if fmt == "q4_k" else GGMLQuantizationType.Q6_K)
-        parts = [torch.from_numpy(raw.copy())]
+        raw, ref = random_kquant(fmt, n, k, torch.Generator().manual_seed(k))
+        ref, parts = ref.numpy(), [raw]
     return Packed(fmt, [p.to(DEV) for p in parts], k), torch.from_numpy(ref.astype(np.float64)).to(DEV)
 
 
@@ -42,7 +40,8 @@ def close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
 
 
 @needs_kernels
-@pytest.mark.parametrize("fmt,n,k", [("q8_0", 40, 96), ("q4_k", 37, 512), ("q6_k", 24, 256)])
+@pytest.mark.parametrize("fmt,n,k", [("q8_0", 40, 96), ("q2_k", 19, 256), ("q3_k", 22, 512), ("q4_k", 37, 512), ("q5_k", 21, 512),
+                                   ("q6_k", 24, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("form", ["tile", "blocks"])
 def test_one_token_kernel_reads_the_blocks_in_place(fmt, n, k, dtype, form, monkeypatch):
@@ -57,7 +56,8 @@ def test_one_token_kernel_reads_the_blocks_in_place(fmt, n, k, dtype, form, monk
     assert close(packed.linear(x, w, bias), x.double() @ ref.T + bias.double(), 1e-5 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("fmt,n,k", [("q8_0", 40, 96), ("q4_k", 37, 512), ("q6_k", 24, 256)])
+@pytest.mark.parametrize("fmt,n,k", [("q8_0", 40, 96), ("q2_k", 19, 256), ("q3_k", 22, 512), ("q4_k", 37, 512), ("q5_k", 21, 512),
+                                   ("q6_k", 24, 256)])
 def test_prompt_rows_are_the_dequantized_matrix_in_chunks(fmt, n, k, monkeypatch):
     w, ref = kept(fmt, n, k, seed=3 * n + k)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(4)).to(DEV)
@@ -69,7 +69,8 @@ def test_prompt_rows_are_the_dequantized_matrix_in_chunks(fmt, n, k, monkeypatch
 
 
 @needs_kernels
-@pytest.mark.parametrize("fmt,n,k", [("q8_0", 33, 288), ("q4_k", 40, 512), ("q6_k", 9, 256)])
+@pytest.mark.parametrize("fmt,n,k", [("q8_0", 33, 288), ("q3_k", 10, 256), ("q4_k", 40, 512), ("q5_k", 12, 256),
+                                   ("q6_k", 9, 256)])
 def test_dequantizing_kernel_is_gguf_py_dequantization(fmt, n, k):
     w, ref = kept(fmt, n, k, seed=5 * n + k)
     w.dtype = torch.float32

@@ -77,10 +77,11 @@ def test_a_failing_kernel_turns_the_kernels_off_and_the_loop_answers(monkeypatch
     assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("fmt", [("q8_0", "q8_0"), ("q4_k", "q4_k"), ("q4_k", "q6_k")])
+@pytest.mark.parametrize("fmt", [("q8_0", "q8_0"), ("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q5_k", "q6_k"),
+                                 ("q3_k", "q2_k")])
 def test_blocks_are_read_in_place_like_their_dequantized_stacks(fmt):
     """Experts kept as GGUF blocks give what their dequantized stacks give (no stack is made)."""
-    from tests.engine.test_blocks import _random_kquant
+    from tests.engine.engine_helpers import random_kquant
     from tests.engine.test_cpu_kernel import _q8_0
     from workbench.engine import blocks
 
@@ -90,7 +91,7 @@ def test_blocks_are_read_in_place_like_their_dequantized_stacks(fmt):
     def kept(f: str, n: int, k: int) -> list[torch.Tensor]:  # [E, n, k] as the engine keeps it
         if f == "q8_0":
             return list(_q8_0(torch.randn(E, n, k, generator=g) / k ** 0.5)[:2])
-        return [torch.from_numpy(_random_kquant(f, E * n, k)).reshape(E, n, -1)]
+        return [random_kquant(f, E * n, k, torch.Generator().manual_seed(k))[0].reshape(E, n, -1)]
 
     p13, p2 = kept(fmt[0], 2 * F, H), kept(fmt[1], H, F)
     d13 = blocks.dequantize(fmt[0], p13, H, torch.float32)

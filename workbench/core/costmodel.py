@@ -57,7 +57,11 @@ FUSED_PROMPT_TOKENS = 8
 weight read per token); one picked by more, through torch's CPU GEMM (about this many reads' time:
 bf16 GEMMs of a few tokens measured 0.8 ms per Qwen3-30B-A3B expert on the H200 machine's host, the
 kernel 0.12 ms per token)."""
-KEPT_EXPERT_FORMATS = ("q8_0", "q4_k", "q6_k")
+KEPT_EXPERT_FORMATS = ("q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+
+KQUANT_KIN = {"q2_k": "q4_k", "q3_k": "q4_k", "q5_k": "q4_k", "q6_k": "q4_k"}
+"""Kept k-quant formats that calibration does not time, rated as the one it times: their kernels decode
+the same super-blocks a few bits wider (a rate in bytes/s of blocks; conservative where bytes bound)."""
 """Routed expert formats (``weight_format``) the engine keeps in their GGUF blocks on the CPU too."""
 PREFILL_FETCH_TOKENS = 16
 """With the bus share, prefill always copies a CPU-tier expert picked by at least this many tokens of
@@ -99,7 +103,7 @@ def prompt_pair_reads(profile: HardwareProfile, dtype: str, params: float, nbyte
     (``cpu_prompt_flops`` against ``cpu_rate``); None when the profile did not measure the format."""
     table = {k.lower(): v for k, v in profile.cpu_prompt_flops.items()}
     fmt = weight_format(dtype)
-    flops = table.get(fmt) or table.get("bf16" if fmt in ("f16", "fp16", "f32") else "")
+    flops = table.get(fmt) or table.get(KQUANT_KIN.get(fmt, "")) or table.get("bf16" if fmt in ("f16", "fp16", "f32") else "")
     if not flops or flops <= 0 or nbytes <= 0:
         return None
     return (2.0 * params / flops) / (nbytes / cpu_rate(profile, dtype))
@@ -222,7 +226,7 @@ def _kept_by_format(unit) -> dict[str, float]:
 def cpu_rate(profile: HardwareProfile, dtype: str) -> float:
     """Bytes of expert weights per second the CPU serves at batch 1 for weights stored as ``dtype``.
 
-    Looks up ``cpu_expert_throughput`` by the exact format (``q4_k``), then its family (``int8``,
+    Looks up ``cpu_expert_throughput`` by the exact format (``q4_k``), then ``KQUANT_KIN``, then its family (``int8``,
     ``int4`` for other quantized types, ``bf16`` for ``f16``), then ``bf16``; without any entry,
     half the host RAM read bandwidth (plain PyTorch bf16 GEMV reaches a third to two thirds of it).
     """
@@ -231,7 +235,7 @@ def cpu_rate(profile: HardwareProfile, dtype: str) -> float:
     family = next((v for k, v in _QUANT_FAMILY.items() if fmt.upper().startswith(k)), None)
     if family is None and (fmt[:1] in ("q", "i") or fmt.startswith(("mxfp", "nvfp"))):
         family = "int4"
-    for key in (fmt, family, "bf16" if fmt in ("f16", "fp16") else None, "bf16"):
+    for key in (fmt, KQUANT_KIN.get(fmt), family, "bf16" if fmt in ("f16", "fp16") else None, "bf16"):
         if key and key in table and table[key] > 0:
             return float(table[key])
     return 0.5 * profile.host_read_bandwidth
@@ -333,14 +337,15 @@ class CostModel:
 
     def gpu_rate(self, index: int) -> np.ndarray:
         """``[layers, experts]`` bytes/s at which GPU ``index`` reads each resident expert at batch 1:
-        its format's ``expert_throughput`` (experts kept in a quantized file's blocks) or
-        ``expert_bandwidth``."""
+        its format's ``expert_throughput`` (experts kept in a quantized file's blocks; ``KQUANT_KIN``
+        for k-quants without their own) or ``expert_bandwidth``."""
         rate = self._gpu_rate_cache.get(index)
         if rate is None:
             table = self._gpu(index).expert_throughput
             base = self.expert_bandwidth(index)
             rate = np.full(self.expert_format.shape, base)
-            for fmt, r in table.items():
+            for fmt in KEPT_EXPERT_FORMATS:
+                r = table.get(fmt, table.get(KQUANT_KIN.get(fmt, "")))
                 if r and math.isfinite(r) and r > 0:
                     rate[self.expert_format == fmt] = r
             self._gpu_rate_cache[index] = rate

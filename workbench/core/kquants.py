@@ -1,7 +1,7 @@
-"""Q4_K, Q5_K and Q6_K encoders in numpy (gguf-py only decodes K-quants).
+"""Q2_K, Q3_K, Q4_K, Q5_K and Q6_K encoders in numpy (gguf-py only decodes K-quants).
 
-Blocks of 256 values (ggml's ``QK_K``), laid out byte for byte as ggml's ``block_q4_K``,
-``block_q5_K`` and ``block_q6_K``. Scales are chosen from each sub-block's range (no search for
+Blocks of 256 values (ggml's ``QK_K``), laid out byte for byte as ggml's ``block_q2_K`` ...
+``block_q6_K``. Scales are chosen from each sub-block's range (no search for
 the error-optimal scale as llama.cpp's ``make_qkx2_quants`` does): the files are valid and
 dequantize within a quantization step, which is what test models need.
 """
@@ -20,7 +20,7 @@ def quantize_k(data: np.ndarray, ttype: str) -> np.ndarray:
     if x.shape[-1] % QK_K:
         raise ValueError(f"{ttype} needs rows that are a multiple of {QK_K} values, got {x.shape[-1]}")
     blocks = x.reshape(-1, QK_K)
-    encode = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}[ttype]
+    encode = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}[ttype]
     out = encode(blocks)
     return out.reshape(*x.shape[:-1], x.shape[-1] // QK_K * out.shape[-1])
 
@@ -86,3 +86,49 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     ql[:, :, 32:64] = (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)
     qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
     return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d_bytes], axis=1)
+
+
+def _two_bits(q: np.ndarray) -> np.ndarray:
+    """2-bit values ``q [n, 256]`` -> 64 bytes per block: byte ``32 h + l`` holds value ``128 h + 32 g + l``
+    in bits ``2 g``."""
+    q = q.reshape(-1, 2, 4, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
+
+
+def _q2_k(blocks: np.ndarray) -> np.ndarray:
+    """Affine 4-bit scales and mins per 16 values: x ~ d*sc*q - dmin*m, q in [0, 3]."""
+    sub = blocks.reshape(-1, 16, 16)
+    lo = np.minimum(sub.min(axis=2), 0.0)
+    scale = (sub.max(axis=2) - lo) / 3  # [n, 16]
+    d_bytes, d = _f16(scale.max(axis=1) / 15)
+    m_bytes, dmin = _f16(-lo.min(axis=1) / 15)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[:, None] > 0, np.rint(scale / d[:, None]), 0).clip(0, 15).astype(np.uint8)
+        m = np.where(dmin[:, None] > 0, np.rint(-lo / dmin[:, None]), 0).clip(0, 15).astype(np.uint8)
+        step = d[:, None] * sc
+        q = np.where(step[..., None] > 0, np.rint((sub + (dmin[:, None] * m)[..., None]) / step[..., None]), 0)
+    q = q.clip(0, 3).astype(np.uint8).reshape(-1, 256)
+    return np.concatenate([sc | (m << 4), _two_bits(q), d_bytes, m_bytes], axis=1)
+
+
+def _q3_k(blocks: np.ndarray) -> np.ndarray:
+    """Signed 6-bit scales per 16 values: x ~ d*(sc - 32)*(q - 4), q in [0, 7]; each sub-block's value
+    of largest magnitude lands on -4 (the side with room), as llama.cpp's ``make_q3_quants`` does."""
+    sub = blocks.reshape(-1, 16, 16)
+    far = np.take_along_axis(sub, np.abs(sub).argmax(axis=2)[..., None], axis=2)[..., 0]  # [n, 16], signed
+    scale = -far / 4
+    d_bytes, d = _f16(np.abs(scale).max(axis=1) / 31)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[:, None] > 0, np.rint(scale / d[:, None]), 0).clip(-31, 31).astype(np.int32)
+        step = d[:, None] * sc
+        q = np.where(step[..., None] != 0, np.rint(sub / step[..., None]), 0)
+    q = (q.clip(-4, 3) + 4).astype(np.uint8).reshape(-1, 256)
+    hmask = np.zeros((blocks.shape[0], 32), np.uint8)
+    for j in range(8):  # bit j of byte l: bit 2 of value 32 j + l
+        hmask |= ((q[:, 32 * j:32 * j + 32] >> 2) & 1) << j
+    s = (sc + 32).astype(np.uint8)  # [n, 16]: low 4 bits in bytes u % 8 (high nibble for u >= 8), top 2 in 8 + u % 4
+    packed = np.zeros((blocks.shape[0], 12), np.uint8)
+    packed[:, 0:8] = (s[:, 0:8] & 0xF) | ((s[:, 8:16] & 0xF) << 4)
+    for u in range(16):
+        packed[:, 8 + u % 4] |= ((s[:, u] >> 4) & 3) << (2 * (u // 4))
+    return np.concatenate([hmask, _two_bits(q & 3), packed, d_bytes], axis=1)

@@ -4,9 +4,14 @@ A kept matrix ``[N, K]`` is a list of tensors (any device):
 
 - ``q8_0``: ``[q int8 [N, K], d float16 [N, K/32]]`` (value = d * q per 32 values along K);
 - ``q4_k``: ``[raw uint8 [N, K/256 * 144]]``, the rows' super-blocks as stored (4.5 bits a value);
-- ``q6_k``: ``[raw uint8 [N, K/256 * 210]]`` likewise (6.6 bits a value). Q4_K_M files store some
-  expert down matrices as Q6_K, so the format is chosen per matrix: gate and up share one, down
-  may differ (both k-quants, or both Q8_0).
+- ``q5_k``: ``[raw uint8 [N, K/256 * 176]]`` likewise (5.5 bits a value: Q4_K's layout with a
+  fifth bit per value in 32 more bytes);
+- ``q2_k``: ``[raw uint8 [N, K/256 * 84]]`` and ``q3_k``: ``[raw uint8 [N, K/256 * 110]]`` likewise
+  (2.6 and 3.4 bits a value: Q2_K and Q3_K_M files, the sizes of a Qwen3-235B-A22B that fits 128 GB
+  of RAM);
+- ``q6_k``: ``[raw uint8 [N, K/256 * 210]]`` likewise (6.6 bits a value). Q4_K_M and Q5_K_M files
+  store some expert down matrices as Q6_K, so the format is chosen per matrix: gate and up share
+  one, down may differ (both k-quants, or both Q8_0).
 
 The fused CPU kernels (``cpu_kernel.moe_decode_q8`` / ``moe_decode_q4k``) and the one-token Triton
 kernels (``gpu_kernels.experts_one_token``) read them in place; every other step dequantizes the
@@ -17,12 +22,14 @@ from __future__ import annotations
 
 import torch
 
-FORMATS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
+FORMATS = {"Q8_0": "q8_0", "Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 """GGUF storage types the engine keeps -> the format names used here."""
-BLOCK = {"q8_0": 32, "q4_k": 256, "q6_k": 256}
+BLOCK = {"q8_0": 32, "q2_k": 256, "q3_k": 256, "q4_k": 256, "q5_k": 256, "q6_k": 256}
 """Values per block along K: a kept matrix needs K to be a multiple."""
-KQUANTS = {"q4_k": 144, "q6_k": 210}
+KQUANTS = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}
 """Bytes per 256-value super-block."""
+KQUANT_HALVES = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+"""Byte offsets in a super-block of its float16 ``d`` (and ``dmin``)."""
 
 
 def pairs_well(fmt13: str, fmt2: str) -> bool:
@@ -59,18 +66,21 @@ def dequantize(fmt: str, parts: list[torch.Tensor], k: int, dtype: torch.dtype) 
         return vals.reshape(q.shape).to(dtype)
     (raw,) = parts
     lead, nb = raw.shape[:-1], k // 256
-    if fmt == "q6_k":
-        return _q6_k(raw.reshape(-1, nb, 210), nb).reshape(*lead, k).to(dtype)
-    b = raw.reshape(-1, nb, 144)
+    if fmt in _SIXTEENS:
+        return _SIXTEENS[fmt](raw.reshape(-1, nb, KQUANTS[fmt]), nb).reshape(*lead, k).to(dtype)
+    b = raw.reshape(-1, nb, KQUANTS[fmt])
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # [R, nb, 1]
     dmin = b[..., 2:4].contiguous().view(torch.float16).float()
     sc = b[..., 4:16].to(torch.int32).reshape(-1, nb, 3, 4)
     lo, hi, mix = sc[..., 0, :], sc[..., 1, :], sc[..., 2, :]
     scale = torch.cat([lo & 63, (mix & 15) | ((lo >> 2) & 48)], dim=-1)  # [R, nb, 8]
     mins = torch.cat([hi & 63, (mix >> 4) | ((hi >> 2) & 48)], dim=-1)
-    qs = b[..., 16:].to(torch.int32).reshape(-1, nb, 4, 1, 32)  # 64-value chunks: low nibbles, then high
-    q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(-1, nb, 8, 32).float()
-    vals = d[..., None] * scale[..., None].float() * q - dmin[..., None] * mins[..., None].float()
+    qs = b[..., -128:].to(torch.int32).reshape(-1, nb, 4, 1, 32)  # 64-value chunks: low nibbles, then high
+    q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(-1, nb, 8, 32)
+    if fmt == "q5_k":  # sub-block j's fifth bits: bit j of the 32 bytes before the nibbles
+        qh = b[..., 16:48].to(torch.int32).reshape(-1, nb, 1, 32)
+        q = q | (((qh >> torch.arange(8, dtype=torch.int32).reshape(8, 1)) & 1) << 4)
+    vals = d[..., None] * scale[..., None].float() * q.float() - dmin[..., None] * mins[..., None].float()
     return vals.reshape(*lead, k).to(dtype)
 
 
@@ -84,6 +94,42 @@ def _q6_k(b: torch.Tensor, nb: int) -> torch.Tensor:
     sc = b[..., 192:208].contiguous().view(torch.int8).float()  # [R, nb, 16]
     d = b[..., 208:210].contiguous().view(torch.float16).float()  # [R, nb, 1]
     return (d[..., None] * sc[..., None] * q).reshape(-1, nb, 256)
+
+
+def _low_bits(b: torch.Tensor, nb: int) -> torch.Tensor:
+    """Q2_K / Q3_K's 2-bit parts, 64 bytes ``b [R, nb, 64]`` -> int32 ``[R, nb, 16, 16]``: byte ``32 n + l``
+    holds value ``128 n + 32 g + l`` in bits ``2 g``."""
+    q = b.to(torch.int32).reshape(-1, nb, 2, 1, 32) >> (2 * torch.arange(4, dtype=torch.int32)).reshape(4, 1)
+    return (q & 3).reshape(-1, nb, 16, 16)
+
+
+def _q2_k(b: torch.Tensor, nb: int) -> torch.Tensor:
+    """Q2_K super-blocks ``[R, nb, 84]`` (16 bytes of 4-bit scale and minimum per 16 values, 64 bytes
+    of 2-bit values, float16 d and dmin) -> float32 ``[R, nb, 256]``: ``d * sc * q - dmin * m``."""
+    sc = b[..., :16].to(torch.int32)
+    d = b[..., 80:82].contiguous().view(torch.float16).float()  # [R, nb, 1]
+    dmin = b[..., 82:84].contiguous().view(torch.float16).float()
+    q = _low_bits(b[..., 16:80], nb).float()
+    vals = (d * (sc & 15).float())[..., None] * q - (dmin * (sc >> 4).float())[..., None]
+    return vals.reshape(-1, nb, 256)
+
+
+def _q3_k(b: torch.Tensor, nb: int) -> torch.Tensor:
+    """Q3_K super-blocks ``[R, nb, 110]`` (32 bytes of high bits, 64 of 2-bit values, 12 of 6-bit
+    scales, float16 d) -> float32 ``[R, nb, 256]``: ``d * (sc - 32) * (q - 4)`` where value ``32 j + l``
+    has ``q``'s bit 2 from bit ``j`` of byte ``l``."""
+    hm = b[..., :32].to(torch.int32).reshape(-1, nb, 1, 32) >> torch.arange(8, dtype=torch.int32).reshape(8, 1)
+    q = _low_bits(b[..., 32:96], nb) | ((hm & 1) << 2).reshape(-1, nb, 16, 16)
+    s = b[..., 96:108].to(torch.int32)
+    low = torch.cat([s[..., :8] & 15, s[..., :8] >> 4], dim=-1)  # [R, nb, 16]
+    high = (s[..., 8:12].reshape(-1, nb, 1, 4) >> (2 * torch.arange(4, dtype=torch.int32)).reshape(4, 1)) & 3
+    sc = (low | (high.reshape(-1, nb, 16) << 4)) - 32
+    d = b[..., 108:110].contiguous().view(torch.float16).float()
+    return ((d * sc.float())[..., None] * (q - 4).float()).reshape(-1, nb, 256)
+
+
+_SIXTEENS = {"q2_k": _q2_k, "q3_k": _q3_k, "q6_k": _q6_k}
+"""k-quants with a scale per 16 values, decoded whole."""
 
 
 def kernel_args(fmt: tuple[str, str] | None, stacks: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -48,7 +48,7 @@ ENV_MARCH = "WORKBENCH_CPU_KERNEL_MARCH"
 """A ``-march`` for the build instead of ``native`` (e.g. ``haswell``: the AVX2 code paths, which the
 tests check on an AVX-512 machine too)."""
 ENV_INT8 = "WORKBENCH_CPU_INT8_DOT"
-"""Set to ``0`` to keep experts kept as Q4_K / Q6_K blocks on the exact float dots (``int8_dots``)."""
+"""Set to ``0`` to keep experts kept as Q8_0 / Q4_K / Q5_K / Q6_K blocks on the exact float dots (``int8_dots``)."""
 
 _lock = threading.Lock()
 _module = None  # the loaded extension
@@ -203,12 +203,17 @@ def _check_rows(rows, weights, E: int, fail) -> None:
             fail(f"rows[{j}] = {r} is outside [0, {E})")
 
 
+KQUANT_CODES = {"q4_k": 0, "q6_k": 1, "q5_k": 2, "q2_k": 3, "q3_k": 4}
+"""The native kernel's codes of the k-quant formats it reads in place (``moe_decode_q4k``, the server)."""
+
+
 def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: torch.Tensor | np.ndarray,
                    weights: torch.Tensor | np.ndarray, fmt13: str = "q4_k", fmt2: str = "q4_k",
                    background: int = 0, tokens: torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
     """``moe_decode`` for experts kept as GGUF k-quant blocks, read as they are: Q4_K (super-blocks of
-    256 values in 144 bytes, 4.5 bits a value) or Q6_K (210 bytes, 6.6 bits), chosen per matrix
-    (``fmt13`` for gate and up, ``fmt2`` for down: Q4_K_M files store some down matrices as Q6_K).
+    256 values in 144 bytes, 4.5 bits a value), Q5_K (176 bytes, 5.5 bits), Q6_K (210 bytes, 6.6
+    bits), Q3_K (110 bytes, 3.4 bits) or Q2_K (84 bytes, 2.6 bits), chosen per matrix (``fmt13`` for gate and up, ``fmt2`` for down: Q4_K_M and Q5_K_M files
+    store some down matrices as Q6_K).
 
     Args:
         x: ``[H]``, or ``[T, H]`` with ``tokens``; bfloat16, float16 or float32.
@@ -224,7 +229,7 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
     from .blocks import KQUANTS
 
     if fmt13 not in KQUANTS or fmt2 not in KQUANTS:
-        fail(f"formats must be q4_k or q6_k, got {fmt13} and {fmt2}")
+        fail(f"formats must be k-quants (q2_k ... q6_k), got {fmt13} and {fmt2}")
     n13, n2 = KQUANTS[fmt13], KQUANTS[fmt2]
     if not all(t.device.type == "cpu" for t in (x, b13, b2, rows, weights)):
         fail("every tensor must be on the CPU")
@@ -244,13 +249,13 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
         fail("the weight stacks must be contiguous")
     _check_rows(rows, weights, E, fail)
     tokens = _tokens(x, tokens, rows, fail)
-    codes = {"q4_k": 0, "q6_k": 1}
+    codes = KQUANT_CODES
     return _start(lambda bg: mod.moe_decode_kq(x.contiguous(), b13, codes[fmt13], b2, codes[fmt2], ffn, rows,
                                                weights, bg, tokens), background)
 
 
 def int8_dots(on: bool | None = None) -> bool:
-    """Whether experts kept as Q8_0 / Q4_K / Q6_K blocks take the integer dots: each input (a token's hidden
+    """Whether experts kept as Q8_0 / Q4_K / Q5_K / Q6_K blocks take the integer dots: each input (a token's hidden
     state, a pair's activations) rounded to int8 per 32 values (``dx = max|x| / 127``, as llama.cpp
     rounds its inputs for its own CPU dots), then multiplied by the weights' integers with AVX512-VNNI
     (or AVX2): 1.1-2x the float dots' speed per core, at 0.3-1% relative error on an expert's output.

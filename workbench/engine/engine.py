@@ -71,7 +71,7 @@ class HostMemoryError(WorkbenchError):
 def keeps_blocks(inventory: Inventory, args: ModelArgs, cpu_format: str | None) -> bool:
     """Whether the engine keeps this model's routed experts in their GGUF quantized blocks on the GPU
     and the CPU instead of dequantizing them at load: every expert tensor is Q8_0, or every one is
-    Q4_K or Q6_K (``blocks.FORMATS``), plain SwiGLU experts without biases whose sizes fill whole
+    Q4_K, Q5_K or Q6_K (``blocks.FORMATS``), plain SwiGLU experts without biases whose sizes fill whole
     blocks and whose routing weight scales the output (not Llama 4's input), no CPU format asked
     for, and ``WORKBENCH_KEEP_QUANTS`` is not ``0``."""
     if (cpu_format is not None or args.expert_bias or args.expert_act != "silu" or not args.n_experts
@@ -87,7 +87,7 @@ def keeps_blocks(inventory: Inventory, args: ModelArgs, cpu_format: str | None) 
 
 
 def keeps_dense(inventory: Inventory, device: torch.device) -> bool:
-    """Whether the engine keeps a GGUF file's Q8_0 / Q4_K / Q6_K attention projections, embeddings,
+    """Whether the engine keeps a GGUF file's Q8_0 / Q4_K / Q5_K / Q6_K attention projections, embeddings,
     head and dense / shared MLPs in their blocks (``packed.Packed``, ``memory.kept_in_blocks``):
     on CUDA (and under Triton's interpreter, for tests), unless ``WORKBENCH_KEEP_QUANTS`` (experts
     too) or ``WORKBENCH_KEEP_DENSE`` (these alone) is ``0``. On a CPU accelerator they are

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 _disabled: list[str] = []
 
-FMT_CODES = {"q8_0": 1, "q4_k": 2, "q6_k": 3}
+FMT_CODES = {"q8_0": 1, "q4_k": 2, "q6_k": 3, "q5_k": 4, "q2_k": 5, "q3_k": 6}
 """The kernels' ``FMT`` for each kept block format (0: float weights)."""
 
 
@@ -112,20 +112,29 @@ if triton is not None:
         return scale.to(tl.float32), mn.to(tl.float32)
 
     @triton.jit
-    def _q4k_dot(sb, rm, x_ptr, k0, K, SWIGLU: tl.constexpr):
+    def _q4k_dot(sb, rm, x_ptr, k0, K, SWIGLU: tl.constexpr, Q5: tl.constexpr = False):
         """Dot products ``[BN]`` of one Q4_K super-block per row (``sb [BN]``: uint8 pointers to each
         row's 144 bytes) with inputs ``k0 .. k0 + 255``. Byte ``32 g + p`` of the quants holds input
         ``64 g + p`` (low nibble, sub-block ``2 g``) and ``64 g + 32 + p`` (high nibble, ``2 g + 1``);
-        ``d * sc * q - dmin * mn`` summed per sub-block as ``d * sc * (q . x) - dmin * mn * sum(x)``."""
+        ``d * sc * q - dmin * mn`` summed per sub-block as ``d * sc * (q . x) - dmin * mn * sum(x)``.
+        ``Q5``: Q5_K's 176 bytes, whose 32 bytes after the scales hold each value's fifth bit (bit
+        ``j`` of byte ``p``: sub-block ``j``, value ``p``), the quants after them."""
         g = tl.arange(0, 4)
         p = tl.arange(0, 32)
         at = g[:, None] * 64 + p[None, :]  # [4, 32]
         xlo = _inputs(x_ptr, k0 + at, K, at < 256, SWIGLU)
         xhi = _inputs(x_ptr, k0 + at + 32, K, at < 256, SWIGLU)
-        qb = tl.load(sb[:, None, None] + 16 + (g[:, None] * 32 + p[None, :])[None, :, :], mask=rm[:, None, None],
+        m3 = rm[:, None, None]
+        qb = tl.load(sb[:, None, None] + (48 if Q5 else 16) + (g[:, None] * 32 + p[None, :])[None, :, :], mask=m3,
                      other=0).to(tl.int32)
-        dlo = tl.sum((qb & 15).to(tl.float32) * xlo[None, :, :], axis=2)  # [BN, 4]
-        dhi = tl.sum((qb >> 4).to(tl.float32) * xhi[None, :, :], axis=2)
+        qlo = qb & 15
+        qhi = qb >> 4
+        if Q5:
+            qh = tl.load(sb[:, None, None] + 16 + (g[:, None] * 0 + p[None, :])[None, :, :], mask=m3, other=0).to(tl.int32)
+            qlo = qlo | (((qh >> (2 * g)[None, :, None]) & 1) << 4)
+            qhi = qhi | (((qh >> (2 * g + 1)[None, :, None]) & 1) << 4)
+        dlo = tl.sum(qlo.to(tl.float32) * xlo[None, :, :], axis=2)  # [BN, 4]
+        dhi = tl.sum(qhi.to(tl.float32) * xhi[None, :, :], axis=2)
         sc_lo, mn_lo = _q4k_scale_min(sb, 2 * g, rm)
         sc_hi, mn_hi = _q4k_scale_min(sb, 2 * g + 1, rm)
         s = tl.sum(sc_lo * dlo + sc_hi * dhi, axis=1)
@@ -169,14 +178,15 @@ if triton is not None:
         """Float32 weights ``[BLOCK_N, BLOCK_K]`` of rows ``rows [BLOCK_N]`` (pointers to each row's
         first byte) at inputs ``k0 .. k0 + BLOCK_K`` (``k0`` a multiple of ``BLOCK_K``, which divides
         256), decoded a block at a time: ``FMT`` 1 Q8_0 (``d_rows``: each row's float16 scales, one
-        load per 32 values), 2 Q4_K, 3 Q6_K (each super-block's scales decoded once per sub-block).
+        load per 32 values), 2 Q4_K, 3 Q6_K, 4 Q5_K, 5 Q2_K, 6 Q3_K (each super-block's scales decoded
+        once per sub-block).
         0 where ``rm`` is False or past ``K`` (nothing read there)."""
         return tl.reshape(_block_tile3(rows, d_rows, k0, rm, K, FMT, BLOCK_N, BLOCK_K), (BLOCK_N, BLOCK_K))
 
     @triton.jit
     def _block_tile3(rows, d_rows, k0, rm, K, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """``_block_tile`` as decoded, ``[BLOCK_N, BLOCK_K / S, S]``: sub-blocks of ``S`` inputs (16
-        for Q6_K, else 32) along the middle axis, inputs in order (no reshape, no layout change)."""
+        for Q6_K, Q2_K and Q3_K, else 32) along the middle axis, inputs in order (no reshape, no layout change)."""
         if FMT == 1:
             NB: tl.constexpr = BLOCK_K // 32
             blk = k0 // 32 + tl.arange(0, NB)
@@ -186,17 +196,44 @@ if triton is not None:
             q = tl.load(rows[:, None, None] + at[None, :, :], mask=m3, other=0).to(tl.float32)
             d = tl.load(d_rows[:, None] + blk[None, :], mask=rm[:, None] & bm[None, :], other=0.0).to(tl.float32)
             w = q * d[:, :, None]
-        elif FMT == 2:
+        elif FMT == 2 or FMT == 4:  # Q4_K; Q5_K: the same with a fifth bit per value (``_q4k_dot``)
             J: tl.constexpr = BLOCK_K // 32
-            sb = rows + (k0 // 256) * 144
+            sb = rows + (k0 // 256) * (144 if FMT == 2 else 176)
             j = (k0 % 256) // 32 + tl.arange(0, J)  # sub-blocks of 32 values
             sc, mn = _q4k_scale_min(sb, j, rm)  # [BN, J]
             at = (j // 2 * 32)[:, None] + tl.arange(0, 32)[None, :]  # byte 32 g + p holds sub-blocks 2g, 2g + 1
-            q = tl.load(sb[:, None, None] + 16 + at[None, :, :], mask=rm[:, None, None], other=0).to(tl.int32)
+            q = tl.load(sb[:, None, None] + (16 if FMT == 2 else 48) + at[None, :, :], mask=rm[:, None, None],
+                        other=0).to(tl.int32)
             q = (q >> ((j % 2) * 4)[None, :, None]) & 15
+            if FMT == 4:
+                p = (j * 0)[:, None] + tl.arange(0, 32)[None, :]  # [J, 32]: the value's byte of the fifth bits
+                qh = tl.load(sb[:, None, None] + 16 + p[None, :, :], mask=rm[:, None, None], other=0).to(tl.int32)
+                q = q | (((qh >> j[None, :, None]) & 1) << 4)
             d = _half(sb, 0, rm)[:, None]
             dmin = _half(sb, 2, rm)[:, None]
             w = (d * sc)[:, :, None] * q.to(tl.float32) - (dmin * mn)[:, :, None]
+        elif FMT == 5 or FMT == 6:  # Q2_K, Q3_K: 2-bit values (byte 32 n + l, bits 2 g: value 128 n + 32 g + l)
+            U: tl.constexpr = BLOCK_K // 16
+            sb = rows + (k0 // 256) * (84 if FMT == 5 else 110)
+            u = (k0 % 256) // 16 + tl.arange(0, U)  # sub-blocks of 16 values
+            at = (u * 16)[:, None] + tl.arange(0, 16)[None, :]  # [U, 16]: positions in the super-block
+            n = at // 128
+            g = (at % 128) // 32
+            lb = n * 32 + at % 32
+            m3 = rm[:, None, None]
+            q = (tl.load(sb[:, None, None] + ((16 if FMT == 5 else 32) + lb)[None, :, :], mask=m3, other=0)
+                 .to(tl.int32) >> (2 * g)[None, :, :]) & 3
+            if FMT == 5:  # scale and minimum: the low and high nibbles of byte u; float16 d and dmin last
+                sc = tl.load(sb[:, None] + u[None, :], mask=rm[:, None], other=0).to(tl.int32)
+                w = ((_half(sb, 80, rm)[:, None] * (sc & 15).to(tl.float32))[:, :, None] * q.to(tl.float32)
+                     - (_half(sb, 82, rm)[:, None] * (sc >> 4).to(tl.float32))[:, :, None])
+            else:  # bit 2 of q: bit 4 n + g of byte l of the high bits; 6-bit scales - 32; float16 d last
+                hb = tl.load(sb[:, None, None] + (at % 32)[None, :, :], mask=m3, other=0).to(tl.int32)
+                q = q | (((hb >> (4 * n + g)[None, :, :]) & 1) << 2)
+                lo = tl.load(sb[:, None] + 96 + (u % 8)[None, :], mask=rm[:, None], other=0).to(tl.int32)
+                hi = tl.load(sb[:, None] + 104 + (u % 4)[None, :], mask=rm[:, None], other=0).to(tl.int32)
+                sc = ((lo >> ((u // 8) * 4)[None, :]) & 15) | (((hi >> ((u // 4) * 2)[None, :]) & 3) << 4)
+                w = (_half(sb, 108, rm)[:, None] * (sc - 32).to(tl.float32))[:, :, None] * (q - 4).to(tl.float32)
         else:
             U: tl.constexpr = BLOCK_K // 16
             sb = rows + (k0 // 256) * 210
@@ -235,8 +272,8 @@ if triton is not None:
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr):
         """Dot products ``[BLOCK_N]`` float32 of whole weight rows with ``K`` inputs (``_inputs``).
         ``w_rows [BLOCK_N]``: pointers to each row's start; ``FMT`` 0: float values; 1: Q8_0 int8
-        values with ``d_rows`` pointing at each row's float16 scales (one per 32 inputs); 2 / 3: the
-        row's raw Q4_K / Q6_K super-blocks, read a super-block at a time (scales once per sub-block,
+        values with ``d_rows`` pointing at each row's float16 scales (one per 32 inputs); 2 / 3 / 4: the
+        row's raw Q4_K / Q6_K / Q5_K super-blocks (5 / 6: Q2_K / Q3_K, a super-block a tile), read a super-block at a time (scales once per sub-block,
         not per value). Rows where ``rm`` is False give 0 and read nothing.
 
         ``TILE`` (blocks only; ``K`` a compile-time constant, ``BLOCK_K`` dividing 256): the row
@@ -246,13 +283,15 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if TILE and FMT == 3:
             acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, BLOCK_K, 16)
+        elif FMT == 5 or FMT == 6:  # Q2_K, Q3_K: always a super-block a tile
+            acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, 256, 16)
         elif TILE and FMT != 0:
             acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, BLOCK_K, 32)
-        elif FMT == 2 or FMT == 3:
-            size: tl.constexpr = 144 if FMT == 2 else 210
+        elif FMT == 2 or FMT == 3 or FMT == 4:
+            size: tl.constexpr = 144 if FMT == 2 else (210 if FMT == 3 else 176)
             for s in tl.static_range(0, K // 256):  # unrolled: every super-block's loads in flight at once
-                if FMT == 2:
-                    acc += _q4k_dot(w_rows + s * size, rm, x_ptr, s * 256, K, SWIGLU)
+                if FMT == 2 or FMT == 4:
+                    acc += _q4k_dot(w_rows + s * size, rm, x_ptr, s * 256, K, SWIGLU, FMT == 4)
                 else:
                     acc += _q6k_dot(w_rows + s * size, rm, x_ptr, s * 256, K, SWIGLU)
         elif FMT == 1:
@@ -318,7 +357,7 @@ if triton is not None:
                         TILE: tl.constexpr):
         """out[j, n] = w[rowmap[ids[j]], n, :] . x  (float32), zero where the pair is inactive. ``FMT``
         1: ``w`` int8 and ``d_ptr`` its float16 scales, one per 32 values along K (GGUF Q8_0); 2:
-        ``w`` the rows' raw GGUF Q4_K bytes (``stride_n`` bytes a row); 3: raw GGUF Q6_K bytes."""
+        ``w`` the rows' raw GGUF Q4_K bytes (``stride_n`` bytes a row); 3 / 4: raw GGUF Q6_K / Q5_K bytes."""
         pair = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row = tl.load(rowmap_ptr + tl.load(ids_ptr + pair))
@@ -558,7 +597,7 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     ``w2 [R, H, I]``, or -1 when it lives elsewhere (that pair adds nothing and reads nothing).
     With ``d13 [R, 2I, H/32]`` / ``d2 [R, H, I/32]`` (float16) the stacks are GGUF Q8_0: ``w13``/``w2``
     int8 values, one scale per 32 along the input axis (contiguous stacks; ``fmt`` may then say
-    ``("q8_0", "q8_0")`` or be None). ``fmt=(gate/up format, down format)`` of ``"q4_k"``/``"q6_k"``: ``w13 [R, 2I, H/256*bytes]`` and ``w2 [R, H, I/256*bytes]``
+    ``("q8_0", "q8_0")`` or be None). ``fmt=(gate/up format, down format)`` of k-quants (``"q2_k"`` ... ``"q6_k"``): ``w13 [R, 2I, H/256*bytes]`` and ``w2 [R, H, I/256*bytes]``
     are the rows' raw GGUF k-quant bytes (uint8).
     The first call per shape checks the kernels' autotuning candidates against PyTorch
     (``kernel_check``: host syncs, eager only); later calls: no host sync, capturable in a CUDA graph.

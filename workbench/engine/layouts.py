@@ -120,7 +120,7 @@ class FamilyWeights:
 
     def blocks(self, role: str, layer: int | None = None):
         """``role``'s matrix as a ``packed.Packed`` on the CPU (views of the file) when the engine keeps
-        it in the file's blocks (``memory.kept_in_blocks``: a GGUF Q8_0 / Q4_K / Q6_K projection,
+        it in the file's blocks (``memory.kept_in_blocks``: a GGUF Q8_0 / Q4_K / Q5_K / Q6_K projection,
         embedding or head), with llama.cpp's Q/K row permutation undone; else None."""
         if not self.gguf:
             return None

@@ -52,7 +52,7 @@ if triton is not None:
                        BLOCK_K: tl.constexpr, FMT: tl.constexpr, TILE: tl.constexpr):
         """``out[n] = w[n, :] . x`` for rows ``n`` of block ``pid(0)``, summed in float32 and stored in
         out's dtype. ``FMT`` 1: ``w`` int8 [N, K] with float16 scales at ``d_ptr`` [N, K/32]; 2 / 3:
-        raw Q4_K / Q6_K rows of ``stride_n`` bytes."""
+        raw Q4_K / Q6_K / Q5_K rows of ``stride_n`` bytes."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = offs_n < N
         at = offs_n.to(tl.int64) * stride_n
@@ -78,7 +78,7 @@ class Packed:
     """A matrix ``[N, K]`` (``nn.Linear`` layout: out x in) kept as ``blocks`` format ``fmt``.
 
     ``parts``: ``[q int8 [N, K], d float16 [N, K/32]]`` for Q8_0, ``[raw uint8 [N, K/256 * bytes]]``
-    for Q4_K / Q6_K, rows contiguous. ``dtype``: what products and embeddings come out as (the
+    for Q4_K / Q5_K / Q6_K, rows contiguous. ``dtype``: what products and embeddings come out as (the
     engine's activation dtype).
     """
 

@@ -52,7 +52,7 @@ if triton is not None:
         """Tile ``t`` (``tiles[t] = (row, start, count)``), outputs ``n`` of block ``pid(1)``:
         ``out[start + m, n] = x[start + m] . w[row, n]`` for ``m < count``, or with ``SWIGLU``
         ``silu(x . w[row, n]) * (x . w[row, N + n])`` (gate rows first, then up). ``FMT`` 0: float
-        stacks; 1: GGUF Q8_0 (int8 values, float16 scales at ``d_ptr``); 2 / 3: raw Q4_K / Q6_K rows
+        stacks; 1: GGUF Q8_0 (int8 values, float16 scales at ``d_ptr``); 2 / 3 / 4: raw Q4_K / Q6_K / Q5_K rows
         (``stride_n`` bytes a row), decoded in the tile a block at a time (``_block_tile``) and
         rounded to ``x``'s dtype as a dequantized stack would be."""
         t = tl.program_id(0)

@@ -299,7 +299,7 @@ def _native_stacks(lx: LayerExperts) -> tuple[int, list[torch.Tensor], int, int]
         return 0, stacks, 0, 0
     if lx.kept[0] == "q8_0":
         return 1, stacks, 0, 0
-    codes = {"q4_k": 0, "q6_k": 1}
+    codes = cpu_kernel.KQUANT_CODES
     return 2, stacks, codes[lx.kept[0]], codes[lx.kept[1]]
 
 

@@ -1,4 +1,4 @@
-// Integer dots for experts kept in GGUF blocks (Q4_K, Q6_K, Q8_0): the input is rounded to int8
+// Integer dots for experts kept in GGUF blocks (Q8_0 and the k-quants Q2_K to Q6_K): the input is rounded to int8
 // per 32 values first, as llama.cpp rounds it (to Q8_K / Q8_0) for its own CPU dots, and VPDPBUSD
 // multiplies 64 weight values by 64 input values per instruction (AVX2: 32, by VPMADDUBSW and
 // VPMADDWD), summed in int32, without turning any weight into a float. The float paths of moe_decode.cpp convert every weight value to
@@ -41,15 +41,27 @@ struct Input {
   const float* s16;   // [K/16] the same per 16 values
 };
 
-// The weight format whose dot reads the Inputs: it sets how q is laid out. AVX-512: for Q4_K each
+// The weight format whose dot reads the Inputs: it sets how q is laid out. AVX-512: for Q4_K (and
+// Q5_K, whose 4-bit values lie as Q4_K's) each
 // 128 values in the order of Q4_K's 4-bit values as one 64-byte load splits them (32 low nibbles of
 // sub-block 0, low of 2, high of 1, high of 3: sub-blocks 0, 2, 1, 3; K % 128 == 0); for Q8_0
 // unsigned bytes q + 128 (VPDPBUSD's unsigned factor against the signed weights); Q6_K in order.
+// For Q2_K and Q3_K each 256 values in the order of their 2-bit values as one 64-byte load shifted
+// by 2g holds them (values 32g .. 32g + 31, then 128 + 32g .. 128 + 32g + 31, for g = 0..3).
 // AVX2: every format in order, signed.
-enum class Order { kQ4K, kQ6K, kQ8 };
+enum class Order { kQ4K, kQ6K, kQ8, kQ2K };
 
-// Format codes of the weights as moe_decode.cpp passes them: 0 Q4_K, 1 Q6_K (the k-quants).
-inline Order order_for_kquant(int64_t fmt) { return fmt == 0 ? Order::kQ4K : Order::kQ6K; }
+// Format codes of the weights as moe_decode.cpp passes them: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K.
+inline Order order_for_kquant(int64_t fmt) {
+  return fmt == 1 ? Order::kQ6K : (fmt >= 3 ? Order::kQ2K : Order::kQ4K);
+}
+
+// Q3_K's 16 scales (6 bits, less 32): the low 4 bits of scale u in byte u % 8 (shifted by 4 for
+// u >= 8), its top 2 in byte 8 + u % 4 (shifted by 2 * (u / 4)).
+inline void q3k_scales(const uint8_t* sc, int8_t* out) {
+  for (int u = 0; u < 16; ++u)
+    out[u] = static_cast<int8_t>((((sc[u % 8] >> (4 * (u / 8))) & 15) | (((sc[8 + u % 4] >> (2 * (u / 4))) & 3) << 4)) - 32);
+}
 
 // Inputs [n, K] rounded to int8 for one weight layout (K a multiple of 32).
 class Inputs {
@@ -115,11 +127,11 @@ INT8DOT_HOT inline void q4k_scales(const uint8_t* sc, float d, float dmin, __m25
                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mins)))));
 }
 
-// Q4_K super-block sb at b (read ahead): d * scale of its 8 sub-blocks; dmin * minimum times each
-// input's sums per sub-block (the minimums' part of the dot) added to mins[j].
+// Q4_K (or Q5_K: bytes 176) super-block sb at b (read ahead): d * scale of its 8 sub-blocks; dmin *
+// minimum times each input's sums per sub-block (the minimums' part of the dot) added to mins[j].
 template <int N>
-INT8DOT_HOT inline __m256 q4k_super(const uint8_t* b, const Input* xs, int64_t sb, __m256* mins) {
-  prefetch_block(b, 144);
+INT8DOT_HOT inline __m256 q4k_super(const uint8_t* b, const Input* xs, int64_t sb, __m256* mins, int64_t bytes = 144) {
+  prefetch_block(b, bytes);
   __m256 s, m;
   q4k_scales(b + 4, half_bits_to_float(b), half_bits_to_float(b + 2), s, m);
   for (int j = 0; j < N; ++j) mins[j] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs[j].s32 + 8 * sb), mins[j]);
@@ -147,7 +159,9 @@ inline void Inputs::set(int64_t i, const float* x) {
       v0 = _mm512_cvtps_epi32(_mm512_div_ps(x0, d));  // round to nearest even (MXCSR's default)
       v1 = _mm512_cvtps_epi32(_mm512_div_ps(x1, d));
     }
-    const int64_t at = order_ == Order::kQ4K ? 128 * (b / 4) + 32 * kSlot[b % 4] : 32 * b;
+    const int64_t at = order_ == Order::kQ4K   ? 128 * (b / 4) + 32 * kSlot[b % 4]
+                       : order_ == Order::kQ2K ? 256 * (b / 8) + 32 * (2 * (b % 4) + (b % 8) / 4)
+                                               : 32 * b;
     const __m128i flip = order_ == Order::kQ8 ? _mm_set1_epi8(static_cast<char>(0x80)) : _mm_setzero_si128();
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at), _mm_xor_si128(_mm512_cvtepi32_epi8(v0), flip));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(v1), flip));
@@ -173,9 +187,16 @@ INT8DOT_HOT inline __m512 dot128(__m512i w0, __m512i w1, __m512 s0, __m512 s1, c
 // d and dmin, 12 bytes of 6-bit scales and minimums of 8 sub-blocks, 128 bytes of 4-bit values;
 // value = d * sc * q - dmin * m. Per super-block and input: d * sc * dx * (int dot of each
 // sub-block) minus dmin * m * (dx * sum of the input's q), the minimums' part for all 8 at once.
-template <int N>
+// Q5: Q5_K (176 bytes: the 32 bytes after the scales hold bit j of value l of sub-block j in byte
+// l; the 4-bit values follow), whose fifth bits join the nibbles as 16 before the dots.
+template <int N, bool Q5 = false>
 inline void dot_q4k(const uint8_t* row, const Input* xs, int64_t K, float* res) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  constexpr int64_t kBytes = Q5 ? 176 : 144;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(0x01);
+  // per 16-bit lane, the fifth bits' shift for the low nibbles of one 64-byte load (sub-blocks 0 | 2;
+  // + 1: the high nibbles', 1 | 3; + 4: the second load's)
+  const __m512i sh02 = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2,
+                                        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
   // lanes of a 64-value dot: 8 of one sub-block, 8 of another (see Inputs' order)
   const __m512i pick[4] = {_mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
                            _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1),
@@ -185,13 +206,21 @@ inline void dot_q4k(const uint8_t* row, const Input* xs, int64_t K, float* res) 
   __m256 mins[N];
   for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps(), mins[j] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < K / 256; ++sb) {
-    const uint8_t* b = row + 144 * sb;
-    const __m256 s = q4k_super<N>(b, xs, sb, mins);
+    const uint8_t* b = row + kBytes * sb;
+    const __m256 s = q4k_super<N>(b, xs, sb, mins, kBytes);
     const __m512 s16 = _mm512_castps256_ps512(s);
-    const uint8_t* qs = b + 16;
+    const uint8_t* qs = b + (Q5 ? 48 : 16);
+    __m512i qh = _mm512_setzero_si512();
+    if constexpr (Q5) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
     for (int64_t h = 0; h < 2; ++h) {
       const __m512i w = _mm512_loadu_si512(reinterpret_cast<const void*>(qs + 64 * h));
-      const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      if constexpr (Q5) {
+        const __m512i sh = _mm512_add_epi16(sh02, _mm512_set1_epi16(static_cast<int16_t>(4 * h)));
+        lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh), one), 4));
+        hi = _mm512_or_si512(
+            hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, _mm512_add_epi16(sh, _mm512_set1_epi16(1))), one), 4));
+      }
       const __m512 slo = _mm512_permutexvar_ps(pick[2 * h], s16), shi = _mm512_permutexvar_ps(pick[2 * h + 1], s16);
       for (int j = 0; j < N; ++j) acc[j] = dot128(lo, hi, slo, shi, xs[j], 256 * sb + 128 * h, acc[j]);
     }
@@ -239,6 +268,60 @@ inline void dot_q6k(const uint8_t* row, const Input* xs, int64_t K, float* res) 
                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh23), low2), 4));
       const __m512 s01 = _mm512_permutexvar_ps(pick[2 * h], s), s23 = _mm512_permutexvar_ps(pick[2 * h + 1], s);
       for (int j = 0; j < N; ++j) acc[j] = dot128(v01, v23, s01, s23, xs[j], 256 * sb + 128 * h, acc[j]);
+    }
+  }
+  for (int j = 0; j < N; ++j) res[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], off[j]));
+}
+
+// res[j] = Q2_K (Q3: Q3_K) row . xs[j] for j < N (inputs in Order::kQ2K). One 64-byte load of the
+// 2-bit values shifted by 2g is group g's 64 values (Q3_K: bit 2 from its high bytes, bit g for the
+// first 32 and 4 + g for the rest); 4 lanes per scale of 16 values. Q2_K's minimums and Q3_K's
+// offset 4 are taken off once per super-block from the input's sums per 16 values.
+template <int N, bool Q3>
+inline void dot_q23k(const uint8_t* row, const Input* xs, int64_t K, float* res) {
+  constexpr int64_t kBytes = Q3 ? 110 : 84;
+  const __m512i low2 = _mm512_set1_epi8(0x03), one = _mm512_set1_epi8(0x01);
+  const __m512i hsh = _mm512_set_epi16(4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4,
+                                       0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  // lanes of group g's dot: sub-blocks 2g, 2g + 1, 8 + 2g, 9 + 2g, 4 lanes each
+  alignas(64) static constexpr int32_t kPick[4][16] = {
+      {0, 0, 0, 0, 1, 1, 1, 1, 8, 8, 8, 8, 9, 9, 9, 9}, {2, 2, 2, 2, 3, 3, 3, 3, 10, 10, 10, 10, 11, 11, 11, 11},
+      {4, 4, 4, 4, 5, 5, 5, 5, 12, 12, 12, 12, 13, 13, 13, 13},
+      {6, 6, 6, 6, 7, 7, 7, 7, 14, 14, 14, 14, 15, 15, 15, 15}};
+  __m512 acc[N], off[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps(), off[j] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* b = row + kBytes * sb;
+    prefetch_block(b, kBytes);
+    __m512 s, o;  // the scales of the 16 sub-blocks, and what each takes off per unit of the input's sum
+    if constexpr (Q3) {
+      alignas(16) int8_t sc[16];
+      q3k_scales(b + 96, sc);
+      s = _mm512_mul_ps(_mm512_set1_ps(half_bits_to_float(b + 108)),
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)))));
+      o = _mm512_mul_ps(s, _mm512_set1_ps(-4.f));
+    } else {
+      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+      s = _mm512_mul_ps(_mm512_set1_ps(half_bits_to_float(b + 80)),
+                        _mm512_cvtepi32_ps(_mm512_and_si512(sc, _mm512_set1_epi32(15))));
+      o = _mm512_mul_ps(_mm512_set1_ps(-half_bits_to_float(b + 82)), _mm512_cvtepi32_ps(_mm512_srli_epi32(sc, 4)));
+    }
+    for (int j = 0; j < N; ++j) off[j] = _mm512_fmadd_ps(o, _mm512_loadu_ps(xs[j].s16 + 16 * sb), off[j]);
+    const __m512i qs = _mm512_loadu_si512(reinterpret_cast<const void*>(b + (Q3 ? 32 : 16)));
+    __m512i hb = _mm512_setzero_si512();
+    if constexpr (Q3) hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+    __m512i v[4];
+    for (int g = 0; g < 4; ++g) {
+      v[g] = _mm512_and_si512(_mm512_srli_epi16(qs, static_cast<unsigned>(2 * g)), low2);
+      if constexpr (Q3) {
+        const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(hb, _mm512_add_epi16(hsh, _mm512_set1_epi16(static_cast<int16_t>(g)))), one);
+        v[g] = _mm512_or_si512(v[g], _mm512_slli_epi16(bit, 2));
+      }
+    }
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m512 s0 = _mm512_permutexvar_ps(_mm512_load_si512(kPick[2 * h]), s);
+      const __m512 s1 = _mm512_permutexvar_ps(_mm512_load_si512(kPick[2 * h + 1]), s);
+      for (int j = 0; j < N; ++j) acc[j] = dot128(v[2 * h], v[2 * h + 1], s0, s1, xs[j], 256 * sb + 128 * h, acc[j]);
     }
   }
   for (int j = 0; j < N; ++j) res[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], off[j]));
@@ -334,19 +417,28 @@ INT8DOT_HOT inline __m256 dot32(__m256i w, __m256 ws, const Input& x, int64_t at
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(ws, _mm256_loadu_ps(x.dxe + at / 4)), acc);
 }
 
-// As the AVX-512 dot_q4k: one 32-byte chunk (64 values) a step, its low nibbles sub-block 2c and
-// its high ones 2c + 1, both in the input's order.
-template <int N>
+// As the AVX-512 dot_q4k (Q5: Q5_K): one 32-byte chunk (64 values) a step, its low nibbles
+// sub-block 2c and its high ones 2c + 1, both in the input's order.
+template <int N, bool Q5 = false>
 inline void dot_q4k(const uint8_t* row, const Input* xs, int64_t K, float* res) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  constexpr int64_t kBytes = Q5 ? 176 : 144;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(0x01);
   __m256 acc[N], mins[N];
   for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps(), mins[j] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < K / 256; ++sb) {
-    const uint8_t* b = row + 144 * sb;
-    const __m256 s = q4k_super<N>(b, xs, sb, mins);
+    const uint8_t* b = row + kBytes * sb;
+    const __m256 s = q4k_super<N>(b, xs, sb, mins, kBytes);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));  // Q5_K's fifth bits
     for (int64_t c = 0; c < 4; ++c) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
-      const __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (Q5 ? 48 : 16) + 32 * c));
+      __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+      if constexpr (Q5) {
+        auto bit = [&](int j) {  // 16 where bit j of each qh byte is set
+          return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one), 4);
+        };
+        lo = _mm256_or_si256(lo, bit(static_cast<int>(2 * c)));
+        hi = _mm256_or_si256(hi, bit(static_cast<int>(2 * c + 1)));
+      }
       const __m256 slo = _mm256_permutevar8x32_ps(s, _mm256_set1_epi32(static_cast<int>(2 * c)));
       const __m256 shi = _mm256_permutevar8x32_ps(s, _mm256_set1_epi32(static_cast<int>(2 * c + 1)));
       for (int j = 0; j < N; ++j) {
@@ -392,6 +484,54 @@ inline void dot_q6k(const uint8_t* row, const Input* xs, int64_t K, float* res) 
   for (int j = 0; j < N; ++j) res[j] = reduce256(_mm256_add_ps(acc[j], off[j]));
 }
 
+// As the AVX-512 dot_q23k, 32 values a step in the input's order (value 128n + 32g + l: bits 2g of
+// byte 32n + l), 4 lanes per scale.
+template <int N, bool Q3>
+inline void dot_q23k(const uint8_t* row, const Input* xs, int64_t K, float* res) {
+  constexpr int64_t kBytes = Q3 ? 110 : 84;
+  const __m256i low2 = _mm256_set1_epi8(0x03), one = _mm256_set1_epi8(0x01);
+  __m256 acc[N], off[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps(), off[j] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* b = row + kBytes * sb;
+    prefetch_block(b, kBytes);
+    __m256 s[2], o[2];
+    if constexpr (Q3) {
+      alignas(16) int8_t sc[16];
+      q3k_scales(b + 96, sc);
+      const __m256 d = _mm256_set1_ps(half_bits_to_float(b + 108));
+      for (int h = 0; h < 2; ++h) {
+        s[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h)))));
+        o[h] = _mm256_mul_ps(s[h], _mm256_set1_ps(-4.f));
+      }
+    } else {
+      const __m256 d = _mm256_set1_ps(half_bits_to_float(b + 80)), dmin = _mm256_set1_ps(-half_bits_to_float(b + 82));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * h)));
+        s[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(sc, _mm256_set1_epi32(15))));
+        o[h] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(sc, 4)));
+      }
+    }
+    for (int j = 0; j < N; ++j)
+      for (int h = 0; h < 2; ++h) off[j] = _mm256_fmadd_ps(o[h], _mm256_loadu_ps(xs[j].s16 + 16 * sb + 8 * h), off[j]);
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));  // Q3_K's high bits
+    for (int64_t n = 0; n < 2; ++n) {
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (Q3 ? 32 : 16) + 32 * n));
+      for (int64_t g = 0; g < 4; ++g) {
+        __m256i v = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(static_cast<int>(2 * g))), low2);
+        if constexpr (Q3) {
+          const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(static_cast<int>(4 * n + g))), one);
+          v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 2));
+        }
+        const __m256i pick = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
+        const __m256 ws = _mm256_permutevar8x32_ps(s[n], pick);
+        for (int j = 0; j < N; ++j) acc[j] = dot32(v, ws, xs[j], 256 * sb + 128 * n + 32 * g, acc[j]);
+      }
+    }
+  }
+  for (int j = 0; j < N; ++j) res[j] = reduce256(_mm256_add_ps(acc[j], off[j]));
+}
+
 // As the AVX-512 dot_q8, a block of 32 a step: |w| as the unsigned factor, the input's sign flipped
 // where w is negative (and zeroed where w is 0) as the signed one.
 template <int N>
@@ -415,20 +555,28 @@ inline void dot_q8(const int8_t* w, const uint16_t* d, const Input* xs, int64_t 
 #else
 
 inline void Inputs::set(int64_t, const float*) {}
-template <int N>
+template <int N, bool Q5 = false>
 inline void dot_q4k(const uint8_t*, const Input*, int64_t, float*) {}
 template <int N>
 inline void dot_q6k(const uint8_t*, const Input*, int64_t, float*) {}
+template <int N, bool Q3>
+inline void dot_q23k(const uint8_t*, const Input*, int64_t, float*) {}
 template <int N>
 inline void dot_q8(const int8_t*, const uint16_t*, const Input*, int64_t, float*) {}
 
 #endif
 
-// k-quant integer dots of one row with N inputs: fmt 0 Q4_K, 1 Q6_K.
+// k-quant integer dots of one row with N inputs: fmt 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K.
 template <int N>
 inline void dot_kq(int64_t fmt, const uint8_t* row, const Input* xs, int64_t K, float* res) {
   if (fmt == 0) {
     dot_q4k<N>(row, xs, K, res);
+  } else if (fmt == 2) {
+    dot_q4k<N, true>(row, xs, K, res);
+  } else if (fmt == 3) {
+    dot_q23k<N, false>(row, xs, K, res);
+  } else if (fmt == 4) {
+    dot_q23k<N, true>(row, xs, K, res);
   } else {
     dot_q6k<N>(row, xs, K, res);
   }

@@ -316,16 +316,37 @@ HOT inline void q4k_scale_min(const uint8_t* sc, int64_t j, int& s, int& m) {
   }
 }
 
-// Super-block sb of a Q4_K row: d and dmin decoded, its 12 scale bytes and 128 bytes of 4-bit values.
+// GGUF Q5_K: Q4_K's super-block with 32 more bytes qh between the scales and the 4-bit values
+// (176 bytes): value l of sub-block j gains 16 where bit j of qh[l] is set (l < 32).
+// value = d * sc[j] * (q + 16 * bit) - dmin * m[j].
+HOT inline void fifth_bits(const uint8_t* h, int64_t c, vf32& lo, vf32& hi) {  // LANES bytes of qh, chunk c
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512i b0 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v, static_cast<unsigned>(2 * c)), one), 4);
+  const __m512i b1 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v, static_cast<unsigned>(2 * c + 1)), one), 4);
+  lo += reinterpret_cast<vf32>(_mm512_cvtepi32_ps(b0));
+  hi += reinterpret_cast<vf32>(_mm512_cvtepi32_ps(b1));
+#else
+  for (int64_t l = 0; l < LANES; ++l) {
+    lo[l] += static_cast<float>(((h[l] >> (2 * c)) & 1) << 4);
+    hi[l] += static_cast<float>(((h[l] >> (2 * c + 1)) & 1) << 4);
+  }
+#endif
+}
+
+// Super-block sb of a Q4_K row (Q5: of a Q5_K row): d and dmin decoded, its 12 scale bytes, Q5_K's
+// 32 bytes of fifth bits, and the 128 bytes of 4-bit values.
 struct Q4kSuper {
   float d, dmin;
   const uint8_t* sc;
+  const uint8_t* qh;
   const uint8_t* qs;
-  Q4kSuper(const uint8_t* row, int64_t sb) {
-    const uint8_t* b = row + 144 * sb;
+  Q4kSuper(const uint8_t* row, int64_t sb, bool q5 = false) {
+    const uint8_t* b = row + (q5 ? 176 : 144) * sb;
     d = half_to_float(reinterpret_cast<const Half*>(b));
     dmin = half_to_float(reinterpret_cast<const Half*>(b + 2));
-    sc = b + 4, qs = b + 16;
+    sc = b + 4, qh = b + 16, qs = b + (q5 ? 48 : 16);
   }
   // Chunk c (values 64c .. 64c + 63, sub-blocks 2c and 2c + 1): d times each sub-block's scale into
   // d0 / d1, and the minimums' part of the dot (xs: the sums of x per 32 values) added to mins.
@@ -338,15 +359,15 @@ struct Q4kSuper {
   }
 };
 
-// dots of one Q4_K row with N inputs xs[j][0:K]; xsums[j][K/32] holds the sums of input j over each
-// 32-value block. The row's values are decoded once for the N inputs; each input's sums run in the
-// same order whatever N is.
-template <int N>
+// dots of one Q4_K (Q5: Q5_K) row with N inputs xs[j][0:K]; xsums[j][K/32] holds the sums of input
+// j over each 32-value block. The row's values are decoded once for the N inputs; each input's sums
+// run in the same order whatever N is.
+template <int N, bool Q5 = false>
 inline void dot_q4k_n(const uint8_t* row, const float* const* xs, const float* const* xsums, int64_t K, float* res) {
   vf32 acc[N] = {};
   float mins[N] = {};
   for (int64_t sb = 0; sb < K / 256; ++sb) {
-    const Q4kSuper q(row, sb);
+    const Q4kSuper q(row, sb, Q5);
     for (int64_t c = 0; c < 4; ++c) {
       float d0 = 0.f, d1 = 0.f;
       for (int j = 0; j < N; ++j) q.chunk(c, xsums[j] + 8 * sb, d0, d1, mins[j]);
@@ -354,6 +375,7 @@ inline void dot_q4k_n(const uint8_t* row, const float* const* xs, const float* c
       for (int64_t v = 0; v < 32; v += LANES) {
         vf32 lo, hi;
         nibbles(q.qs + 32 * c + v, lo, hi);
+        if constexpr (Q5) fifth_bits(q.qh + v, c, lo, hi);
         for (int j = 0; j < N; ++j) {
           const float* xc = xs[j] + 256 * sb + 64 * c;
           low[j] += lo * load_vec(xc + v);
@@ -540,19 +562,75 @@ inline void dot_q6k_n(const uint8_t* row, const float* const* xs, const float* c
   for (int t = 0; t < N; ++t) res[t] = hsum(acc[t]);
 }
 
-// k-quant dots of one row with N inputs: fmt 0 Q4_K, 1 Q6_K.
+// GGUF Q2_K (84 bytes per 256 values: a byte of 4-bit scale and minimum per 16 values, 64 bytes of
+// 2-bit values, float16 d and dmin; value = d * sc * q - dmin * m) and Q3_K (110 bytes: 32 bytes of
+// high bits, 64 of 2-bit values, 12 of 6-bit scales, float16 d; value = d * (sc - 32) * (q - 4)).
+// In both, byte 32n + l of the 2-bit values holds value 128n + 32g + l in bits 2g; Q3_K's bit 2 of
+// that value is bit 4n + g of high byte l. Their float dots decode a super-block, then dot it.
+inline void decode_q2k(const uint8_t* b, float* v) {  // v[256]
+  const float d = half_to_float(reinterpret_cast<const Half*>(b + 80));
+  const float dmin = half_to_float(reinterpret_cast<const Half*>(b + 82));
+  for (int n = 0; n < 2; ++n)
+    for (int g = 0; g < 4; ++g)
+      for (int l = 0; l < 32; ++l) {
+        const int p = 128 * n + 32 * g + l, sc = b[p / 16];
+        v[p] = d * static_cast<float>(sc & 15) * static_cast<float>((b[16 + 32 * n + l] >> (2 * g)) & 3) -
+               dmin * static_cast<float>(sc >> 4);
+      }
+}
+
+inline void decode_q3k(const uint8_t* b, float* v) {  // v[256]
+  const float d = half_to_float(reinterpret_cast<const Half*>(b + 108));
+  int8_t sc[16];
+  int8dot::q3k_scales(b + 96, sc);
+  for (int n = 0; n < 2; ++n)
+    for (int g = 0; g < 4; ++g)
+      for (int l = 0; l < 32; ++l) {
+        const int p = 128 * n + 32 * g + l;
+        const int q = ((b[32 + 32 * n + l] >> (2 * g)) & 3) | (((b[l] >> (4 * n + g)) & 1) << 2);
+        v[p] = d * static_cast<float>(sc[p / 16]) * static_cast<float>(q - 4);
+      }
+}
+
+// dots of one row of super-blocks of BYTES bytes with N inputs, each super-block decoded by DECODE
+// once for them; each input's sums in the same order whatever N is.
+template <int N, void (*DECODE)(const uint8_t*, float*), int64_t BYTES>
+inline void dot_decoded_n(const uint8_t* row, const float* const* xs, int64_t K, float* res) {
+  alignas(64) float v[256];
+  vf32 acc[N] = {};
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    DECODE(row + BYTES * sb, v);
+    for (int64_t k = 0; k < 256; k += LANES) {
+      const vf32 w = load_vec(v + k);
+      for (int j = 0; j < N; ++j) acc[j] += w * load_vec(xs[j] + 256 * sb + k);
+    }
+  }
+  for (int j = 0; j < N; ++j) res[j] = hsum(acc[j]);
+}
+
+// k-quant dots of one row with N inputs: fmt 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K.
 template <int N>
 inline void dot_kq_n(int64_t fmt, const uint8_t* row, const float* const* xs, const float* const* xsums, int64_t K,
                      float* res) {
   if (fmt == 0) {
     dot_q4k_n<N>(row, xs, xsums, K, res);
+  } else if (fmt == 2) {
+    dot_q4k_n<N, true>(row, xs, xsums, K, res);
+  } else if (fmt == 3) {
+    dot_decoded_n<N, decode_q2k, 84>(row, xs, K, res);
+  } else if (fmt == 4) {
+    dot_decoded_n<N, decode_q3k, 110>(row, xs, K, res);
   } else {
     dot_q6k_n<N>(row, xs, xsums, K, res);
   }
 }
 
-// k-quant formats by code: 0 Q4_K, 1 Q6_K; bytes per 256 values.
-inline int64_t kq_bytes(int64_t fmt) { return fmt == 0 ? 144 : 210; }
+// k-quant formats by code: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K; bytes per 256 values.
+inline bool kq_known(int64_t fmt) { return fmt >= 0 && fmt <= 4; }
+inline int64_t kq_bytes(int64_t fmt) {
+  static constexpr int64_t bytes[5] = {144, 210, 176, 84, 110};
+  return bytes[fmt];
+}
 
 
 // WORKBENCH_CPU_BF16_DOT=0 keeps the f32 path for bf16 inputs too (read once).
@@ -914,7 +992,7 @@ void run_float(const float* x, const W* w13, const W* w2, const Pairs& pr, int64
       });
 }
 
-// Whether experts kept in GGUF blocks (Q8_0, Q4_K, Q6_K) take the integer dots (int8_dots.h): where the
+// Whether experts kept in GGUF blocks (Q8_0 and the k-quants Q2_K to Q6_K) take the integer dots (int8_dots.h): where the
 // build has AVX512-VNNI or AVX2, unless set_int8_dots(false) (Python: cpu_kernel.int8_dots,
 // WORKBENCH_CPU_INT8_DOT=0) keeps the exact float ones.
 std::atomic<bool> g_int8_dots{true};
@@ -1289,14 +1367,14 @@ at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::T
                      });
 }
 
-// k-quant experts as raw blocks (f13 / f2: 0 Q4_K, 1 Q6_K): b13 uint8 [E, 2I, H/256*bytes], b2 uint8
+// k-quant experts as raw blocks (f13 / f2: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K): b13 uint8 [E, 2I, H/256*bytes], b2 uint8
 // [E, H, I/256*bytes]; H, I multiples of 256. The Python wrapper checks the input; these checks only
 // guard the reads.
 at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13, const at::Tensor& b2, int64_t f2,
                          int64_t I, const at::Tensor& rows, const at::Tensor& weights, int64_t threads,
                          const at::Tensor& tokens) {
   const int64_t H = x.size(-1), E = b13.size(0), T = x.dim() == 2 ? x.size(0) : 1;
-  TORCH_CHECK((f13 == 0 || f13 == 1) && (f2 == 0 || f2 == 1), "moe_decode_kq: unknown format");
+  TORCH_CHECK(kq_known(f13) && kq_known(f2), "moe_decode_kq: unknown format");
   TORCH_CHECK(H % 256 == 0 && I % 256 == 0 && I > 0 && b13.dim() == 3 && b2.dim() == 3 && b13.size(1) == 2 * I &&
                   b13.size(2) == H / 256 * kq_bytes(f13) && b2.size(0) == E && b2.size(1) == H &&
                   b2.size(2) == I / 256 * kq_bytes(f2) &&
@@ -1356,7 +1434,7 @@ class Server {
                       w[0].size(2) == L.H && w[2].size(1) == L.H && w[2].size(2) == I && L.H % 32 == 0 && I % 32 == 0,
                   "Server.add_layer: bad Q8_0 stacks");
     } else {
-      TORCH_CHECK((f13 == 0 || f13 == 1) && (f2 == 0 || f2 == 1) && L.H % 256 == 0 && I % 256 == 0 &&
+      TORCH_CHECK(kq_known(f13) && kq_known(f2) && L.H % 256 == 0 && I % 256 == 0 &&
                       w[0].scalar_type() == at::kByte && w[1].scalar_type() == at::kByte && w[0].size(1) == 2 * I &&
                       w[0].size(2) == L.H / 256 * kq_bytes(f13) && w[1].size(1) == L.H &&
                       w[1].size(2) == I / 256 * kq_bytes(f2),
@@ -1497,7 +1575,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("q13"), py::arg("d13"), py::arg("q2"), py::arg("d2"), py::arg("rows"),
         py::arg("weights"), py::arg("threads") = 0, py::arg("tokens") = at::Tensor());
   m.def("moe_decode_kq", &moe_decode_kq,
-        "moe_decode with GGUF k-quant experts as raw blocks (formats 0 Q4_K, 1 Q6_K): x [H], b13 uint8 "
+        "moe_decode with GGUF k-quant experts as raw blocks (formats 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K): x [H], b13 uint8 "
         "[E, 2I, H/256*bytes], f13, b2 uint8 [E, H, I/256*bytes], f2, I, rows [n] int64, weights [n] f32 -> [H] f32",
         py::arg("x"), py::arg("b13"), py::arg("f13"), py::arg("b2"), py::arg("f2"), py::arg("I"), py::arg("rows"),
         py::arg("weights"), py::arg("threads") = 0, py::arg("tokens") = at::Tensor());
