@@ -127,6 +127,19 @@ INT8DOT_HOT inline void q4k_scales(const uint8_t* sc, float d, float dmin, __m25
                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mins)))));
 }
 
+// q3k_scales for SIMD: the 16 scales as int8 lanes.
+INT8DOT_HOT inline __m128i q3k_scales16(const uint8_t* sc) {
+  int64_t low8;
+  uint32_t top;
+  std::memcpy(&low8, sc, 8), std::memcpy(&top, sc + 8, 4);
+  const __m128i m4 = _mm_set1_epi8(0x0F), v = _mm_cvtsi64_si128(low8);
+  const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+  const uint32_t m2 = 0x03030303u;
+  const __m128i high = _mm_setr_epi32(static_cast<int>(top & m2), static_cast<int>((top >> 2) & m2),
+                                      static_cast<int>((top >> 4) & m2), static_cast<int>((top >> 6) & m2));
+  return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32));
+}
+
 // Q4_K (or Q5_K: bytes 176) super-block sb at b (read ahead): d * scale of its 8 sub-blocks; dmin *
 // minimum times each input's sums per sub-block (the minimums' part of the dot) added to mins[j].
 template <int N>
@@ -295,10 +308,8 @@ inline void dot_q23k(const uint8_t* row, const Input* xs, int64_t K, float* res)
     prefetch_block(b, kBytes);
     __m512 s, o;  // the scales of the 16 sub-blocks, and what each takes off per unit of the input's sum
     if constexpr (Q3) {
-      alignas(16) int8_t sc[16];
-      q3k_scales(b + 96, sc);
       s = _mm512_mul_ps(_mm512_set1_ps(half_bits_to_float(b + 108)),
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)))));
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q3k_scales16(b + 96))));
       o = _mm512_mul_ps(s, _mm512_set1_ps(-4.f));
     } else {
       const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
@@ -497,11 +508,10 @@ inline void dot_q23k(const uint8_t* row, const Input* xs, int64_t K, float* res)
     prefetch_block(b, kBytes);
     __m256 s[2], o[2];
     if constexpr (Q3) {
-      alignas(16) int8_t sc[16];
-      q3k_scales(b + 96, sc);
+      const __m128i sc = q3k_scales16(b + 96);
       const __m256 d = _mm256_set1_ps(half_bits_to_float(b + 108));
       for (int h = 0; h < 2; ++h) {
-        s[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h)))));
+        s[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc, 8) : sc)));
         o[h] = _mm256_mul_ps(s[h], _mm256_set1_ps(-4.f));
       }
     } else {

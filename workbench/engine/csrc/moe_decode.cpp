@@ -570,26 +570,26 @@ inline void dot_q6k_n(const uint8_t* row, const float* const* xs, const float* c
 inline void decode_q2k(const uint8_t* b, float* v) {  // v[256]
   const float d = half_to_float(reinterpret_cast<const Half*>(b + 80));
   const float dmin = half_to_float(reinterpret_cast<const Half*>(b + 82));
-  for (int n = 0; n < 2; ++n)
-    for (int g = 0; g < 4; ++g)
-      for (int l = 0; l < 32; ++l) {
-        const int p = 128 * n + 32 * g + l, sc = b[p / 16];
-        v[p] = d * static_cast<float>(sc & 15) * static_cast<float>((b[16 + 32 * n + l] >> (2 * g)) & 3) -
-               dmin * static_cast<float>(sc >> 4);
-      }
+  for (int u = 0; u < 16; ++u) {  // 16 values of one scale: bits 2g of bytes 32n + (u % 2) * 16 + l
+    const int n = u / 8, g = (u % 8) / 2;
+    const uint8_t* q = b + 16 + 32 * n + 16 * (u % 2);
+    const float s = d * static_cast<float>(b[u] & 15), m = dmin * static_cast<float>(b[u] >> 4);
+    for (int l = 0; l < 16; ++l) v[16 * u + l] = s * static_cast<float>((q[l] >> (2 * g)) & 3) - m;
+  }
 }
 
 inline void decode_q3k(const uint8_t* b, float* v) {  // v[256]
   const float d = half_to_float(reinterpret_cast<const Half*>(b + 108));
   int8_t sc[16];
   int8dot::q3k_scales(b + 96, sc);
-  for (int n = 0; n < 2; ++n)
-    for (int g = 0; g < 4; ++g)
-      for (int l = 0; l < 32; ++l) {
-        const int p = 128 * n + 32 * g + l;
-        const int q = ((b[32 + 32 * n + l] >> (2 * g)) & 3) | (((b[l] >> (4 * n + g)) & 1) << 2);
-        v[p] = d * static_cast<float>(sc[p / 16]) * static_cast<float>(q - 4);
-      }
+  for (int u = 0; u < 16; ++u) {  // as decode_q2k, with bit 4n + g of high bytes (u % 2) * 16 + l
+    const int n = u / 8, g = (u % 8) / 2;
+    const uint8_t* q = b + 32 + 32 * n + 16 * (u % 2);
+    const uint8_t* h = b + 16 * (u % 2);
+    const float s = d * static_cast<float>(sc[u]);
+    for (int l = 0; l < 16; ++l)
+      v[16 * u + l] = s * static_cast<float>((((q[l] >> (2 * g)) & 3) | (((h[l] >> (4 * n + g)) & 1) << 2)) - 4);
+  }
 }
 
 // dots of one row of super-blocks of BYTES bytes with N inputs, each super-block decoded by DECODE
