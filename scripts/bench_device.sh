@@ -30,7 +30,8 @@
 # per expert against torch's GEMMs; $OUT/cpu_prompt.json), cpu_vs_ggml (scripts/time_cpu_vs_ggml.py:
 # one token's CPU experts, ours against llama.cpp's ggml, built from .llamacpp/ggml-src.tar.xz (carry it:
 # scripts/build_llamacpp.sh ggml-pack); $OUT/cpu_vs_ggml.json), engine_q4_hybrid (S1 as Q4_K at BENCH_Q4_BUDGET (4GiB): most experts on the
-# CPU, the case of a large Q4_K model on a small GPU). BENCH_BUDGET (12GiB) sets the side-by-side budget.
+# CPU, the case of a large Q4_K model on a small GPU; BENCH_HYBRID_WEIGHTS=q3_k (or q2_k, iq4_xs) writes S1
+# in that format instead). BENCH_BUDGET (12GiB) sets the side-by-side budget.
 # At most 8 files come back per call: choose the stages of one call accordingly.
 # BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (64 / 2), BENCH_MARGIN (512MiB) and LLAMA_N_CPU_MOE tune
 # the side-by-side stages. Stage candidates: scripts/check_kernel_candidates.py (each autotuning
@@ -173,11 +174,13 @@ stage_cpu_vs_ggml() {  # one token's CPU experts: ours (int8 and exact dots) aga
         --experts 128 --json "$OUT/cpu_vs_ggml.json" 2>&1 | tee -a "$OUT/device.log"
 }
 stage_engine_q4_hybrid() {  # S1 as Q4_K under a small budget: most experts on the CPU (a large Q4_K model, a small GPU)
+    local w="${BENCH_HYBRID_WEIGHTS:-q4_k}"  # or q2_k, q3_k, iq4_xs: the formats of a 235B-A22B in 128 GB of RAM
+    local tag=""; [ "$w" != q4_k ] && tag="_$w"
     rm -f "$models"/s1.gguf
-    log "writing S1 Q4_K"; wb write -o "$models/s1_q4.gguf" --shape s1 $layers --weights q4_k | tee -a "$OUT/device.log"
+    log "writing S1 $w"; wb write -o "$models/s1_hyb.gguf" --shape s1 $layers --weights "$w" | tee -a "$OUT/device.log"
     BENCH_BUDGET="${BENCH_Q4_BUDGET:-4GiB}" LLAMA_N_CPU_MOE="${LLAMA_N_CPU_MOE:-15,16,17}" \
-        side_by_side "$models/s1_q4.gguf" "S1 Q4_K skewed, 4 GiB" engine_s1_q4_hybrid.json "n-cpu-moe,frequency"
-    rm -f "$models"/s1_q4.gguf
+        side_by_side "$models/s1_hyb.gguf" "S1 $w skewed, ${BENCH_Q4_BUDGET:-4GiB}" "engine_s1_q4_hybrid$tag.json" "n-cpu-moe,frequency"
+    rm -f "$models"/s1_hyb.gguf
 }
 stage_engine_team() {  # S1 skewed bf16 and Q8_0, ours only, the decode server on its own spinning team
     if [ -f "$models/s1.gguf" ]; then wb reskew "$models/s1.gguf" --coverage 0.5 | tee -a "$OUT/device.log"

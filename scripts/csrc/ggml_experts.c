@@ -3,7 +3,7 @@
 // CPU kernel with. Weights are random blocks (small finite scales), the pool larger than any cache;
 // each call picks k distinct experts at random. ggml's persistent thread pool, as llama.cpp uses it.
 //
-//   ggml_experts FORMAT(bf16|q8_0|q2_k|q3_k|q4_k|q5_k) EXPERTS THREADS CALLS HIDDEN FFN K
+//   ggml_experts FORMAT(bf16|q8_0|q2_k|q3_k|q4_k|q5_k|iq4_xs) EXPERTS THREADS CALLS HIDDEN FFN K
 // prints one JSON line: {"format", "threads", "median_s", "bytes_per_call"}.
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,6 +34,8 @@ static void fill(struct ggml_tensor* t) {
     for (size_t i = 0; i < n; i += 84) p[i + 80] = 0, p[i + 81] = 0x14, p[i + 82] = 0, p[i + 83] = 0x14;
   } else if (t->type == GGML_TYPE_Q3_K) {
     for (size_t i = 0; i < n; i += 110) p[i + 108] = 0, p[i + 109] = 0x14;
+  } else if (t->type == GGML_TYPE_IQ4_XS) {
+    for (size_t i = 0; i < n; i += 136) p[i] = 0, p[i + 1] = 0x14;
   } else if (t->type == GGML_TYPE_Q8_0) {
     for (size_t i = 0; i < n; i += 34) p[i] = 0, p[i + 1] = 0x14;
   } else if (t->type == GGML_TYPE_BF16) {
@@ -57,6 +59,7 @@ int main(int argc, char** argv) {
   else if (!strcmp(fmt, "q5_k")) ty = GGML_TYPE_Q5_K;
   else if (!strcmp(fmt, "q2_k")) ty = GGML_TYPE_Q2_K;
   else if (!strcmp(fmt, "q3_k")) ty = GGML_TYPE_Q3_K;
+  else if (!strcmp(fmt, "iq4_xs")) ty = GGML_TYPE_IQ4_XS;
   else { fprintf(stderr, "unknown format %s\n", fmt); return 2; }
   if (K > E || calls < 10) { fprintf(stderr, "need K <= EXPERTS and CALLS >= 10\n"); return 2; }
   struct ggml_init_params ip = {(size_t)E * 3 * H * I * 2 + ((size_t)64 << 20), NULL, false};

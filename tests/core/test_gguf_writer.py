@@ -233,7 +233,7 @@ def test_tokenizer_written_like_llama_cpp(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize(("tensor_type", "rel"), [("Q2_K", 0.4), ("Q3_K", 0.2), ("Q4_K", 0.12), ("Q5_K", 0.06),
-                                                  ("Q6_K", 0.03)])
+                                                  ("Q6_K", 0.03), ("IQ4_XS", 0.12)])
 def test_k_quants(tensor_type, rel, tiny_model_dir, tiny_gguf):
     """K-quant blocks (256 values) need 256-wide rows: a tiny model of hidden size 256."""
     dims = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256)
@@ -258,7 +258,7 @@ def test_kquant_layout_of_known_block():
     from workbench.core.kquants import quantize_k
 
     x = np.linspace(-1, 1, 512, dtype=np.float32).reshape(1, 512)  # 2 blocks; any misplaced value is far off
-    for t, atol in (("Q2_K", 0.08), ("Q3_K", 0.06), ("Q4_K", 0.04), ("Q5_K", 0.02), ("Q6_K", 0.02)):  # half a step
+    for t, atol in (("Q2_K", 0.08), ("Q3_K", 0.06), ("Q4_K", 0.04), ("Q5_K", 0.02), ("Q6_K", 0.02), ("IQ4_XS", 0.1)):
         y = gguf.quants.dequantize(quantize_k(x, t), gguf.GGMLQuantizationType[t])
         np.testing.assert_allclose(y, x, atol=atol, err_msg=t)
 

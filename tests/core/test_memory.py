@@ -175,7 +175,7 @@ def test_kv_cache_of_real_inventories(model_type, tokens_per_layer, values_per_t
 
 
 def test_which_gguf_tensors_stay_in_their_blocks():
-    """Projections, embeddings and head in Q8_0 or a k-quant (Q2_K to Q6_K) stay as stored; DeepSeek's kv_b (split and
+    """Projections, embeddings and head in Q8_0, a k-quant (Q2_K to Q6_K) or IQ4_XS stay as stored; DeepSeek's kv_b (split and
     absorbed), routers, other quantized types and float tensors do not count as kept."""
     from pathlib import Path
 
@@ -188,10 +188,10 @@ def test_which_gguf_tensors_stay_in_their_blocks():
     for name in ("blk.3.attn_q.weight", "blk.0.attn_output.weight", "token_embd.weight", "output.weight",
                  "blk.1.ffn_down_shexp.weight", "blk.0.ffn_gate.weight", "blk.2.attn_kv_a_mqa.weight"):
         assert kept_in_blocks(info(name, "Q4_K"))
-    assert all(kept_in_blocks(info("blk.0.attn_q.weight", t)) for t in ("Q2_K", "Q3_K", "Q5_K", "Q6_K", "Q8_0"))
+    assert all(kept_in_blocks(info("blk.0.attn_q.weight", t)) for t in ("Q2_K", "Q3_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS"))
     assert not kept_in_blocks(info("blk.0.attn_kv_b.weight", "Q8_0"))
     assert not kept_in_blocks(info("blk.0.ffn_gate_inp.weight", "Q8_0"))
-    assert not kept_in_blocks(info("blk.0.attn_q.weight", "IQ4_XS"))
+    assert not kept_in_blocks(info("blk.0.attn_q.weight", "IQ3_S"))
     assert not kept_in_blocks(info("blk.0.attn_q.weight", "BF16"))
     unit = Unit(UnitKey(0, "attn"), [TensorRef(info("blk.0.attn_q.weight", "Q4_K")),
                                      TensorRef(info("blk.0.attn_kv_b.weight", "Q8_0", nbytes=17408))])

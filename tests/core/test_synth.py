@@ -119,7 +119,7 @@ def test_shapes_and_bad_names():
     with pytest.raises(WorkbenchError, match="unknown synthetic shape"):
         synth.shape("gpt-5")
     with pytest.raises(WorkbenchError, match="unknown weight type"):
-        synth.tensor_list(TINY, "q2_k")
+        synth.tensor_list(TINY, "iq2_xxs")
     s1 = synth.shape("s1")
     experts = sum(t.nbytes for t in synth.tensor_list(s1) if "exps" in t.name)
     assert experts == 24 * 128 * 3 * 768 * 2048 * 2

@@ -13,7 +13,7 @@ from workbench.engine import blocks
 
 
 @pytest.mark.parametrize("fmt,k", [("q8_0", 64), ("q2_k", 512), ("q3_k", 256), ("q4_k", 512), ("q5_k", 512),
-                                   ("q6_k", 512)])
+                                   ("q6_k", 512), ("iq4_xs", 512)])
 def test_dequantize_matches_gguf(fmt, k):
     if fmt == "q8_0":
         w = torch.randn(6, k, generator=torch.Generator().manual_seed(0)).numpy()

@@ -390,6 +390,7 @@ def check_block_dots(y, x, r13, r2, rows, weights, int8: bool) -> None:
     (512, 256, [2, 0, 3], "q5_k", "q5_k"), (256, 512, [1, 1], "q5_k", "q6_k"),  # Q5_K_M likewise
     (512, 256, [3, 1], "q3_k", "q4_k"), (256, 512, [0, 2, 1], "q2_k", "q3_k"),  # Q3_K_M, Q2_K
     (256, 256, [1], "q3_k", "q3_k"), (256, 256, [2], "q2_k", "q2_k"),
+    (512, 256, [0, 3, 1], "iq4_xs", "iq4_xs"), (256, 512, [2], "iq4_xs", "q6_k"),  # IQ4_XS
 ])
 @pytest.mark.parametrize("x_type", ["bf16", "f32 bf16-exact", "f32"])
 def test_q4_k_matches_ggufs_dequantization(kernel, quant_dots, H, ffn, rows, fmt13, fmt2, x_type):
@@ -462,7 +463,7 @@ def _cpu_flags() -> set[str]:
 def test_the_avx2_build_passes_the_block_formats_tests(kernel, tmp_path):
     """CPUs without AVX-512 (most desktop Intel parts, Zen 3 and older) get the kernel's AVX2 code: built
     here with ``-march=haswell`` (``WORKBENCH_CPU_KERNEL_MARCH``) in a fresh directory, its f32 and
-    int8 dots pass the Q8_0 and k-quant (Q2_K to Q6_K) tests, decode and prompts, none skipped."""
+    int8 dots pass the Q8_0, k-quant (Q2_K to Q6_K) and IQ4_XS tests, decode and prompts, none skipped."""
     if not {"avx2", "fma", "f16c"} <= _cpu_flags():
         pytest.skip("needs an x86 CPU with AVX2, FMA and F16C")
     here = Path(__file__)

@@ -79,7 +79,7 @@ def test_one_token_as_a_row_equals_the_decode_call(kernel):
 
 @pytest.mark.parametrize("fmt,h,i", [("bf16", 256, 96), ("f32", 100, 36), ("f16", 192, 64), ("q8_0", 128, 64),
                                      ("q4_k", 256, 256), ("q4_k+q6_k", 256, 256), ("q5_k+q6_k", 256, 256),
-                                     ("q3_k+q4_k", 256, 256), ("q2_k+q3_k", 256, 256)])
+                                     ("q3_k+q4_k", 256, 256), ("q2_k+q3_k", 256, 256), ("iq4_xs", 256, 256)])
 @pytest.mark.parametrize("T,per_token", [(11, 2), (3, 1)])
 def test_each_token_of_a_prompt_matches_its_own_decode_call(kernel, quant_dots, fmt, h, i, T, per_token):
     """A prompt's expert picked by several tokens dots each weight vector with up to four tokens at
@@ -87,7 +87,7 @@ def test_each_token_of_a_prompt_matches_its_own_decode_call(kernel, quant_dots, 
     weight rows at a time. A token's row matches its own one-token call: bit for bit while its
     experts have fewer than four tokens, for k-quants and for the int8 dots (the same sums in the
     same order), to float32 rounding otherwise (other orders), for 1 to 11 tokens per expert."""
-    kquant = fmt[:4] in ("q2_k", "q3_k", "q4_k", "q5_k")
+    kquant = fmt.split("+")[0] in ("q2_k", "q3_k", "q4_k", "q5_k", "iq4_xs")
     if quant_dots and fmt != "q8_0" and not kquant:
         pytest.skip("the int8 dots are for experts kept in GGUF blocks")
     gen = torch.Generator().manual_seed(7)
@@ -101,8 +101,8 @@ def test_each_token_of_a_prompt_matches_its_own_decode_call(kernel, quant_dots, 
         def call(x, rows, weights, tokens=None):
             return kernel.moe_decode_q8(x, q13, d13, q2, d2, rows, weights, tokens=tokens)
     elif kquant:
-        fmt13 = fmt[:4]
-        fmt2 = fmt[5:] or fmt13
+        fmt13, _, fmt2 = fmt.partition("+")
+        fmt2 = fmt2 or fmt13
         b13 = random_kquant(fmt13, e * 2 * i, h, gen)[0].reshape(e, 2 * i, -1)
         b2 = random_kquant(fmt2, e * h, i, gen)[0].reshape(e, h, -1)
 
@@ -152,7 +152,7 @@ def test_q8_0_prompt_matches_ggufs_dequantization(kernel, quant_dots):
 
 
 @pytest.mark.parametrize("fmt13,fmt2", [("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q5_k", "q5_k"), ("q5_k", "q6_k"),
-                                        ("q3_k", "q4_k"), ("q2_k", "q3_k")])
+                                        ("q3_k", "q4_k"), ("q2_k", "q3_k"), ("iq4_xs", "q5_k")])
 def test_k_quant_prompt_matches_ggufs_dequantization(kernel, quant_dots, fmt13, fmt2):
     gen = torch.Generator().manual_seed(7)
     H, ffn, e, T = 256, 256, 4, 10

@@ -140,15 +140,16 @@ def test_experts_one_token_on_q8_0_blocks_match_ggufs_dequantization(H, F_, E, k
 @pytest.mark.parametrize("H,F_,E,k,fmt", [(256, 256, 4, 2, ("q4_k", "q4_k")), (512, 256, 5, 3, ("q4_k", "q4_k")),
                                           (256, 256, 4, 2, ("q4_k", "q6_k")), (256, 256, 3, 2, ("q6_k", "q6_k")),
                                           (512, 256, 4, 2, ("q5_k", "q5_k")), (256, 256, 3, 2, ("q5_k", "q6_k")),
-                                          (256, 512, 3, 2, ("q3_k", "q4_k")), (512, 256, 4, 3, ("q2_k", "q3_k"))])
+                                          (256, 512, 3, 2, ("q3_k", "q4_k")), (512, 256, 4, 3, ("q2_k", "q3_k")),
+                                          (256, 256, 3, 2, ("iq4_xs", "iq4_xs"))])
 @pytest.mark.parametrize("form", ["tile", "blocks"])
 def test_experts_one_token_on_q4_k_blocks_match_ggufs_dequantization(H, F_, E, k, fmt, form, monkeypatch):
-    """k-quant rows (Q2_K to Q6_K) as raw bytes, read in place (inactive pairs read nothing)."""
+    """k-quant rows (Q2_K to Q6_K, IQ4_XS) as raw bytes, read in place (inactive pairs read nothing)."""
     force_kernel_form(monkeypatch, form)
     g = torch.Generator().manual_seed(H + F_)
 
     def q4k(n, kk, f):
-        return random_kquant(f, n, kk, g, scale=1e-3)
+        return random_kquant(f, n, kk, g, scale=1e-4 if f == "iq4_xs" else 1e-3)  # IQ4_XS's values reach 127 * 31
 
     b13, r13 = q4k(E * 2 * F_, H, fmt[0])
     b2, r2 = q4k(E * H, F_, fmt[1])

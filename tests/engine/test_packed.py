@@ -41,7 +41,7 @@ def close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
 
 @needs_kernels
 @pytest.mark.parametrize("fmt,n,k", [("q8_0", 40, 96), ("q2_k", 19, 256), ("q3_k", 22, 512), ("q4_k", 37, 512), ("q5_k", 21, 512),
-                                   ("q6_k", 24, 256)])
+                                   ("q6_k", 24, 256), ("iq4_xs", 17, 512)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("form", ["tile", "blocks"])
 def test_one_token_kernel_reads_the_blocks_in_place(fmt, n, k, dtype, form, monkeypatch):
@@ -57,7 +57,7 @@ def test_one_token_kernel_reads_the_blocks_in_place(fmt, n, k, dtype, form, monk
 
 
 @pytest.mark.parametrize("fmt,n,k", [("q8_0", 40, 96), ("q2_k", 19, 256), ("q3_k", 22, 512), ("q4_k", 37, 512), ("q5_k", 21, 512),
-                                   ("q6_k", 24, 256)])
+                                   ("q6_k", 24, 256), ("iq4_xs", 17, 512)])
 def test_prompt_rows_are_the_dequantized_matrix_in_chunks(fmt, n, k, monkeypatch):
     w, ref = kept(fmt, n, k, seed=3 * n + k)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(4)).to(DEV)

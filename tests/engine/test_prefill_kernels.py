@@ -78,7 +78,7 @@ def test_a_failing_kernel_turns_the_kernels_off_and_the_loop_answers(monkeypatch
 
 
 @pytest.mark.parametrize("fmt", [("q8_0", "q8_0"), ("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q5_k", "q6_k"),
-                                 ("q3_k", "q2_k")])
+                                 ("q3_k", "q2_k"), ("iq4_xs", "q6_k")])
 def test_blocks_are_read_in_place_like_their_dequantized_stacks(fmt):
     """Experts kept as GGUF blocks give what their dequantized stacks give (no stack is made)."""
     from tests.engine.engine_helpers import random_kquant

@@ -57,9 +57,9 @@ FUSED_PROMPT_TOKENS = 8
 weight read per token); one picked by more, through torch's CPU GEMM (about this many reads' time:
 bf16 GEMMs of a few tokens measured 0.8 ms per Qwen3-30B-A3B expert on the H200 machine's host, the
 kernel 0.12 ms per token)."""
-KEPT_EXPERT_FORMATS = ("q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+KEPT_EXPERT_FORMATS = ("q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
 
-KQUANT_KIN = {"q2_k": "q4_k", "q3_k": "q4_k", "q5_k": "q4_k", "q6_k": "q4_k"}
+KQUANT_KIN = {"q2_k": "q4_k", "q3_k": "q4_k", "q5_k": "q4_k", "q6_k": "q4_k", "iq4_xs": "q4_k"}
 """Kept k-quant formats that calibration does not time, rated as the one it times: their kernels decode
 the same super-blocks a few bits wider (a rate in bytes/s of blocks; conservative where bytes bound)."""
 """Routed expert formats (``weight_format``) the engine keeps in their GGUF blocks on the CPU too."""

@@ -60,7 +60,7 @@ import gguf
 import numpy as np
 
 from .errors import ModelFormatError
-from .kquants import quantize_k
+from .kquants import KQUANT_TYPES, quantize_k
 from .naming import hf_role, is_non_text
 from .readers.gguf_config import LLAMA4_CHUNK_KEY, LLAMA4_DEFAULT_CHUNK
 from .readers.hf_config import family_of, text_config
@@ -75,9 +75,9 @@ ARCH_OF_FAMILY = {
 }
 ARCH_OF_DENSE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                "MXFP4")
+                "IQ4_XS", "MXFP4")
 _FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 12, "Q4_K": 15,
-              "Q5_K": 17, "Q6_K": 18, "BF16": 32, "MXFP4": 38}
+              "Q5_K": 17, "Q6_K": 18, "IQ4_XS": 30, "BF16": 32, "MXFP4": 38}
 _KEEP_F32 = re.compile(r".*(_norm\.weight|ffn_gate_inp\.weight|ffn_gate_inp_shexp\.weight|exp_probs_b\.bias|"
                        r"attn_sinks\.weight)$")
 _EXPERT_PROJ = {"w1": "gate", "w2": "down", "w3": "up", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -161,7 +161,7 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, ttype: str
         log.info("%s: rows of %d do not fill %s blocks, written as F16", name, data.shape[-1], ttype)
         writer.add_tensor(name, data.astype(np.float16))
         return
-    raw = quantize_k(data, ttype) if ttype in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K") else gguf.quants.quantize(data, qtype)
+    raw = quantize_k(data, ttype) if ttype in KQUANT_TYPES else gguf.quants.quantize(data, qtype)
     writer.add_tensor(name, raw, raw_dtype=qtype)
 
 

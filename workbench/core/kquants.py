@@ -1,4 +1,4 @@
-"""Q2_K, Q3_K, Q4_K, Q5_K and Q6_K encoders in numpy (gguf-py only decodes K-quants).
+"""Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS encoders in numpy (gguf-py only decodes them).
 
 Blocks of 256 values (ggml's ``QK_K``), laid out byte for byte as ggml's ``block_q2_K`` ...
 ``block_q6_K``. Scales are chosen from each sub-block's range (no search for
@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 QK_K = 256
+KQUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+"""The GGUF types these encoders write."""
 
 
 def quantize_k(data: np.ndarray, ttype: str) -> np.ndarray:
@@ -20,7 +22,7 @@ def quantize_k(data: np.ndarray, ttype: str) -> np.ndarray:
     if x.shape[-1] % QK_K:
         raise ValueError(f"{ttype} needs rows that are a multiple of {QK_K} values, got {x.shape[-1]}")
     blocks = x.reshape(-1, QK_K)
-    encode = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}[ttype]
+    encode = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_XS": _iq4_xs}[ttype]
     out = encode(blocks)
     return out.reshape(*x.shape[:-1], x.shape[-1] // QK_K * out.shape[-1])
 
@@ -132,3 +134,28 @@ def _q3_k(blocks: np.ndarray) -> np.ndarray:
     for u in range(16):
         packed[:, 8 + u % 4] |= ((s[:, u] >> 4) & 3) << (2 * (u // 4))
     return np.concatenate([hmask, _two_bits(q & 3), packed, d_bytes], axis=1)
+
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+"""The values IQ4_XS's 4-bit indices stand for (llama.cpp's ``kvalues_iq4nl``)."""
+
+
+def _iq4_xs(blocks: np.ndarray) -> np.ndarray:
+    """Signed 6-bit scales per 32 values, each value the nearest of ``d * (ls - 32) * IQ4_VALUES``; a
+    sub-block's value of largest magnitude lands on -127, as llama.cpp's ``quantize_row_iq4_nl`` does."""
+    sub = blocks.reshape(-1, 8, 32)
+    far = np.take_along_axis(sub, np.abs(sub).argmax(axis=2)[..., None], axis=2)[..., 0]  # [n, 8], signed
+    scale = -far / 127
+    d_bytes, d = _f16(np.abs(scale).max(axis=1) / 31)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = np.where(d[:, None] > 0, np.rint(scale / d[:, None]), 0).clip(-31, 31).astype(np.int32)
+        step = d[:, None] * ls
+        ratio = np.where(step[..., None] != 0, sub / step[..., None], 0)
+    idx = np.abs(ratio[..., None] - IQ4_VALUES).argmin(axis=-1).astype(np.uint8)  # [n, 8, 32]
+    qs = (idx[:, :, :16] | (idx[:, :, 16:] << 4)).reshape(-1, 128)
+    s = (ls + 32).astype(np.uint16)  # [n, 8]
+    high = np.zeros(blocks.shape[0], np.uint16)
+    for j in range(8):
+        high |= ((s[:, j] >> 4) & 3) << (2 * j)
+    low = ((s[:, 0::2] & 15) | ((s[:, 1::2] & 15) << 4)).astype(np.uint8)  # [n, 4]
+    return np.concatenate([d_bytes, high.view(np.uint8).reshape(-1, 2), low, qs], axis=1)

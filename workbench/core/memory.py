@@ -104,7 +104,7 @@ def kv_bytes_per_token(inv: Inventory, layer: int, kv_dtype: str = "f16") -> int
 
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
-KEPT_TYPES = frozenset({"Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
+KEPT_TYPES = frozenset({"Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})
 """GGUF storage types the engine reads in place on the GPU instead of dequantizing them."""
 
 KEPT_DENSE = frozenset({
@@ -148,7 +148,7 @@ def held_bytes(key: UnitKey, unit) -> int:
     """Bytes the engine holds on the GPU (and a decode step reads) for ``unit`` computing in
     bfloat16: a routed expert as the file stores it (float, or GGUF blocks kept in place); the
     attention projections, embeddings, head and dense / shared MLPs of a GGUF file kept in their
-    Q8_0 / Q2_K ... Q6_K blocks too (``kept_in_blocks``); any other quantized tensor dequantized to
+    Q8_0 / Q2_K ... Q6_K / IQ4_XS blocks too (``kept_in_blocks``); any other quantized tensor dequantized to
     bfloat16 (2 bytes a parameter); a float one as stored."""
     if key.kind == "expert":
         return unit.nbytes
@@ -187,7 +187,7 @@ def estimate_memory(
     with a context of ``ctx`` tokens.
 
     - weights: every unit's bytes on its tier as the engine holds them (``held_bytes``: a GGUF
-      file's Q8_0 / Q2_K ... Q6_K projections kept in their blocks, other quantized types
+      file's Q8_0 / Q2_K ... Q6_K / IQ4_XS projections kept in their blocks, other quantized types
       dequantized to bfloat16); a streamed expert's weights live
       in host RAM.
     - KV cache: on the tier of each layer's ``attn`` unit, ``min(ctx, window)`` tokens per layer.

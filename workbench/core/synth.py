@@ -28,17 +28,19 @@ from pathlib import Path
 import numpy as np
 
 from workbench.core.errors import WorkbenchError
+from workbench.core.kquants import quantize_k
 from workbench.core.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-WEIGHT_TYPES = ("bf16", "q8_0", "q4_k")
+WEIGHT_TYPES = ("bf16", "q8_0", "q4_k", "q2_k", "q3_k", "q5_k", "q6_k", "iq4_xs")
 """Formats of the 2-D weights (token embedding and norms excepted) a synthetic file can hold."""
 
 ALPHA = 1.0  # weight of the shared direction u in every token embedding (noise has rms 1)
 _CHUNK = 64 << 20  # bytes per write
 _BLOCK_ELEMS = (1 << 21) + 15  # bf16 tile length: odd, so no row length divides it
 _QBLOCKS = 20011  # quantized tile length in blocks (prime)
+_SUPER_BYTES = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210, "iq4_xs": 136}  # per 256 values
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,8 @@ def _quant_block(wtype: str, std: float, rng: np.random.Generator) -> bytes:
         d = np.full(_QBLOCKS, std / got, np.float16)
         raw[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
         raw[:, 2:4] = (d * np.float16(7.5)).view(np.uint8).reshape(-1, 2)
+    elif wtype in _SUPER_BYTES:  # the other k-quants and IQ4_XS: normal values through the writer's encoder
+        raw = quantize_k(rng.normal(0.0, std, (_QBLOCKS, 256)).astype(np.float32), wtype.upper())
     else:
         raise WorkbenchError(f"unknown weight type {wtype!r}; choose from {', '.join(WEIGHT_TYPES)}")
     return raw.tobytes()
@@ -245,7 +249,7 @@ def _quant_block(wtype: str, std: float, rng: np.random.Generator) -> bytes:
 class _Tensor:
     name: str
     shape: tuple[int, ...]  # numpy order
-    gtype: str  # "f32", "bf16", "q8_0", "q4_k"
+    gtype: str  # "f32", "bf16" or one of WEIGHT_TYPES
     kind: str  # "tile", "embed", "router", "ones", "small"
     std: float = 0.0
     layer: int = -1
@@ -253,7 +257,9 @@ class _Tensor:
     @property
     def nbytes(self) -> int:
         n = int(np.prod(self.shape))
-        return {"f32": 4 * n, "bf16": 2 * n, "q8_0": n // 32 * 34, "q4_k": n // 256 * 144}[self.gtype]
+        if self.gtype in _SUPER_BYTES:
+            return n // 256 * _SUPER_BYTES[self.gtype]
+        return {"f32": 4 * n, "bf16": 2 * n, "q8_0": n // 32 * 34}[self.gtype]
 
 
 def tensor_list(s: SynthShape, wtype: str = "bf16") -> list[_Tensor]:
@@ -264,7 +270,7 @@ def tensor_list(s: SynthShape, wtype: str = "bf16") -> list[_Tensor]:
     e, i = s.n_experts, s.expert_ffn
 
     def fmt(row: int) -> str:  # llama.cpp's quantizer also falls back where rows don't fit the block
-        if wtype == "q4_k" and row % 256:
+        if wtype in _SUPER_BYTES and row % 256:
             return "q8_0" if row % 32 == 0 else "bf16"
         if wtype == "q8_0" and row % 32:
             return "bf16"
@@ -320,7 +326,7 @@ class _Tiles:
 
     def write(self, f, t: _Tensor) -> None:
         blk = self.block(t.gtype, t.std)
-        unit = {"bf16": 2, "q8_0": 34, "q4_k": 144}[t.gtype]
+        unit = {"bf16": 2, "q8_0": 34, **_SUPER_BYTES}[t.gtype]
         pos = int(self.rng.integers(0, len(blk) // unit)) * unit
         view, left = memoryview(blk), t.nbytes
         while left:
@@ -374,7 +380,7 @@ class SynthInfo:
 def _gguf_type(gtype: str):
     from gguf import GGMLQuantizationType as Q
 
-    return {"f32": Q.F32, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k": Q.Q4_K}[gtype]
+    return {"f32": Q.F32, "bf16": Q.BF16}.get(gtype) or Q[gtype.upper()]
 
 
 def _add_metadata(w, s: SynthShape, wtype: str, coverage_target, seed: int) -> None:

@@ -9,6 +9,8 @@ A kept matrix ``[N, K]`` is a list of tensors (any device):
 - ``q2_k``: ``[raw uint8 [N, K/256 * 84]]`` and ``q3_k``: ``[raw uint8 [N, K/256 * 110]]`` likewise
   (2.6 and 3.4 bits a value: Q2_K and Q3_K_M files, the sizes of a Qwen3-235B-A22B that fits 128 GB
   of RAM);
+- ``iq4_xs``: ``[raw uint8 [N, K/256 * 136]]`` likewise (4.25 bits a value: 4-bit indices into
+  llama.cpp's non-linear table ``IQ4_VALUES``, a 6-bit scale per 32);
 - ``q6_k``: ``[raw uint8 [N, K/256 * 210]]`` likewise (6.6 bits a value). Q4_K_M and Q5_K_M files
   store some expert down matrices as Q6_K, so the format is chosen per matrix: gate and up share
   one, down may differ (both k-quants, or both Q8_0).
@@ -22,13 +24,16 @@ from __future__ import annotations
 
 import torch
 
-FORMATS = {"Q8_0": "q8_0", "Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+FORMATS = {"Q8_0": "q8_0", "Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
+           "IQ4_XS": "iq4_xs"}
 """GGUF storage types the engine keeps -> the format names used here."""
-BLOCK = {"q8_0": 32, "q2_k": 256, "q3_k": 256, "q4_k": 256, "q5_k": 256, "q6_k": 256}
+BLOCK = {"q8_0": 32, "q2_k": 256, "q3_k": 256, "q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256}
 """Values per block along K: a kept matrix needs K to be a multiple."""
-KQUANTS = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}
-"""Bytes per 256-value super-block."""
-KQUANT_HALVES = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+KQUANTS = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210, "iq4_xs": 136}
+"""Bytes per 256-value super-block (the k-quants, and IQ4_XS, which pairs with them)."""
+KQUANT_HALVES = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,)}
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+"""The values IQ4_XS's 4-bit indices stand for (llama.cpp's ``kvalues_iq4nl``)."""
 """Byte offsets in a super-block of its float16 ``d`` (and ``dmin``)."""
 
 
@@ -128,8 +133,23 @@ def _q3_k(b: torch.Tensor, nb: int) -> torch.Tensor:
     return ((d * sc.float())[..., None] * (q - 4).float()).reshape(-1, nb, 256)
 
 
-_SIXTEENS = {"q2_k": _q2_k, "q3_k": _q3_k, "q6_k": _q6_k}
-"""k-quants with a scale per 16 values, decoded whole."""
+def _iq4_xs(b: torch.Tensor, nb: int) -> torch.Tensor:
+    """IQ4_XS super-blocks ``[R, nb, 136]`` (float16 d, 16 bits of the scales' top 2 bits, 4 bytes of
+    their low 4, 128 bytes of indices: sub-block j's 32 in bytes 16 j .. 16 j + 15, low nibbles
+    first) -> float32 ``[R, nb, 256]``: ``d * (ls - 32) * IQ4_VALUES[index]``."""
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [R, nb, 1]
+    j = torch.arange(8, dtype=torch.int32)
+    high = ((b[..., 2].to(torch.int32) | (b[..., 3].to(torch.int32) << 8))[..., None] >> (2 * j)) & 3
+    low = (b[..., 4:8].to(torch.int32)[..., j // 2] >> (4 * (j % 2))) & 15
+    ls = (low | (high << 4)) - 32  # [R, nb, 8]
+    qs = b[..., 8:].to(torch.int64).reshape(-1, nb, 8, 16)
+    idx = torch.cat([qs & 15, qs >> 4], dim=-1)  # [R, nb, 8, 32]
+    vals = torch.tensor(IQ4_VALUES, dtype=torch.float32)[idx]
+    return ((d * ls.float())[..., None] * vals).reshape(-1, nb, 256)
+
+
+_SIXTEENS = {"q2_k": _q2_k, "q3_k": _q3_k, "q6_k": _q6_k, "iq4_xs": _iq4_xs}
+"""Super-block formats decoded whole (a scale per 16 values, or IQ4_XS's table)."""
 
 
 def kernel_args(fmt: tuple[str, str] | None, stacks: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:

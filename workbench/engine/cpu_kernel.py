@@ -203,7 +203,7 @@ def _check_rows(rows, weights, E: int, fail) -> None:
             fail(f"rows[{j}] = {r} is outside [0, {E})")
 
 
-KQUANT_CODES = {"q4_k": 0, "q6_k": 1, "q5_k": 2, "q2_k": 3, "q3_k": 4}
+KQUANT_CODES = {"q4_k": 0, "q6_k": 1, "q5_k": 2, "q2_k": 3, "q3_k": 4, "iq4_xs": 5}
 """The native kernel's codes of the k-quant formats it reads in place (``moe_decode_q4k``, the server)."""
 
 
@@ -212,7 +212,8 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
                    background: int = 0, tokens: torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
     """``moe_decode`` for experts kept as GGUF k-quant blocks, read as they are: Q4_K (super-blocks of
     256 values in 144 bytes, 4.5 bits a value), Q5_K (176 bytes, 5.5 bits), Q6_K (210 bytes, 6.6
-    bits), Q3_K (110 bytes, 3.4 bits) or Q2_K (84 bytes, 2.6 bits), chosen per matrix (``fmt13`` for gate and up, ``fmt2`` for down: Q4_K_M and Q5_K_M files
+    bits), Q3_K (110 bytes, 3.4 bits), Q2_K (84 bytes, 2.6 bits) or IQ4_XS (136 bytes, 4.25 bits), chosen
+    per matrix (``fmt13`` for gate and up, ``fmt2`` for down: Q4_K_M and Q5_K_M files
     store some down matrices as Q6_K).
 
     Args:
@@ -229,7 +230,7 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
     from .blocks import KQUANTS
 
     if fmt13 not in KQUANTS or fmt2 not in KQUANTS:
-        fail(f"formats must be k-quants (q2_k ... q6_k), got {fmt13} and {fmt2}")
+        fail(f"formats must be k-quants (q2_k ... q6_k) or iq4_xs, got {fmt13} and {fmt2}")
     n13, n2 = KQUANTS[fmt13], KQUANTS[fmt2]
     if not all(t.device.type == "cpu" for t in (x, b13, b2, rows, weights)):
         fail("every tensor must be on the CPU")

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 _disabled: list[str] = []
 
-FMT_CODES = {"q8_0": 1, "q4_k": 2, "q6_k": 3, "q5_k": 4, "q2_k": 5, "q3_k": 6}
+FMT_CODES = {"q8_0": 1, "q4_k": 2, "q6_k": 3, "q5_k": 4, "q2_k": 5, "q3_k": 6, "iq4_xs": 7}
 """The kernels' ``FMT`` for each kept block format (0: float weights)."""
 
 
@@ -174,12 +174,22 @@ if triton is not None:
         return _half(sb, 208, rm) * tl.sum(s, axis=1)
 
     @triton.jit
+    def _iq4_value(q):
+        """IQ4_XS's value of each 4-bit index ``q`` (int32, any shape), as float32 (``blocks.IQ4_VALUES``)."""
+        v = tl.where(q < 8,
+                     tl.where(q < 4, tl.where(q < 2, tl.where(q == 0, -127, -104), tl.where(q == 2, -83, -65)),
+                              tl.where(q < 6, tl.where(q == 4, -49, -35), tl.where(q == 6, -22, -10))),
+                     tl.where(q < 12, tl.where(q < 10, tl.where(q == 8, 1, 13), tl.where(q == 10, 25, 38)),
+                              tl.where(q < 14, tl.where(q == 12, 53, 69), tl.where(q == 14, 89, 113))))
+        return v.to(tl.float32)
+
+    @triton.jit
     def _block_tile(rows, d_rows, k0, rm, K, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Float32 weights ``[BLOCK_N, BLOCK_K]`` of rows ``rows [BLOCK_N]`` (pointers to each row's
         first byte) at inputs ``k0 .. k0 + BLOCK_K`` (``k0`` a multiple of ``BLOCK_K``, which divides
         256), decoded a block at a time: ``FMT`` 1 Q8_0 (``d_rows``: each row's float16 scales, one
-        load per 32 values), 2 Q4_K, 3 Q6_K, 4 Q5_K, 5 Q2_K, 6 Q3_K (each super-block's scales decoded
-        once per sub-block).
+        load per 32 values), 2 Q4_K, 3 Q6_K, 4 Q5_K, 5 Q2_K, 6 Q3_K, 7 IQ4_XS (each super-block's scales
+        decoded once per sub-block).
         0 where ``rm`` is False or past ``K`` (nothing read there)."""
         return tl.reshape(_block_tile3(rows, d_rows, k0, rm, K, FMT, BLOCK_N, BLOCK_K), (BLOCK_N, BLOCK_K))
 
@@ -212,6 +222,20 @@ if triton is not None:
             d = _half(sb, 0, rm)[:, None]
             dmin = _half(sb, 2, rm)[:, None]
             w = (d * sc)[:, :, None] * q.to(tl.float32) - (dmin * mn)[:, :, None]
+        elif FMT == 7:  # IQ4_XS: sub-block j's indices in bytes 8 + 16 j + t % 16 (t >= 16: high nibbles)
+            J: tl.constexpr = BLOCK_K // 32
+            sb = rows + (k0 // 256) * 136
+            j = (k0 % 256) // 32 + tl.arange(0, J)
+            t = tl.arange(0, 32)
+            m3 = rm[:, None, None]
+            byte = tl.load(sb[:, None, None] + (8 + j[:, None] * 16 + t[None, :] % 16)[None, :, :], mask=m3,
+                           other=0).to(tl.int32)
+            q = (byte >> (4 * (t // 16))[None, None, :]) & 15
+            low = (tl.load(sb[:, None] + 4 + (j // 2)[None, :], mask=rm[:, None], other=0).to(tl.int32)
+                   >> (4 * (j % 2))[None, :]) & 15
+            hb = (tl.load(sb + 2, mask=rm, other=0).to(tl.int32) | (tl.load(sb + 3, mask=rm, other=0).to(tl.int32) << 8))
+            ls = (low | (((hb[:, None] >> (2 * j)[None, :]) & 3) << 4)) - 32
+            w = (_half(sb, 0, rm)[:, None] * ls.to(tl.float32))[:, :, None] * _iq4_value(q)
         elif FMT == 5 or FMT == 6:  # Q2_K, Q3_K: 2-bit values (byte 32 n + l, bits 2 g: value 128 n + 32 g + l)
             U: tl.constexpr = BLOCK_K // 16
             sb = rows + (k0 // 256) * (84 if FMT == 5 else 110)
@@ -273,7 +297,7 @@ if triton is not None:
         """Dot products ``[BLOCK_N]`` float32 of whole weight rows with ``K`` inputs (``_inputs``).
         ``w_rows [BLOCK_N]``: pointers to each row's start; ``FMT`` 0: float values; 1: Q8_0 int8
         values with ``d_rows`` pointing at each row's float16 scales (one per 32 inputs); 2 / 3 / 4: the
-        row's raw Q4_K / Q6_K / Q5_K super-blocks (5 / 6: Q2_K / Q3_K, a super-block a tile), read a super-block at a time (scales once per sub-block,
+        row's raw Q4_K / Q6_K / Q5_K super-blocks (5 / 6 / 7: Q2_K / Q3_K / IQ4_XS, a super-block a tile), read a super-block at a time (scales once per sub-block,
         not per value). Rows where ``rm`` is False give 0 and read nothing.
 
         ``TILE`` (blocks only; ``K`` a compile-time constant, ``BLOCK_K`` dividing 256): the row
@@ -285,6 +309,8 @@ if triton is not None:
             acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, BLOCK_K, 16)
         elif FMT == 5 or FMT == 6:  # Q2_K, Q3_K: always a super-block a tile
             acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, 256, 16)
+        elif FMT == 7:  # IQ4_XS likewise
+            acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, 256, 32)
         elif TILE and FMT != 0:
             acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, BLOCK_K, 32)
         elif FMT == 2 or FMT == 3 or FMT == 4:
@@ -597,7 +623,7 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     ``w2 [R, H, I]``, or -1 when it lives elsewhere (that pair adds nothing and reads nothing).
     With ``d13 [R, 2I, H/32]`` / ``d2 [R, H, I/32]`` (float16) the stacks are GGUF Q8_0: ``w13``/``w2``
     int8 values, one scale per 32 along the input axis (contiguous stacks; ``fmt`` may then say
-    ``("q8_0", "q8_0")`` or be None). ``fmt=(gate/up format, down format)`` of k-quants (``"q2_k"`` ... ``"q6_k"``): ``w13 [R, 2I, H/256*bytes]`` and ``w2 [R, H, I/256*bytes]``
+    ``("q8_0", "q8_0")`` or be None). ``fmt=(gate/up format, down format)`` of k-quants (``"q2_k"`` ... ``"q6_k"``, ``"iq4_xs"``): ``w13 [R, 2I, H/256*bytes]`` and ``w2 [R, H, I/256*bytes]``
     are the rows' raw GGUF k-quant bytes (uint8).
     The first call per shape checks the kernels' autotuning candidates against PyTorch
     (``kernel_check``: host syncs, eager only); later calls: no host sync, capturable in a CUDA graph.

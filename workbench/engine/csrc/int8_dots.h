@@ -1,4 +1,4 @@
-// Integer dots for experts kept in GGUF blocks (Q8_0 and the k-quants Q2_K to Q6_K): the input is rounded to int8
+// Integer dots for experts kept in GGUF blocks (Q8_0, the k-quants Q2_K to Q6_K, IQ4_XS): the input is rounded to int8
 // per 32 values first, as llama.cpp rounds it (to Q8_K / Q8_0) for its own CPU dots, and VPDPBUSD
 // multiplies 64 weight values by 64 input values per instruction (AVX2: 32, by VPMADDUBSW and
 // VPMADDWD), summed in int32, without turning any weight into a float. The float paths of moe_decode.cpp convert every weight value to
@@ -48,12 +48,26 @@ struct Input {
 // unsigned bytes q + 128 (VPDPBUSD's unsigned factor against the signed weights); Q6_K in order.
 // For Q2_K and Q3_K each 256 values in the order of their 2-bit values as one 64-byte load shifted
 // by 2g holds them (values 32g .. 32g + 31, then 128 + 32g .. 128 + 32g + 31, for g = 0..3).
+// For IQ4_XS each 128 values as one 64-byte load of its indices splits them: the low nibbles (values
+// 0 .. 15 of its 4 sub-blocks), then the high ones (values 16 .. 31).
 // AVX2: every format in order, signed.
-enum class Order { kQ4K, kQ6K, kQ8, kQ2K };
+enum class Order { kQ4K, kQ6K, kQ8, kQ2K, kIQ4 };
 
-// Format codes of the weights as moe_decode.cpp passes them: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K.
+// Format codes of the weights as moe_decode.cpp passes them: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K,
+// 5 IQ4_XS.
 inline Order order_for_kquant(int64_t fmt) {
-  return fmt == 1 ? Order::kQ6K : (fmt >= 3 ? Order::kQ2K : Order::kQ4K);
+  static constexpr Order order[6] = {Order::kQ4K, Order::kQ6K, Order::kQ4K, Order::kQ2K, Order::kQ2K, Order::kIQ4};
+  return order[fmt];
+}
+
+// IQ4_XS's values by index (llama.cpp's kvalues_iq4nl).
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// IQ4_XS's 8 scales (6 bits, less 32) at b: low 4 bits in the nibbles of b[4 .. 7], top 2 in the
+// 16 bits of b[2 .. 3].
+inline void iq4_scales(const uint8_t* b, int* out) {
+  const int high = b[2] | (b[3] << 8);
+  for (int j = 0; j < 8; ++j) out[j] = (((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)) - 32;
 }
 
 // Q3_K's 16 scales (6 bits, less 32): the low 4 bits of scale u in byte u % 8 (shifted by 4 for
@@ -172,13 +186,17 @@ inline void Inputs::set(int64_t i, const float* x) {
       v0 = _mm512_cvtps_epi32(_mm512_div_ps(x0, d));  // round to nearest even (MXCSR's default)
       v1 = _mm512_cvtps_epi32(_mm512_div_ps(x1, d));
     }
+    // where the block's first and last 16 values go
     const int64_t at = order_ == Order::kQ4K   ? 128 * (b / 4) + 32 * kSlot[b % 4]
                        : order_ == Order::kQ2K ? 256 * (b / 8) + 32 * (2 * (b % 4) + (b % 8) / 4)
+                       : order_ == Order::kIQ4 ? 128 * (b / 4) + 16 * (b % 4)
                                                : 32 * b;
+    const int64_t at2 = at + (order_ == Order::kIQ4 ? 64 : 16);
     const __m128i flip = order_ == Order::kQ8 ? _mm_set1_epi8(static_cast<char>(0x80)) : _mm_setzero_si128();
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at), _mm_xor_si128(_mm512_cvtepi32_epi8(v0), flip));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(v1), flip));
-    _mm256_storeu_ps(dxe + at / 4, _mm256_set1_ps(dx));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at2), _mm_xor_si128(_mm512_cvtepi32_epi8(v1), flip));
+    _mm_storeu_ps(dxe + at / 4, _mm_set1_ps(dx));
+    _mm_storeu_ps(dxe + at2 / 4, _mm_set1_ps(dx));
     const int lo = _mm512_reduce_add_epi32(v0), hi = _mm512_reduce_add_epi32(v1);
     s16[2 * b] = dx * static_cast<float>(lo);
     s16[2 * b + 1] = dx * static_cast<float>(hi);
@@ -336,6 +354,40 @@ inline void dot_q23k(const uint8_t* row, const Input* xs, int64_t K, float* res)
     }
   }
   for (int j = 0; j < N; ++j) res[j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j], off[j]));
+}
+
+// res[j] = IQ4_XS row . xs[j] for j < N (inputs in Order::kIQ4). A 64-byte load of the indices holds
+// 4 sub-blocks; VPSHUFB looks each nibble up as its value + 128 (VPDPBUSD's unsigned factor), and
+// 128 times the input's sums per 32 is taken off once per super-block. 4 lanes per sub-block.
+template <int N>
+inline void dot_iq4xs(const uint8_t* row, const Input* xs, int64_t K, float* res) {
+  alignas(16) static constexpr uint8_t kBiased[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kBiased)));
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  alignas(64) static constexpr int32_t kPick[2][16] = {{0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},
+                                                      {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7}};
+  __m512 acc[N];
+  __m256 off[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps(), off[j] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* b = row + 136 * sb;
+    prefetch_block(b, 136);
+    alignas(32) int ls[8];
+    iq4_scales(b, ls);
+    const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(half_bits_to_float(b)),
+                                    _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(ls))));
+    const __m256 o = _mm256_mul_ps(s8, _mm256_set1_ps(-128.f));
+    for (int j = 0; j < N; ++j) off[j] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xs[j].s32 + 8 * sb), off[j]);
+    const __m512 s = _mm512_castps256_ps512(s8);
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m512i w = _mm512_loadu_si512(reinterpret_cast<const void*>(b + 8 + 64 * h));
+      const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(w, low4));
+      const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(w, 4), low4));
+      const __m512 sh = _mm512_permutexvar_ps(_mm512_load_si512(kPick[h]), s);
+      for (int j = 0; j < N; ++j) acc[j] = dot128(lo, hi, sh, sh, xs[j], 256 * sb + 128 * h, acc[j]);
+    }
+  }
+  for (int j = 0; j < N; ++j) res[j] = _mm512_reduce_add_ps(acc[j]) + reduce256(off[j]);
 }
 
 // res[j] = Q8_0 row . xs[j] for j < N (inputs in Order::kQ8). Q8_0: per 32 values a float16
@@ -542,6 +594,38 @@ inline void dot_q23k(const uint8_t* row, const Input* xs, int64_t K, float* res)
   for (int j = 0; j < N; ++j) res[j] = reduce256(_mm256_add_ps(acc[j], off[j]));
 }
 
+// As the AVX-512 dot_iq4xs, a sub-block of 32 a step in the input's order, with Q8_0's signs (the
+// biased values would overflow VPMADDUBSW's int16 pairs): |value| against the input's sign flipped
+// where the value is negative.
+template <int N>
+inline void dot_iq4xs(const uint8_t* row, const Input* xs, int64_t K, float* res) {
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)), low4 = _mm_set1_epi8(0x0F);
+  __m256 acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* b = row + 136 * sb;
+    prefetch_block(b, 136);
+    alignas(32) int ls[8];
+    iq4_scales(b, ls);
+    const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(half_bits_to_float(b)),
+                                    _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(ls))));
+    for (int64_t g = 0; g < 8; ++g) {
+      const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 + 16 * g));
+      const __m256i v = _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(w, 4), low4)),
+                                         _mm_shuffle_epi8(table, _mm_and_si128(w, low4)));
+      const __m256i u = _mm256_abs_epi8(v);
+      const __m256 ws = _mm256_permutevar8x32_ps(s8, _mm256_set1_epi32(static_cast<int>(g)));
+      for (int j = 0; j < N; ++j) {
+        const int64_t at = 256 * sb + 32 * g;
+        const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[j].q + at)), v);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, sx)), _mm256_mul_ps(ws, _mm256_loadu_ps(xs[j].dxe + at / 4)),
+                                 acc[j]);
+      }
+    }
+  }
+  for (int j = 0; j < N; ++j) res[j] = reduce256(acc[j]);
+}
+
 // As the AVX-512 dot_q8, a block of 32 a step: |w| as the unsigned factor, the input's sign flipped
 // where w is negative (and zeroed where w is 0) as the signed one.
 template <int N>
@@ -572,11 +656,13 @@ inline void dot_q6k(const uint8_t*, const Input*, int64_t, float*) {}
 template <int N, bool Q3>
 inline void dot_q23k(const uint8_t*, const Input*, int64_t, float*) {}
 template <int N>
+inline void dot_iq4xs(const uint8_t*, const Input*, int64_t, float*) {}
+template <int N>
 inline void dot_q8(const int8_t*, const uint16_t*, const Input*, int64_t, float*) {}
 
 #endif
 
-// k-quant integer dots of one row with N inputs: fmt 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K.
+// k-quant integer dots of one row with N inputs: fmt 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS.
 template <int N>
 inline void dot_kq(int64_t fmt, const uint8_t* row, const Input* xs, int64_t K, float* res) {
   if (fmt == 0) {
@@ -587,6 +673,8 @@ inline void dot_kq(int64_t fmt, const uint8_t* row, const Input* xs, int64_t K, 
     dot_q23k<N, false>(row, xs, K, res);
   } else if (fmt == 4) {
     dot_q23k<N, true>(row, xs, K, res);
+  } else if (fmt == 5) {
+    dot_iq4xs<N>(row, xs, K, res);
   } else {
     dot_q6k<N>(row, xs, K, res);
   }

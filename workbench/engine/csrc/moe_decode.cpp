@@ -592,6 +592,25 @@ inline void decode_q3k(const uint8_t* b, float* v) {  // v[256]
   }
 }
 
+// GGUF IQ4_XS (136 bytes per 256 values: float16 d, 16 bits holding the top 2 bits of 8 scales, 4
+// bytes their low 4 bits, 128 bytes of 4-bit indices: sub-block j's 32 in bytes 16j .. 16j + 15,
+// low nibbles first; value = d * (ls - 32) * kIq4Values[index]).
+inline void decode_iq4xs(const uint8_t* b, float* v) {  // v[256]
+  const float d = half_to_float(reinterpret_cast<const Half*>(b));
+  const int high = b[2] | (b[3] << 8);
+  for (int j = 0; j < 8; ++j) {
+    const int ls = (((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)) - 32;
+    const float s = d * static_cast<float>(ls);
+    float scaled[16];  // the sub-block's 16 values
+    for (int i = 0; i < 16; ++i) scaled[i] = s * static_cast<float>(int8dot::kIq4Values[i]);
+    const uint8_t* q = b + 8 + 16 * j;
+    for (int l = 0; l < 16; ++l) {
+      v[32 * j + l] = scaled[q[l] & 15];
+      v[32 * j + 16 + l] = scaled[q[l] >> 4];
+    }
+  }
+}
+
 // dots of one row of super-blocks of BYTES bytes with N inputs, each super-block decoded by DECODE
 // once for them; each input's sums in the same order whatever N is.
 template <int N, void (*DECODE)(const uint8_t*, float*), int64_t BYTES>
@@ -608,7 +627,7 @@ inline void dot_decoded_n(const uint8_t* row, const float* const* xs, int64_t K,
   for (int j = 0; j < N; ++j) res[j] = hsum(acc[j]);
 }
 
-// k-quant dots of one row with N inputs: fmt 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K.
+// k-quant dots of one row with N inputs: fmt 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS.
 template <int N>
 inline void dot_kq_n(int64_t fmt, const uint8_t* row, const float* const* xs, const float* const* xsums, int64_t K,
                      float* res) {
@@ -620,15 +639,17 @@ inline void dot_kq_n(int64_t fmt, const uint8_t* row, const float* const* xs, co
     dot_decoded_n<N, decode_q2k, 84>(row, xs, K, res);
   } else if (fmt == 4) {
     dot_decoded_n<N, decode_q3k, 110>(row, xs, K, res);
+  } else if (fmt == 5) {
+    dot_decoded_n<N, decode_iq4xs, 136>(row, xs, K, res);
   } else {
     dot_q6k_n<N>(row, xs, xsums, K, res);
   }
 }
 
-// k-quant formats by code: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K; bytes per 256 values.
-inline bool kq_known(int64_t fmt) { return fmt >= 0 && fmt <= 4; }
+// k-quant formats by code: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS; bytes per 256 values.
+inline bool kq_known(int64_t fmt) { return fmt >= 0 && fmt <= 5; }
 inline int64_t kq_bytes(int64_t fmt) {
-  static constexpr int64_t bytes[5] = {144, 210, 176, 84, 110};
+  static constexpr int64_t bytes[6] = {144, 210, 176, 84, 110, 136};
   return bytes[fmt];
 }
 
@@ -992,7 +1013,7 @@ void run_float(const float* x, const W* w13, const W* w2, const Pairs& pr, int64
       });
 }
 
-// Whether experts kept in GGUF blocks (Q8_0 and the k-quants Q2_K to Q6_K) take the integer dots (int8_dots.h): where the
+// Whether experts kept in GGUF blocks (Q8_0, the k-quants Q2_K to Q6_K, IQ4_XS) take the integer dots (int8_dots.h): where the
 // build has AVX512-VNNI or AVX2, unless set_int8_dots(false) (Python: cpu_kernel.int8_dots,
 // WORKBENCH_CPU_INT8_DOT=0) keeps the exact float ones.
 std::atomic<bool> g_int8_dots{true};
@@ -1367,7 +1388,7 @@ at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::T
                      });
 }
 
-// k-quant experts as raw blocks (f13 / f2: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K): b13 uint8 [E, 2I, H/256*bytes], b2 uint8
+// k-quant experts as raw blocks (f13 / f2: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS): b13 uint8 [E, 2I, H/256*bytes], b2 uint8
 // [E, H, I/256*bytes]; H, I multiples of 256. The Python wrapper checks the input; these checks only
 // guard the reads.
 at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13, const at::Tensor& b2, int64_t f2,
@@ -1575,7 +1596,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("q13"), py::arg("d13"), py::arg("q2"), py::arg("d2"), py::arg("rows"),
         py::arg("weights"), py::arg("threads") = 0, py::arg("tokens") = at::Tensor());
   m.def("moe_decode_kq", &moe_decode_kq,
-        "moe_decode with GGUF k-quant experts as raw blocks (formats 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K): x [H], b13 uint8 "
+        "moe_decode with GGUF k-quant experts as raw blocks (formats 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS): x [H], b13 uint8 "
         "[E, 2I, H/256*bytes], f13, b2 uint8 [E, H, I/256*bytes], f2, I, rows [n] int64, weights [n] f32 -> [H] f32",
         py::arg("x"), py::arg("b13"), py::arg("f13"), py::arg("b2"), py::arg("f2"), py::arg("I"), py::arg("rows"),
         py::arg("weights"), py::arg("threads") = 0, py::arg("tokens") = at::Tensor());
