@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from workbench.core.memory import held_bytes, kv_bytes_per_token
+from workbench.core.memory import experts_as_stored, held_bytes, kv_bytes_per_token
 from workbench.core.readers import open_model
 
 
@@ -36,7 +36,8 @@ def test_json_contract(fmt, tiny_model_dir, tiny_gguf):
     mem = out["memory"]
     assert mem["ctx"] == 1000 and mem["kv_dtype"] == "q8_0"
     assert mem["tiers"]["gpu:0"]["kv_cache"] == 4 * 1000 * kv_bytes_per_token(inv, 0, "q8_0")
-    assert mem["tiers"]["gpu:0"]["weights_total"] == sum(held_bytes(k, u) for k, u in inv.units.items())
+    kept = experts_as_stored(inv)  # the tiny Q8_0 file: down rows of 16 stay F16, so experts go bf16
+    assert mem["tiers"]["gpu:0"]["weights_total"] == sum(held_bytes(k, u, kept) for k, u in inv.units.items())
 
 
 def test_cpu_moe_and_n_cpu_moe(tiny_model_dir):

@@ -10,6 +10,7 @@ from workbench.core.inventory import Inventory
 from workbench.core.memory import (
     HOST_BASELINE_BYTES,
     estimate_memory,
+    experts_as_stored,
     gpu_runtime_overhead,
     held_bytes,
     kv_bytes_per_token,
@@ -163,7 +164,8 @@ def test_kv_cache_of_real_inventories(model_type, tokens_per_layer, values_per_t
         inv = open_model(path)
         est = estimate_memory(inv, placement_cpu_moe(inv), ctx=100, kv_dtype="f16")
         assert est.tiers["gpu:0"].kv_cache == sum(tokens_per_layer) * values_per_token * 2
-        experts = sum(inv.units[k].nbytes for k in inv.expert_keys())
+        kept = experts_as_stored(inv)  # the tiny Q8_0 files' experts mix F16 rows in: held in bfloat16
+        experts = sum(held_bytes(k, inv.units[k], kept) for k in inv.expert_keys())
         assert est.tiers["cpu"].weights["expert"] == experts
         dense = sum(held_bytes(k, u) for k, u in inv.units.items() if k.kind != "expert")
         assert est.tiers["gpu:0"].weights_total == dense
@@ -171,7 +173,7 @@ def test_kv_cache_of_real_inventories(model_type, tokens_per_layer, values_per_t
             attn = inv.units[UnitKey(0, "attn")]
             assert held_bytes(attn.key, attn) == attn.nbytes
         else:
-            assert dense + experts == inv.total_bytes
+            assert kept and dense + experts == inv.total_bytes
 
 
 def test_which_gguf_tensors_stay_in_their_blocks():
@@ -199,3 +201,32 @@ def test_which_gguf_tensors_stay_in_their_blocks():
     assert held_bytes(unit.key, unit) == 9216 + 2 * params
     assert engine_bytes(unit.key, unit, 4) == 9216 + 4 * params
     assert engine_bytes(unit.key, unit, 4, dense_as_stored=False) == 8 * params
+
+
+def test_experts_the_engine_dequantizes_count_as_bfloat16(tiny_gguf):
+    """A GGUF whose experts the engine cannot read in place (gpt-oss's MXFP4 experts: biased and
+    clamped; a type it does not keep) is estimated and predicted with bf16 experts, as the engine
+    holds them; kept types and float files as stored. The estimate agrees with the engine's own rule
+    (``engine.keeps_blocks``)."""
+    from workbench.core.costmodel import CostModel
+    from workbench.core.readers import open_model
+    from workbench.engine.engine import keeps_blocks
+    from workbench.engine.model import ModelArgs
+
+    from .profiles import h200_profile
+
+    dims = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256)
+    cases = [("qwen3_moe", "Q3_K+Q4_K", dims, True), ("qwen3_moe", "IQ4_XS", dims, True),
+             ("qwen3_moe", "Q4_0", dims, False), ("qwen3_moe", "Q8_0", dims, True), ("qwen3_moe", "Q8_0", {}, False),  # rows of 16: F16
+             ("gpt_oss", "Q8_0", {}, False),
+             ("qwen3_moe", "F16", {}, True)]
+    for family, ttype, sizes, kept in cases:
+        inv = open_model(tiny_gguf(family, ttype, **sizes))
+        assert experts_as_stored(inv) == kept, (family, ttype)
+        if ttype != "F16":
+            assert keeps_blocks(inv, ModelArgs.from_config(inv.family, inv.config), None) == kept, (family, ttype)
+        experts = [inv.units[k] for k in inv.expert_keys()]
+        est = estimate_memory(inv).tiers["gpu:0"].weights["expert"]
+        assert est == sum(u.nbytes if kept else 2 * u.n_params for u in experts)
+        cm = CostModel(inv, h200_profile())
+        assert cm.expert_bytes.sum() == est

@@ -40,7 +40,15 @@ import numpy as np
 
 from .hardware import HardwareProfile
 from .inventory import Inventory
-from .memory import PREFILL_CHUNK, MemoryEstimate, estimate_memory, held_bytes, kept_in_blocks, kv_cache_bytes
+from .memory import (
+    PREFILL_CHUNK,
+    MemoryEstimate,
+    estimate_memory,
+    experts_as_stored,
+    held_bytes,
+    kept_in_blocks,
+    kv_cache_bytes,
+)
 from .placement import TIER_CPU_COMPUTE, TIER_CPU_STREAM, Placement, expert_grid, gpu_index, is_gpu
 from .prediction import LayerCost, Prediction
 from .stats import ExpertStats
@@ -120,6 +128,8 @@ def model_prompt_pair_reads(inventory: Inventory, profile: HardwareProfile) -> f
     unit = next((u for k, u in sorted(inventory.units.items()) if k.kind == "expert"), None)
     if unit is None or not unit.tensors:
         return None
+    if not experts_as_stored(inventory):  # held in bfloat16
+        return prompt_pair_reads(profile, "BF16", unit.n_params, 2 * unit.n_params)
     return prompt_pair_reads(profile, expert_dtype(unit), unit.n_params, unit.nbytes)
 
 
@@ -269,6 +279,7 @@ class CostModel:
         self.expert_keys: list[UnitKey] = []
         rates: dict[str, float] = {}
         pairs: dict[tuple, float] = {}  # prompt_pair_reads by (dtype, params, bytes): one per expert shape
+        kept = experts_as_stored(inventory)  # else the engine holds every expert in bfloat16
         for key, unit in inventory.units.items():
             if key.kind != "expert":
                 continue
@@ -276,14 +287,14 @@ class CostModel:
                 raise ValueError(f"{key} lies outside the model's {L} layers x {E} experts")
             self.expert_keys.append(key)
             self.present[key.layer, key.expert] = True
-            self.expert_bytes[key.layer, key.expert] = unit.nbytes
+            self.expert_bytes[key.layer, key.expert] = held_bytes(key, unit, kept)
             self.expert_params[key.layer, key.expert] = unit.n_params
-            dtype = expert_dtype(unit)
+            dtype = expert_dtype(unit) if kept else "BF16"
             if dtype not in rates:
                 rates[dtype] = cpu_rate(profile, dtype)
             self.expert_cpu_rate[key.layer, key.expert] = rates[dtype]
             self.expert_format[key.layer, key.expert] = weight_format(dtype)
-            shape = (dtype, unit.n_params, unit.nbytes)
+            shape = (dtype, unit.n_params, self.expert_bytes[key.layer, key.expert])
             if shape not in pairs:
                 pair = prompt_pair_reads(profile, *shape)
                 pairs[shape] = np.nan if pair is None else pair

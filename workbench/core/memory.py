@@ -144,14 +144,33 @@ def engine_bytes(key: UnitKey, unit, dtype_bytes: int = 2, experts_as_stored: bo
     return total
 
 
-def held_bytes(key: UnitKey, unit) -> int:
+def experts_as_stored(inv) -> bool:
+    """Whether the engine holds ``inv``'s routed experts as the file stores them: float weights, or
+    GGUF blocks its kernels read in place, as ``engine.keeps_blocks`` decides (every expert tensor
+    Q8_0, or every one a k-quant / IQ4_XS; rows of whole blocks; experts the in-place kernels
+    compute: not gpt-oss's biased, clamped ones nor Llama 4's input-scaled ones). Otherwise (an
+    MXFP4 GGUF, other IQ quants, FP8 or MXFP4 safetensors...) each expert is dequantized to
+    bfloat16 at load."""
+    types = {t.tensor.dtype.upper() for k, u in inv.units.items() if k.kind == "expert" for t in u.tensors}
+    if types <= FLOAT_DTYPES:
+        return True
+    if inv.format != "gguf" or not types <= KEPT_TYPES or ("Q8_0" in types and len(types) > 1):
+        return False
+    if inv.spec.family in ("gpt_oss", "llama4"):
+        return False
+    block = 32 if types == {"Q8_0"} else 256
+    return inv.spec.expert_ffn % block == 0 and inv.spec.hidden_size % block == 0
+
+
+def held_bytes(key: UnitKey, unit, experts_kept: bool = True) -> int:
     """Bytes the engine holds on the GPU (and a decode step reads) for ``unit`` computing in
-    bfloat16: a routed expert as the file stores it (float, or GGUF blocks kept in place); the
+    bfloat16: a routed expert as the file stores it with ``experts_kept`` (``experts_as_stored``:
+    float, or GGUF blocks kept in place), else 2 bytes a parameter; the
     attention projections, embeddings, head and dense / shared MLPs of a GGUF file kept in their
     Q8_0 / Q2_K ... Q6_K / IQ4_XS blocks too (``kept_in_blocks``); any other quantized tensor dequantized to
     bfloat16 (2 bytes a parameter); a float one as stored."""
     if key.kind == "expert":
-        return unit.nbytes
+        return unit.nbytes if experts_kept else unit.n_params * 2
     return sum(t.nbytes if t.tensor.dtype.upper() in FLOAT_DTYPES or kept_in_blocks(t.tensor) else t.n_params * 2
                for t in unit.tensors)
 
@@ -188,7 +207,7 @@ def estimate_memory(
 
     - weights: every unit's bytes on its tier as the engine holds them (``held_bytes``: a GGUF
       file's Q8_0 / Q2_K ... Q6_K / IQ4_XS projections kept in their blocks, other quantized types
-      dequantized to bfloat16); a streamed expert's weights live
+      dequantized to bfloat16; experts as ``experts_as_stored`` says); a streamed expert's weights live
       in host RAM.
     - KV cache: on the tier of each layer's ``attn`` unit, ``min(ctx, window)`` tokens per layer.
     - stream cache: ``stream_slots`` x the largest expert of the layer, for each layer with streamed
@@ -205,11 +224,13 @@ def estimate_memory(
         return tiers.setdefault(name, TierMemory())
 
     streamed_layers: dict[int, int] = {}
+    kept = experts_as_stored(inv)
     for key, unit in inv.units.items():
         a = placement.get(key)
-        tier(a.tier).weights[key.kind] += held_bytes(key, unit)
+        held = held_bytes(key, unit, kept)
+        tier(a.tier).weights[key.kind] += held
         if a.mode == "stream" and key.layer is not None:
-            streamed_layers[key.layer] = max(streamed_layers.get(key.layer, 0), unit.nbytes)
+            streamed_layers[key.layer] = max(streamed_layers.get(key.layer, 0), held)
 
     for layer in range(inv.spec.n_layers):
         a = placement.get(UnitKey(layer, "attn"))

@@ -55,11 +55,19 @@ _unit_sizes: dict[int, dict] = {}
 
 def unit_sizes(inv: Inventory) -> dict:
     """``{UnitKey: (bytes, params, dtypes)}`` of every unit, computed once per inventory (a
-    94 x 256 model has 24k units: do it in the worker that opened the model)."""
+    94 x 256 model has 24k units: do it in the worker that opened the model). A routed expert's
+    bytes are those the engine holds (bfloat16 where it dequantizes the file's type at load:
+    ``memory.experts_as_stored``), every other unit's the file's."""
     key = id(inv)
     if key not in _unit_sizes:
         _unit_sizes.clear()
-        _unit_sizes[key] = {k: (u.nbytes, u.n_params, u.dtypes) for k, u in inv.units.items()}
+        memory = _optional("workbench.core.memory")
+        kept = memory is None or memory.experts_as_stored(inv)
+
+        def size(k, u) -> int:
+            return u.nbytes if kept or k.kind != "expert" else memory.held_bytes(k, u, kept)
+
+        _unit_sizes[key] = {k: (size(k, u), u.n_params, u.dtypes) for k, u in inv.units.items()}
     return _unit_sizes[key]
 
 
