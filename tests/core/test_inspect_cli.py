@@ -108,3 +108,12 @@ def test_the_command_turns_on_expandable_cuda_segments_unless_the_user_chose(tmp
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")
     main(["inspect", str(tmp_path / "missing.gguf")])
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256"
+
+
+def test_experts_dequantized_at_load_are_named(tiny_gguf):
+    """A GGUF whose experts the engine cannot keep in their blocks (gpt-oss's biased experts) says so,
+    with the bytes it will hold; a kept one does not."""
+    out = _run(tiny_gguf("gpt_oss", "Q8_0")).stdout
+    assert "note: the engine dequantizes the routed experts (" in out and "to bf16 at load" in out
+    dims = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256)
+    assert "dequantizes the routed experts" not in _run(tiny_gguf("qwen3_moe", "Q3_K+Q4_K", **dims)).stdout

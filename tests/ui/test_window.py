@@ -314,6 +314,8 @@ def test_opens_a_gguf_file(window, qtbot, tiny_gguf):
     assert s.inventory.format == "gguf"
     assert (window.experts.grid.n_rows, window.experts.grid.n_cols) == (len(s.moe_layers), s.n_experts)
     assert "Q8_0" in window.model_dock.summary.text()
+    # the tiny file's down rows of 16 stay F16 beside the Q8_0 ones: the engine holds its experts in bf16
+    assert "dequantized to bf16 at load" in window.model_dock.summary.text()
 
 
 def test_quit_asks_about_unsaved_changes(window, qtbot, chat_model_dir, monkeypatch):

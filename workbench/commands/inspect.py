@@ -18,6 +18,7 @@ from workbench.core.memory import (
     MemoryEstimate,
     default_ctx,
     estimate_memory,
+    experts_as_stored,
     placement_all_gpu,
     placement_cpu_moe,
     placement_n_cpu_moe,
@@ -157,6 +158,12 @@ def to_text(inv: Inventory, est: MemoryEstimate, placement_name: str) -> str:
         out.append(f"with --cpu-moe: gpu:0 {bytes2human(alt.total('gpu:0'))}, cpu {bytes2human(alt.total('cpu'))}")
     if est.ctx > s.max_context:
         out.append(f"note: context {est.ctx} is longer than the model's {s.max_context}")
+    if s.is_moe and not experts_as_stored(inv):
+        held = sum(2 * inv.units[k].n_params for k in inv.expert_keys())
+        stored = sum(inv.units[k].nbytes for k in inv.expert_keys())
+        types = "+".join(sorted({t.tensor.dtype for k in inv.expert_keys() for t in inv.units[k].tensors}))
+        out.append(f"note: the engine dequantizes the routed experts ({types}) to bf16 at load: "
+                   f"{bytes2human(held)} instead of the file's {bytes2human(stored)} (the estimate counts bf16)")
     skipped = inv.metadata.get("workbench.skipped_tensors") or []
     if skipped:
         out.append(f"note: {len(skipped)} tensors not used for text generation are left out (e.g. {skipped[0]})")

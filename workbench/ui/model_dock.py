@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
 )
 
 from workbench.core.fmt import bytes2human, params2human
+from workbench.core.memory import experts_as_stored
 from workbench.core.units import UnitKey
 from workbench.session import Session, code_assignment, services
 
@@ -91,10 +92,13 @@ class ModelDock(QWidget):
         self.ctx.blockSignals(False)
         types = ", ".join(f"{t} {bytes2human(b)}" for t, b in list(inv.dtype_mix().items())[:4])
         moe = f"{s.n_experts} experts, {s.n_experts_active} active" if s.is_moe else "dense"
+        note = ""
+        if s.is_moe and not experts_as_stored(inv):
+            note = "<br><i>routed experts dequantized to bf16 at load (the engine cannot read their type in place)</i>"
         self.summary.setText(
             f"<b>{inv.path.name}</b> · {inv.family} · {inv.format}<br>"
             f"{params2human(inv.params_total)} params · {bytes2human(inv.total_bytes)} · {s.n_layers} layers · {moe}"
-            f"<br>{types}"
+            f"<br>{types}{note}"
         )
         self._build_tree(inv)
 
