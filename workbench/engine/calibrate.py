@@ -353,13 +353,14 @@ def _cpu_fused_q8(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weigh
     return _time_fused(run, step, n, top_k, per_expert, call)
 
 
-def _cpu_fused_q4k(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weight_bytes: int) -> tuple[float, float]:
-    """``_time_fused`` of the fused Q4_K kernel (``cpu_kernel.moe_decode_q4k``) over a
-    ``_pool_experts`` pool of Q4_K blocks."""
-    per_expert = 3 * hidden * ffn * 144 // 256
+def _cpu_fused_kquant(run: _Run, step: str, fmt: str, hidden: int, ffn: int, top_k: int,
+                      weight_bytes: int) -> tuple[float, float]:
+    """``_time_fused`` of the fused k-quant kernel (``cpu_kernel.moe_decode_q4k``) over a
+    ``_pool_experts`` pool of ``fmt`` blocks (``q4_k``, or another of ``blocks.KQUANTS``)."""
+    per_expert = 3 * hidden * ffn * KQUANTS[fmt] // 256
     n = _pool_experts(per_expert, top_k, weight_bytes)
-    w = random_stacks("q4_k", n, hidden, ffn)
-    call = _FusedCall(lambda x, r, wt, **kw: run_fused("q4_k", w, x, r, wt, **kw), hidden, ffn, torch.bfloat16)
+    w = random_stacks(fmt, n, hidden, ffn)
+    call = _FusedCall(lambda x, r, wt, **kw: run_fused(fmt, w, x, r, wt, **kw), hidden, ffn, torch.bfloat16)
     return _time_fused(run, step, n, top_k, per_expert, call)
 
 
@@ -608,6 +609,7 @@ def calibrate(
     n_router: int = 128,
     top_k: int = 8,
     fit_engine: bool = True,
+    kquants: tuple[str, ...] = ("q4_k",),
 ) -> HardwareProfile:
     """Measure this machine at the expert shape ``hidden`` x ``expert_ffn`` (gate_up ``[2I, H]``,
     down ``[H, I]``) and return its HardwareProfile.
@@ -619,8 +621,13 @@ def calibrate(
     all the engine supports). ``weight_bytes``: expert bytes per CPU format (more than the caches).
     ``n_router``/``top_k``: the router size used to time the per-layer sync. ``fit_engine`` (CUDA
     only): fit the per-kernel and per-host-point costs to the engine's own decode steps
-    (``calibrate_engine``; ~10 s more).
+    (``calibrate_engine``; ~10 s more). ``kquants``: the kept block formats (``blocks.KQUANTS``) whose
+    fused CPU kernel is timed with ``int4`` (the cost model rates the others as Q4_K:
+    ``costmodel.KQUANT_KIN``).
     """
+    bad = sorted(set(kquants) - set(KQUANTS))
+    if bad:
+        raise WorkbenchError(f"unknown kept format(s) {', '.join(bad)}; known: {', '.join(KQUANTS)}")
     if hidden < 1 or expert_ffn < 1:
         raise WorkbenchError(f"expert shape must be positive, got hidden={hidden}, ffn={expert_ffn}")
     budget_s = min(max(budget_s, 0.5), MAX_BUDGET_S)
@@ -674,11 +681,11 @@ def calibrate(
             run.report(f"CPU q8_0 (fused): {throughput['q8_0'] / 1e9:.1f} GB/s of weights, prompt "
                        f"{prompt_flops['q8_0'] / 1e9:.0f} GFLOP/s per further token")
         if name == "int4" and cpu_kernel.available() and hidden % 256 == 0 and expert_ffn % 256 == 0:
-            # GGUF Q4_K experts: kept as blocks, the fused Q4_K kernel
-            throughput["q4_k"], prompt_flops["q4_k"] = _cpu_fused_q4k(run, step, hidden, expert_ffn, top_k,
-                                                                      weight_bytes)
-            run.report(f"CPU q4_k (fused): {throughput['q4_k'] / 1e9:.1f} GB/s of weights, prompt "
-                       f"{prompt_flops['q4_k'] / 1e9:.0f} GFLOP/s per further token")
+            for kq in kquants:  # GGUF k-quant experts: kept as blocks, the fused kernel
+                throughput[kq], prompt_flops[kq] = _cpu_fused_kquant(run, step, kq, hidden, expert_ffn, top_k,
+                                                                     weight_bytes)
+                run.report(f"CPU {kq} (fused): {throughput[kq] / 1e9:.1f} GB/s of weights, prompt "
+                           f"{prompt_flops[kq] / 1e9:.0f} GFLOP/s per further token")
         throughput[name] = bps
         bf16_experts = experts if name == "bf16" else bf16_experts
         del experts
