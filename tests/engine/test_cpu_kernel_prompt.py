@@ -268,3 +268,33 @@ def test_experts_kept_in_blocks_stay_with_the_kernel_however_many_tokens_pick_th
         finally:
             engine.close()
     assert rel_err(runs["1"], runs["0"]) < 1e-5
+
+
+@pytest.mark.parametrize("act", [("silu",), ("clamped_swiglu", 1.702, 7.0)])
+@pytest.mark.parametrize("T", [1, 9])
+def test_gpt_oss_experts_with_their_biases_and_clamped_swiglu(kernel, act, T):
+    """gpt-oss's experts (biases on gate/up and down; the clamped SwiGLU ``(up + 1) * gate *
+    sigmoid(alpha gate)``) match ``experts.expert_ffn`` in float64, one token and a prompt, with
+    inputs large enough that both clamps bite."""
+    from workbench.engine.experts import expert_ffn
+
+    gen = torch.Generator().manual_seed(11 + T)
+    e, h, i = 6, 96, 64
+    w13, w2 = random_experts(e, h, i, torch.bfloat16, gen)
+    b13, b2 = torch.randn(e, 2 * i, generator=gen), torch.randn(e, h, generator=gen)
+    x = (torch.randn(T, h, generator=gen) * 6).to(torch.bfloat16)
+    tokens, rows, weights = prompt_pairs(T, 3, e, gen)
+    y = kernel.moe_decode(x if T > 1 else x[0], w13, w2, rows, weights, tokens=tokens if T > 1 else None,
+                          b13=b13, b2=b2, act=act)
+    ref = torch.zeros(T, h, dtype=torch.float64)
+    for t, r, wt in zip(tokens.tolist(), rows.tolist(), weights.tolist()):
+        ref[t] += wt * expert_ffn(x[t:t + 1].double(), w13[r].double(), w2[r].double(), b13[r].double(),
+                                  b2[r].double(), act)[0]
+    h13 = torch.einsum("th,eih->tei", x.double(), w13.double()) + b13.double()
+    if act[0] != "silu":
+        assert (h13[..., :i] > act[2]).any() and (h13[..., i:].abs() > act[2]).any()  # the clamps bite
+    assert relative_error(y.reshape(T, h), ref) < 1e-5
+    with pytest.raises(RuntimeError, match="unknown activation"):
+        kernel.moe_decode(x[0], w13, w2, rows[:1], weights[:1], act=("gelu",))
+    with pytest.raises(RuntimeError, match="both biases or neither"):
+        kernel.moe_decode(x[0], w13, w2, rows[:1], weights[:1], b13=b13)

@@ -136,3 +136,34 @@ def test_static_decode_steps_match_transformers(case, placement):
         assert engine._decoder is not None
     finally:
         engine.close()
+
+
+def test_gpt_oss_cpu_experts_run_in_the_fused_kernel(tiny_model_dir, monkeypatch):
+    """gpt-oss's CPU-tier experts (biases, clamped SwiGLU) go through the fused CPU kernel, prompt and
+    decode, and give the logits of the same experts resident (PyTorch's ops)."""
+    from workbench.engine import cpu_kernel
+
+    if not cpu_kernel.available():
+        pytest.skip(f"fused CPU kernel unavailable here: {cpu_kernel.unavailable_reason()}")
+    inv = open_inventory(tiny_model_dir("gpt_oss"))
+    p = placements(inv)
+    calls = []
+    real = cpu_kernel.moe_decode
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("act"), kwargs.get("b13") is not None))
+        return real(*args, **kwargs)
+
+    runs = {}
+    for name in ("resident", "compute"):
+        engine = Engine.load(inv, p[name], device=TEST_DEVICE, dtype=torch.float32, max_context=64)
+        try:
+            monkeypatch.setattr(cpu_kernel, "moe_decode", spy)
+            runs[name] = (engine.forward(torch.tensor(PROMPT), 0), greedy_tokens(engine, PROMPT, 4))
+            monkeypatch.setattr(cpu_kernel, "moe_decode", real)
+        finally:
+            engine.close()
+        assert bool(calls) == (name == "compute")
+    assert all(act[0] == "clamped_swiglu" and biased for act, biased in calls)
+    assert rel_err(runs["compute"][0], runs["resident"][0]) < 1e-5
+    assert runs["compute"][1] == runs["resident"][1]

@@ -69,14 +69,21 @@ def unavailable_reason() -> str | None:
     return _failed
 
 
+ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
+"""The experts' activations the kernel computes (``experts.activate``'s names) -> its codes."""
+
+
 def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor | np.ndarray,
                weights: torch.Tensor | np.ndarray, background: int = 0,
-               tokens: torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
+               tokens: torch.Tensor | np.ndarray | None = None, b13: torch.Tensor | None = None,
+               b2: torch.Tensor | None = None, act: tuple = ("silu",)) -> torch.Tensor:
     """Weighted sum of the selected SwiGLU experts for one token (or for each token of a prompt), on
     the CPU.
 
     ``out = sum_j weights[j] * w2[rows[j]] @ (silu(g_j) * u_j)`` with ``[g_j; u_j] = w13[rows[j]] @ x``
     (``g_j`` the first ``I`` rows); with a 2-D ``x``, pair ``j`` reads and adds to row ``tokens[j]``.
+    gpt-oss's experts: biases ``b13`` (added to ``[g_j; u_j]``) and ``b2`` (to the down projection,
+    before the weight) and ``act=("clamped_swiglu", alpha, limit)``, as ``experts.activate``.
 
     Args:
         x: ``[H]``, or ``[T, H]`` with ``tokens``; bfloat16, float16 or float32 (made contiguous if needed).
@@ -89,6 +96,8 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
             ``background`` threads and this returns at once: the result is valid after ``wait()``
             (one background run at a time; the weights must stay alive until then).
         tokens: ``[n]`` int64 rows of a 2-D ``x`` (one per pair); None for a 1-D ``x``.
+        b13, b2: ``[E, 2I]`` and ``[E, H]`` float32 expert biases (both or neither), contiguous.
+        act: ``("silu",)`` or ``("clamped_swiglu", alpha, limit)`` (``ACTIVATIONS``).
 
     Returns:
         ``[H]`` (or ``[T, H]``) float32, accumulated in float32 throughout.
@@ -111,7 +120,15 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
     weights = torch.as_tensor(weights).to(torch.float32)
     _check(x, w13, w2, rows, weights)
     tokens = _tokens(x, tokens, rows, lambda msg: _raise("moe_decode", msg))
-    return _start(lambda bg: mod.moe_decode(x.contiguous(), w13, w2, rows, weights, bg, tokens), background)
+    if act[0] not in ACTIVATIONS:
+        _raise("moe_decode", f"unknown activation {act[0]!r}; the kernel computes {', '.join(ACTIVATIONS)}")
+    code = ACTIVATIONS[act[0]]
+    alpha, limit = (float(act[1]), float(act[2])) if code else (1.0, 0.0)
+    none = torch.empty(0)  # no biases
+    b13 = none if b13 is None else b13
+    b2 = none if b2 is None else b2
+    return _start(lambda bg: mod.moe_decode(x.contiguous(), w13, w2, rows, weights, bg, tokens, b13, b2, code, alpha,
+                                            limit), background)
 
 
 def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: torch.Tensor, d2: torch.Tensor,

@@ -153,6 +153,7 @@ class LayerExperts:
         self.b13: list[torch.Tensor | None] = [None, None, None]  # gpt-oss expert biases [n, 2I], [n, H]
         self.b2: list[torch.Tensor | None] = [None, None, None]
         self.act, self.bias = act, bias
+        self._cpu_bias: tuple[torch.Tensor, torch.Tensor] | None = None  # compute tier's biases in float32
         self.cache_w13: torch.Tensor | None = None
         self.cache_w2: torch.Tensor | None = None
         self.cache_b13: torch.Tensor | None = None
@@ -257,6 +258,7 @@ class LayerExperts:
         if self.bias:
             _copy_halves(self.b13[tier][row], b13)
             self.b2[tier][row].copy_(b2)
+            self._cpu_bias = None
         self.tier[expert] = tier
         self.local[expert] = row
 
@@ -282,6 +284,7 @@ class LayerExperts:
         self.w13[COMPUTE] = self.w2[COMPUTE] = None
 
     def finish(self) -> None:
+        self._cpu_bias = None
         self.local_dev = torch.as_tensor(self.local, device=self.device)
         self.tier_dev = torch.as_tensor(self.tier, device=self.device)
         res = self.tier == RESIDENT
@@ -516,7 +519,9 @@ class LayerExperts:
                                                                 background=bg, tokens=tok)
         elif self._fused_cpu(scale_input):  # the fused C++ kernel: every selected expert in one call
             w13, w2 = self.w13[COMPUTE], self.w2[COMPUTE]
-            fused = lambda w, bg: cpu_kernel.moe_decode(xk, w13, w2, rows, w, background=bg, tokens=tok)  # noqa: E731
+            b13, b2 = self._cpu_biases()
+            fused = lambda w, bg: cpu_kernel.moe_decode(xk, w13, w2, rows, w, background=bg, tokens=tok,  # noqa: E731
+                                                        b13=b13, b2=b2, act=self.act)
         elif one and not scale_input and not self.bias and self.act[0] == "silu":
             # decode without the kernel: five ops per expert, no grouping or gathers
             w13, w2 = self.w13[COMPUTE], self.w2[COMPUTE]
@@ -558,12 +563,22 @@ class LayerExperts:
                       self.b13[COMPUTE], self.b2[COMPUTE], self.act, on_host=True)
 
     def _fused_cpu(self, scale_input: bool) -> bool:
-        """Whether the fused C++ kernel computes this layer's CPU tier (decode and prompts alike)."""
+        """Whether the fused C++ kernel computes this layer's CPU tier (decode and prompts alike): SwiGLU
+        experts, and gpt-oss's biased, clamped ones."""
         if self.cpu_kernel is not None or scale_input:
             return False
         if self.kept_cpu is not None:
             return True
-        return self.fused_cpu and not self.bias and self.act[0] == "silu"
+        return self.fused_cpu and self.act[0] in cpu_kernel.ACTIVATIONS
+
+    def _cpu_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The compute tier's expert biases as the fused kernel takes them (float32, made once until
+        the weights change), or ``(None, None)``."""
+        if not self.bias:
+            return None, None
+        if self._cpu_bias is None:
+            self._cpu_bias = (self.b13[COMPUTE].float().contiguous(), self.b2[COMPUTE].float().contiguous())
+        return self._cpu_bias
 
     def cpu_stacks(self) -> list[torch.Tensor]:
         """The compute tier's host stacks: ``[w13, w2]``, or the kept blocks' tensors (``alloc_kept``)."""

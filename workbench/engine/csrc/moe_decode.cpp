@@ -2,7 +2,8 @@
 // projections in one call, bandwidth bound on the weights. A decode step passes one token; a
 // prompt passes its tokens and the (token, expert) pairs the CPU computes.
 //
-// out[t] = sum_{pairs p of token t} weights[p] * w2[rows[p]] @ (silu(g_p) * u_p),
+// out[t] = sum_{pairs p of token t} weights[p] * w2[rows[p]] @ (silu(g_p) * u_p) (gpt-oss: its biases and
+// clamped SwiGLU, ``Act``),
 // [g_p; u_p] = w13[rows[p]] @ x[t]
 //
 // The pairs are grouped by expert. Two parallel passes over torch's intra-op pool
@@ -674,9 +675,23 @@ inline void block_sums(const float* x, int64_t K, float* out) {  // out[K/32]
 // The selected (token, expert) pairs grouped by expert: group g is pairs [start[g], start[g + 1])
 // of one weight row rows[g]; pair p reads token tok[p] (a row of x [T, H]) and has weight wt[p].
 // A decode step is T = 1 with one pair per group.
+// The experts' activation between gate/up and down, and their optional biases (gpt-oss).
+struct Act {
+  int64_t kind = 0;  // 0 SwiGLU: silu(g) * u; 1 gpt-oss: (clamp(u, -limit, limit) + 1) * g * sigmoid(alpha g), g <= limit
+  float alpha = 1.f, limit = 0.f;
+  const float* b13 = nullptr;  // [E, 2I] gate then up biases, or none
+  const float* b2 = nullptr;   // [E, H] down biases, or none
+  float operator()(float g, float u) const {
+    if (kind == 0) return silu(g) * u;
+    g = std::min(g, limit), u = std::min(std::max(u, -limit), limit);
+    return (u + 1.f) * g / (1.f + std::exp(-alpha * g));
+  }
+};
+
 struct Pairs {
   std::vector<int64_t> start, rows, tok;
   std::vector<float> wt;
+  Act act;
   int64_t groups() const { return static_cast<int64_t>(rows.size()); }
   int64_t size() const { return static_cast<int64_t>(tok.size()); }
 };
@@ -898,9 +913,10 @@ struct NoHook {
 template <typename Dot13, typename Dot2, typename Hook = NoHook>
 void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13, Dot2 dot2, Hook between = Hook()) {
   const int64_t G = pr.groups(), n = pr.size();
-  std::vector<float> act(static_cast<size_t>(n * I));  // silu(g) * u per pair, [n, I]
+  std::vector<float> act(static_cast<size_t>(n * I));  // silu(g) * u (pr.act) per pair, [n, I]
   float* a = act.data();
   const int64_t* start = pr.start.data();
+  const Act& fn = pr.act;
 
   // pass 1: item (group g, row i) needs gate row i and up row I + i of g's expert. A task reads its
   // gate rows, then its up rows: one sequential stream at a time, which the hardware prefetchers
@@ -914,8 +930,15 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
       up.resize(static_cast<size_t>(len * c));
       dot13(g, i0, len, s, c, gate.data());
       dot13(g, I + i0, len, s, c, up.data());
-      for (int64_t q = 0; q < len; ++q)
-        for (int64_t k = 0; k < c; ++k) a[(s + k) * I + i0 + q] = silu(gate[q * c + k]) * up[q * c + k];
+      if (fn.kind == 0 && !fn.b13) {
+        for (int64_t q = 0; q < len; ++q)
+          for (int64_t k = 0; k < c; ++k) a[(s + k) * I + i0 + q] = silu(gate[q * c + k]) * up[q * c + k];
+      } else {
+        const float* bg = fn.b13 ? fn.b13 + pr.rows[g] * 2 * I + i0 : nullptr;
+        for (int64_t q = 0; q < len; ++q)
+          for (int64_t k = 0; k < c; ++k)
+            a[(s + k) * I + i0 + q] = fn(gate[q * c + k] + (bg ? bg[q] : 0.f), up[q * c + k] + (bg ? bg[I + q] : 0.f));
+      }
       p += len;
     }
   };
@@ -930,8 +953,10 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
       const int64_t s = start[g], c = start[g + 1] - s;
       res.resize(static_cast<size_t>((end - begin) * c));
       dot2(g, begin, end - begin, s, c, a + s * I, res.data());
+      const float* bd = fn.b2 ? fn.b2 + pr.rows[g] * H : nullptr;
       for (int64_t o = begin; o < end; ++o)
-        for (int64_t k = 0; k < c; ++k) out[tok[s + k] * H + o] += wt[s + k] * res[(o - begin) * c + k];
+        for (int64_t k = 0; k < c; ++k)
+          out[tok[s + k] * H + o] += wt[s + k] * (res[(o - begin) * c + k] + (bd ? bd[o] : 0.f));
     }
   };
 
@@ -1297,7 +1322,7 @@ Background& background() {
 // Python 3.12).
 template <typename Run>
 at::Tensor checked_run(const char* name, const at::Tensor& x, const at::Tensor& tokens, const at::Tensor& rows,
-                       const at::Tensor& weights, int64_t E, int64_t H, int64_t threads, Run run) {
+                       const at::Tensor& weights, int64_t E, int64_t H, int64_t threads, Run run, Act act = Act()) {
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, name, ": rows must be int64 [n]");
   TORCH_CHECK(weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0), name,
               ": weights must be float32 [n] with n = len(rows) = ", rows.size(0));
@@ -1316,6 +1341,7 @@ at::Tensor checked_run(const char* name, const at::Tensor& x, const at::Tensor& 
   at::Tensor out = at::zeros(x.dim() == 2 ? at::IntArrayRef({T, H}) : at::IntArrayRef({H}),
                              x.options().dtype(at::kFloat));
   Pairs pr = group_pairs(rp, tp, wt.data_ptr<float>(), n);
+  pr.act = act;
   if (threads > 0) {
     background().submit([xf, out, pr = std::move(pr), run]() { run(xf.data_ptr<float>(), pr, out.data_ptr<float>()); },
                         static_cast<int>(threads));
@@ -1338,7 +1364,8 @@ void check_x(const char* name, const at::Tensor& x, int64_t H) {
 }
 
 at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& rows,
-                      const at::Tensor& weights, int64_t threads, const at::Tensor& tokens) {
+                      const at::Tensor& weights, int64_t threads, const at::Tensor& tokens, const at::Tensor& b13,
+                      const at::Tensor& b2, int64_t act, double alpha, double limit) {
   TORCH_CHECK(w13.device().is_cpu() && w2.device().is_cpu() && x.device().is_cpu() &&
                   rows.device().is_cpu() && weights.device().is_cpu(),
               "moe_decode: every tensor must be on the CPU");
@@ -1354,8 +1381,21 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
               w2.scalar_type());
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "moe_decode: w13 and w2 must be contiguous");
   check_x("moe_decode", x, H);
+  TORCH_CHECK(act == 0 || act == 1, "moe_decode: act must be 0 (SwiGLU) or 1 (gpt-oss's clamped SwiGLU)");
+  const bool has13 = b13.defined() && b13.numel() > 0, has2 = b2.defined() && b2.numel() > 0;  // empty: none
+  TORCH_CHECK(has13 == has2, "moe_decode: give both biases or neither");
+  Act fn;
+  fn.kind = act, fn.alpha = static_cast<float>(alpha), fn.limit = static_cast<float>(limit);
+  if (has13) {
+    TORCH_CHECK(b13.scalar_type() == at::kFloat && b2.scalar_type() == at::kFloat && b13.is_contiguous() &&
+                    b2.is_contiguous() && b13.device().is_cpu() && b2.device().is_cpu() && b13.dim() == 2 &&
+                    b2.dim() == 2 && b13.size(0) == E && b13.size(1) == 2 * I && b2.size(0) == E && b2.size(1) == H,
+                "moe_decode: biases must be float32 [E, 2I] and [E, H], contiguous, on the CPU");
+    fn.b13 = b13.data_ptr<float>(), fn.b2 = b2.data_ptr<float>();
+  }
   return checked_run("moe_decode", x, tokens, rows, weights, E, H, threads,
                      [=](const float* xp, const Pairs& pr, float* op) {
+                       (void)b13, (void)b2;  // held while a background run reads them
                        if (wtype == at::kBFloat16) {
                          run_float(xp, reinterpret_cast<const uint16_t*>(w13.data_ptr()),
                                    reinterpret_cast<const uint16_t*>(w2.data_ptr()), pr, H, I, op);
@@ -1365,7 +1405,8 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
                        } else {
                          run_float(xp, w13.data_ptr<float>(), w2.data_ptr<float>(), pr, H, I, op);
                        }
-                     });
+                     },
+                     fn);
 }
 
 // Q8_0 experts: q13 int8 [E, 2I, H], d13 float16 [E, 2I, H/32], q2 int8 [E, H, I], d2 float16 [E, H, I/32].
@@ -1589,7 +1630,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fused routed experts: x [H] (or [T, H] with tokens [n] int64), w13 [E, 2I, H], w2 [E, H, I] (bf16, f16 "
         "or f32), rows [n] int64, weights [n] f32 -> [H] (or [T, H]) f32",
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("rows"), py::arg("weights"), py::arg("threads") = 0,
-        py::arg("tokens") = at::Tensor());
+        py::arg("tokens") = at::Tensor(), py::arg("b13") = at::Tensor(), py::arg("b2") = at::Tensor(),
+        py::arg("act") = 0, py::arg("alpha") = 1.0, py::arg("limit") = 0.0);
   m.def("moe_decode_q8", &moe_decode_q8,
         "moe_decode with GGUF Q8_0 experts: x [H], q13 int8 [E, 2I, H], d13 f16 [E, 2I, H/32], q2 int8 [E, H, I], "
         "d2 f16 [E, H, I/32], rows [n] int64, weights [n] f32 -> [H] f32",
