@@ -145,6 +145,8 @@ def test_experts_one_token_on_q8_0_blocks_match_ggufs_dequantization(H, F_, E, k
 @pytest.mark.parametrize("form", ["tile", "blocks"])
 def test_experts_one_token_on_q4_k_blocks_match_ggufs_dequantization(H, F_, E, k, fmt, form, monkeypatch):
     """k-quant rows (Q2_K to Q6_K, IQ4_XS) as raw bytes, read in place (inactive pairs read nothing)."""
+    if form == "blocks" and {"q2_k", "q3_k", "iq4_xs"} >= set(fmt):
+        pytest.skip("Q2_K, Q3_K and IQ4_XS take the tiled form whatever the candidate")
     force_kernel_form(monkeypatch, form)
     g = torch.Generator().manual_seed(H + F_)
 
