@@ -382,6 +382,17 @@ def test_a_measured_cost_per_further_token_gives_the_cpu_the_experts_it_computes
     assert max(fast.cpu, fast.bus) < max(plain.cpu, plain.bus)
 
 
+def _all_gpu_at(inv, hw, rated, rate: float):
+    """Predictions with every expert resident under ``hw`` and under ``rated`` (whose kept format reads
+    at ``rate`` B/s), and the seconds that ``rate`` adds to layer 0's GPU time over ``hw``'s expert
+    bandwidth (8 of 32 experts a token)."""
+    p = placement_all_gpu(inv)
+    base = CostModel(inv, hw).predict(p, ctx=512)
+    kept = CostModel(inv, rated).predict(p, ctx=512)
+    expert_bytes = sum(u.nbytes for k, u in inv.units.items() if k.kind == "expert" and k.layer == 0) * 8 / 32
+    return base, kept, expert_bytes / rate - expert_bytes / hw.gpus[0].expert_bandwidth
+
+
 def test_experts_kept_in_blocks_read_at_their_formats_gpu_rate():
     """Resident Q8_0 experts go at the GPU's ``expert_throughput["q8_0"]`` when the profile has it (the
     engine's block kernels), else at ``expert_bandwidth``; the JSON keeps the table."""
@@ -390,11 +401,7 @@ def test_experts_kept_in_blocks_read_at_their_formats_gpu_rate():
     inv = synth_inventory(4, 32, hidden=2048, expert_ffn=768, top_k=8, expert_dtype="Q8_0")
     hw = h200_profile()
     slow = dataclasses.replace(hw, gpus=(dataclasses.replace(hw.gpus[0], expert_throughput={"q8_0": 0.1e12}),))
-    p = placement_all_gpu(inv)
-    base = CostModel(inv, hw).predict(p, ctx=512)
-    kept = CostModel(inv, slow).predict(p, ctx=512)
-    expert_bytes = sum(u.nbytes for k, u in inv.units.items() if k.kind == "expert" and k.layer == 0) * 8 / 32
-    extra = expert_bytes / 0.1e12 - expert_bytes / hw.gpus[0].expert_bandwidth
+    base, kept, extra = _all_gpu_at(inv, hw, slow, 0.1e12)
     assert kept.decode_layers[0].gpu == pytest.approx(base.decode_layers[0].gpu + extra, rel=0.01)
     assert kept.decode_tps < base.decode_tps
     back = HardwareProfile.from_json(slow.to_json())
@@ -415,9 +422,5 @@ def test_k_quants_calibration_does_not_time_take_q4_ks_rates():
     assert cpu_rate(rated, "Q5_K") == cpu_rate(rated, "Q6_K") == 30e9
     assert cpu_rate(dataclasses.replace(rated, cpu_expert_throughput={**rated.cpu_expert_throughput,
                                                                        "q5_k": 40e9}), "Q5_K") == 40e9
-    p = placement_all_gpu(inv)
-    base = CostModel(inv, hw).predict(p, ctx=512)
-    kept = CostModel(inv, rated).predict(p, ctx=512)
-    expert_bytes = sum(u.nbytes for k, u in inv.units.items() if k.kind == "expert" and k.layer == 0) * 8 / 32
-    extra = expert_bytes / 0.2e12 - expert_bytes / hw.gpus[0].expert_bandwidth
+    base, kept, extra = _all_gpu_at(inv, hw, rated, 0.2e12)
     assert kept.decode_layers[0].gpu == pytest.approx(base.decode_layers[0].gpu + extra, rel=0.01)

@@ -113,18 +113,26 @@ def _q2_k(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([sc | (m << 4), _two_bits(q), d_bytes, m_bytes], axis=1)
 
 
-def _q3_k(blocks: np.ndarray) -> np.ndarray:
-    """Signed 6-bit scales per 16 values: x ~ d*(sc - 32)*(q - 4), q in [0, 7]; each sub-block's value
-    of largest magnitude lands on -4 (the side with room), as llama.cpp's ``make_q3_quants`` does."""
-    sub = blocks.reshape(-1, 16, 16)
-    far = np.take_along_axis(sub, np.abs(sub).argmax(axis=2)[..., None], axis=2)[..., 0]  # [n, 16], signed
-    scale = -far / 4
+def _signed_scales(sub: np.ndarray, lowest: float):
+    """Signed 6-bit scales of sub-blocks ``sub [n, S, L]`` such that each one's value of largest
+    magnitude lands on ``lowest`` (the side with room), as llama.cpp's ``make_q3_quants`` and
+    ``quantize_row_iq4_nl`` do: float16 ``d`` bytes, scales ``sc [n, S]`` int32 in [-31, 31], and
+    each value over its step ``d * sc`` (0 where the step is)."""
+    far = np.take_along_axis(sub, np.abs(sub).argmax(axis=2)[..., None], axis=2)[..., 0]  # [n, S], signed
+    scale = far / lowest
     d_bytes, d = _f16(np.abs(scale).max(axis=1) / 31)
     with np.errstate(divide="ignore", invalid="ignore"):
         sc = np.where(d[:, None] > 0, np.rint(scale / d[:, None]), 0).clip(-31, 31).astype(np.int32)
         step = d[:, None] * sc
-        q = np.where(step[..., None] != 0, np.rint(sub / step[..., None]), 0)
-    q = (q.clip(-4, 3) + 4).astype(np.uint8).reshape(-1, 256)
+        ratio = np.where(step[..., None] != 0, sub / step[..., None], 0)
+    return d_bytes, sc, ratio
+
+
+def _q3_k(blocks: np.ndarray) -> np.ndarray:
+    """Signed 6-bit scales per 16 values: x ~ d*(sc - 32)*(q - 4), q in [0, 7]; each sub-block's value
+    of largest magnitude on -4."""
+    d_bytes, sc, ratio = _signed_scales(blocks.reshape(-1, 16, 16), -4.0)
+    q = (np.rint(ratio).clip(-4, 3) + 4).astype(np.uint8).reshape(-1, 256)
     hmask = np.zeros((blocks.shape[0], 32), np.uint8)
     for j in range(8):  # bit j of byte l: bit 2 of value 32 j + l
         hmask |= ((q[:, 32 * j:32 * j + 32] >> 2) & 1) << j
@@ -142,15 +150,8 @@ IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 
 
 def _iq4_xs(blocks: np.ndarray) -> np.ndarray:
     """Signed 6-bit scales per 32 values, each value the nearest of ``d * (ls - 32) * IQ4_VALUES``; a
-    sub-block's value of largest magnitude lands on -127, as llama.cpp's ``quantize_row_iq4_nl`` does."""
-    sub = blocks.reshape(-1, 8, 32)
-    far = np.take_along_axis(sub, np.abs(sub).argmax(axis=2)[..., None], axis=2)[..., 0]  # [n, 8], signed
-    scale = -far / 127
-    d_bytes, d = _f16(np.abs(scale).max(axis=1) / 31)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ls = np.where(d[:, None] > 0, np.rint(scale / d[:, None]), 0).clip(-31, 31).astype(np.int32)
-        step = d[:, None] * ls
-        ratio = np.where(step[..., None] != 0, sub / step[..., None], 0)
+    sub-block's value of largest magnitude on -127."""
+    d_bytes, ls, ratio = _signed_scales(blocks.reshape(-1, 8, 32), -127.0)
     idx = np.abs(ratio[..., None] - IQ4_VALUES).argmin(axis=-1).astype(np.uint8)  # [n, 8, 32]
     qs = (idx[:, :, :16] | (idx[:, :, 16:] << 4)).reshape(-1, 128)
     s = (ls + 32).astype(np.uint16)  # [n, 8]

@@ -165,6 +165,15 @@ INT8DOT_HOT inline __m256 q4k_super(const uint8_t* b, const Input* xs, int64_t s
   return s;
 }
 
+// IQ4_XS super-block at b (read ahead): d * its 8 scales.
+INT8DOT_HOT inline __m256 iq4_super(const uint8_t* b) {
+  prefetch_block(b, 136);
+  alignas(32) int ls[8];
+  iq4_scales(b, ls);
+  return _mm256_mul_ps(_mm256_set1_ps(half_bits_to_float(b)),
+                       _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(ls))));
+}
+
 #endif
 
 #ifdef INT8DOT_AVX512
@@ -371,11 +380,7 @@ inline void dot_iq4xs(const uint8_t* row, const Input* xs, int64_t K, float* res
   for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps(), off[j] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const uint8_t* b = row + 136 * sb;
-    prefetch_block(b, 136);
-    alignas(32) int ls[8];
-    iq4_scales(b, ls);
-    const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(half_bits_to_float(b)),
-                                    _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(ls))));
+    const __m256 s8 = iq4_super(b);
     const __m256 o = _mm256_mul_ps(s8, _mm256_set1_ps(-128.f));
     for (int j = 0; j < N; ++j) off[j] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xs[j].s32 + 8 * sb), off[j]);
     const __m512 s = _mm512_castps256_ps512(s8);
@@ -604,11 +609,7 @@ inline void dot_iq4xs(const uint8_t* row, const Input* xs, int64_t K, float* res
   for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const uint8_t* b = row + 136 * sb;
-    prefetch_block(b, 136);
-    alignas(32) int ls[8];
-    iq4_scales(b, ls);
-    const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(half_bits_to_float(b)),
-                                    _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(ls))));
+    const __m256 s8 = iq4_super(b);
     for (int64_t g = 0; g < 8; ++g) {
       const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 + 16 * g));
       const __m256i v = _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(w, 4), low4)),
