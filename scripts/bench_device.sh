@@ -170,7 +170,7 @@ stage_cpu_prompt() {  # a prompt's CPU-tier experts on the fused kernel by token
 stage_cpu_vs_ggml() {  # one token's CPU experts: ours (int8 and exact dots) against llama.cpp's ggml, same threads
     [ -f .llamacpp/build-ggml/src/libggml-cpu.a ] || scripts/build_llamacpp.sh ggml-cpu >"$OUT/build_ggml.log" 2>&1 \
         || { log "ggml CPU build failed"; tail -3 "$OUT/build_ggml.log"; return; }
-    timeout 240 python3 scripts/time_cpu_vs_ggml.py --formats bf16,q8_0,q4_k --threads "$(( $(nproc) - 1 ))" \
+    timeout 240 python3 scripts/time_cpu_vs_ggml.py --formats "${BENCH_GGML_FORMATS:-bf16,q8_0,q4_k,q3_k,iq4_xs}" --threads "$(( $(nproc) - 1 ))" \
         --experts 128 --json "$OUT/cpu_vs_ggml.json" 2>&1 | tee -a "$OUT/device.log"
 }
 stage_engine_q4_hybrid() {  # S1 as Q4_K under a small budget: most experts on the CPU (a large Q4_K model, a small GPU)
