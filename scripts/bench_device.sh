@@ -18,7 +18,8 @@
 # run`: llama.cpp -lm none at --n-cpu-moe 16 and all-GPU, then our n-cpu-moe, frequency, balanced
 # and all-GPU (BENCH_ALL_GPU=0: not all-GPU), with the ratios), kernel_tests (the fused CPU kernel's
 # tests on this machine's CPU), engine_uniform (the same, routers rewritten uniform), engine_q8
-# (S1 as Q8_0, llama.cpp at --n-cpu-moe 8), engine_q4 (S1 as Q4_K), cap_tests (the VRAM cap on CUDA), served (scripts/profile_hybrid.py
+# (S1 as Q8_0, llama.cpp at --n-cpu-moe 8), engine_q4 (S1 as Q4_K), cap_tests (the VRAM cap on CUDA), gpu_tests
+# (the Triton kernels', VRAM cap's, spinning team's and hot path's tests on CUDA), served (scripts/profile_hybrid.py
 # with and without the decode server), served_tests (its tests and the bus share's on CUDA), fit_probe
 # (scripts/probe_engine_fit.py three times after stage calibrate), prompt_kernels (tests/engine/test_prefill_kernels.py on
 # CUDA and scripts/time_prompt_kernels.py), dense_kernels (tests/engine/test_packed.py on CUDA and
@@ -152,6 +153,12 @@ side_by_side() {  # file label json strategies [args...]: llama.cpp (-lm none) t
 stage_tests() {  # the engine's tests on CUDA (carry .whl_engine: transformers and gguf as pinned here)
     log "tests"; WORKBENCH_TEST_DEVICE=cuda timeout "${TESTS_TIME_S:-240}" python3 -m pytest -q -p no:cacheprovider \
         tests/engine >"$OUT/cuda_tests.txt" 2>&1; log "tests rc $?"; tail -3 "$OUT/cuda_tests.txt" | tee -a "$OUT/device.log"
+}
+stage_gpu_tests() {  # the CUDA kernels' and the decode server's tests on this GPU (carry .llamacpp/whl: gguf)
+    log "gpu tests"; WORKBENCH_TEST_DEVICE=cuda timeout "${TESTS_TIME_S:-240}" python3 -m pytest -q -p no:cacheprovider \
+        tests/engine/test_gpu_kernels.py tests/engine/test_packed.py tests/engine/test_prefill_kernels.py \
+        tests/engine/test_memory_cap.py tests/engine/test_served_team.py tests/engine/test_experts_hot_path.py \
+        >"$OUT/gpu_tests.txt" 2>&1; log "gpu tests rc $?"; tail -3 "$OUT/gpu_tests.txt" | tee -a "$OUT/device.log"
 }
 stage_cap_tests() {  # the engine's VRAM cap on CUDA (carry .llamacpp/whl: gguf)
     log "cap tests"; WORKBENCH_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider \
