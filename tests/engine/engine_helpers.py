@@ -28,20 +28,25 @@ N_NEW = 32
 
 def random_kquant(fmt: str, n: int, k: int, gen: torch.Generator, scale: float = 1e-2
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random GGUF rows of k-quant ``fmt`` (``q2_k`` ... ``q6_k``): every bit pattern of the
-    quants and sub-scales, with small finite float16 d (and dmin), as uint8 ``[n, k/256*bytes]``,
-    and gguf-py's dequantization of those bytes, float64 ``[n, k]``."""
+    """Random GGUF rows of raw-block format ``fmt`` (``q2_k`` ... ``q6_k``, ``iq4_xs``, ``mxfp4``):
+    every bit pattern of the quants and sub-scales, with small finite float16 d (and dmin; MXFP4:
+    exponents around ``scale``), as uint8 ``[n, blocks.row_bytes(fmt, k)]``, and gguf-py's
+    dequantization of those bytes, float64 ``[n, k]``."""
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     from workbench.engine import blocks
 
-    size = blocks.KQUANTS[fmt]
-    raw = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=gen).numpy()
-    d = (np.abs(torch.randn(n, k // 256, 2, generator=gen).numpy()) * scale + scale / 10).astype(np.float16)
-    for i, at in enumerate(blocks.KQUANT_HALVES[fmt]):  # d (and dmin)
-        raw[..., at:at + 2] = d[..., i:i + 1].view(np.uint8)
+    values, size = blocks.RAW[fmt]
+    raw = torch.randint(0, 256, (n, k // values, size), dtype=torch.uint8, generator=gen).numpy()
+    if fmt == "mxfp4":  # E8M0 exponents: scales 2^(e - 128) from scale / 8 to scale
+        top = int(np.log2(scale)) + 128
+        raw[..., 0] = torch.randint(top - 3, top + 1, (n, k // values), generator=gen).numpy()
+    else:
+        d = (np.abs(torch.randn(n, k // 256, 2, generator=gen).numpy()) * scale + scale / 10).astype(np.float16)
+        for i, at in enumerate(blocks.KQUANT_HALVES[fmt]):  # d (and dmin)
+            raw[..., at:at + 2] = d[..., i:i + 1].view(np.uint8)
     raw = raw.reshape(n, -1)
     ref = dequantize(raw, GGMLQuantizationType[fmt.upper()]).astype(np.float64)
     return torch.from_numpy(raw.copy()), torch.from_numpy(ref)

@@ -391,6 +391,7 @@ def check_block_dots(y, x, r13, r2, rows, weights, int8: bool) -> None:
     (512, 256, [3, 1], "q3_k", "q4_k"), (256, 512, [0, 2, 1], "q2_k", "q3_k"),  # Q3_K_M, Q2_K
     (256, 256, [1], "q3_k", "q3_k"), (256, 256, [2], "q2_k", "q2_k"),
     (512, 256, [0, 3, 1], "iq4_xs", "iq4_xs"), (256, 512, [2], "iq4_xs", "q6_k"),  # IQ4_XS
+    (2880, 96, [0, 3, 1], "mxfp4", "mxfp4"), (160, 64, [2, 2], "mxfp4", "mxfp4"),  # MXFP4: gpt-oss's 2880 = 22.5 x 128
 ])
 @pytest.mark.parametrize("x_type", ["bf16", "f32 bf16-exact", "f32"])
 def test_q4_k_matches_ggufs_dequantization(kernel, quant_dots, H, ffn, rows, fmt13, fmt2, x_type):

@@ -13,7 +13,10 @@ A kept matrix ``[N, K]`` is a list of tensors (any device):
   llama.cpp's non-linear table ``IQ4_VALUES``, a 6-bit scale per 32);
 - ``q6_k``: ``[raw uint8 [N, K/256 * 210]]`` likewise (6.6 bits a value). Q4_K_M and Q5_K_M files
   store some expert down matrices as Q6_K, so the format is chosen per matrix: gate and up share
-  one, down may differ (both k-quants, or both Q8_0).
+  one, down may differ (both k-quants, or both Q8_0);
+- ``mxfp4``: ``[raw uint8 [N, K/32 * 17]]``, OCP MXFP4 blocks as GGUF stores them (4.25 bits a
+  value: an E8M0 exponent and 32 FP4 values; every gpt-oss GGUF's experts). Its blocks are 32 values,
+  so it takes gpt-oss's 2880; it pairs with itself only.
 
 The fused CPU kernels (``cpu_kernel.moe_decode_q8`` / ``moe_decode_q4k``) and the one-token Triton
 kernels (``gpu_kernels.experts_one_token``) read them in place; every other step dequantizes the
@@ -25,21 +28,38 @@ from __future__ import annotations
 import torch
 
 FORMATS = {"Q8_0": "q8_0", "Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
-           "IQ4_XS": "iq4_xs"}
+           "IQ4_XS": "iq4_xs", "MXFP4": "mxfp4"}
 """GGUF storage types the engine keeps -> the format names used here."""
-BLOCK = {"q8_0": 32, "q2_k": 256, "q3_k": 256, "q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256}
+BLOCK = {"q8_0": 32, "q2_k": 256, "q3_k": 256, "q4_k": 256, "q5_k": 256, "q6_k": 256, "iq4_xs": 256, "mxfp4": 32}
 """Values per block along K: a kept matrix needs K to be a multiple."""
 KQUANTS = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210, "iq4_xs": 136}
 """Bytes per 256-value super-block (the k-quants, and IQ4_XS, which pairs with them)."""
 KQUANT_HALVES = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,)}
+"""Byte offsets in a super-block of its float16 ``d`` (and ``dmin``)."""
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 """The values IQ4_XS's 4-bit indices stand for (llama.cpp's ``kvalues_iq4nl``)."""
-"""Byte offsets in a super-block of its float16 ``d`` (and ``dmin``)."""
+RAW = {**{f: (256, n) for f, n in KQUANTS.items()}, "mxfp4": (32, 17)}
+"""Formats kept as raw blocks -> (values, bytes) per block."""
+MX_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+"""MXFP4's FP4 values by index, doubled (llama.cpp's ``kvalues_mxfp4``; a block's scale is halved)."""
+
+
+def row_bytes(fmt: str, k: int) -> int:
+    """Bytes of a raw-block row of ``k`` values (``k`` a multiple of the format's block)."""
+    values, size = RAW[fmt]
+    return k // values * size
+
+
+def row_values(fmt: str, nbytes: int) -> int:
+    """Values of a raw-block row of ``nbytes`` bytes."""
+    values, size = RAW[fmt]
+    return nbytes // size * values
 
 
 def pairs_well(fmt13: str, fmt2: str) -> bool:
-    """Whether the kernels take gate/up in ``fmt13`` with down in ``fmt2``: both Q8_0, or both k-quants."""
-    return (fmt13 == fmt2 == "q8_0") or (fmt13 in KQUANTS and fmt2 in KQUANTS)
+    """Whether the kernels take gate/up in ``fmt13`` with down in ``fmt2``: both Q8_0, both MXFP4, or
+    both k-quants."""
+    return fmt13 == fmt2 in ("q8_0", "mxfp4") or (fmt13 in KQUANTS and fmt2 in KQUANTS)
 
 
 def expert_formats(gate: str | None, up: str | None, down: str | None) -> tuple[str, str] | None:
@@ -56,7 +76,7 @@ def alloc(fmt: str, lead: tuple[int, ...], n: int, k: int, device=None) -> list[
     if fmt == "q8_0":
         return [torch.empty((*lead, n, k), dtype=torch.int8, device=device),
                 torch.empty((*lead, n, k // 32), dtype=torch.float16, device=device)]
-    return [torch.empty((*lead, n, k // 256 * KQUANTS[fmt]), dtype=torch.uint8, device=device)]
+    return [torch.empty((*lead, n, row_bytes(fmt, k)), dtype=torch.uint8, device=device)]
 
 
 def nbytes(parts: list[torch.Tensor]) -> int:
@@ -70,6 +90,8 @@ def dequantize(fmt: str, parts: list[torch.Tensor], k: int, dtype: torch.dtype) 
         vals = q.reshape(*q.shape[:-1], -1, 32).float() * d.float()[..., None]
         return vals.reshape(q.shape).to(dtype)
     (raw,) = parts
+    if fmt == "mxfp4":
+        return _mxfp4(raw.reshape(-1, k // 32, 17)).reshape(*raw.shape[:-1], k).to(dtype)
     lead, nb = raw.shape[:-1], k // 256
     if fmt in _SIXTEENS:
         return _SIXTEENS[fmt](raw.reshape(-1, nb, KQUANTS[fmt]), nb).reshape(*lead, k).to(dtype)
@@ -146,6 +168,17 @@ def _iq4_xs(b: torch.Tensor, nb: int) -> torch.Tensor:
     idx = torch.cat([qs & 15, qs >> 4], dim=-1)  # [R, nb, 8, 32]
     vals = torch.tensor(IQ4_VALUES, dtype=torch.float32)[idx]
     return ((d * ls.float())[..., None] * vals).reshape(-1, nb, 256)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    """MXFP4 blocks ``[R, nb, 17]`` (an E8M0 exponent ``e``, 16 bytes of indices: low nibbles values
+    0 .. 15, high ones 16 .. 31) -> float32 ``[R, nb, 32]``: ``MX_VALUES[index] * 2^(e - 128)``."""
+    e = b[..., 0].to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    scale = bits.view(torch.float32)  # [R, nb]
+    qs = b[..., 1:].to(torch.int64)
+    idx = torch.cat([qs & 15, qs >> 4], dim=-1)  # [R, nb, 32]
+    return scale[..., None] * torch.tensor(MX_VALUES, dtype=torch.float32)[idx]
 
 
 _SIXTEENS = {"q2_k": _q2_k, "q3_k": _q3_k, "q6_k": _q6_k, "iq4_xs": _iq4_xs}

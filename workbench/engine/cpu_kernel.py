@@ -120,15 +120,8 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
     weights = torch.as_tensor(weights).to(torch.float32)
     _check(x, w13, w2, rows, weights)
     tokens = _tokens(x, tokens, rows, lambda msg: _raise("moe_decode", msg))
-    if act[0] not in ACTIVATIONS:
-        _raise("moe_decode", f"unknown activation {act[0]!r}; the kernel computes {', '.join(ACTIVATIONS)}")
-    code = ACTIVATIONS[act[0]]
-    alpha, limit = (float(act[1]), float(act[2])) if code else (1.0, 0.0)
-    none = torch.empty(0)  # no biases
-    b13 = none if b13 is None else b13
-    b2 = none if b2 is None else b2
-    return _start(lambda bg: mod.moe_decode(x.contiguous(), w13, w2, rows, weights, bg, tokens, b13, b2, code, alpha,
-                                            limit), background)
+    extra = _act_args("moe_decode", act, b13, b2)
+    return _start(lambda bg: mod.moe_decode(x.contiguous(), w13, w2, rows, weights, bg, tokens, *extra), background)
 
 
 def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: torch.Tensor, d2: torch.Tensor,
@@ -220,56 +213,76 @@ def _check_rows(rows, weights, E: int, fail) -> None:
             fail(f"rows[{j}] = {r} is outside [0, {E})")
 
 
-KQUANT_CODES = {"q4_k": 0, "q6_k": 1, "q5_k": 2, "q2_k": 3, "q3_k": 4, "iq4_xs": 5}
-"""The native kernel's codes of the k-quant formats it reads in place (``moe_decode_q4k``, the server)."""
+KQUANT_CODES = {"q4_k": 0, "q6_k": 1, "q5_k": 2, "q2_k": 3, "q3_k": 4, "iq4_xs": 5, "mxfp4": 6}
+"""The native kernel's codes of the raw-block formats it reads in place (``moe_decode_q4k``, the server)."""
+
+
+def _act_args(name: str, act: tuple, b13, b2) -> tuple:
+    """``(b13, b2, code, alpha, limit)`` as the native entry points take an activation and biases
+    (empty tensors: no biases)."""
+    import torch
+
+    if act[0] not in ACTIVATIONS:
+        _raise(name, f"unknown activation {act[0]!r}; the kernel computes {', '.join(ACTIVATIONS)}")
+    code = ACTIVATIONS[act[0]]
+    alpha, limit = (float(act[1]), float(act[2])) if code else (1.0, 0.0)
+    none = torch.empty(0)
+    return (none if b13 is None else b13), (none if b2 is None else b2), code, alpha, limit
 
 
 def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: torch.Tensor | np.ndarray,
                    weights: torch.Tensor | np.ndarray, fmt13: str = "q4_k", fmt2: str = "q4_k",
-                   background: int = 0, tokens: torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
-    """``moe_decode`` for experts kept as GGUF k-quant blocks, read as they are: Q4_K (super-blocks of
+                   background: int = 0, tokens: torch.Tensor | np.ndarray | None = None,
+                   bias13: torch.Tensor | None = None, bias2: torch.Tensor | None = None,
+                   act: tuple = ("silu",)) -> torch.Tensor:
+    """``moe_decode`` for experts kept as raw GGUF blocks, read as they are: Q4_K (super-blocks of
     256 values in 144 bytes, 4.5 bits a value), Q5_K (176 bytes, 5.5 bits), Q6_K (210 bytes, 6.6
-    bits), Q3_K (110 bytes, 3.4 bits), Q2_K (84 bytes, 2.6 bits) or IQ4_XS (136 bytes, 4.25 bits), chosen
-    per matrix (``fmt13`` for gate and up, ``fmt2`` for down: Q4_K_M and Q5_K_M files
-    store some down matrices as Q6_K).
+    bits), Q3_K (110 bytes, 3.4 bits), Q2_K (84 bytes, 2.6 bits), IQ4_XS (136 bytes, 4.25 bits) or
+    MXFP4 (blocks of 32 values in 17 bytes, 4.25 bits), chosen per matrix (``fmt13`` for gate and
+    up, ``fmt2`` for down: Q4_K_M and Q5_K_M files store some down matrices as Q6_K).
 
     Args:
         x: ``[H]``, or ``[T, H]`` with ``tokens``; bfloat16, float16 or float32.
-        b13: ``[E, 2I, H/256*bytes]`` uint8: the gate (first ``I`` rows) and up rows' raw blocks.
-        b2: ``[E, H, I/256*bytes]`` uint8: the down rows'. ``H`` and ``I`` multiples of 256, contiguous.
+        b13: ``[E, 2I, blocks.row_bytes(fmt13, H)]`` uint8: the gate (first ``I`` rows) and up rows' raw
+            blocks.
+        b2: ``[E, H, blocks.row_bytes(fmt2, I)]`` uint8: the down rows'. ``H`` and ``I`` multiples of the
+            formats' blocks (256; MXFP4 32), contiguous.
         rows, weights, background, tokens: as in ``moe_decode``.
+        bias13, bias2, act: the experts' biases and activation, as ``moe_decode``'s ``b13``, ``b2``,
+            ``act`` (gpt-oss).
 
     Returns ``[H]`` (or ``[T, H]``) float32. Raises RuntimeError as ``moe_decode`` does.
     """
     import torch
 
-    mod, rows, weights, fail = _prepare("moe_decode_q4k", rows, weights)
-    from .blocks import KQUANTS
+    from .blocks import RAW, row_bytes
 
-    if fmt13 not in KQUANTS or fmt2 not in KQUANTS:
-        fail(f"formats must be k-quants (q2_k ... q6_k) or iq4_xs, got {fmt13} and {fmt2}")
-    n13, n2 = KQUANTS[fmt13], KQUANTS[fmt2]
+    mod, rows, weights, fail = _prepare("moe_decode_q4k", rows, weights)
+    if fmt13 not in RAW or fmt2 not in RAW:
+        fail(f"formats must be k-quants (q2_k ... q6_k), iq4_xs or mxfp4, got {fmt13} and {fmt2}")
+    v13, v2 = RAW[fmt13][0], RAW[fmt2][0]
     if not all(t.device.type == "cpu" for t in (x, b13, b2, rows, weights)):
         fail("every tensor must be on the CPU")
     H = x.shape[-1] if x.dim() in (1, 2) else -1
-    if H <= 0 or H % 256 or str(x.dtype) not in _FLOATS:
-        fail(f"x must be bfloat16, float16 or float32 [H] or [T, H] with H a multiple of 256, got {x.dtype} "
+    if H <= 0 or H % v13 or str(x.dtype) not in _FLOATS:
+        fail(f"x must be bfloat16, float16 or float32 [H] or [T, H] with H a multiple of {v13}, got {x.dtype} "
              f"{list(x.shape)}")
     if b13.dim() != 3 or b2.dim() != 3 or b13.dtype != torch.uint8 or b2.dtype != torch.uint8:
-        fail(f"b13 and b2 must be uint8 [E, 2I, H/256*bytes] and [E, H, I/256*bytes], got {list(b13.shape)} and "
-             f"{list(b2.shape)}")
+        fail(f"b13 and b2 must be uint8 [E, 2I, row bytes of H] and [E, H, row bytes of I], got {list(b13.shape)} "
+             f"and {list(b2.shape)}")
     E, ffn = b13.shape[0], b13.shape[1] // 2
-    if (ffn <= 0 or ffn % 256 or tuple(b13.shape) != (E, 2 * ffn, H // 256 * n13)
-            or tuple(b2.shape) != (E, H, ffn // 256 * n2)):
-        fail(f"b13 must be [E, 2I, {H // 256 * n13}] and b2 [E, {H}, I/256*{n2}] with I a multiple of 256, got "
-             f"{list(b13.shape)} and {list(b2.shape)}")
+    if (ffn <= 0 or ffn % v2 or tuple(b13.shape) != (E, 2 * ffn, row_bytes(fmt13, H))
+            or tuple(b2.shape) != (E, H, row_bytes(fmt2, ffn))):
+        fail(f"b13 must be [E, 2I, {row_bytes(fmt13, H)}] and b2 [E, {H}, row bytes of I] with I a multiple of "
+             f"{v2}, got {list(b13.shape)} and {list(b2.shape)}")
     if not (b13.is_contiguous() and b2.is_contiguous()):
         fail("the weight stacks must be contiguous")
     _check_rows(rows, weights, E, fail)
     tokens = _tokens(x, tokens, rows, fail)
+    extra = _act_args("moe_decode_q4k", act, bias13, bias2)
     codes = KQUANT_CODES
     return _start(lambda bg: mod.moe_decode_kq(x.contiguous(), b13, codes[fmt13], b2, codes[fmt2], ffn, rows,
-                                               weights, bg, tokens), background)
+                                               weights, bg, tokens, *extra), background)
 
 
 def int8_dots(on: bool | None = None) -> bool:

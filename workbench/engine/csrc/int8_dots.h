@@ -1,4 +1,4 @@
-// Integer dots for experts kept in GGUF blocks (Q8_0, the k-quants Q2_K to Q6_K, IQ4_XS): the input is rounded to int8
+// Integer dots for experts kept in GGUF blocks (Q8_0, the k-quants Q2_K to Q6_K, IQ4_XS, MXFP4): the input is rounded to int8
 // per 32 values first, as llama.cpp rounds it (to Q8_K / Q8_0) for its own CPU dots, and VPDPBUSD
 // multiplies 64 weight values by 64 input values per instruction (AVX2: 32, by VPMADDUBSW and
 // VPMADDWD), summed in int32, without turning any weight into a float. The float paths of moe_decode.cpp convert every weight value to
@@ -11,6 +11,7 @@
 // weights) is its only error.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -49,19 +50,34 @@ struct Input {
 // For Q2_K and Q3_K each 256 values in the order of their 2-bit values as one 64-byte load shifted
 // by 2g holds them (values 32g .. 32g + 31, then 128 + 32g .. 128 + 32g + 31, for g = 0..3).
 // For IQ4_XS each 128 values as one 64-byte load of its indices splits them: the low nibbles (values
-// 0 .. 15 of its 4 sub-blocks), then the high ones (values 16 .. 31).
+// 0 .. 15 of its 4 sub-blocks), then the high ones (values 16 .. 31). MXFP4 likewise per 4 blocks of
+// 32 (its 16 bytes of indices a block, loaded four at a time), and a last group of fewer blocks
+// (K % 128 != 0: gpt-oss's 2880) as its low nibbles, then its high ones.
 // AVX2: every format in order, signed.
-enum class Order { kQ4K, kQ6K, kQ8, kQ2K, kIQ4 };
+enum class Order { kQ4K, kQ6K, kQ8, kQ2K, kIQ4, kMX };
 
 // Format codes of the weights as moe_decode.cpp passes them: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K,
-// 5 IQ4_XS.
+// 5 IQ4_XS, 6 MXFP4.
 inline Order order_for_kquant(int64_t fmt) {
-  static constexpr Order order[6] = {Order::kQ4K, Order::kQ6K, Order::kQ4K, Order::kQ2K, Order::kQ2K, Order::kIQ4};
+  static constexpr Order order[7] = {Order::kQ4K, Order::kQ6K, Order::kQ4K, Order::kQ2K,
+                                     Order::kQ2K, Order::kIQ4, Order::kMX};
   return order[fmt];
 }
 
 // IQ4_XS's values by index (llama.cpp's kvalues_iq4nl).
 constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// MXFP4's FP4 (E2M1) values by index, doubled (llama.cpp's kvalues_mxfp4); a block's scale is
+// 2^(e - 128), half its E8M0 exponent's power, to match.
+constexpr int8_t kMxValues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// An MXFP4 block's E8M0 exponent e as its scale 2^(e - 128) (llama.cpp's e8m0_to_fp32_half).
+inline float mx_scale(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 // IQ4_XS's 8 scales (6 bits, less 32) at b: low 4 bits in the nibbles of b[4 .. 7], top 2 in the
 // 16 bits of b[2 .. 3].
@@ -196,11 +212,14 @@ inline void Inputs::set(int64_t i, const float* x) {
       v1 = _mm512_cvtps_epi32(_mm512_div_ps(x1, d));
     }
     // where the block's first and last 16 values go
-    const int64_t at = order_ == Order::kQ4K   ? 128 * (b / 4) + 32 * kSlot[b % 4]
-                       : order_ == Order::kQ2K ? 256 * (b / 8) + 32 * (2 * (b % 4) + (b % 8) / 4)
-                       : order_ == Order::kIQ4 ? 128 * (b / 4) + 16 * (b % 4)
-                                               : 32 * b;
-    const int64_t at2 = at + (order_ == Order::kIQ4 ? 64 : 16);
+    const int64_t at = order_ == Order::kQ4K                               ? 128 * (b / 4) + 32 * kSlot[b % 4]
+                       : order_ == Order::kQ2K                             ? 256 * (b / 8) + 32 * (2 * (b % 4) + (b % 8) / 4)
+                       : order_ == Order::kIQ4 || order_ == Order::kMX ? 128 * (b / 4) + 16 * (b % 4)
+                                                                           : 32 * b;
+    // IQ4_XS and MXFP4: the high halves after the group's low ones (a last group of fewer blocks)
+    const int64_t at2 = at + (order_ == Order::kIQ4 || order_ == Order::kMX
+                                  ? 16 * std::min<int64_t>(4, K_ / 32 - 4 * (b / 4))
+                                  : 16);
     const __m128i flip = order_ == Order::kQ8 ? _mm_set1_epi8(static_cast<char>(0x80)) : _mm_setzero_si128();
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at), _mm_xor_si128(_mm512_cvtepi32_epi8(v0), flip));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at2), _mm_xor_si128(_mm512_cvtepi32_epi8(v1), flip));
@@ -393,6 +412,64 @@ inline void dot_iq4xs(const uint8_t* row, const Input* xs, int64_t K, float* res
     }
   }
   for (int j = 0; j < N; ++j) res[j] = _mm512_reduce_add_ps(acc[j]) + reduce256(off[j]);
+}
+
+// res[j] = MXFP4 row . xs[j] for j < N (inputs in Order::kMX; K a multiple of 32). A block is 17
+// bytes: its E8M0 exponent e, then 16 bytes of 4-bit indices (low nibbles values 0 .. 15, high ones
+// 16 .. 31); value = kMxValues[index] * mx_scale(e). Four blocks a step: their indices in one
+// 64-byte register, looked up by VPSHUFB as value + 128 (VPDPBUSD's unsigned factor), and 128 times
+// the input's sum per block taken off with the block's scale. A last 1 .. 3 blocks one at a time.
+template <int N>
+inline void dot_mxfp4(const uint8_t* row, const Input* xs, int64_t K, float* res) {
+  alignas(16) static constexpr uint8_t kBiased[16] = {128, 129, 130, 131, 132, 134, 136, 140,
+                                                      128, 127, 126, 125, 124, 122, 120, 116};
+  const __m128i table4 = _mm_load_si128(reinterpret_cast<const __m128i*>(kBiased)), low4x = _mm_set1_epi8(0x0F);
+  const __m512i table = _mm512_broadcast_i32x4(table4), low4 = _mm512_set1_epi8(0x0F);
+  alignas(64) static constexpr int32_t kLanes[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+  const __m512i lanes = _mm512_load_si512(kLanes);
+  __m512 acc[N];
+  __m128 off[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps(), off[j] = _mm_setzero_ps();
+  const int64_t nb = K / 32;
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    const uint8_t* p = row + 17 * b;
+    prefetch_block(p, 68);
+    __m512i w = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 1)));
+    w = _mm512_inserti32x4(w, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18)), 1);
+    w = _mm512_inserti32x4(w, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 35)), 2);
+    w = _mm512_inserti32x4(w, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 52)), 3);
+    const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(w, low4));
+    const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(w, 4), low4));
+    const __m128 s4 = _mm_setr_ps(mx_scale(p[0]), mx_scale(p[17]), mx_scale(p[34]), mx_scale(p[51]));
+    const __m512 s = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s4));
+    for (int j = 0; j < N; ++j) {
+      acc[j] = dot128(lo, hi, s, s, xs[j], 32 * b, acc[j]);
+      off[j] = _mm_fmadd_ps(s4, _mm_loadu_ps(xs[j].s32 + b), off[j]);
+    }
+  }
+  float tail[N] = {};
+  const int64_t nt = nb - b;  // the last group's blocks: low nibbles at 32b + 16i, high at 32b + 16nt + 16i
+  for (int64_t i = 0; i < nt; ++i) {
+    const uint8_t* p = row + 17 * (b + i);
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 1));
+    const __m128i lo = _mm_shuffle_epi8(table4, _mm_and_si128(w, low4x));
+    const __m128i hi = _mm_shuffle_epi8(table4, _mm_and_si128(_mm_srli_epi16(w, 4), low4x));
+    const float sc = mx_scale(p[0]);
+    for (int j = 0; j < N; ++j) {
+      const int64_t at = 32 * b + 16 * i;
+      __m128i v = _mm_dpbusd_epi32(_mm_setzero_si128(), lo, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xs[j].q + at)));
+      v = _mm_dpbusd_epi32(v, hi, _mm_loadu_si128(reinterpret_cast<const __m128i*>(xs[j].q + at + 16 * nt)));
+      v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+      v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1));
+      tail[j] += sc * (xs[j].dxe[at / 4] * static_cast<float>(_mm_cvtsi128_si32(v)) - 128.f * xs[j].s32[b + i]);
+    }
+  }
+  for (int j = 0; j < N; ++j) {
+    __m128 o = _mm_add_ps(off[j], _mm_movehl_ps(off[j], off[j]));
+    o = _mm_add_ss(o, _mm_movehdup_ps(o));
+    res[j] = _mm512_reduce_add_ps(acc[j]) - 128.f * _mm_cvtss_f32(o) + tail[j];
+  }
 }
 
 // res[j] = Q8_0 row . xs[j] for j < N (inputs in Order::kQ8). Q8_0: per 32 values a float16
@@ -627,6 +704,29 @@ inline void dot_iq4xs(const uint8_t* row, const Input* xs, int64_t K, float* res
   for (int j = 0; j < N; ++j) res[j] = reduce256(acc[j]);
 }
 
+// As the AVX-512 dot_mxfp4, a block of 32 a step in the input's order, with Q8_0's signs.
+template <int N>
+inline void dot_mxfp4(const uint8_t* row, const Input* xs, int64_t K, float* res) {
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxValues)), low4 = _mm_set1_epi8(0x0F);
+  __m256 acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* p = row + 17 * b;
+    if (b % 4 == 0) prefetch_block(p, 68);
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 1));
+    const __m256i v = _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(w, 4), low4)),
+                                       _mm_shuffle_epi8(table, _mm_and_si128(w, low4)));
+    const __m256i u = _mm256_abs_epi8(v);
+    const __m256 ws = _mm256_set1_ps(mx_scale(p[0]));
+    for (int j = 0; j < N; ++j) {
+      const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[j].q + 32 * b)), v);
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, sx)), _mm256_mul_ps(ws, _mm256_loadu_ps(xs[j].dxe + 8 * b)),
+                               acc[j]);
+    }
+  }
+  for (int j = 0; j < N; ++j) res[j] = reduce256(acc[j]);
+}
+
 // As the AVX-512 dot_q8, a block of 32 a step: |w| as the unsigned factor, the input's sign flipped
 // where w is negative (and zeroed where w is 0) as the signed one.
 template <int N>
@@ -659,11 +759,14 @@ inline void dot_q23k(const uint8_t*, const Input*, int64_t, float*) {}
 template <int N>
 inline void dot_iq4xs(const uint8_t*, const Input*, int64_t, float*) {}
 template <int N>
+inline void dot_mxfp4(const uint8_t*, const Input*, int64_t, float*) {}
+template <int N>
 inline void dot_q8(const int8_t*, const uint16_t*, const Input*, int64_t, float*) {}
 
 #endif
 
-// k-quant integer dots of one row with N inputs: fmt 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS.
+// k-quant integer dots of one row with N inputs: fmt 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS,
+// 6 MXFP4.
 template <int N>
 inline void dot_kq(int64_t fmt, const uint8_t* row, const Input* xs, int64_t K, float* res) {
   if (fmt == 0) {
@@ -676,6 +779,8 @@ inline void dot_kq(int64_t fmt, const uint8_t* row, const Input* xs, int64_t K, 
     dot_q23k<N, true>(row, xs, K, res);
   } else if (fmt == 5) {
     dot_iq4xs<N>(row, xs, K, res);
+  } else if (fmt == 6) {
+    dot_mxfp4<N>(row, xs, K, res);
   } else {
     dot_q6k<N>(row, xs, K, res);
   }

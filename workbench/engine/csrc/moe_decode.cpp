@@ -612,23 +612,33 @@ inline void decode_iq4xs(const uint8_t* b, float* v) {  // v[256]
   }
 }
 
-// dots of one row of super-blocks of BYTES bytes with N inputs, each super-block decoded by DECODE
-// once for them; each input's sums in the same order whatever N is.
-template <int N, void (*DECODE)(const uint8_t*, float*), int64_t BYTES>
+// GGUF MXFP4 (17 bytes per 32 values: an E8M0 exponent e, then 16 bytes of 4-bit indices, low
+// nibbles values 0 .. 15, high ones 16 .. 31; value = int8dot::kMxValues[index] * 2^(e - 128)).
+inline void decode_mxfp4(const uint8_t* b, float* v) {  // v[32]
+  const float s = int8dot::mx_scale(b[0]);
+  for (int l = 0; l < 16; ++l) {
+    v[l] = s * static_cast<float>(int8dot::kMxValues[b[1 + l] & 15]);
+    v[16 + l] = s * static_cast<float>(int8dot::kMxValues[b[1 + l] >> 4]);
+  }
+}
+
+// dots of one row of blocks of VALUES values in BYTES bytes with N inputs, each block decoded by
+// DECODE once for them; each input's sums in the same order whatever N is.
+template <int N, void (*DECODE)(const uint8_t*, float*), int64_t BYTES, int64_t VALUES = 256>
 inline void dot_decoded_n(const uint8_t* row, const float* const* xs, int64_t K, float* res) {
-  alignas(64) float v[256];
+  alignas(64) float v[VALUES];
   vf32 acc[N] = {};
-  for (int64_t sb = 0; sb < K / 256; ++sb) {
+  for (int64_t sb = 0; sb < K / VALUES; ++sb) {
     DECODE(row + BYTES * sb, v);
-    for (int64_t k = 0; k < 256; k += LANES) {
+    for (int64_t k = 0; k < VALUES; k += LANES) {
       const vf32 w = load_vec(v + k);
-      for (int j = 0; j < N; ++j) acc[j] += w * load_vec(xs[j] + 256 * sb + k);
+      for (int j = 0; j < N; ++j) acc[j] += w * load_vec(xs[j] + VALUES * sb + k);
     }
   }
   for (int j = 0; j < N; ++j) res[j] = hsum(acc[j]);
 }
 
-// k-quant dots of one row with N inputs: fmt 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS.
+// k-quant dots of one row with N inputs: fmt 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS, 6 MXFP4.
 template <int N>
 inline void dot_kq_n(int64_t fmt, const uint8_t* row, const float* const* xs, const float* const* xsums, int64_t K,
                      float* res) {
@@ -642,17 +652,23 @@ inline void dot_kq_n(int64_t fmt, const uint8_t* row, const float* const* xs, co
     dot_decoded_n<N, decode_q3k, 110>(row, xs, K, res);
   } else if (fmt == 5) {
     dot_decoded_n<N, decode_iq4xs, 136>(row, xs, K, res);
+  } else if (fmt == 6) {
+    dot_decoded_n<N, decode_mxfp4, 17, 32>(row, xs, K, res);
   } else {
     dot_q6k_n<N>(row, xs, xsums, K, res);
   }
 }
 
-// k-quant formats by code: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS; bytes per 256 values.
-inline bool kq_known(int64_t fmt) { return fmt >= 0 && fmt <= 5; }
+// Block formats by code: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS (super-blocks of 256 values),
+// 6 MXFP4 (blocks of 32); kq_bytes: bytes per block, kq_values: values per block.
+inline bool kq_known(int64_t fmt) { return fmt >= 0 && fmt <= 6; }
 inline int64_t kq_bytes(int64_t fmt) {
-  static constexpr int64_t bytes[6] = {144, 210, 176, 84, 110, 136};
+  static constexpr int64_t bytes[7] = {144, 210, 176, 84, 110, 136, 17};
   return bytes[fmt];
 }
+inline int64_t kq_values(int64_t fmt) { return fmt == 6 ? 32 : 256; }
+// Bytes of a row of K values (K a multiple of kq_values(fmt)).
+inline int64_t kq_row(int64_t fmt, int64_t K) { return K / kq_values(fmt) * kq_bytes(fmt); }
 
 
 // WORKBENCH_CPU_BF16_DOT=0 keeps the f32 path for bf16 inputs too (read once).
@@ -1154,7 +1170,7 @@ void run_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2
 
 void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const uint8_t* b2, int64_t f2,
             const Pairs& pr, int64_t H, int64_t I, float* out) {
-  const int64_t row13 = H / 256 * kq_bytes(f13), row2 = I / 256 * kq_bytes(f2);  // bytes per matrix row
+  const int64_t row13 = kq_row(f13, H), row2 = kq_row(f2, I);  // bytes per matrix row
   const int64_t n = pr.size();
   const int64_t* rows = pr.rows.data();
   if (int8_dots_on()) {
@@ -1363,6 +1379,25 @@ void check_x(const char* name, const at::Tensor& x, int64_t H) {
               name, ": x must be bfloat16, float16 or float32, got ", x.scalar_type());
 }
 
+// The activation and optional biases of an entry point's experts: act 0 SwiGLU, 1 gpt-oss's clamped
+// SwiGLU (alpha, limit); b13 float32 [E, 2I] and b2 [E, H], both or neither (empty tensors: none).
+Act checked_act(const char* name, int64_t act, double alpha, double limit, const at::Tensor& b13,
+                const at::Tensor& b2, int64_t E, int64_t H, int64_t I) {
+  TORCH_CHECK(act == 0 || act == 1, name, ": act must be 0 (SwiGLU) or 1 (gpt-oss's clamped SwiGLU)");
+  const bool has13 = b13.defined() && b13.numel() > 0, has2 = b2.defined() && b2.numel() > 0;  // empty: none
+  TORCH_CHECK(has13 == has2, name, ": give both biases or neither");
+  Act fn;
+  fn.kind = act, fn.alpha = static_cast<float>(alpha), fn.limit = static_cast<float>(limit);
+  if (has13) {
+    TORCH_CHECK(b13.scalar_type() == at::kFloat && b2.scalar_type() == at::kFloat && b13.is_contiguous() &&
+                    b2.is_contiguous() && b13.device().is_cpu() && b2.device().is_cpu() && b13.dim() == 2 &&
+                    b2.dim() == 2 && b13.size(0) == E && b13.size(1) == 2 * I && b2.size(0) == E && b2.size(1) == H,
+                name, ": biases must be float32 [E, 2I] and [E, H], contiguous, on the CPU");
+    fn.b13 = b13.data_ptr<float>(), fn.b2 = b2.data_ptr<float>();
+  }
+  return fn;
+}
+
 at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& rows,
                       const at::Tensor& weights, int64_t threads, const at::Tensor& tokens, const at::Tensor& b13,
                       const at::Tensor& b2, int64_t act, double alpha, double limit) {
@@ -1381,18 +1416,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
               w2.scalar_type());
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "moe_decode: w13 and w2 must be contiguous");
   check_x("moe_decode", x, H);
-  TORCH_CHECK(act == 0 || act == 1, "moe_decode: act must be 0 (SwiGLU) or 1 (gpt-oss's clamped SwiGLU)");
-  const bool has13 = b13.defined() && b13.numel() > 0, has2 = b2.defined() && b2.numel() > 0;  // empty: none
-  TORCH_CHECK(has13 == has2, "moe_decode: give both biases or neither");
-  Act fn;
-  fn.kind = act, fn.alpha = static_cast<float>(alpha), fn.limit = static_cast<float>(limit);
-  if (has13) {
-    TORCH_CHECK(b13.scalar_type() == at::kFloat && b2.scalar_type() == at::kFloat && b13.is_contiguous() &&
-                    b2.is_contiguous() && b13.device().is_cpu() && b2.device().is_cpu() && b13.dim() == 2 &&
-                    b2.dim() == 2 && b13.size(0) == E && b13.size(1) == 2 * I && b2.size(0) == E && b2.size(1) == H,
-                "moe_decode: biases must be float32 [E, 2I] and [E, H], contiguous, on the CPU");
-    fn.b13 = b13.data_ptr<float>(), fn.b2 = b2.data_ptr<float>();
-  }
+  const Act fn = checked_act("moe_decode", act, alpha, limit, b13, b2, E, H, I);
   return checked_run("moe_decode", x, tokens, rows, weights, E, H, threads,
                      [=](const float* xp, const Pairs& pr, float* op) {
                        (void)b13, (void)b2;  // held while a background run reads them
@@ -1429,25 +1453,29 @@ at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::T
                      });
 }
 
-// k-quant experts as raw blocks (f13 / f2: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS): b13 uint8 [E, 2I, H/256*bytes], b2 uint8
-// [E, H, I/256*bytes]; H, I multiples of 256. The Python wrapper checks the input; these checks only
-// guard the reads.
+// Experts as raw blocks (f13 / f2: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS, 6 MXFP4): b13 uint8
+// [E, 2I, kq_row(f13, H)], b2 uint8 [E, H, kq_row(f2, I)]; H, I multiples of kq_values. act, alpha,
+// limit, b13b / b2b: as moe_decode's (gpt-oss's MXFP4 experts). The Python wrapper checks the
+// input; these checks only guard the reads.
 at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13, const at::Tensor& b2, int64_t f2,
                          int64_t I, const at::Tensor& rows, const at::Tensor& weights, int64_t threads,
-                         const at::Tensor& tokens) {
+                         const at::Tensor& tokens, const at::Tensor& b13b, const at::Tensor& b2b, int64_t act,
+                         double alpha, double limit) {
   const int64_t H = x.size(-1), E = b13.size(0), T = x.dim() == 2 ? x.size(0) : 1;
   TORCH_CHECK(kq_known(f13) && kq_known(f2), "moe_decode_kq: unknown format");
-  TORCH_CHECK(H % 256 == 0 && I % 256 == 0 && I > 0 && b13.dim() == 3 && b2.dim() == 3 && b13.size(1) == 2 * I &&
-                  b13.size(2) == H / 256 * kq_bytes(f13) && b2.size(0) == E && b2.size(1) == H &&
-                  b2.size(2) == I / 256 * kq_bytes(f2) &&
-                  b13.scalar_type() == at::kByte && b2.scalar_type() == at::kByte && b13.is_contiguous() &&
-                  b2.is_contiguous(),
+  TORCH_CHECK(H % kq_values(f13) == 0 && I % kq_values(f2) == 0 && I > 0 && b13.dim() == 3 && b2.dim() == 3 &&
+                  b13.size(1) == 2 * I && b13.size(2) == kq_row(f13, H) && b2.size(0) == E && b2.size(1) == H &&
+                  b2.size(2) == kq_row(f2, I) && b13.scalar_type() == at::kByte && b2.scalar_type() == at::kByte &&
+                  b13.is_contiguous() && b2.is_contiguous(),
               "moe_decode_kq: bad weight stacks");
   check_x("moe_decode_kq", x, H);
+  const Act fn = checked_act("moe_decode_kq", act, alpha, limit, b13b, b2b, E, H, I);
   return checked_run("moe_decode_kq", x, tokens, rows, weights, E, H, threads,
                      [=](const float* xp, const Pairs& pr, float* op) {
+                       (void)b13b, (void)b2b;  // held while a background run reads them
                        run_kq(xp, T, b13.data_ptr<uint8_t>(), f13, b2.data_ptr<uint8_t>(), f2, pr, H, I, op);
-                     });
+                     },
+                     fn);
 }
 
 // A decode server: a native thread that serves the CPU experts of the hybrid layers of one-token
@@ -1496,10 +1524,9 @@ class Server {
                       w[0].size(2) == L.H && w[2].size(1) == L.H && w[2].size(2) == I && L.H % 32 == 0 && I % 32 == 0,
                   "Server.add_layer: bad Q8_0 stacks");
     } else {
-      TORCH_CHECK(kq_known(f13) && kq_known(f2) && L.H % 256 == 0 && I % 256 == 0 &&
+      TORCH_CHECK(kq_known(f13) && kq_known(f2) && L.H % kq_values(f13) == 0 && I % kq_values(f2) == 0 &&
                       w[0].scalar_type() == at::kByte && w[1].scalar_type() == at::kByte && w[0].size(1) == 2 * I &&
-                      w[0].size(2) == L.H / 256 * kq_bytes(f13) && w[1].size(1) == L.H &&
-                      w[1].size(2) == I / 256 * kq_bytes(f2),
+                      w[0].size(2) == kq_row(f13, L.H) && w[1].size(1) == L.H && w[1].size(2) == kq_row(f2, I),
                   "Server.add_layer: bad k-quant stacks");
     }
     TORCH_CHECK(packet.scalar_type() == at::kFloat && packet.numel() == 2 * k + L.H && packet.is_contiguous() &&
@@ -1638,10 +1665,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("q13"), py::arg("d13"), py::arg("q2"), py::arg("d2"), py::arg("rows"),
         py::arg("weights"), py::arg("threads") = 0, py::arg("tokens") = at::Tensor());
   m.def("moe_decode_kq", &moe_decode_kq,
-        "moe_decode with GGUF k-quant experts as raw blocks (formats 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS): x [H], b13 uint8 "
-        "[E, 2I, H/256*bytes], f13, b2 uint8 [E, H, I/256*bytes], f2, I, rows [n] int64, weights [n] f32 -> [H] f32",
+        "moe_decode with GGUF experts as raw blocks (formats 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS, "
+        "6 MXFP4): x [H], b13 uint8 [E, 2I, row bytes of H], f13, b2 uint8 [E, H, row bytes of I], f2, I, rows [n] "
+        "int64, weights [n] f32 -> [H] f32; biases and act as moe_decode's",
         py::arg("x"), py::arg("b13"), py::arg("f13"), py::arg("b2"), py::arg("f2"), py::arg("I"), py::arg("rows"),
-        py::arg("weights"), py::arg("threads") = 0, py::arg("tokens") = at::Tensor());
+        py::arg("weights"), py::arg("threads") = 0, py::arg("tokens") = at::Tensor(), py::arg("bias13") = at::Tensor(),
+        py::arg("bias2") = at::Tensor(), py::arg("act") = 0, py::arg("alpha") = 1.0, py::arg("limit") = 0.0);
   m.def("set_int8_dots", [](bool on) { g_int8_dots.store(on); },
         "Experts kept in GGUF blocks: dots with inputs rounded to int8 (True; AVX512-VNNI or AVX2 builds) or exact f32 ones",
         py::arg("on"));
