@@ -80,7 +80,10 @@ def tiny_gguf(_tiny_cache, tiny_model_dir):
             src = tiny_model_dir(model_type, **overrides)
             out = _tiny_cache["root"] / f"{key[0]}-{tensor_type}.gguf"
             main, _, down = tensor_type.partition("+")  # "Q4_K+Q6_K": expert down matrices in Q6_K
-            _tiny_cache["ggufs"][key] = write_gguf(src, out, main, expert_down_type=down or None)[0]
+            if main == "MXFP4":  # gpt-oss's files: experts in MXFP4, the rest float
+                _tiny_cache["ggufs"][key] = write_gguf(src, out, "F32", expert_type="MXFP4")[0]
+            else:
+                _tiny_cache["ggufs"][key] = write_gguf(src, out, main, expert_down_type=down or None)[0]
         return _tiny_cache["ggufs"][key]
 
     return make

@@ -3,7 +3,7 @@
 // CPU kernel with. Weights are random blocks (small finite scales), the pool larger than any cache;
 // each call picks k distinct experts at random. ggml's persistent thread pool, as llama.cpp uses it.
 //
-//   ggml_experts FORMAT(bf16|q8_0|q2_k|q3_k|q4_k|q5_k|iq4_xs) EXPERTS THREADS CALLS HIDDEN FFN K
+//   ggml_experts FORMAT(bf16|q8_0|q2_k|q3_k|q4_k|q5_k|iq4_xs|mxfp4) EXPERTS THREADS CALLS HIDDEN FFN K
 // prints one JSON line: {"format", "threads", "median_s", "bytes_per_call"}.
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,6 +36,8 @@ static void fill(struct ggml_tensor* t) {
     for (size_t i = 0; i < n; i += 110) p[i + 108] = 0, p[i + 109] = 0x14;
   } else if (t->type == GGML_TYPE_IQ4_XS) {
     for (size_t i = 0; i < n; i += 136) p[i] = 0, p[i + 1] = 0x14;
+  } else if (t->type == GGML_TYPE_MXFP4) {
+    for (size_t i = 0; i < n; i += 17) p[i] = 128 - 9;  // scales 2^-9
   } else if (t->type == GGML_TYPE_Q8_0) {
     for (size_t i = 0; i < n; i += 34) p[i] = 0, p[i + 1] = 0x14;
   } else if (t->type == GGML_TYPE_BF16) {
@@ -60,6 +62,7 @@ int main(int argc, char** argv) {
   else if (!strcmp(fmt, "q2_k")) ty = GGML_TYPE_Q2_K;
   else if (!strcmp(fmt, "q3_k")) ty = GGML_TYPE_Q3_K;
   else if (!strcmp(fmt, "iq4_xs")) ty = GGML_TYPE_IQ4_XS;
+  else if (!strcmp(fmt, "mxfp4")) ty = GGML_TYPE_MXFP4;
   else { fprintf(stderr, "unknown format %s\n", fmt); return 2; }
   if (K > E || calls < 10) { fprintf(stderr, "need K <= EXPERTS and CALLS >= 10\n"); return 2; }
   struct ggml_init_params ip = {(size_t)E * 3 * H * I * 2 + ((size_t)64 << 20), NULL, false};

@@ -204,10 +204,10 @@ def test_which_gguf_tensors_stay_in_their_blocks():
 
 
 def test_experts_the_engine_dequantizes_count_as_bfloat16(tiny_gguf):
-    """A GGUF whose experts the engine cannot read in place (gpt-oss's MXFP4 experts: biased and
-    clamped; a type it does not keep) is estimated and predicted with bf16 experts, as the engine
-    holds them; kept types and float files as stored. The estimate agrees with the engine's own rule
-    (``engine.keeps_blocks``)."""
+    """A GGUF whose experts the engine cannot read in place (a type it does not keep; gpt-oss's biased,
+    clamped experts in Q8_0, whose kernel takes no biases) is estimated and predicted with bf16
+    experts, as the engine holds them; kept types (gpt-oss's MXFP4 too) and float files as stored.
+    The estimate agrees with the engine's own rule (``engine.keeps_blocks``)."""
     from workbench.core.costmodel import CostModel
     from workbench.core.readers import open_model
     from workbench.engine.engine import keeps_blocks
@@ -218,7 +218,7 @@ def test_experts_the_engine_dequantizes_count_as_bfloat16(tiny_gguf):
     dims = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256)
     cases = [("qwen3_moe", "Q3_K+Q4_K", dims, True), ("qwen3_moe", "IQ4_XS", dims, True),
              ("qwen3_moe", "Q4_0", dims, False), ("qwen3_moe", "Q8_0", dims, True), ("qwen3_moe", "Q8_0", {}, False),  # rows of 16: F16
-             ("gpt_oss", "Q8_0", {}, False),
+             ("gpt_oss", "Q8_0", {}, False), ("gpt_oss", "MXFP4", {"hidden_size": 64, "intermediate_size": 64}, True),
              ("qwen3_moe", "F16", {}, True)]
     for family, ttype, sizes, kept in cases:
         inv = open_model(tiny_gguf(family, ttype, **sizes))

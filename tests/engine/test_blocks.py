@@ -13,7 +13,7 @@ from workbench.engine import blocks
 
 
 @pytest.mark.parametrize("fmt,k", [("q8_0", 64), ("q2_k", 512), ("q3_k", 256), ("q4_k", 512), ("q5_k", 512),
-                                   ("q6_k", 512), ("iq4_xs", 512)])
+                                   ("q6_k", 512), ("iq4_xs", 512), ("mxfp4", 2880)])
 def test_dequantize_matches_gguf(fmt, k):
     if fmt == "q8_0":
         w = torch.randn(6, k, generator=torch.Generator().manual_seed(0)).numpy()
@@ -33,3 +33,16 @@ def test_dequantize_matches_gguf(fmt, k):
 def test_formats_pair_for_the_kernels():
     assert blocks.pairs_well("q8_0", "q8_0") and blocks.pairs_well("q4_k", "q6_k") and blocks.pairs_well("q5_k", "q6_k")
     assert not blocks.pairs_well("q8_0", "q6_k") and not blocks.pairs_well("q4_k", "q8_0")
+    assert blocks.pairs_well("mxfp4", "mxfp4") and not blocks.pairs_well("mxfp4", "q4_k")
+
+
+def test_every_mxfp4_code_and_exponent_dequantizes_as_gguf():
+    """All 16 FP4 codes in every byte position under all 256 exponents (the subnormal scales of 0 and
+    1, and the infinite products of 255, too) give gguf-py's values, read without a lookup table."""
+    raw = np.zeros((256, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(256)
+    raw[:, 1:] = (np.arange(16) | (np.arange(16)[::-1] << 4)).astype(np.uint8)
+    with np.errstate(over="ignore"):
+        ref = dequantize(raw.reshape(1, -1), GGMLQuantizationType.MXFP4)
+    got = blocks.dequantize("mxfp4", [torch.from_numpy(raw.reshape(1, -1))], 256 * 32, torch.float32).numpy()
+    assert np.array_equal(got, ref, equal_nan=True)

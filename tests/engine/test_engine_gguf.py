@@ -172,10 +172,11 @@ def test_kept_blocks_compute_what_their_dequantized_copies_compute(tensor_type, 
     assert runs["resident1"][2] < runs["resident0"][2]  # int8 blocks on the accelerator, not float32
 
 
-@pytest.mark.parametrize("tensor_type,sizes", [("Q8_0", dict(QUANT_SIZES, mlp_only_layers=[])),
-                                               ("Q4_K+Q6_K", Q4_K_SIZES), ("Q2_K+Q3_K", Q4_K_SIZES),
-                                               ("IQ4_XS", Q4_K_SIZES)])
-def test_quantized_experts_on_the_int8_dots_stay_close_to_the_exact_ones(tensor_type, sizes, tiny_gguf):
+@pytest.mark.parametrize("family,tensor_type,sizes", [
+    ("qwen3_moe", "Q8_0", dict(QUANT_SIZES, mlp_only_layers=[])), ("qwen3_moe", "Q4_K+Q6_K", Q4_K_SIZES),
+    ("qwen3_moe", "Q2_K+Q3_K", Q4_K_SIZES), ("qwen3_moe", "IQ4_XS", Q4_K_SIZES),
+    ("gpt_oss", "MXFP4", {"hidden_size": 64, "intermediate_size": 64})])
+def test_quantized_experts_on_the_int8_dots_stay_close_to_the_exact_ones(family, tensor_type, sizes, tiny_gguf):
     """Where the CPU has AVX512-VNNI or AVX2, Q8_0 and k-quant experts the CPU computes take the int8 dots by
     default (inputs rounded to int8 per 32 values, as llama.cpp rounds them): the logits of a prompt
     stay within a few percent of the exact float dots', and switching back gives those exactly."""
@@ -183,7 +184,7 @@ def test_quantized_experts_on_the_int8_dots_stay_close_to_the_exact_ones(tensor_
 
     if not cpu_kernel.available() or not cpu_kernel.int8_dots(True):
         pytest.skip("the int8 dots need the fused CPU kernel and AVX-512 with VNNI, or AVX2")
-    inv = open_inventory(tiny_gguf("qwen3_moe", tensor_type, **sizes))
+    inv = open_inventory(tiny_gguf(family, tensor_type, **sizes))
     engine = Engine.load(inv, placements(inv)["compute"], device=TEST_DEVICE, dtype=torch.float32, max_context=64)
     try:
         main, _, down = tensor_type.lower().partition("+")
@@ -230,9 +231,12 @@ def test_the_demo_model_in_q8_0_keeps_its_greedy_text_on_the_int8_dots(tmp_path,
     assert runs[True][1] == runs[False][1]
 
 
-def test_mxfp4_gpt_oss_matches_transformers_on_gguf_dequantized_experts(tiny_model_dir, tiny_hf_model, tmp_path):
-    """gpt-oss experts in MXFP4: the reference carries gguf-py's dequantization of the file's expert
-    stacks (read with gguf's own reader), put back into transformers' interleaved layout by hand."""
+def test_mxfp4_gpt_oss_matches_transformers_on_gguf_dequantized_experts(tiny_model_dir, tiny_hf_model, tmp_path,
+                                                                      exact_cpu_dots):
+    """gpt-oss experts in MXFP4, kept in their blocks (the CPU's read in place by the fused kernel with
+    their biases and clamped SwiGLU, the accelerator's dequantized per step), in every placement: the
+    reference carries gguf-py's dequantization of the file's expert stacks (read with gguf's own
+    reader), put back into transformers' interleaved layout by hand."""
     import gguf
     from gguf.quants import dequantize
 
@@ -257,9 +261,17 @@ def test_mxfp4_gpt_oss_matches_transformers_on_gguf_dequantized_experts(tiny_mod
             block.mlp.experts.gate_up_proj_bias[:, 1::2] = ub
             block.mlp.experts.down_proj_bias[:] = db
     inv = open_inventory(path)
-    engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
-    check(engine, ref)
-    engine.close()
+    for name, placement in placements(inv).items():
+        engine = Engine.load(inv, placement, device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
+        try:
+            lx = next(iter(engine.experts.values()))
+            if name != "stream":  # a streamed expert travels dequantized
+                assert lx.kept == ("mxfp4", "mxfp4")
+                assert lx.nbytes["cpu"] + lx.nbytes["accelerator"] < 0.2 * 4 * sum(
+                    inv.units[k].n_params for k in inv.expert_keys(lx.layer))
+            check(engine, ref)
+        finally:
+            engine.close()
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16", "BF16"])
@@ -299,13 +311,17 @@ def test_expert_slice_dequantizes_like_gguf(qtype, tmp_path):
         np.testing.assert_array_equal(got, whole[e].astype(np.float32))
 
 
-def test_gpt_oss_mxfp4_safetensors_match_transformers_dequantization(tiny_model_dir, tiny_hf_model, tmp_path):
-    """gpt-oss checkpoints store experts as MXFP4 ``*_blocks`` / ``*_scales``: the engine dequantizes
-    them like transformers' ``convert_moe_packed_tensors`` does."""
+def test_gpt_oss_mxfp4_safetensors_match_transformers_dequantization(tiny_model_dir, tiny_hf_model, tmp_path,
+                                                                     exact_cpu_dots):
+    """gpt-oss checkpoints store experts as MXFP4 ``*_blocks`` / ``*_scales``: the engine keeps them in
+    MXFP4 blocks (repacked as GGUF lays them out) and computes what transformers computes on its own
+    dequantization (``convert_moe_packed_tensors``), in every placement."""
     import shutil
 
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from workbench.core.memory import experts_as_stored
 
     sizes = {"hidden_size": 64, "intermediate_size": 64}
     folder = tmp_path / "gpt-oss-mxfp4"
@@ -326,9 +342,15 @@ def test_gpt_oss_mxfp4_safetensors_match_transformers_dequantization(tiny_model_
                 getattr(block.mlp.experts, name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     inv = open_inventory(folder)
-    engine = Engine.load(inv, placements(inv)["mixed"], device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
-    check(engine, ref)
-    engine.close()
+    assert experts_as_stored(inv)  # the estimates count the blocks as the engine holds them
+    for name, placement in placements(inv).items():
+        engine = Engine.load(inv, placement, device=TEST_DEVICE, dtype=TEST_DTYPE, max_context=64)
+        try:
+            if name != "stream":
+                assert next(iter(engine.experts.values())).kept == ("mxfp4", "mxfp4")
+            check(engine, ref)
+        finally:
+            engine.close()
 
 
 def target(params: dict, name: str) -> torch.Tensor:

@@ -65,12 +65,14 @@ FUSED_PROMPT_TOKENS = 8
 weight read per token); one picked by more, through torch's CPU GEMM (about this many reads' time:
 bf16 GEMMs of a few tokens measured 0.8 ms per Qwen3-30B-A3B expert on the H200 machine's host, the
 kernel 0.12 ms per token)."""
-KEPT_EXPERT_FORMATS = ("q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
-
-KQUANT_KIN = {"q2_k": "q4_k", "q3_k": "q4_k", "q5_k": "q4_k", "q6_k": "q4_k", "iq4_xs": "q4_k"}
-"""Kept k-quant formats that calibration does not time, rated as the one it times: their kernels decode
-the same super-blocks a few bits wider (a rate in bytes/s of blocks; conservative where bytes bound)."""
+KEPT_EXPERT_FORMATS = ("q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4")
 """Routed expert formats (``weight_format``) the engine keeps in their GGUF blocks on the CPU too."""
+
+KQUANT_KIN = {"q2_k": "q4_k", "q3_k": "q4_k", "q5_k": "q4_k", "q6_k": "q4_k", "iq4_xs": "q4_k", "mxfp4": "q4_k"}
+"""Kept k-quant formats that calibration does not time, rated as the one it times: their kernels decode
+the same super-blocks a few bits wider (a rate in bytes/s of blocks; conservative where bytes bound).
+MXFP4 (gpt-oss) decodes like IQ4_XS on the CPU; on the GPU its experts are dequantized per step by
+PyTorch, which the Q4_K rate overstates (not measured yet)."""
 PREFILL_FETCH_TOKENS = 16
 """With the bus share, prefill always copies a CPU-tier expert picked by at least this many tokens of
 a chunk to the GPU (pinned, once) instead of computing it on the CPU; of the others, ``prefill_fetch``

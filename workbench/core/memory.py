@@ -106,6 +106,8 @@ FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 KEPT_TYPES = frozenset({"Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})
 """GGUF storage types the engine reads in place on the GPU instead of dequantizing them."""
+KEPT_EXPERT_TYPES = KEPT_TYPES | {"MXFP4"}
+"""Those of routed experts: also MXFP4 (gpt-oss), which the CPU kernel reads in place."""
 
 KEPT_DENSE = frozenset({
     "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_a.weight", "attn_q_b.weight",
@@ -144,21 +146,37 @@ def engine_bytes(key: UnitKey, unit, dtype_bytes: int = 2, experts_as_stored: bo
     return total
 
 
+def expert_weight_types(inv) -> set[str]:
+    """Storage types (upper case) of the routed experts' weight matrices: their biases (gpt-oss's,
+    float) left out; a gpt-oss checkpoint's ``*_blocks`` / ``*_scales`` pairs as ``MXFP4``."""
+    out = set()
+    for k, u in inv.units.items():
+        if k.kind != "expert":
+            continue
+        for t in u.tensors:
+            name = t.tensor.name
+            if name.endswith("bias") or name.endswith("_scales"):
+                continue
+            out.add("MXFP4" if name.endswith("_blocks") else t.tensor.dtype.upper())
+    return out
+
+
 def experts_as_stored(inv) -> bool:
     """Whether the engine holds ``inv``'s routed experts as the file stores them: float weights, or
     GGUF blocks its kernels read in place, as ``engine.keeps_blocks`` decides (every expert tensor
-    Q8_0, or every one a k-quant / IQ4_XS; rows of whole blocks; experts the in-place kernels
-    compute: not gpt-oss's biased, clamped ones nor Llama 4's input-scaled ones). Otherwise (an
-    MXFP4 GGUF, other IQ quants, FP8 or MXFP4 safetensors...) each expert is dequantized to
-    bfloat16 at load."""
-    types = {t.tensor.dtype.upper() for k, u in inv.units.items() if k.kind == "expert" for t in u.tensors}
+    Q8_0, or every one MXFP4, or every one a k-quant / IQ4_XS; rows of whole blocks; experts the
+    in-place kernels compute: not Llama 4's input-scaled ones, and gpt-oss's biased, clamped ones
+    only in MXFP4 or k-quants; a gpt-oss checkpoint's MXFP4 too). Otherwise (other IQ quants, FP8
+    safetensors...) each expert is dequantized to bfloat16 at load."""
+    types = expert_weight_types(inv)
     if types <= FLOAT_DTYPES:
         return True
-    if inv.format != "gguf" or not types <= KEPT_TYPES or ("Q8_0" in types and len(types) > 1):
+    if ((inv.format != "gguf" and types != {"MXFP4"}) or not types <= KEPT_EXPERT_TYPES
+            or (types & {"Q8_0", "MXFP4"} and len(types) > 1)):
         return False
-    if inv.spec.family in ("gpt_oss", "llama4"):
+    if inv.spec.family == "llama4" or (inv.spec.family == "gpt_oss" and "Q8_0" in types):
         return False
-    block = 32 if types == {"Q8_0"} else 256
+    block = 32 if types <= {"Q8_0", "MXFP4"} else 256
     return inv.spec.expert_ffn % block == 0 and inv.spec.hidden_size % block == 0
 
 

@@ -174,11 +174,15 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     """MXFP4 blocks ``[R, nb, 17]`` (an E8M0 exponent ``e``, 16 bytes of indices: low nibbles values
     0 .. 15, high ones 16 .. 31) -> float32 ``[R, nb, 32]``: ``MX_VALUES[index] * 2^(e - 128)``."""
     e = b[..., 0].to(torch.int32)
-    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
     scale = bits.view(torch.float32)  # [R, nb]
-    qs = b[..., 1:].to(torch.int64)
+    qs = b[..., 1:].to(torch.int32)
     idx = torch.cat([qs & 15, qs >> 4], dim=-1)  # [R, nb, 32]
-    return scale[..., None] * torch.tensor(MX_VALUES, dtype=torch.float32)[idx]
+    # MX_VALUES[idx] by arithmetic (no table to copy to the device, so CUDA graphs can capture it):
+    # magnitude m = idx & 7 is m below 4, else (2 or 3) << (m / 2 - 1); bit 3 the sign
+    m = idx & 7
+    mag = torch.where(m < 4, m, (2 + (m & 1)) << ((m >> 1) - 1))
+    return scale[..., None] * (mag * (1 - 2 * (idx >> 3))).float()
 
 
 _SIXTEENS = {"q2_k": _q2_k, "q3_k": _q3_k, "q6_k": _q6_k, "iq4_xs": _iq4_xs}

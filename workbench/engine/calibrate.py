@@ -32,7 +32,7 @@ from workbench.core.errors import WorkbenchError
 from workbench.core.hardware import GpuProfile, HardwareProfile
 from workbench.core.hardware import preset as load_preset
 from workbench.engine import cpu_formats, cpu_kernel
-from workbench.engine.blocks import KQUANT_HALVES, KQUANTS
+from workbench.engine.blocks import KQUANT_HALVES, KQUANTS, RAW, row_bytes
 from workbench.telemetry.host import cpu_info
 from workbench.telemetry.nvml import default_nvml
 
@@ -286,7 +286,7 @@ def random_stacks(fmt: str, n: int, hidden: int, ffn: int, seed: int = 0) -> lis
     """``n`` random experts stacked as the fused CPU kernels take them, for timing: ``"bf16"``
     ``[w13, w2]``, ``"q8_0"`` ``[q13, d13, q2, d2]`` (int8 values, float16 scales of 1e-3) or
     a k-quant (``"q2_k"`` ... ``"q6_k"``) ``[b13, b2]`` (raw super-blocks whose d and dmin are about 1e-3,
-    so every value is finite)."""
+    so every value is finite), or ``"mxfp4"`` ``[b13, b2]`` (blocks whose scales are 2^-9)."""
     g = torch.Generator().manual_seed(seed)
     if fmt == "bf16":
         return [(torch.randn(n, 2 * ffn, hidden, generator=g) * 0.02).to(torch.bfloat16),
@@ -296,9 +296,13 @@ def random_stacks(fmt: str, n: int, hidden: int, ffn: int, seed: int = 0) -> lis
                 torch.full((n, 2 * ffn, hidden // 32), 1e-3, dtype=torch.float16),
                 torch.randint(-127, 128, (n, hidden, ffn), dtype=torch.int8, generator=g),
                 torch.full((n, hidden, ffn // 32), 1e-3, dtype=torch.float16)]
+    b13 = torch.randint(0, 256, (n, 2 * ffn, row_bytes(fmt, hidden)), dtype=torch.uint8, generator=g)
+    b2 = torch.randint(0, 256, (n, hidden, row_bytes(fmt, ffn)), dtype=torch.uint8, generator=g)
+    if fmt == "mxfp4":
+        for b in (b13, b2):
+            b.view(n, b.shape[1], -1, 17)[..., 0] = 128 - 9
+        return [b13, b2]
     size = KQUANTS[fmt]
-    b13 = torch.randint(0, 256, (n, 2 * ffn, hidden // 256 * size), dtype=torch.uint8, generator=g)
-    b2 = torch.randint(0, 256, (n, hidden, ffn // 256 * size), dtype=torch.uint8, generator=g)
     for b in (b13, b2):  # small finite float16 d and dmin (0x1400: about 1e-3)
         for at in KQUANT_HALVES[fmt]:
             b.view(n, b.shape[1], -1, size)[..., at:at + 2] = torch.tensor([0x00, 0x14], dtype=torch.uint8)
@@ -310,7 +314,7 @@ def run_fused(fmt: str, stacks: list[torch.Tensor], x: torch.Tensor, rows, weigh
     ``moe_decode_q8`` or ``moe_decode_q4k`` with ``x``, ``rows``, ``weights`` and ``kw`` (``tokens``...)."""
     if fmt == "q8_0":
         return cpu_kernel.moe_decode_q8(x, *stacks, rows, weights, **kw)
-    if fmt in KQUANTS:
+    if fmt in RAW:
         return cpu_kernel.moe_decode_q4k(x, *stacks, rows, weights, fmt, fmt, **kw)
     return cpu_kernel.moe_decode(x, *stacks, rows, weights, **kw)
 

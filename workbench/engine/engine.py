@@ -31,6 +31,7 @@ import torch
 
 from workbench.core.errors import WorkbenchError
 from workbench.core.inventory import Inventory
+from workbench.core.memory import expert_weight_types
 from workbench.core.placement import Placement, is_gpu
 from workbench.core.units import KINDS, UnitKey
 
@@ -71,16 +72,19 @@ class HostMemoryError(WorkbenchError):
 def keeps_blocks(inventory: Inventory, args: ModelArgs, cpu_format: str | None) -> bool:
     """Whether the engine keeps this model's routed experts in their GGUF quantized blocks on the GPU
     and the CPU instead of dequantizing them at load: every expert tensor is Q8_0, or every one is
-    Q4_K, Q5_K or Q6_K (``blocks.FORMATS``), plain SwiGLU experts without biases whose sizes fill whole
-    blocks and whose routing weight scales the output (not Llama 4's input), no CPU format asked
-    for, and ``WORKBENCH_KEEP_QUANTS`` is not ``0``."""
-    if (cpu_format is not None or args.expert_bias or args.expert_act != "silu" or not args.n_experts
+    MXFP4, or every one is Q2_K ... Q6_K or IQ4_XS (``blocks.FORMATS``), whose sizes fill whole blocks
+    and whose routing weight scales the output (not Llama 4's input), no CPU format asked for, and
+    ``WORKBENCH_KEEP_QUANTS`` is not ``0``. gpt-oss's biased, clamped experts only in raw blocks
+    (MXFP4, the k-quants): the fused CPU kernel's Q8_0 entry takes no biases."""
+    if (cpu_format is not None or not args.n_experts
             or args.router == "sigmoid_topk_scale_input"  # Llama 4 scales the input: no in-place kernels
             or os.environ.get("WORKBENCH_KEEP_QUANTS", "1") == "0"):
         return False
-    types = {t.tensor.dtype.upper() for k, u in inventory.units.items() if k.kind == "expert" for t in u.tensors}
+    types = expert_weight_types(inventory)
     fmts = {blocks.FORMATS.get(t) for t in types}
-    if not fmts or None in fmts or ("q8_0" in fmts and len(fmts) > 1):
+    if not fmts or None in fmts or (fmts & {"q8_0", "mxfp4"} and len(fmts) > 1):
+        return False
+    if (args.expert_bias or args.expert_act != "silu") and not fmts <= set(blocks.RAW):
         return False
     block = max(blocks.BLOCK[f] for f in fmts)
     return args.expert_ffn % block == 0 and args.hidden % block == 0
@@ -386,7 +390,8 @@ class Engine:
             key = UnitKey(layer, "expert", e)
             loader.begin(key, units[key].nbytes if key in units else 0)
             if (tier == COMPUTE and kept_cpu) or (tier == RESIDENT and kept_res):  # the file's blocks as they are
-                lx.put_kept(e, rows[tier], self._fw.expert_blocks(layer, e), tier)
+                b = (self._fw.expert_biases(layer, e) or {}) if lx.bias else {}
+                lx.put_kept(e, rows[tier], self._fw.expert_blocks(layer, e), tier, b.get("b13"), b.get("b2"))
             elif source is not None:  # moving between tiers: copy from where the expert is now
                 lx.put(e, tier, rows[tier], *source.weights(e))
             else:

@@ -64,14 +64,41 @@ class KeptStacks(NamedTuple):
     dequant: Callable
 
 
+class _PerExpert:
+    """Kept stacks as float rows one expert at a time, for the per-expert loops (``w13[r]``,
+    ``w2[r]``): a tier is never dequantized whole (gpt-oss's MXFP4 experts take 3.8x their bytes in
+    bf16). Each expert is dequantized once per call."""
+
+    def __init__(self, kept: KeptStacks):
+        self.kept, self.rows = kept, {}
+        self.n = kept.args[0].shape[0]
+
+    def get(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if r not in self.rows:
+            w13, w2 = self.kept.dequant(torch.tensor([r]))
+            self.rows[r] = (w13[0], w2[0])
+        return self.rows[r]
+
+
+class _Half:
+    """``w13`` (``half`` 0) or ``w2`` (1) of a ``_PerExpert``, indexed like a stack."""
+
+    def __init__(self, per: _PerExpert, half: int):
+        self.per, self.half, self.shape = per, half, (per.n,)
+
+    def __getitem__(self, r: int) -> torch.Tensor:
+        return self.per.get(int(r))[self.half]
+
+
 def _kernel_or_stacks(x, n: int, least: int, w13, w2, b13, act, kept: KeptStacks | None):
     """``(w13, w2, kept)``: ``kept`` when the grouped kernels read its blocks for ``n`` pairs (more than
-    ``least``), else float stacks (``kept`` dequantized when given)."""
+    ``least``), else float stacks (``kept`` given: its experts dequantized one at a time, as used)."""
     if kept is None:
         return w13, w2, None
     if n > least and prefill_kernels.takes_blocks(x, kept.fmt, act, b13 is not None):
         return None, None, kept
-    return (*kept.dequant(), None)
+    per = _PerExpert(kept)
+    return _Half(per, 0), _Half(per, 1), None
 
 
 def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch.Tensor | None,
@@ -104,14 +131,16 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
         counts = torch.bincount(rows, minlength=(w13 if kept is None else kept.args[0]).shape[0]).tolist()
         xs = x[order]
         ys = None
-        if kept is not None or prefill_kernels.usable_for(x, w13, w2, b13, b2, act):  # every expert in two kernels
+        if kept is not None or (isinstance(w13, torch.Tensor)
+                                and prefill_kernels.usable_for(x, w13, w2, b13, b2, act)):  # every expert in two kernels
             c = np.asarray(counts, dtype=np.int64)
             used = np.nonzero(c)[0]
             tiles = prefill_kernels.tile_table((np.cumsum(c) - c)[used], c[used], used)
             ys = prefill_kernels.run_or_none(xs, tiles, *((w13, w2) if kept is None else kept.args),
                                              fmt=None if kept is None else kept.fmt)
             if ys is None and kept is not None:
-                w13, w2 = kept.dequant()
+                per = _PerExpert(kept)
+                w13, w2 = _Half(per, 0), _Half(per, 1)
         if ys is None:
             parts = []
             start = 0
@@ -207,16 +236,24 @@ class LayerExperts:
         else:
             self.kept_res = parts
         self.w13[tier] = self.w2[tier] = None
+        if self.bias:  # gpt-oss: the biases as floats beside the blocks
+            self.b13[tier] = torch.empty((count, shape13[0]), dtype=self.dtype, device=dev)
+            self.b2[tier] = torch.empty((count, shape2[0]), dtype=self.dtype, device=dev)
 
-    def put_kept(self, expert: int, row: int, w: dict, tier: int = COMPUTE) -> None:
+    def put_kept(self, expert: int, row: int, w: dict, tier: int = COMPUTE, b13=None, b2=None) -> None:
         """Copy expert ``expert``'s blocks (``layouts.FamilyWeights.expert_blocks``: ``{"w13": (gate
-        tensors, up tensors), "w2": down tensors}``) into row ``row`` of ``tier``."""
+        tensors, up tensors), "w2": down tensors}``) into row ``row`` of ``tier``; with expert biases
+        (gpt-oss), ``b13 [2I]`` (or its halves) and ``b2 [H]``."""
         parts = self.kept_cpu if tier == COMPUTE else self.kept_res
         n = self.n13
         for dst, gate, up in zip(parts[:n], *w["w13"]):
             _copy_halves(dst[row], (gate, up))
         for dst, src in zip(parts[n:], w["w2"]):
             dst[row].copy_(src)
+        if self.bias:
+            _copy_halves(self.b13[tier][row], b13)
+            self.b2[tier][row].copy_(b2)
+            self._cpu_bias = None
         self.tier[expert] = tier
         self.local[expert] = row
 
@@ -272,6 +309,8 @@ class LayerExperts:
         kept = self.kept_cpu if tier == COMPUTE else self.kept_res if tier == RESIDENT else None
         if kept is not None:
             w13, w2 = self._dequant(kept, [row])
+            if self.bias:
+                return w13[0], w2[0], self.b13[tier][row], self.b2[tier][row]
             return w13[0], w2[0], None, None
         if not self.bias:
             return self.w13[tier][row], self.w2[tier][row], None, None
@@ -425,7 +464,7 @@ class LayerExperts:
 
     def _rows_in_place(self, scale_input: bool) -> bool:
         return (self.fast_gpu and not scale_input and not self.bias and self.act[0] == "silu"
-                and gpu_kernels.available())
+                and gpu_kernels.available() and (self.kept is None or gpu_kernels.takes_formats(self.kept)))
 
     def host_part(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, host: list[torch.Tensor],
                   out: torch.Tensor, scale_input: bool) -> None:
@@ -515,8 +554,10 @@ class LayerExperts:
                 fused = lambda w, bg: cpu_kernel.moe_decode_q8(xk, *self.kept_cpu, rows, w, background=bg,  # noqa: E731
                                                                tokens=tok)
             else:
+                bias13, bias2 = self._cpu_biases()
                 fused = lambda w, bg: cpu_kernel.moe_decode_q4k(xk, *self.kept_cpu, rows, w, *self.kept,  # noqa: E731
-                                                                background=bg, tokens=tok)
+                                                                background=bg, tokens=tok, bias13=bias13,
+                                                                bias2=bias2, act=self.act)
         elif self._fused_cpu(scale_input):  # the fused C++ kernel: every selected expert in one call
             w13, w2 = self.w13[COMPUTE], self.w2[COMPUTE]
             b13, b2 = self._cpu_biases()
@@ -556,7 +597,8 @@ class LayerExperts:
         if self.kept_cpu is not None:
             uniq, local = np.unique(rows, return_inverse=True)
             w13, w2 = self._dequant(self.kept_cpu, uniq)
-            _grouped_host(x, sel, token, local.reshape(-1), flat_w, out, scale_input, w13, w2, None, None, self.act,
+            b13, b2 = (self.b13[COMPUTE][uniq], self.b2[COMPUTE][uniq]) if self.bias else (None, None)
+            _grouped_host(x, sel, token, local.reshape(-1), flat_w, out, scale_input, w13, w2, b13, b2, self.act,
                           on_host=True)
             return
         _grouped_host(x, sel, token, rows, flat_w, out, scale_input, self.w13[COMPUTE], self.w2[COMPUTE],
@@ -715,12 +757,14 @@ def _grouped_host(x: torch.Tensor, pairs: np.ndarray, token: np.ndarray, rows: n
     if scale_input:
         xs = xs * ws
     ys = None
-    if kept is not None or (not on_host and prefill_kernels.usable_for(x, w13, w2, b13, b2, act)):
+    if kept is not None or (not on_host and isinstance(w13, torch.Tensor)
+                            and prefill_kernels.usable_for(x, w13, w2, b13, b2, act)):
         ys = prefill_kernels.run_or_none(xs, prefill_kernels.tile_table(starts, counts, uniq),
                                          *((w13, w2) if kept is None else kept.args),
                                          fmt=None if kept is None else kept.fmt)
         if ys is None and kept is not None:
-            w13, w2 = kept.dequant()
+            per = _PerExpert(kept)
+            w13, w2 = _Half(per, 0), _Half(per, 1)
     if ys is None:
         ys = torch.empty_like(xs)
         for r, s, c in zip(uniq.tolist(), starts.tolist(), counts.tolist()):

@@ -34,7 +34,13 @@ except ImportError:  # pragma: no cover - depends on the install
 _disabled: list[str] = []
 
 FMT_CODES = {"q8_0": 1, "q4_k": 2, "q6_k": 3, "q5_k": 4, "q2_k": 5, "q3_k": 6, "iq4_xs": 7}
-"""The kernels' ``FMT`` for each kept block format (0: float weights)."""
+"""The kernels' ``FMT`` for each kept block format (0: float weights). MXFP4 has none: its experts
+are dequantized per step on the GPU (gpt-oss's biases keep them off these kernels anyway)."""
+
+
+def takes_formats(fmt: tuple[str, str]) -> bool:
+    """Whether the kernels read experts kept in ``fmt`` (gate/up, down) in place."""
+    return all(f in FMT_CODES for f in fmt)
 
 
 @functools.cache

@@ -190,9 +190,17 @@ class FamilyWeights:
         """Expert ``e`` of ``layer`` in the GGUF's quantized blocks, as stored (``WeightReader.blocks``):
         ``{"fmt": (gate/up format, down format), "w13": (gate tensors, up tensors), "w2": down tensors}``
         (formats of ``blocks.FORMATS``), or None unless the file is a GGUF holding the three expert
-        matrices in formats the kernels pair (``blocks.expert_formats``)."""
+        matrices in formats the kernels pair (``blocks.expert_formats``), or a gpt-oss checkpoint
+        holding them as MXFP4 ``*_blocks`` / ``*_scales`` (repacked into GGUF's MXFP4 blocks: the same
+        values, bit for bit)."""
         if not self.gguf:
-            return None
+            m = f"{self.prefix}layers.{layer}.{self.mlp}.experts."
+            if not self.reader.has(m + "gate_up_proj_blocks"):
+                return None
+            gu = mxfp4_as_gguf(self.reader.tensor(m + "gate_up_proj_blocks", e),
+                               self.reader.tensor(m + "gate_up_proj_scales", e))  # [2I, ...], interleaved
+            d = mxfp4_as_gguf(self.reader.tensor(m + "down_proj_blocks", e), self.reader.tensor(m + "down_proj_scales", e))
+            return {"fmt": ("mxfp4", "mxfp4"), "w13": ([gu[::2]], [gu[1::2]]), "w2": [d]}
         parts = [self.reader.blocks(f"blk.{layer}.ffn_{p}_exps.weight", e) for p in ("gate", "up", "down")]
         if any(p is None for p in parts):
             return None
@@ -249,6 +257,17 @@ def mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     vals = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).flatten(-2)  # [rows, G, 32]
     vals = torch.ldexp(vals, (scales.to(torch.int32) - 127)[..., None].float())
     return vals.reshape(vals.shape[0], -1)
+
+
+def mxfp4_as_gguf(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gpt-oss checkpoints' MXFP4 (``blocks [rows, G, 16]``: byte j holds values 2j (low nibble) and
+    2j + 1; ``scales [rows, G]``: E8M0 exponents) -> GGUF's MXFP4 blocks, uint8 ``[rows, G * 17]``:
+    each block its exponent, then byte j holding values j (low nibble) and j + 16. The FP4 codes and
+    exponents are the same numbers (GGUF doubles the values and halves the scale)."""
+    b = blocks.to(torch.int16)
+    idx = torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)  # [rows, G, 32] in value order
+    qs = (idx[..., :16] | (idx[..., 16:] << 4)).to(torch.uint8)
+    return torch.cat([scales.to(torch.uint8)[..., None], qs], dim=-1).reshape(blocks.shape[0], -1)
 
 
 def fp8_block_dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

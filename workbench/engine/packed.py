@@ -163,8 +163,9 @@ def dequantize_blocks(fmt: str, parts: list[torch.Tensor], k: int, dtype: torch.
     """``blocks.dequantize``: kept matrices ``[..., N, K]`` as ``dtype`` (float32 arithmetic). On CUDA
     (``kernel=None``; ``True`` also under Triton's interpreter) one Triton kernel decodes all the
     rows a block at a time instead of a dozen PyTorch ops with int32 temporaries; if it fails to
-    build, that kernel is turned off and PyTorch decodes."""
-    use = (parts[0].is_cuda if kernel is None else kernel) and gpu_kernels.available() and "dequant" not in _off
+    build, that kernel is turned off and PyTorch decodes (as it always does MXFP4)."""
+    use = ((parts[0].is_cuda if kernel is None else kernel) and gpu_kernels.available() and "dequant" not in _off
+           and fmt in _FMT)
     if use:
         lead = parts[0].shape[:-1]
         flat = Packed(fmt, [p.reshape(-1, p.shape[-1]).contiguous() for p in parts], k, dtype)
