@@ -51,7 +51,7 @@ def add_layers(srv, fmt: str, w: list[torch.Tensor], ffn: int, k: int, hidden: i
                 torch.zeros(1, dtype=torch.int64, pin_memory=pin),
                 torch.zeros(hidden, dtype=torch.float32, pin_memory=pin),
                 torch.zeros(1, dtype=torch.int64, pin_memory=pin))
-        srv.add_layer(0 if fmt == "bf16" else 1, w, 0, 0, ffn, k, *bufs)
+        srv.add_layer(0 if fmt == "bf16" else 1, w, 0, 0, ffn, k, *bufs, *cpu_kernel.act_args(("silu",)))
         out.append(bufs)
     return out
 

@@ -99,6 +99,25 @@ def test_kept_blocks_are_served_as_blocks(tensor_type, width, tiny_gguf, monkeyp
         assert tokens == host_tokens
 
 
+@pytest.mark.parametrize("source", ["float", "MXFP4"])
+def test_gpt_oss_experts_are_served_with_their_biases(source, tiny_model_dir, tiny_gguf, tiny_hf_model,
+                                                     exact_cpu_dots):
+    """gpt-oss's biased, clamped experts on the CPU tier: the thread computes them as the host-driven
+    step does, float stacks and MXFP4 blocks alike (and, float, with transformers' tokens)."""
+    sizes = {"hidden_size": 64, "intermediate_size": 64}
+    inv = open_inventory(tiny_model_dir("gpt_oss", **sizes) if source == "float"
+                         else tiny_gguf("gpt_oss", "MXFP4", **sizes))
+    placement = hybrid(inv)
+    tokens, logits, (packets, _) = run(inv, placement, "on", steps=6)
+    host_tokens, host_logits, _ = run(inv, placement, "off", steps=6)
+    assert packets > 0
+    assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
+    if TEST_DTYPE == torch.float32:
+        assert tokens == host_tokens
+        if source == "float":
+            assert tokens == reference_tokens(tiny_hf_model("gpt_oss", **sizes), PROMPT, 6)
+
+
 def test_a_thread_that_does_not_answer_ends_the_server_not_the_step(tiny_model_dir, tiny_hf_model, monkeypatch):
     """A layer whose packet is not served in time: the step runs again host-driven, tokens unchanged."""
     monkeypatch.setattr(served, "TIMEOUT_S", 0.2)

@@ -42,7 +42,7 @@ def test_served_packets_equal_the_direct_kernel(fmt, threads, own_team):
     for _ in range(2):
         bufs = [torch.zeros(2 * K + H), torch.zeros(1, dtype=torch.int64), torch.zeros(H),
                 torch.zeros(1, dtype=torch.int64)]
-        srv.add_layer(0 if fmt == "bf16" else 1, w, 0, 0, FFN, K, *bufs)
+        srv.add_layer(0 if fmt == "bf16" else 1, w, 0, 0, FFN, K, *bufs, *cpu_kernel.act_args(("silu",)))
         layers.append(bufs)
     srv.start()
     rng = np.random.default_rng(1)

@@ -120,7 +120,7 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
     weights = torch.as_tensor(weights).to(torch.float32)
     _check(x, w13, w2, rows, weights)
     tokens = _tokens(x, tokens, rows, lambda msg: _raise("moe_decode", msg))
-    extra = _act_args("moe_decode", act, b13, b2)
+    extra = act_args(act, b13, b2, "moe_decode")
     return _start(lambda bg: mod.moe_decode(x.contiguous(), w13, w2, rows, weights, bg, tokens, *extra), background)
 
 
@@ -217,9 +217,10 @@ KQUANT_CODES = {"q4_k": 0, "q6_k": 1, "q5_k": 2, "q2_k": 3, "q3_k": 4, "iq4_xs":
 """The native kernel's codes of the raw-block formats it reads in place (``moe_decode_q4k``, the server)."""
 
 
-def _act_args(name: str, act: tuple, b13, b2) -> tuple:
-    """``(b13, b2, code, alpha, limit)`` as the native entry points take an activation and biases
-    (empty tensors: no biases)."""
+def act_args(act: tuple, b13=None, b2=None, name: str = "moe_decode") -> tuple:
+    """``(b13, b2, code, alpha, limit)`` as the native entry points (and the decode server's
+    ``add_layer``) take an activation (``ACTIVATIONS``) and expert biases (empty tensors: none).
+    Raises RuntimeError naming ``name`` for an activation the kernel does not compute."""
     import torch
 
     if act[0] not in ACTIVATIONS:
@@ -279,7 +280,7 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
         fail("the weight stacks must be contiguous")
     _check_rows(rows, weights, E, fail)
     tokens = _tokens(x, tokens, rows, fail)
-    extra = _act_args("moe_decode_q4k", act, bias13, bias2)
+    extra = act_args(act, bias13, bias2, "moe_decode_q4k")
     codes = KQUANT_CODES
     return _start(lambda bg: mod.moe_decode_kq(x.contiguous(), b13, codes[fmt13], b2, codes[fmt2], ffn, rows,
                                                weights, bg, tokens, *extra), background)

@@ -114,6 +114,8 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
     n = x.shape[0]
     if kept is not None and n <= GATHER_MAX_ROWS:  # a few pairs: only their rows, dequantized
         w13, w2 = kept.dequant(rows)
+        if b13 is not None:  # the biases of those rows, in the same order
+            b13, b2 = b13[rows], b2[rows]
         rows, kept = torch.arange(n, device=rows.device), None
     w13, w2, kept = _kernel_or_stacks(x, n, GATHER_MAX_ROWS, w13, w2, b13, act, kept)
     scale = scale.to(x.dtype)[:, None]

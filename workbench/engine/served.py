@@ -140,9 +140,10 @@ def server_team() -> bool:
 
 def supports(lx: LayerExperts) -> bool:
     """Whether ``lx``'s one-token steps can be served: a hybrid layer whose CPU tier runs through the
-    fused kernel (float stacks or kept Q8_0 / k-quant blocks), nothing streamed, plain SwiGLU."""
-    return (lx.needs_host and lx.n_tier[COMPUTE] > 0 and lx.n_tier[STREAM] == 0 and not lx.bias
-            and lx.act[0] == "silu" and lx._fused_cpu(False))
+    fused kernel (float stacks or kept Q8_0 / k-quant / MXFP4 blocks; gpt-oss's biased, clamped
+    experts too), nothing streamed."""
+    return (lx.needs_host and lx.n_tier[COMPUTE] > 0 and lx.n_tier[STREAM] == 0
+            and lx.act[0] in cpu_kernel.ACTIVATIONS and lx._fused_cpu(False))
 
 
 class _Layer:
@@ -184,8 +185,9 @@ class DecodeServer:
         for lx in layers:
             slot = _Layer(lx, k, hidden, self.cuda)
             kind, stacks, f13, f2 = _native_stacks(lx)
+            b13, b2, act, alpha, limit = cpu_kernel.act_args(lx.act, *lx._cpu_biases())
             self.native.add_layer(kind, stacks, f13, f2, _ffn(lx), k, slot.packet, slot.flag_in, slot.out,
-                                  slot.flag_out)
+                                  slot.flag_out, b13, b2, act, alpha, limit)
             self.layers[lx.layer] = slot
         self._stop = weakref.finalize(self, self.native.stop)
         self.native.start()

@@ -1494,6 +1494,8 @@ struct ServedLayer {
   at::Tensor w[4];
   int64_t f13 = 0, f2 = 0;  // k-quant formats
   int64_t E = 0, H = 0, I = 0, k = 0;
+  Act act;                                    // gpt-oss: its biases and clamped SwiGLU
+  at::Tensor b13, b2;                         // the biases act points into, or empty
   at::Tensor packet, flag_in, out, flag_out;  // kept alive while the server runs
   int64_t seen = 0;
 };
@@ -1505,7 +1507,8 @@ class Server {
   ~Server() { stop(); }
 
   int64_t add_layer(int64_t kind, std::vector<at::Tensor> w, int64_t f13, int64_t f2, int64_t I, int64_t k,
-                    at::Tensor packet, at::Tensor flag_in, at::Tensor out, at::Tensor flag_out) {
+                    at::Tensor packet, at::Tensor flag_in, at::Tensor out, at::Tensor flag_out, at::Tensor b13,
+                    at::Tensor b2, int64_t act, double alpha, double limit) {
     TORCH_CHECK(!thread_.joinable(), "Server.add_layer: the server is running");
     TORCH_CHECK(kind >= 0 && kind <= 2 && w.size() == (kind == 1 ? 4u : 2u), "Server.add_layer: bad weights");
     for (const auto& t : w) TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 3,
@@ -1535,6 +1538,9 @@ class Server {
                     packet.device().is_cpu() && out.device().is_cpu() && flag_in.device().is_cpu() &&
                     flag_out.device().is_cpu(),
                 "Server.add_layer: packet float32 [2k + H], out float32 [H], flags int64 [1], all on the CPU");
+    TORCH_CHECK(kind != 1 || !(b13.defined() && b13.numel()), "Server.add_layer: Q8_0 experts take no biases");
+    L.act = checked_act("Server.add_layer", act, alpha, limit, b13, b2, L.E, L.H, I);
+    L.b13 = b13, L.b2 = b2;
     for (size_t j = 0; j < w.size(); ++j) L.w[j] = w[j];
     L.packet = packet, L.flag_in = flag_in, L.out = out, L.flag_out = flag_out;
     L.seen = flag_in.data_ptr<int64_t>()[0];
@@ -1607,7 +1613,8 @@ class Server {
     }
     if (rows_.empty()) return true;
     try {
-      const Pairs pr = group_pairs(rows_.data(), nullptr, wt_.data(), static_cast<int64_t>(rows_.size()));
+      Pairs pr = group_pairs(rows_.data(), nullptr, wt_.data(), static_cast<int64_t>(rows_.size()));
+      pr.act = L.act;
       const float* x = pk + 2 * L.k;
       if (L.kind == 0) {
         const auto t = L.w[0].scalar_type();
@@ -1680,7 +1687,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   py::class_<Server>(m, "Server")
       .def(py::init<int64_t, int64_t, bool>(), py::arg("threads"), py::arg("spin_us"), py::arg("own_team") = false)
-      .def("add_layer", &Server::add_layer, "A hybrid layer's CPU stacks and page-locked packet, flags and out")
+      .def("add_layer", &Server::add_layer,
+           "A hybrid layer's CPU stacks and page-locked packet, flags and out; biases and act as moe_decode's",
+           py::arg("kind"), py::arg("w"), py::arg("f13"), py::arg("f2"), py::arg("I"), py::arg("k"), py::arg("packet"),
+           py::arg("flag_in"), py::arg("out"), py::arg("flag_out"), py::arg("b13"), py::arg("b2"), py::arg("act"),
+           py::arg("alpha"), py::arg("limit"))
       .def("start", &Server::start)
       .def("stop", &Server::stop, py::call_guard<py::gil_scoped_release>())
       .def("served", &Server::served)
