@@ -232,13 +232,24 @@ def test_the_demo_model_in_q8_0_keeps_its_greedy_text_on_the_int8_dots(tmp_path,
 
 
 def test_mxfp4_gpt_oss_matches_transformers_on_gguf_dequantized_experts(tiny_model_dir, tiny_hf_model, tmp_path,
-                                                                      exact_cpu_dots):
+                                                                      exact_cpu_dots, monkeypatch):
     """gpt-oss experts in MXFP4, kept in their blocks (the CPU's read in place by the fused kernel with
-    their biases and clamped SwiGLU, the accelerator's dequantized per step), in every placement: the
-    reference carries gguf-py's dequantization of the file's expert stacks (read with gguf's own
-    reader), put back into transformers' interleaved layout by hand."""
+    their biases and clamped SwiGLU, the accelerator's dequantized per step and expert, never a whole
+    tier at once), in every placement: the reference carries gguf-py's dequantization of the file's
+    expert stacks (read with gguf's own reader), put back into transformers' interleaved layout by hand."""
     import gguf
     from gguf.quants import dequantize
+
+    from workbench.engine.experts import LayerExperts
+
+    whole = []
+    dequant = LayerExperts._dequant
+
+    def spy(self, parts, rows=None):
+        whole.append(rows is None)
+        return dequant(self, parts, rows)
+
+    monkeypatch.setattr(LayerExperts, "_dequant", spy)
 
     from workbench.core.gguf_writer import write_gguf
 
@@ -272,6 +283,7 @@ def test_mxfp4_gpt_oss_matches_transformers_on_gguf_dequantized_experts(tiny_mod
             check(engine, ref)
         finally:
             engine.close()
+    assert whole and not any(whole)  # experts dequantized as used, one or a few rows at a time
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16", "BF16"])

@@ -65,19 +65,20 @@ class KeptStacks(NamedTuple):
 
 
 class _PerExpert:
-    """Kept stacks as float rows one expert at a time, for the per-expert loops (``w13[r]``,
+    """Kept stacks as float rows one expert at a time, for the per-expert loops (``w13[r]``, then
     ``w2[r]``): a tier is never dequantized whole (gpt-oss's MXFP4 experts take 3.8x their bytes in
-    bf16). Each expert is dequantized once per call."""
+    bf16), and only the expert in use is held."""
 
     def __init__(self, kept: KeptStacks):
-        self.kept, self.rows = kept, {}
+        self.kept, self.row, self.w = kept, None, None
         self.n = kept.args[0].shape[0]
 
     def get(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if r not in self.rows:
+        if r != self.row:
+            self.w = None  # the previous expert's floats go before the next one's are made
             w13, w2 = self.kept.dequant(torch.tensor([r]))
-            self.rows[r] = (w13[0], w2[0])
-        return self.rows[r]
+            self.row, self.w = r, (w13[0], w2[0])
+        return self.w
 
 
 class _Half:
