@@ -162,6 +162,42 @@ def test_experts_one_token_on_q4_k_blocks_match_ggufs_dequantization(H, F_, E, k
     _check_against(out, x, ids, scale, rowmap, r13, r2)
 
 
+@pytest.mark.parametrize("fmt", [None, ("mxfp4", "mxfp4")])
+def test_gpt_oss_experts_one_token_with_biases_and_clamped_swiglu(fmt):
+    """gpt-oss's experts (biases on gate/up and down, the clamped SwiGLU between the kernels) read in
+    place, float rows and MXFP4 blocks (160 = 5 blocks of 32: a part-filled tile), against float64 on
+    gguf-py's dequantization, with both clamps biting; inactive pairs add nothing."""
+    from workbench.engine.experts import expert_ffn
+
+    H, F_, E, k, act = 160, 64, 5, 3, ("clamped_swiglu", 1.702, 7.0)
+    g = torch.Generator().manual_seed(17)
+    if fmt is None:
+        r13 = torch.randn(E, 2 * F_, H, generator=g).double() * 0.1
+        r2 = torch.randn(E, H, F_, generator=g).double() * 0.1
+        w13, w2 = r13.float().to(DEV), r2.float().to(DEV)
+    else:
+        w13, r13 = random_kquant("mxfp4", E * 2 * F_, H, g, scale=1 / 8)
+        w2, r2 = random_kquant("mxfp4", E * H, F_, g, scale=1 / 8)
+        w13, r13 = w13.reshape(E, 2 * F_, -1).to(DEV), r13.reshape(E, 2 * F_, H)
+        w2, r2 = w2.reshape(E, H, -1).to(DEV), r2.reshape(E, H, F_)
+    b13, b2 = torch.randn(E, 2 * F_, generator=g), torch.randn(E, H, generator=g)
+    x = torch.randn(1, H, generator=g) * 2
+    ids = torch.randperm(E, generator=g)[:k]
+    scale = torch.rand(k, generator=g) + 0.1
+    rowmap = torch.arange(E).flip(0)
+    rowmap[ids[0]] = -1  # an expert on another tier adds nothing
+    out = gpu_kernels.experts_one_token(x.to(DEV), ids.to(DEV), scale.to(DEV), rowmap.to(DEV), w13, w2, fmt=fmt,
+                                        b13=b13.to(DEV), b2=b2.to(DEV), act=act)
+    ref = torch.zeros(1, H, dtype=torch.float64)
+    for e, s in zip(ids.tolist(), scale.double().tolist()):
+        r = int(rowmap[e])
+        if r >= 0:
+            ref += s * expert_ffn(x.double(), r13[r], r2[r], b13[r].double(), b2[r].double(), act)
+    h13 = torch.einsum("h,eih->ei", x[0].double(), r13) + b13.double()
+    assert (h13[:, :F_] > act[2]).any() and (h13[:, F_:].abs() > act[2]).any()  # the clamps bite
+    assert float((out.double().cpu() - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H", [64, 2048, 200])
 def test_add_rms_norm_is_the_add_then_the_norm(dtype, H):

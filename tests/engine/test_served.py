@@ -101,9 +101,14 @@ def test_kept_blocks_are_served_as_blocks(tensor_type, width, tiny_gguf, monkeyp
 
 @pytest.mark.parametrize("source", ["float", "MXFP4"])
 def test_gpt_oss_experts_are_served_with_their_biases(source, tiny_model_dir, tiny_gguf, tiny_hf_model,
-                                                     exact_cpu_dots):
+                                                     exact_cpu_dots, monkeypatch):
     """gpt-oss's biased, clamped experts on the CPU tier: the thread computes them as the host-driven
-    step does, float stacks and MXFP4 blocks alike (and, float, with transformers' tokens)."""
+    step does, float stacks and MXFP4 blocks alike (and, float, with transformers' tokens); the
+    resident ones go through the one-token kernels with their biases."""
+    biased = []
+    real = served.gpu_kernels.experts_one_token
+    monkeypatch.setattr(served.gpu_kernels, "experts_one_token",
+                        lambda *a, **kw: biased.append(kw.get("b13") is not None) or real(*a, **kw))
     sizes = {"hidden_size": 64, "intermediate_size": 64}
     inv = open_inventory(tiny_model_dir("gpt_oss", **sizes) if source == "float"
                          else tiny_gguf("gpt_oss", "MXFP4", **sizes))
@@ -111,6 +116,7 @@ def test_gpt_oss_experts_are_served_with_their_biases(source, tiny_model_dir, ti
     tokens, logits, (packets, _) = run(inv, placement, "on", steps=6)
     host_tokens, host_logits, _ = run(inv, placement, "off", steps=6)
     assert packets > 0
+    assert biased and all(biased)
     assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
     if TEST_DTYPE == torch.float32:
         assert tokens == host_tokens

@@ -159,11 +159,14 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
 
 
 def one_token_on(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, rowmap: torch.Tensor,
-                 stacks: list[torch.Tensor], fmt: tuple[str, str] | None) -> torch.Tensor:
+                 stacks: list[torch.Tensor], fmt: tuple[str, str] | None, b13: torch.Tensor | None = None,
+                 b2: torch.Tensor | None = None, act: tuple = ("silu",)) -> torch.Tensor:
     """``gpu_kernels.experts_one_token`` over a tier's stacks as ``LayerExperts`` holds them: float
-    ``[w13, w2]`` (``fmt`` None) or kept blocks in ``fmt`` (Q8_0 ``[q13, d13, q2, d2]``, k-quants
-    ``[b13, b2]``). ``x [1, H]``, ``ids``/``scale [k]``, ``rowmap [E]`` -> ``[1, H]``."""
-    return gpu_kernels.experts_one_token(x, ids, scale, rowmap, *blocks.kernel_args(fmt, stacks), fmt=fmt)
+    ``[w13, w2]`` (``fmt`` None) or kept blocks in ``fmt`` (Q8_0 ``[q13, d13, q2, d2]``, k-quants and
+    MXFP4 ``[b13, b2]``), with gpt-oss's biases and activation. ``x [1, H]``, ``ids``/``scale [k]``,
+    ``rowmap [E]`` -> ``[1, H]``."""
+    return gpu_kernels.experts_one_token(x, ids, scale, rowmap, *blocks.kernel_args(fmt, stacks), fmt=fmt,
+                                         b13=b13, b2=b2, act=act)
 
 
 class LayerExperts:
@@ -433,9 +436,11 @@ class LayerExperts:
             # one token on CUDA: the selected resident rows read in place (Triton), others skipped
             rowmap = self.res_map_dev if self.needs_host else self.local_dev
             if self.kept_res is not None:  # blocks in place
-                out = one_token_on(x, flat_ids, flat_w, rowmap, self.kept_res, self.kept)
+                out = one_token_on(x, flat_ids, flat_w, rowmap, self.kept_res, self.kept, self.b13[0], self.b2[0],
+                                   self.act)
             else:
-                out = one_token_on(x, flat_ids, flat_w, rowmap, [self.w13[0], self.w2[0]], None)
+                out = one_token_on(x, flat_ids, flat_w, rowmap, [self.w13[0], self.w2[0]], None, self.b13[0],
+                                   self.b2[0], self.act)
             return out if extra is None else out + extra()
         if T == 1:  # one token: its k pairs read x as a view and sum with one reduction
             xt = x.expand(k, x.shape[1])
@@ -466,8 +471,8 @@ class LayerExperts:
         return out
 
     def _rows_in_place(self, scale_input: bool) -> bool:
-        return (self.fast_gpu and not scale_input and not self.bias and self.act[0] == "silu"
-                and gpu_kernels.available() and (self.kept is None or gpu_kernels.takes_formats(self.kept)))
+        return (self.fast_gpu and not scale_input and gpu_kernels.available()
+                and (self.kept is None or gpu_kernels.takes_formats(self.kept)))
 
     def host_part(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, host: list[torch.Tensor],
                   out: torch.Tensor, scale_input: bool) -> None:

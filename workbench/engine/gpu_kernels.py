@@ -33,13 +33,15 @@ except ImportError:  # pragma: no cover - depends on the install
 
 _disabled: list[str] = []
 
-FMT_CODES = {"q8_0": 1, "q4_k": 2, "q6_k": 3, "q5_k": 4, "q2_k": 5, "q3_k": 6, "iq4_xs": 7}
-"""The kernels' ``FMT`` for each kept block format (0: float weights). MXFP4 has none: its experts
-are dequantized per step on the GPU (gpt-oss's biases keep them off these kernels anyway)."""
+FMT_CODES = {"q8_0": 1, "q4_k": 2, "q6_k": 3, "q5_k": 4, "q2_k": 5, "q3_k": 6, "iq4_xs": 7, "mxfp4": 8}
+"""The one-token kernels' ``FMT`` for each kept block format (0: float weights)."""
+ONE_TOKEN_ONLY = frozenset({"mxfp4"})
+"""Formats only the one-token expert kernels read in place (gpt-oss's MXFP4 experts): the prompt and
+dense kernels dequantize them."""
 
 
 def takes_formats(fmt: tuple[str, str]) -> bool:
-    """Whether the kernels read experts kept in ``fmt`` (gate/up, down) in place."""
+    """Whether the one-token kernels read experts kept in ``fmt`` (gate/up, down) in place."""
     return all(f in FMT_CODES for f in fmt)
 
 
@@ -190,6 +192,20 @@ if triton is not None:
         return v.to(tl.float32)
 
     @triton.jit
+    def _mx_value(q):
+        """MXFP4's FP4 code ``q`` (int32, 0..15) as its value doubled (llama.cpp's ``kvalues_mxfp4``),
+        float32: magnitude m = q & 7 is m below 4, else (2 or 3) << (m / 2 - 1); bit 3 the sign."""
+        m = q & 7
+        mag = tl.where(m < 4, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
+        return tl.where(q >= 8, -mag, mag).to(tl.float32)
+
+    @triton.jit
+    def _mx_scale(e):
+        """An MXFP4 block's E8M0 exponent ``e`` (int32) as its scale 2^(e - 128), float32."""
+        bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _block_tile(rows, d_rows, k0, rm, K, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Float32 weights ``[BLOCK_N, BLOCK_K]`` of rows ``rows [BLOCK_N]`` (pointers to each row's
         first byte) at inputs ``k0 .. k0 + BLOCK_K`` (``k0`` a multiple of ``BLOCK_K``, which divides
@@ -228,6 +244,17 @@ if triton is not None:
             d = _half(sb, 0, rm)[:, None]
             dmin = _half(sb, 2, rm)[:, None]
             w = (d * sc)[:, :, None] * q.to(tl.float32) - (dmin * mn)[:, :, None]
+        elif FMT == 8:  # MXFP4: blocks of 32 values in 17 bytes (E8M0 exponent, then indices), K % 32 == 0
+            NB: tl.constexpr = BLOCK_K // 32
+            blk = k0 // 32 + tl.arange(0, NB)
+            bm = blk < K // 32
+            t = tl.arange(0, 32)
+            m3 = rm[:, None, None] & bm[None, :, None]
+            byte = tl.load(rows[:, None, None] + (blk[:, None] * 17 + 1 + t[None, :] % 16)[None, :, :], mask=m3,
+                           other=0).to(tl.int32)
+            q = (byte >> (4 * (t // 16))[None, None, :]) & 15
+            e = tl.load(rows[:, None] + (blk * 17)[None, :], mask=rm[:, None] & bm[None, :], other=0).to(tl.int32)
+            w = _mx_scale(e)[:, :, None] * _mx_value(q)
         elif FMT == 7:  # IQ4_XS: sub-block j's indices in bytes 8 + 16 j + t % 16 (t >= 16: high nibbles)
             J: tl.constexpr = BLOCK_K // 32
             sb = rows + (k0 // 256) * 136
@@ -315,7 +342,7 @@ if triton is not None:
             acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, BLOCK_K, 16)
         elif FMT == 5 or FMT == 6:  # Q2_K, Q3_K: always a super-block a tile
             acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, 256, 16)
-        elif FMT == 7:  # IQ4_XS likewise
+        elif FMT == 7 or FMT == 8:  # IQ4_XS likewise; MXFP4 8 blocks of 32 a tile (the last one masked)
             acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, 256, 32)
         elif TILE and FMT != 0:
             acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, BLOCK_K, 32)
@@ -384,12 +411,13 @@ if triton is not None:
                                        (16, 512, 4, _NO_TILE), (32, 128, 8, _NO_TILE)]),
                      key=["N", "K", "FMT"])
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, K: tl.constexpr, stride_e,
-                        stride_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
-                        TILE: tl.constexpr):
-        """out[j, n] = w[rowmap[ids[j]], n, :] . x  (float32), zero where the pair is inactive. ``FMT``
-        1: ``w`` int8 and ``d_ptr`` its float16 scales, one per 32 values along K (GGUF Q8_0); 2:
-        ``w`` the rows' raw GGUF Q4_K bytes (``stride_n`` bytes a row); 3 / 4: raw GGUF Q6_K / Q5_K bytes."""
+    def _gate_up_kernel(x_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, b_ptr, N, K: tl.constexpr,
+                        stride_e, stride_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
+                        TILE: tl.constexpr, BIAS: tl.constexpr = False):
+        """out[j, n] = w[rowmap[ids[j]], n, :] . x  (float32; ``BIAS``: plus ``b[row, n]``, rows of ``N``),
+        zero where the pair is inactive. ``FMT`` 1: ``w`` int8 and ``d_ptr`` its float16 scales, one
+        per 32 values along K (GGUF Q8_0); 2: ``w`` the rows' raw GGUF Q4_K bytes (``stride_n`` bytes a
+        row); 3 ... 8: raw GGUF Q6_K, Q5_K, Q2_K, Q3_K, IQ4_XS, MXFP4 bytes."""
         pair = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row = tl.load(rowmap_ptr + tl.load(ids_ptr + pair))
@@ -398,22 +426,28 @@ if triton is not None:
         rm = offs_n < tl.where(active, N, 0)  # an inactive pair loads no weights
         at = row * stride_e + offs_n * stride_n
         acc = _row_dots(w_ptr + at, d_ptr + at // 32, x_ptr, K, rm, FMT, False, BLOCK_N, BLOCK_K, TILE)
+        if BIAS:
+            acc += tl.load(b_ptr + row * N + offs_n, mask=rm, other=0.0).to(tl.float32)
         tl.store(out_ptr + pair * N + offs_n, acc, mask=offs_n < N)
 
     @triton.jit
-    def _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, pair, offs_n, N, FFN: tl.constexpr,
+    def _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, b_ptr, pair, offs_n, N, FFN: tl.constexpr,
                    stride_e, stride_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
-                   TILE: tl.constexpr):
+                   TILE: tl.constexpr, BIAS: tl.constexpr, SWIGLU: tl.constexpr):
         """Pair ``pair``'s weighted down projection at outputs ``offs_n`` ``[BLOCK_N]`` float32 (0 and
-        nothing read when the pair is inactive)."""
+        nothing read when the pair is inactive). Its inputs: ``silu(gate) * up`` of ``h``'s row
+        (``SWIGLU``), or the row's first ``FFN`` values as they are (an activation computed before);
+        ``BIAS``: plus ``b[row, n]`` before the weight."""
         row = tl.load(rowmap_ptr + tl.load(ids_ptr + pair))
         s = tl.load(scale_ptr + pair).to(tl.float32)
         active = (row >= 0) & (s != 0)
         row = tl.maximum(row, 0)
         rm = offs_n < tl.where(active, N, 0)  # an inactive pair loads no weights
         at = row * stride_e + offs_n * stride_n
-        part = _row_dots(w_ptr + at, d_ptr + at // 32, h_ptr + pair * 2 * FFN, FFN, rm, FMT, True, BLOCK_N, BLOCK_K,
-                         TILE)
+        part = _row_dots(w_ptr + at, d_ptr + at // 32, h_ptr + pair * 2 * FFN, FFN, rm, FMT, SWIGLU, BLOCK_N,
+                         BLOCK_K, TILE)
+        if BIAS:
+            part += tl.load(b_ptr + row * N + offs_n, mask=rm, other=0.0).to(tl.float32)
         return tl.where(active, part * s, 0.0)
 
     @triton.autotune(configs=_configs([(4, 256, 4, {"UNROLL": False, **_TILE}),
@@ -428,10 +462,12 @@ if triton is not None:
                                        (4, 256, 4, {"UNROLL": True, **_NO_TILE})]),
                      key=["N", "FFN", "K", "FMT"])
     @triton.jit
-    def _down_sum_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, N, FFN: tl.constexpr, stride_e,
-                         stride_n, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
-                         UNROLL: tl.constexpr, TILE: tl.constexpr):
-        """out[n] = sum_j scale[j] * w[row_j, n, :] . (silu(h[j, :FFN]) * h[j, FFN:]), in out's dtype:
+    def _down_sum_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, b_ptr, N, FFN: tl.constexpr,
+                         stride_e, stride_n, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         FMT: tl.constexpr, UNROLL: tl.constexpr, TILE: tl.constexpr, BIAS: tl.constexpr = False,
+                         SWIGLU: tl.constexpr = True):
+        """out[n] = sum_j scale[j] * (w[row_j, n, :] . (silu(h[j, :FFN]) * h[j, FFN:]) [+ b[row_j, n]]), in
+        out's dtype (``SWIGLU`` False: ``h[j, :FFN]`` as the inputs, an activation computed before):
         the pairs are summed here, so no reduction or cast follows. ``UNROLL``: the loop over the
         ``K`` pairs unrolled, so that every pair's loads can be in flight at once (the autotuner
         keeps it where that is faster: few programs, ``N / BLOCK_N``, each read ``K`` rows)."""
@@ -439,12 +475,12 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if UNROLL:
             for pair in tl.static_range(K):
-                acc += _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, pair, offs_n, N, FFN,
-                                  stride_e, stride_n, BLOCK_N, BLOCK_K, FMT, TILE)
+                acc += _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, b_ptr, pair, offs_n, N, FFN,
+                                  stride_e, stride_n, BLOCK_N, BLOCK_K, FMT, TILE, BIAS, SWIGLU)
         else:
             for pair in range(K):
-                acc += _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, pair, offs_n, N, FFN,
-                                  stride_e, stride_n, BLOCK_N, BLOCK_K, FMT, TILE)
+                acc += _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, b_ptr, pair, offs_n, N, FFN,
+                                  stride_e, stride_n, BLOCK_N, BLOCK_K, FMT, TILE, BIAS, SWIGLU)
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
     @triton.jit
@@ -621,7 +657,9 @@ def run_dropping_new_forms(kernels: list, launch):
 
 def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, rowmap: torch.Tensor,
                       w13: torch.Tensor, w2: torch.Tensor, d13: torch.Tensor | None = None,
-                      d2: torch.Tensor | None = None, fmt: tuple[str, str] | None = None) -> torch.Tensor:
+                      d2: torch.Tensor | None = None, fmt: tuple[str, str] | None = None,
+                      b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                      act: tuple = ("silu",)) -> torch.Tensor:
     """SwiGLU experts of one token, weighted and summed: ``[1, H]`` in ``x.dtype``.
 
     ``x [1, H]``; ``ids``/``scale [k]``: the selected experts and their routing weights;
@@ -629,11 +667,17 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     ``w2 [R, H, I]``, or -1 when it lives elsewhere (that pair adds nothing and reads nothing).
     With ``d13 [R, 2I, H/32]`` / ``d2 [R, H, I/32]`` (float16) the stacks are GGUF Q8_0: ``w13``/``w2``
     int8 values, one scale per 32 along the input axis (contiguous stacks; ``fmt`` may then say
-    ``("q8_0", "q8_0")`` or be None). ``fmt=(gate/up format, down format)`` of k-quants (``"q2_k"`` ... ``"q6_k"``, ``"iq4_xs"``): ``w13 [R, 2I, H/256*bytes]`` and ``w2 [R, H, I/256*bytes]``
-    are the rows' raw GGUF k-quant bytes (uint8).
+    ``("q8_0", "q8_0")`` or be None). ``fmt=(gate/up format, down format)`` of raw blocks (``"q2_k"``
+    ... ``"q6_k"``, ``"iq4_xs"``, ``"mxfp4"``): ``w13 [R, 2I, blocks.row_bytes(fmt[0], H)]`` and
+    ``w2 [R, H, blocks.row_bytes(fmt[1], I)]`` are the rows' raw GGUF bytes (uint8).
+    gpt-oss: expert biases ``b13 [R, 2I]``, ``b2 [R, H]`` (rows as the stacks) and
+    ``act=("clamped_swiglu", alpha, limit)`` (``experts.activate``), computed by PyTorch between the
+    two kernels.
     The first call per shape checks the kernels' autotuning candidates against PyTorch
     (``kernel_check``: host syncs, eager only); later calls: no host sync, capturable in a CUDA graph.
     """
+    from .experts import activate  # the experts' own activation (this module is imported by them)
+
     k = ids.shape[0]
     n13 = w13.shape[1]
     H = w2.shape[1]
@@ -642,15 +686,21 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     i = w2.shape[2]
     if fmt is not None:
         code13, code2 = FMT_CODES[fmt[0]], FMT_CODES[fmt[1]]
-        i = w2.shape[2] if fmt[1] == "q8_0" else w2.shape[2] // blocks.KQUANTS[fmt[1]] * 256
+        i = w2.shape[2] if fmt[1] == "q8_0" else blocks.row_values(fmt[1], w2.shape[2])
+    bias = b13 is not None
+    swiglu = act[0] == "silu"
 
     def launch(x=x, ids=ids, scale=scale, rowmap=rowmap):
         h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
         _gate_up_kernel[lambda meta: (k, triton.cdiv(n13, meta["BLOCK_N"]))](
-            x, w13, d13 if q8 else w13, ids, rowmap, scale, h, n13, H, w13.stride(0), w13.stride(1), FMT=code13)
+            x, w13, d13 if q8 else w13, ids, rowmap, scale, h, b13 if bias else h, n13, H, w13.stride(0),
+            w13.stride(1), FMT=code13, BIAS=bias)
+        if not swiglu:  # gpt-oss's clamped SwiGLU into h's first I columns, which the down kernel reads
+            h[:, :i] = activate(h, act)
         out = torch.empty((1, H), dtype=x.dtype, device=x.device)
         _down_sum_kernel[lambda meta: (triton.cdiv(H, meta["BLOCK_N"]),)](
-            h, w2, d2 if q8 else w2, ids, rowmap, scale, out, H, i, w2.stride(0), w2.stride(1), K=k, FMT=code2)
+            h, w2, d2 if q8 else w2, ids, rowmap, scale, out, b2 if bias else h, H, i, w2.stride(0), w2.stride(1),
+            K=k, FMT=code2, BIAS=bias, SWIGLU=swiglu)
         return out
 
     def probe():  # a random token on the rows this call reads (else the first): kernel_check's probe
@@ -663,12 +713,13 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
         idc = torch.arange(k, device=x.device, dtype=ids.dtype)
         sc = torch.linspace(0.5, 1.0, k, device=x.device).to(scale.dtype)
         f = fmt or (("q8_0", "q8_0") if q8 else (None, None))
-        ref = sum(s * expert_f32(xc, r, f, w13, w2, d13, d2) for r, s in zip(rows.tolist(), sc.float().tolist()))
+        ref = sum(s * expert_f32(xc, r, f, w13, w2, d13, d2, b13, b2, act)
+                  for r, s in zip(rows.tolist(), sc.float().tolist()))
         return (lambda: launch(xc, idc, sc, mapc)), ref
 
     if w13.shape[0] == 0:  # no expert on this tier: every pair inactive
         return torch.zeros((1, H), dtype=x.dtype, device=x.device)
-    key = ("experts", n13, H, i, code13, code2, k, x.dtype, w13.dtype)
+    key = ("experts", n13, H, i, code13, code2, k, x.dtype, w13.dtype, bias, act)
     return run_checked([_gate_up_kernel, _down_sum_kernel], launch, key, probe)
 
 
@@ -687,15 +738,22 @@ def _rows_f32(fmt: str | None, w: torch.Tensor, d: torch.Tensor | None, r: int, 
 
 
 def expert_f32(x: torch.Tensor, r: int, fmt: tuple, w13: torch.Tensor, w2: torch.Tensor,
-               d13: torch.Tensor | None = None, d2: torch.Tensor | None = None) -> torch.Tensor:
+               d13: torch.Tensor | None = None, d2: torch.Tensor | None = None, b13: torch.Tensor | None = None,
+               b2: torch.Tensor | None = None, act: tuple = ("silu",)) -> torch.Tensor:
     """Expert row ``r``'s SwiGLU output for ``x [T, H]`` in float32 on ``x``'s device, computed by
     PyTorch from the stacks ``w13 [R, 2I, H]``, ``w2 [R, H, I]`` (gate rows first; ``fmt`` = (gate/up,
     down) formats, None for float values, ``d13``/``d2`` the Q8_0 scales), which may lie on the host
-    (the served bus reads them there): the reference of the kernels' checks (``kernel_check``)."""
+    (the served bus reads them there): the reference of the kernels' checks (``kernel_check``).
+    gpt-oss: biases ``b13 [R, 2I]``, ``b2 [R, H]`` and its clamped activation ``act``."""
+    from .experts import activate
+
     H = x.shape[-1]
     i = w13.shape[1] // 2
     a = x.float() @ _rows_f32(fmt[0], w13, d13, r, H).to(x.device).T
-    return (torch.nn.functional.silu(a[:, :i]) * a[:, i:]) @ _rows_f32(fmt[1], w2, d2, r, i).to(x.device).T
+    if b13 is not None:
+        a = a + b13[r].float().to(x.device)
+    y = activate(a, act) @ _rows_f32(fmt[1], w2, d2, r, i).to(x.device).T
+    return y if b2 is None else y + b2[r].float().to(x.device)
 
 
 def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float

@@ -136,7 +136,7 @@ def tile_table(starts: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> np.n
     return np.stack([rows[run], start, count], axis=1).astype(np.int32)
 
 
-_FMT = gpu_kernels.FMT_CODES
+_FMT = {f: c for f, c in gpu_kernels.FMT_CODES.items() if f not in gpu_kernels.ONE_TOKEN_ONLY}
 
 
 def takes_blocks(x: torch.Tensor, fmt: tuple[str, str], act: tuple, bias: bool) -> bool:
