@@ -32,7 +32,8 @@
 # one token's CPU experts, ours against llama.cpp's ggml, built from .llamacpp/ggml-src.tar.xz (carry it:
 # scripts/build_llamacpp.sh ggml-pack); $OUT/cpu_vs_ggml.json), engine_q4_hybrid (S1 as Q4_K at BENCH_Q4_BUDGET (4GiB): most experts on the
 # CPU, the case of a large Q4_K model on a small GPU; BENCH_HYBRID_WEIGHTS=q3_k (or q2_k, iq4_xs) writes S1
-# in that format instead). BENCH_BUDGET (12GiB) sets the side-by-side budget.
+# in that format instead), engine_gpt_oss (gpt-oss-120b's MoE shape, MXFP4 experts, 18 of 36 layers at 12 GiB:
+# ours and llama.cpp's --n-cpu-moe). BENCH_BUDGET (12GiB) sets the side-by-side budget.
 # At most 8 files come back per call: choose the stages of one call accordingly.
 # BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (64 / 2), BENCH_MARGIN (512MiB) and LLAMA_N_CPU_MOE tune
 # the side-by-side stages. Stage candidates: scripts/check_kernel_candidates.py (each autotuning
@@ -188,6 +189,16 @@ stage_engine_q4_hybrid() {  # S1 as Q4_K under a small budget: most experts on t
     BENCH_BUDGET="${BENCH_Q4_BUDGET:-4GiB}" LLAMA_N_CPU_MOE="${LLAMA_N_CPU_MOE:-15,16,17}" \
         side_by_side "$models/s1_hyb.gguf" "S1 $w skewed, ${BENCH_Q4_BUDGET:-4GiB}" "engine_s1_q4_hybrid$tag.json" "n-cpu-moe,frequency"
     rm -f "$models"/s1_hyb.gguf
+}
+stage_engine_gpt_oss() {  # gpt-oss-120b's MoE shape with MXFP4 experts (bf16 rest), BENCH_GPT_OSS_LAYERS (18) of its
+    # 36 layers at the 12 GiB budget (a 24 GB card scaled as S1 is), llama.cpp at --n-cpu-moe 12-14: the target
+    # user's gpt-oss-120b (qwen3moe layout: no biases nor sinks, so both engines run the same file)
+    rm -f "$models"/s1.gguf "$models"/s1_q8.gguf
+    log "writing gpt-oss-120b-like MXFP4"; wb write -o "$models/gpt_oss_mx.gguf" --shape gpt-oss-120b-like \
+        --layers "${BENCH_GPT_OSS_LAYERS:-18}" --weights mxfp4 | tee -a "$OUT/device.log"
+    LLAMA_N_CPU_MOE="${LLAMA_N_CPU_MOE:-12,13,14}" side_by_side "$models/gpt_oss_mx.gguf" \
+        "gpt-oss-120b-like MXFP4, ${BENCH_GPT_OSS_LAYERS:-18} layers" engine_gpt_oss_mxfp4.json "n-cpu-moe,frequency"
+    rm -f "$models"/gpt_oss_mx.gguf
 }
 stage_engine_team() {  # S1 skewed bf16 and Q8_0, ours only, the decode server on its own spinning team
     if [ -f "$models/s1.gguf" ]; then wb reskew "$models/s1.gguf" --coverage 0.5 | tee -a "$OUT/device.log"

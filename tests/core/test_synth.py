@@ -47,6 +47,20 @@ def test_weights_are_finite_with_the_chosen_spread_and_differ_between_experts(tm
         assert not np.array_equal(w[0, 0], w[0, 1])
 
 
+def test_mxfp4_files_hold_their_experts_alone_in_mxfp4(tmp_path):
+    """As gpt-oss's GGUF files: routed experts MXFP4, the attention and head bf16; the engine keeps
+    the experts in their blocks."""
+    from workbench.core.memory import experts_as_stored
+    from workbench.core.readers import open_model
+
+    info = synth.write_gguf(tmp_path / "mx.gguf", TINY, wtype="mxfp4")
+    t = _tensors(info.path)
+    assert {t[f"blk.0.ffn_{p}_exps.weight"].tensor_type.name for p in ("gate", "up", "down")} == {"MXFP4"}
+    assert t["blk.0.attn_q.weight"].tensor_type.name == "BF16" and t["output.weight"].tensor_type.name == "BF16"
+    assert info.nbytes == info.path.stat().st_size
+    assert experts_as_stored(open_model(info.path))
+
+
 def test_rows_that_do_not_fit_a_block_fall_back():
     s = replace(TINY, expert_ffn=96)  # down rows of 96: not a multiple of 256
     fmt = {t.name: t.gtype for t in synth.tensor_list(s, "q4_k")}

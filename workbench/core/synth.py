@@ -33,8 +33,9 @@ from workbench.core.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-WEIGHT_TYPES = ("bf16", "q8_0", "q4_k", "q2_k", "q3_k", "q5_k", "q6_k", "iq4_xs")
-"""Formats of the 2-D weights (token embedding and norms excepted) a synthetic file can hold."""
+WEIGHT_TYPES = ("bf16", "q8_0", "q4_k", "q2_k", "q3_k", "q5_k", "q6_k", "iq4_xs", "mxfp4")
+"""Formats of the 2-D weights (token embedding and norms excepted) a synthetic file can hold;
+``mxfp4`` is the routed experts' alone, the rest bf16, as gpt-oss's GGUF files store them."""
 
 ALPHA = 1.0  # weight of the shared direction u in every token embedding (noise has rms 1)
 _CHUNK = 64 << 20  # bytes per write
@@ -240,6 +241,8 @@ def _quant_block(wtype: str, std: float, rng: np.random.Generator) -> bytes:
         raw[:, 2:4] = (d * np.float16(7.5)).view(np.uint8).reshape(-1, 2)
     elif wtype in _SUPER_BYTES:  # the other k-quants and IQ4_XS: normal values through the writer's encoder
         raw = quantize_k(rng.normal(0.0, std, (_QBLOCKS, 256)).astype(np.float32), wtype.upper())
+    elif wtype == "mxfp4":  # normal values through gguf-py's encoder
+        raw = quants.quantize(rng.normal(0.0, std, (_QBLOCKS, 32)).astype(np.float32), GGMLQuantizationType.MXFP4)
     else:
         raise WorkbenchError(f"unknown weight type {wtype!r}; choose from {', '.join(WEIGHT_TYPES)}")
     return raw.tobytes()
@@ -259,7 +262,7 @@ class _Tensor:
         n = int(np.prod(self.shape))
         if self.gtype in _SUPER_BYTES:
             return n // 256 * _SUPER_BYTES[self.gtype]
-        return {"f32": 4 * n, "bf16": 2 * n, "q8_0": n // 32 * 34}[self.gtype]
+        return {"f32": 4 * n, "bf16": 2 * n, "q8_0": n // 32 * 34, "mxfp4": n // 32 * 17}[self.gtype]
 
 
 def tensor_list(s: SynthShape, wtype: str = "bf16") -> list[_Tensor]:
@@ -270,11 +273,16 @@ def tensor_list(s: SynthShape, wtype: str = "bf16") -> list[_Tensor]:
     e, i = s.n_experts, s.expert_ffn
 
     def fmt(row: int) -> str:  # llama.cpp's quantizer also falls back where rows don't fit the block
+        if wtype == "mxfp4":  # gpt-oss's files: the experts alone in MXFP4
+            return "bf16"
         if wtype in _SUPER_BYTES and row % 256:
             return "q8_0" if row % 32 == 0 else "bf16"
         if wtype == "q8_0" and row % 32:
             return "bf16"
         return wtype
+
+    def efmt(row: int) -> str:  # the routed experts'
+        return ("mxfp4" if row % 32 == 0 else "bf16") if wtype == "mxfp4" else fmt(row)
 
     t = [_Tensor("token_embd.weight", (s.vocab, h), "bf16", "embed")]
     for layer in range(s.n_layers):
@@ -292,9 +300,9 @@ def tensor_list(s: SynthShape, wtype: str = "bf16") -> list[_Tensor]:
         t += [
             _Tensor(p + "ffn_norm.weight", (h,), "f32", "ones"),
             _Tensor(p + "ffn_gate_inp.weight", (e, h), "f32", "router", layer=layer),
-            _Tensor(p + "ffn_gate_exps.weight", (e, i, h), fmt(h), "tile", 0.02),
-            _Tensor(p + "ffn_up_exps.weight", (e, i, h), fmt(h), "tile", 0.02),
-            _Tensor(p + "ffn_down_exps.weight", (e, h, i), fmt(i), "tile", 0.002),
+            _Tensor(p + "ffn_gate_exps.weight", (e, i, h), efmt(h), "tile", 0.02),
+            _Tensor(p + "ffn_up_exps.weight", (e, i, h), efmt(h), "tile", 0.02),
+            _Tensor(p + "ffn_down_exps.weight", (e, h, i), efmt(i), "tile", 0.002),
         ]
         if s.shared_ffn:
             t += [
@@ -326,7 +334,7 @@ class _Tiles:
 
     def write(self, f, t: _Tensor) -> None:
         blk = self.block(t.gtype, t.std)
-        unit = {"bf16": 2, "q8_0": 34, **_SUPER_BYTES}[t.gtype]
+        unit = {"bf16": 2, "q8_0": 34, "mxfp4": 17, **_SUPER_BYTES}[t.gtype]
         pos = int(self.rng.integers(0, len(blk) // unit)) * unit
         view, left = memoryview(blk), t.nbytes
         while left:
