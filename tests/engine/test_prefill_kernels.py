@@ -42,6 +42,26 @@ def test_grouped_kernels_match_one_product_per_expert(dtype):
     assert float((got.float() - ref).abs().max() / ref.abs().max()) < tol
 
 
+def test_gpt_oss_experts_grouped_with_biases_and_clamped_swiglu():
+    """gpt-oss's experts (biases on both matrices, the clamped SwiGLU in the first kernel's epilogue)
+    against one ``expert_ffn`` per expert, with both clamps biting (float32)."""
+    g = torch.Generator().manual_seed(3)
+    E, H, F, act = 5, 96, 80, ("clamped_swiglu", 1.702, 7.0)
+    w13 = (torch.randn(E, 2 * F, H, generator=g) * 0.4).to(TEST_DEVICE)
+    w2 = (torch.randn(E, H, F, generator=g) / F ** 0.5).to(TEST_DEVICE)
+    b13, b2 = torch.randn(E, 2 * F, generator=g).to(TEST_DEVICE), torch.randn(E, H, generator=g).to(TEST_DEVICE)
+    counts = np.array([3, 0, 40, 1, 9])
+    rows = np.repeat(np.arange(E), counts)
+    xs = torch.randn(len(rows), H, generator=g).to(TEST_DEVICE)
+    used = np.nonzero(counts)[0]
+    tiles = prefill_kernels.tile_table((np.cumsum(counts) - counts)[used], counts[used], used)
+    got = prefill_kernels.swiglu_grouped(xs, tiles, w13, w2, b13=b13, b2=b2, act=act)
+    ref = torch.cat([expert_ffn(xs[rows == r], w13[r], w2[r], b13[r], b2[r], act) for r in used])
+    h = torch.cat([xs[rows == r] @ w13[r].T + b13[r] for r in used])
+    assert (h[:, :F] > act[2]).any() and (h[:, F:].abs() > act[2]).any()  # the clamps bite
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
 def test_grouped_uses_the_kernels_for_many_pairs_and_matches_the_loop(monkeypatch):
     g = torch.Generator().manual_seed(1)
     E, H, F, n = 8, 64, 48, 300  # more pairs than the gather path takes
@@ -78,15 +98,16 @@ def test_a_failing_kernel_turns_the_kernels_off_and_the_loop_answers(monkeypatch
 
 
 @pytest.mark.parametrize("fmt", [("q8_0", "q8_0"), ("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q5_k", "q6_k"),
-                                 ("q3_k", "q2_k"), ("iq4_xs", "q6_k")])
+                                 ("q3_k", "q2_k"), ("iq4_xs", "q6_k"), ("mxfp4", "mxfp4")])
 def test_blocks_are_read_in_place_like_their_dequantized_stacks(fmt):
-    """Experts kept as GGUF blocks give what their dequantized stacks give (no stack is made)."""
+    """Experts kept as GGUF blocks give what their dequantized stacks give (no stack is made); MXFP4
+    at 160 = 5 blocks of 32 (tiles part-filled)."""
     from tests.engine.engine_helpers import random_kquant
     from tests.engine.test_cpu_kernel import _q8_0
     from workbench.engine import blocks
 
     g = torch.Generator().manual_seed(2)
-    E, H, F = 3, 256, 256
+    E, H, F = (3, 160, 96) if fmt[0] == "mxfp4" else (3, 256, 256)
 
     def kept(f: str, n: int, k: int) -> list[torch.Tensor]:  # [E, n, k] as the engine keeps it
         if f == "q8_0":

@@ -140,7 +140,7 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
             used = np.nonzero(c)[0]
             tiles = prefill_kernels.tile_table((np.cumsum(c) - c)[used], c[used], used)
             ys = prefill_kernels.run_or_none(xs, tiles, *((w13, w2) if kept is None else kept.args),
-                                             fmt=None if kept is None else kept.fmt)
+                                             fmt=None if kept is None else kept.fmt, b13=b13, b2=b2, act=act)
             if ys is None and kept is not None:
                 per = _PerExpert(kept)
                 w13, w2 = _Half(per, 0), _Half(per, 1)
@@ -769,7 +769,7 @@ def _grouped_host(x: torch.Tensor, pairs: np.ndarray, token: np.ndarray, rows: n
                             and prefill_kernels.usable_for(x, w13, w2, b13, b2, act)):
         ys = prefill_kernels.run_or_none(xs, prefill_kernels.tile_table(starts, counts, uniq),
                                          *((w13, w2) if kept is None else kept.args),
-                                         fmt=None if kept is None else kept.fmt)
+                                         fmt=None if kept is None else kept.fmt, b13=b13, b2=b2, act=act)
         if ys is None and kept is not None:
             per = _PerExpert(kept)
             w13, w2 = _Half(per, 0), _Half(per, 1)

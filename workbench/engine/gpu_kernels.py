@@ -35,9 +35,9 @@ _disabled: list[str] = []
 
 FMT_CODES = {"q8_0": 1, "q4_k": 2, "q6_k": 3, "q5_k": 4, "q2_k": 5, "q3_k": 6, "iq4_xs": 7, "mxfp4": 8}
 """The one-token kernels' ``FMT`` for each kept block format (0: float weights)."""
-ONE_TOKEN_ONLY = frozenset({"mxfp4"})
-"""Formats only the one-token expert kernels read in place (gpt-oss's MXFP4 experts): the prompt and
-dense kernels dequantize them."""
+EXPERTS_ONLY = frozenset({"mxfp4"})
+"""Formats only the expert kernels (one-token here, prompts in ``prefill_kernels``) read in place
+(gpt-oss's MXFP4 experts): the dense kernels of ``packed`` do not take them."""
 
 
 def takes_formats(fmt: tuple[str, str]) -> bool:

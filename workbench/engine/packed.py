@@ -33,7 +33,7 @@ CHECK_ROWS = 4096
 """Rows (the first ones, and the last 64) of a kept matrix that the one-token kernel's candidates
 are checked on at the first call per shape (``kernel_check``)."""
 
-_FMT = {f: c for f, c in gpu_kernels.FMT_CODES.items() if f not in gpu_kernels.ONE_TOKEN_ONLY}
+_FMT = {f: c for f, c in gpu_kernels.FMT_CODES.items() if f not in gpu_kernels.EXPERTS_ONLY}
 
 triton = gpu_kernels.triton
 if triton is not None:

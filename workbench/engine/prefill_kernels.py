@@ -8,7 +8,7 @@ tile: one expert's row in the stacks and up to ``BLOCK_M`` of its consecutive pa
 projections with SiLU·up in the epilogue, then the down projection. Each weight tile is read once
 per tile of pairs.
 
-``usable_for`` says when it applies (SwiGLU without biases, float weights, Triton usable); any
+``usable_for`` says when it applies (SwiGLU, or gpt-oss's with biases; float weights, Triton usable); any
 failure to build or launch turns it off for the process (``disable``) and the caller's per-expert
 loop takes over, leaving the decode kernels of ``gpu_kernels`` alone. ``WORKBENCH_PREFILL_KERNELS=0``
 turns them off.
@@ -44,17 +44,20 @@ if triton is not None:
 
     _block_tile = gpu_kernels._block_tile
 
-    @triton.autotune(configs=_configs(), key=["N", "K", "SWIGLU", "FMT"])
+    @triton.autotune(configs=_configs(), key=["N", "K", "SWIGLU", "FMT", "BIAS", "ACT"])
     @triton.jit
-    def _grouped_kernel(x_ptr, w_ptr, d_ptr, tiles_ptr, out_ptr, N, K, stride_e, stride_n, stride_x,
-                        SWIGLU: tl.constexpr, F32_DOT: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _grouped_kernel(x_ptr, w_ptr, d_ptr, tiles_ptr, out_ptr, b_ptr, N, K, stride_e, stride_n, stride_x,
+                        alpha, limit, SWIGLU: tl.constexpr, F32_DOT: tl.constexpr, FMT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BIAS: tl.constexpr = False, ACT: tl.constexpr = 0):
         """Tile ``t`` (``tiles[t] = (row, start, count)``), outputs ``n`` of block ``pid(1)``:
         ``out[start + m, n] = x[start + m] . w[row, n]`` for ``m < count``, or with ``SWIGLU``
         ``silu(x . w[row, n]) * (x . w[row, N + n])`` (gate rows first, then up). ``FMT`` 0: float
         stacks; 1: GGUF Q8_0 (int8 values, float16 scales at ``d_ptr``); 2 / 3 / 4: raw Q4_K / Q6_K / Q5_K rows
         (``stride_n`` bytes a row), decoded in the tile a block at a time (``_block_tile``) and
-        rounded to ``x``'s dtype as a dequantized stack would be."""
+        rounded to ``x``'s dtype as a dequantized stack would be. gpt-oss: ``BIAS`` adds ``b[row]``
+        (``[2N]`` gate then up with ``SWIGLU``, else ``[N]``) to the products, and ``ACT`` 1 takes its
+        clamped SwiGLU ``(clamp(u, -limit, limit) + 1) * g * sigmoid(alpha g)``, ``g <= limit``."""
         t = tl.program_id(0)
         row = tl.load(tiles_ptr + 3 * t).to(tl.int64)
         start = tl.load(tiles_ptr + 3 * t + 1).to(tl.int64)
@@ -94,11 +97,22 @@ if triton is not None:
                 acc += tl.dot(xt, w)
                 if SWIGLU:
                     acc_up += tl.dot(xt, wu)
+        if BIAS:
+            n_b = N * 2 if SWIGLU else N
+            acc += tl.load(b_ptr + row * n_b + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if SWIGLU:
+                acc_up += tl.load(b_ptr + row * n_b + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if SWIGLU:  # rounded where F.linear, silu and mul round (their bfloat16 results), no more
             ty = out_ptr.dtype.element_ty
             g = acc.to(ty).to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
-            acc = act * acc_up.to(ty).to(tl.float32)
+            u = acc_up.to(ty).to(tl.float32)
+            if ACT == 1:  # gpt-oss
+                g = tl.minimum(g, limit)
+                u = tl.minimum(tl.maximum(u, -limit), limit)
+                acc = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+            else:
+                act = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+                acc = act * u
         out = out_ptr + (start + offs_m)[:, None] * N + offs_n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -118,9 +132,10 @@ def disable(reason: str) -> None:
 
 
 def usable_for(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13, b2, act: tuple) -> bool:
-    """Whether ``swiglu_grouped`` takes these: SwiGLU without biases, float stacks of ``x``'s dtype
-    with contiguous rows, on CUDA (or under Triton's interpreter)."""
-    return (available() and gpu_kernels.usable(x) and act[0] == "silu" and b13 is None and b2 is None
+    """Whether ``swiglu_grouped`` takes these: SwiGLU (or gpt-oss's, with biases on both matrices or
+    neither), float stacks of ``x``'s dtype with contiguous rows, on CUDA (or under Triton's
+    interpreter)."""
+    return (available() and gpu_kernels.usable(x) and act[0] in ACTS and (b13 is None) == (b2 is None)
             and w13.is_floating_point() and w13.dtype == w2.dtype == x.dtype
             and w13.stride(2) == 1 and w2.stride(2) == 1 and w13.device == x.device)
 
@@ -136,18 +151,23 @@ def tile_table(starts: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> np.n
     return np.stack([rows[run], start, count], axis=1).astype(np.int32)
 
 
-_FMT = {f: c for f, c in gpu_kernels.FMT_CODES.items() if f not in gpu_kernels.ONE_TOKEN_ONLY}
+_FMT = gpu_kernels.FMT_CODES
+
+
+ACTS = {"silu": 0, "clamped_swiglu": 1}
+"""The experts' activations the kernels compute (``experts.activate``'s names) -> ``ACT``."""
 
 
 def takes_blocks(x: torch.Tensor, fmt: tuple[str, str], act: tuple, bias: bool) -> bool:
     """Whether ``swiglu_grouped`` reads experts kept as GGUF blocks of formats ``fmt`` (gate/up, down)
-    in place for activations like ``x``: SwiGLU without biases."""
-    return available() and gpu_kernels.usable(x) and act[0] == "silu" and not bias and all(f in _FMT for f in fmt)
+    in place for activations like ``x``: SwiGLU, or gpt-oss's with its biases (``bias``)."""
+    return available() and gpu_kernels.usable(x) and act[0] in ACTS and all(f in _FMT for f in fmt)
 
 
 def swiglu_grouped(xs: torch.Tensor, tiles: np.ndarray, w13: torch.Tensor, w2: torch.Tensor,
                    d13: torch.Tensor | None = None, d2: torch.Tensor | None = None,
-                   fmt: tuple[str, str] | None = None) -> torch.Tensor:
+                   fmt: tuple[str, str] | None = None, b13: torch.Tensor | None = None,
+                   b2: torch.Tensor | None = None, act: tuple = ("silu",)) -> torch.Tensor:
     """``xs [n, H]`` (pairs sorted so that each tile's pairs are consecutive), ``tiles`` from
     ``tile_table``, ``w13 [R, 2I, H]`` (gate rows first), ``w2 [R, H, I]`` -> ``[n, H]`` in ``xs``'s
     dtype: each pair's SwiGLU expert output (unweighted). Queued without a host sync.
@@ -155,7 +175,8 @@ def swiglu_grouped(xs: torch.Tensor, tiles: np.ndarray, w13: torch.Tensor, w2: t
     Experts kept as GGUF blocks (``fmt`` = formats of gate/up and down): Q8_0 as ``w13``/``w2`` int8
     values with ``d13 [R, 2I, H/32]``/``d2 [R, H, I/32]`` float16 scales; Q4_K/Q6_K as the rows' raw
     bytes ``[R, 2I, H/256*bytes]``/``[R, H, I/256*bytes]`` uint8. They are decoded in the tiles, so no
-    dequantized stack is ever made.
+    dequantized stack is ever made. gpt-oss: biases ``b13 [R, 2I]``, ``b2 [R, H]`` and its
+    ``act=("clamped_swiglu", alpha, limit)``.
 
     Raises what Triton raises when a kernel fails to build or launch (``gpu_kernels.failed_here``).
     """
@@ -164,21 +185,22 @@ def swiglu_grouped(xs: torch.Tensor, tiles: np.ndarray, w13: torch.Tensor, w2: t
     tiles_t = torch.from_numpy(np.ascontiguousarray(tiles))
     tiles_t = tiles_t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else tiles_t
     h, out = buffers(xs, w2, fmt)
-    grouped_into(xs, tiles_t, w13, w2, h, out, d13, d2, fmt)
+    grouped_into(xs, tiles_t, w13, w2, h, out, d13, d2, fmt, b13, b2, act)
     return out
 
 
 def buffers(xs: torch.Tensor, w2: torch.Tensor, fmt: tuple[str, str] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``grouped_into``'s outputs for ``xs [n, H]``: the activations ``[n, I]`` and the result ``[n, H]``."""
-    i = w2.shape[2] if fmt is None or _FMT[fmt[1]] == 1 else w2.shape[2] // blocks.KQUANTS[fmt[1]] * 256
+    i = w2.shape[2] if fmt is None or _FMT[fmt[1]] == 1 else blocks.row_values(fmt[1], w2.shape[2])
     return (torch.empty((xs.shape[0], i), dtype=xs.dtype, device=xs.device),
             torch.empty(xs.shape, dtype=xs.dtype, device=xs.device))
 
 
 def grouped_into(xs: torch.Tensor, tiles_t: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
                  out: torch.Tensor, d13: torch.Tensor | None = None, d2: torch.Tensor | None = None,
-                 fmt: tuple[str, str] | None = None) -> None:
+                 fmt: tuple[str, str] | None = None, b13: torch.Tensor | None = None,
+                 b2: torch.Tensor | None = None, act: tuple = ("silu",)) -> None:
     """``swiglu_grouped`` for the tiles ``tiles_t [t, 3]`` int32 already on the device (a slice of a
     larger table: the pairs of other tiles are left as they are), into ``h``/``out`` from ``buffers``.
     Queued without a host sync, after the first call per shape (which checks the kernel's autotuning
@@ -189,15 +211,18 @@ def grouped_into(xs: torch.Tensor, tiles_t: torch.Tensor, w13: torch.Tensor, w2:
     f32 = xs.dtype == torch.float32 or not xs.is_cuda
     if tiles_t.shape[0] == 0 or w13.shape[0] == 0:
         return
+    bias, code = b13 is not None, ACTS[act[0]]
+    alpha, limit = (float(act[1]), float(act[2])) if code else (1.0, 0.0)
 
     def launch(xs=xs, tiles_t=tiles_t, h=h, out=out):
         nt = tiles_t.shape[0]
         _grouped_kernel[lambda meta: (nt, triton.cdiv(i, meta["BLOCK_N"]))](
-            xs, w13, d13 if d13 is not None else w13, tiles_t, h, i, H, w13.stride(0), w13.stride(1), xs.stride(0),
-            SWIGLU=True, F32_DOT=f32, FMT=f13, BLOCK_M=BLOCK_M)
+            xs, w13, d13 if d13 is not None else w13, tiles_t, h, b13 if bias else h, i, H, w13.stride(0),
+            w13.stride(1), xs.stride(0), alpha, limit, SWIGLU=True, F32_DOT=f32, FMT=f13, BLOCK_M=BLOCK_M, BIAS=bias,
+            ACT=code)
         _grouped_kernel[lambda meta: (nt, triton.cdiv(H, meta["BLOCK_N"]))](
-            h, w2, d2 if d2 is not None else w2, tiles_t, out, H, i, w2.stride(0), w2.stride(1), h.stride(0),
-            SWIGLU=False, F32_DOT=f32, FMT=f2, BLOCK_M=BLOCK_M)
+            h, w2, d2 if d2 is not None else w2, tiles_t, out, b2 if bias else h, H, i, w2.stride(0), w2.stride(1),
+            h.stride(0), alpha, limit, SWIGLU=False, F32_DOT=f32, FMT=f2, BLOCK_M=BLOCK_M, BIAS=bias)
         return out
 
     def probe():  # one tile of random tokens on this call's first expert against PyTorch (kernel_check)
@@ -206,10 +231,10 @@ def grouped_into(xs: torch.Tensor, tiles_t: torch.Tensor, w13: torch.Tensor, w2:
         row = int(tiles_t[0, 0])
         tc = torch.tensor([[row, 0, BLOCK_M]], dtype=torch.int32, device=xs.device)
         hc, oc = torch.empty((BLOCK_M, i), dtype=xs.dtype, device=xs.device), torch.empty_like(xc)
-        ref = gpu_kernels.expert_f32(xc, row, fmt or (None, None), w13, w2, d13, d2)
+        ref = gpu_kernels.expert_f32(xc, row, fmt or (None, None), w13, w2, d13, d2, b13, b2, act)
         return (lambda: launch(xc, tc, hc, oc)), ref
 
-    key = ("grouped", i, H, f13, f2, xs.dtype, w13.dtype)
+    key = ("grouped", i, H, f13, f2, xs.dtype, w13.dtype, bias, act)
     gpu_kernels.run_checked([_grouped_kernel], launch, key, probe)
 
 
