@@ -679,27 +679,34 @@ inline void dot_q23k(const uint8_t* row, const Input* xs, int64_t K, float* res)
 // As the AVX-512 dot_iq4xs, a sub-block of 32 a step in the input's order, with Q8_0's signs (the
 // biased values would overflow VPMADDUBSW's int16 pairs): |value| against the input's sign flipped
 // where the value is negative.
+// acc[j] plus 32 weight values against input j's values at .. at + 31 (in order): the 16 bytes of
+// 4-bit indices at p (low nibbles the first 16) looked up in ``table`` (signed values), times the
+// weights' scale ws; Q8_0's signs: |value| against the input's sign flipped where the value is negative.
+template <int N>
+INT8DOT_HOT inline void lookup_dot32(const uint8_t* p, __m128i table, __m256 ws, const Input* xs, int64_t at,
+                                     __m256* acc) {
+  const __m128i low4 = _mm_set1_epi8(0x0F), w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i v = _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(w, 4), low4)),
+                                     _mm_shuffle_epi8(table, _mm_and_si128(w, low4)));
+  const __m256i u = _mm256_abs_epi8(v);
+  for (int j = 0; j < N; ++j) {
+    const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[j].q + at)), v);
+    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, sx)), _mm256_mul_ps(ws, _mm256_loadu_ps(xs[j].dxe + at / 4)),
+                             acc[j]);
+  }
+}
+
 template <int N>
 inline void dot_iq4xs(const uint8_t* row, const Input* xs, int64_t K, float* res) {
-  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)), low4 = _mm_set1_epi8(0x0F);
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values));
   __m256 acc[N];
   for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const uint8_t* b = row + 136 * sb;
     const __m256 s8 = iq4_super(b);
-    for (int64_t g = 0; g < 8; ++g) {
-      const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 + 16 * g));
-      const __m256i v = _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(w, 4), low4)),
-                                         _mm_shuffle_epi8(table, _mm_and_si128(w, low4)));
-      const __m256i u = _mm256_abs_epi8(v);
-      const __m256 ws = _mm256_permutevar8x32_ps(s8, _mm256_set1_epi32(static_cast<int>(g)));
-      for (int j = 0; j < N; ++j) {
-        const int64_t at = 256 * sb + 32 * g;
-        const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[j].q + at)), v);
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, sx)), _mm256_mul_ps(ws, _mm256_loadu_ps(xs[j].dxe + at / 4)),
-                                 acc[j]);
-      }
-    }
+    for (int64_t g = 0; g < 8; ++g)
+      lookup_dot32<N>(b + 8 + 16 * g, table, _mm256_permutevar8x32_ps(s8, _mm256_set1_epi32(static_cast<int>(g))), xs,
+                      256 * sb + 32 * g, acc);
   }
   for (int j = 0; j < N; ++j) res[j] = reduce256(acc[j]);
 }
@@ -707,22 +714,13 @@ inline void dot_iq4xs(const uint8_t* row, const Input* xs, int64_t K, float* res
 // As the AVX-512 dot_mxfp4, a block of 32 a step in the input's order, with Q8_0's signs.
 template <int N>
 inline void dot_mxfp4(const uint8_t* row, const Input* xs, int64_t K, float* res) {
-  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxValues)), low4 = _mm_set1_epi8(0x0F);
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxValues));
   __m256 acc[N];
   for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* p = row + 17 * b;
     if (b % 4 == 0) prefetch_block(p, 68);
-    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 1));
-    const __m256i v = _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(w, 4), low4)),
-                                       _mm_shuffle_epi8(table, _mm_and_si128(w, low4)));
-    const __m256i u = _mm256_abs_epi8(v);
-    const __m256 ws = _mm256_set1_ps(mx_scale(p[0]));
-    for (int j = 0; j < N; ++j) {
-      const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[j].q + 32 * b)), v);
-      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, sx)), _mm256_mul_ps(ws, _mm256_loadu_ps(xs[j].dxe + 8 * b)),
-                               acc[j]);
-    }
+    lookup_dot32<N>(p + 1, table, _mm256_set1_ps(mx_scale(p[0])), xs, 32 * b, acc);
   }
   for (int j = 0; j < N; ++j) res[j] = reduce256(acc[j]);
 }
