@@ -71,8 +71,8 @@ KEPT_EXPERT_FORMATS = ("q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs",
 KQUANT_KIN = {"q2_k": "q4_k", "q3_k": "q4_k", "q5_k": "q4_k", "q6_k": "q4_k", "iq4_xs": "q4_k", "mxfp4": "q4_k"}
 """Kept k-quant formats that calibration does not time, rated as the one it times: their kernels decode
 the same super-blocks a few bits wider (a rate in bytes/s of blocks; conservative where bytes bound).
-MXFP4 (gpt-oss) decodes like IQ4_XS on the CPU; on the GPU its experts are dequantized per step by
-PyTorch, which the Q4_K rate overstates (not measured yet)."""
+MXFP4 (gpt-oss) decodes like IQ4_XS: a 4-bit index looked up per value, on the CPU and in the GPU's
+tiled kernels (not measured on a GPU yet)."""
 PREFILL_FETCH_TOKENS = 16
 """With the bus share, prefill always copies a CPU-tier expert picked by at least this many tokens of
 a chunk to the GPU (pinned, once) instead of computing it on the CPU; of the others, ``prefill_fetch``
