@@ -27,7 +27,7 @@
 # as $OUT/placements.tar.gz), pack (llama-bench binary
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it),
 # handoff (scripts/time_served_handoff.py, both server teams), engine_team (S1 bf16 and Q8_0 with the
-# decode server's spinning team), cpu_prompt (scripts/time_cpu_prompt.py: the fused kernel by tokens
+# decode server's passes on torch's OpenMP pool), cpu_prompt (scripts/time_cpu_prompt.py: the fused kernel by tokens
 # per expert against torch's GEMMs; $OUT/cpu_prompt.json), cpu_vs_ggml (scripts/time_cpu_vs_ggml.py:
 # one token's CPU experts, ours against llama.cpp's ggml, built from .llamacpp/ggml-src.tar.xz (carry it:
 # scripts/build_llamacpp.sh ggml-pack); $OUT/cpu_vs_ggml.json), engine_q4_hybrid (S1 as Q4_K at BENCH_Q4_BUDGET (4GiB): most experts on the
@@ -45,9 +45,9 @@
 #       calibrate engine_q4 engine_q8 engine engine_uniform placements
 # (BENCH_TIME_S skips what would start too late; the first process on a fresh machine also compiles
 # every autotuning candidate of the Triton kernels, and stage candidates checks them all)
-# WORKBENCH_SERVER_TEAM=spin runs the decode server's passes on its own spinning threads (stage
-# handoff compares both; stage engine_team runs ours on S1 bf16 and Q8_0 with it, to set against
-# stages engine and engine_q8 of the same call; the default is torch's OpenMP pool).
+# The decode server's passes run on its own spinning threads (WORKBENCH_SERVER_TEAM=spin, the default;
+# omp: torch's OpenMP pool). Stage handoff compares both; stage engine_team runs ours on S1 bf16 and
+# Q8_0 with the pool, to set against stages engine and engine_q8 of the same call.
 # and the engine's other CUDA tests in a second call: OUT=$OUT scripts/bench_device.sh tests  (carry .whl_engine)
 # To skip stage calibrate (~90 s), carry a profile from an earlier call (e.g. .dev/h200.json, ignored)
 # and copy it to $OUT/h200.json first: the side-by-side stages predict with $OUT/h200.json when present.
@@ -200,7 +200,7 @@ stage_engine_gpt_oss() {  # gpt-oss-120b's MoE shape with MXFP4 experts (bf16 re
         "gpt-oss-120b-like MXFP4, ${BENCH_GPT_OSS_LAYERS:-18} layers" engine_gpt_oss_mxfp4.json "n-cpu-moe,frequency"
     rm -f "$models"/gpt_oss_mx.gguf
 }
-stage_engine_team() {  # S1 skewed bf16 and Q8_0, ours only, the decode server on its own spinning team
+stage_engine_team() {  # S1 skewed bf16 and Q8_0, ours only, the decode server's passes on torch's OpenMP pool (the default: its own spinning team)
     if [ -f "$models/s1.gguf" ]; then wb reskew "$models/s1.gguf" --coverage 0.5 | tee -a "$OUT/device.log"
     else log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; fi
     local prof=bench-h200; [ -f "$OUT/h200.json" ] && prof="$OUT/h200.json"
@@ -209,8 +209,8 @@ stage_engine_team() {  # S1 skewed bf16 and Q8_0, ours only, the decode server o
         if [ "$1" = "$models/s1_q8.gguf" ]; then
             rm -f "$models"/s1.gguf; wb write -o "$1" --shape s1 $layers --weights q8_0 | tee -a "$OUT/device.log"
         fi
-        log "ours with WORKBENCH_SERVER_TEAM=spin: $1 ($(left) s left)"
-        WORKBENCH_SERVER_TEAM=spin wb run --model "$1" --budget 12GiB --margin "${BENCH_MARGIN:-512MiB}" \
+        log "ours with WORKBENCH_SERVER_TEAM=omp: $1 ($(left) s left)"
+        WORKBENCH_SERVER_TEAM=omp wb run --model "$1" --budget 12GiB --margin "${BENCH_MARGIN:-512MiB}" \
             --profile "$prof" --strategies "$3" -p 512 -n "${BENCH_ENGINE_GEN:-64}" -r "${BENCH_ENGINE_REPEATS:-2}" \
             --time-limit $(( $(left) - 20 )) --json "$OUT/$2" | tee -a "$OUT/device.log"
     done

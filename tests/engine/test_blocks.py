@@ -46,3 +46,16 @@ def test_every_mxfp4_code_and_exponent_dequantizes_as_gguf():
         ref = dequantize(raw.reshape(1, -1), GGMLQuantizationType.MXFP4)
     got = blocks.dequantize("mxfp4", [torch.from_numpy(raw.reshape(1, -1))], 256 * 32, torch.float32).numpy()
     assert np.array_equal(got, ref, equal_nan=True)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", *blocks.RAW])
+def test_dequantize_works_where_the_blocks_lie(fmt):
+    """Every constant of the PyTorch decoders is made on the blocks' device: on CUDA the kernels' checks
+    decode there (a table or ``arange`` left on the CPU failed every Q2_K ... Q5_K and IQ4_XS check on
+    the H200). The meta device stands in for CUDA here: mixing it with a CPU tensor fails alike."""
+    k = 512
+    parts = ([torch.empty(4, k, dtype=torch.int8, device="meta"), torch.empty(4, k // 32, dtype=torch.float16,
+                                                                             device="meta")]
+             if fmt == "q8_0" else [torch.empty(4, blocks.row_bytes(fmt, k), dtype=torch.uint8, device="meta")])
+    out = blocks.dequantize(fmt, parts, k, torch.bfloat16)
+    assert out.device.type == "meta" and out.shape == (4, k) and out.dtype == torch.bfloat16

@@ -106,9 +106,27 @@ def dequantize(fmt: str, parts: list[torch.Tensor], k: int, dtype: torch.dtype) 
     q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(-1, nb, 8, 32)
     if fmt == "q5_k":  # sub-block j's fifth bits: bit j of the 32 bytes before the nibbles
         qh = b[..., 16:48].to(torch.int32).reshape(-1, nb, 1, 32)
-        q = q | (((qh >> torch.arange(8, dtype=torch.int32).reshape(8, 1)) & 1) << 4)
+        q = q | (((qh >> _arange(8, b.device).reshape(8, 1)) & 1) << 4)
     vals = d[..., None] * scale[..., None].float() * q.float() - dmin[..., None] * mins[..., None].float()
     return vals.reshape(*lead, k).to(dtype)
+
+
+def _arange(n: int, device) -> torch.Tensor:
+    """int32 ``0 .. n-1`` on ``device`` (the blocks' own: CUDA decodes them where they lie)."""
+    return torch.arange(n, dtype=torch.int32, device=device)
+
+
+_IQ4_TABLES: dict[str, torch.Tensor] = {}
+
+
+def _iq4_table(device) -> torch.Tensor:
+    """``IQ4_VALUES`` as float32 on ``device``, made once per device (the first decode there is
+    eager: a kernel check's reference, before any CUDA graph captures one)."""
+    key = str(device)
+    t = _IQ4_TABLES.get(key)
+    if t is None:
+        t = _IQ4_TABLES[key] = torch.tensor(IQ4_VALUES, dtype=torch.float32).to(device)
+    return t
 
 
 def _q6_k(b: torch.Tensor, nb: int) -> torch.Tensor:
@@ -126,7 +144,7 @@ def _q6_k(b: torch.Tensor, nb: int) -> torch.Tensor:
 def _low_bits(b: torch.Tensor, nb: int) -> torch.Tensor:
     """Q2_K / Q3_K's 2-bit parts, 64 bytes ``b [R, nb, 64]`` -> int32 ``[R, nb, 16, 16]``: byte ``32 n + l``
     holds value ``128 n + 32 g + l`` in bits ``2 g``."""
-    q = b.to(torch.int32).reshape(-1, nb, 2, 1, 32) >> (2 * torch.arange(4, dtype=torch.int32)).reshape(4, 1)
+    q = b.to(torch.int32).reshape(-1, nb, 2, 1, 32) >> (2 * _arange(4, b.device)).reshape(4, 1)
     return (q & 3).reshape(-1, nb, 16, 16)
 
 
@@ -145,11 +163,11 @@ def _q3_k(b: torch.Tensor, nb: int) -> torch.Tensor:
     """Q3_K super-blocks ``[R, nb, 110]`` (32 bytes of high bits, 64 of 2-bit values, 12 of 6-bit
     scales, float16 d) -> float32 ``[R, nb, 256]``: ``d * (sc - 32) * (q - 4)`` where value ``32 j + l``
     has ``q``'s bit 2 from bit ``j`` of byte ``l``."""
-    hm = b[..., :32].to(torch.int32).reshape(-1, nb, 1, 32) >> torch.arange(8, dtype=torch.int32).reshape(8, 1)
+    hm = b[..., :32].to(torch.int32).reshape(-1, nb, 1, 32) >> _arange(8, b.device).reshape(8, 1)
     q = _low_bits(b[..., 32:96], nb) | ((hm & 1) << 2).reshape(-1, nb, 16, 16)
     s = b[..., 96:108].to(torch.int32)
     low = torch.cat([s[..., :8] & 15, s[..., :8] >> 4], dim=-1)  # [R, nb, 16]
-    high = (s[..., 8:12].reshape(-1, nb, 1, 4) >> (2 * torch.arange(4, dtype=torch.int32)).reshape(4, 1)) & 3
+    high = (s[..., 8:12].reshape(-1, nb, 1, 4) >> (2 * _arange(4, b.device)).reshape(4, 1)) & 3
     sc = (low | (high.reshape(-1, nb, 16) << 4)) - 32
     d = b[..., 108:110].contiguous().view(torch.float16).float()
     return ((d * sc.float())[..., None] * (q - 4).float()).reshape(-1, nb, 256)
@@ -160,13 +178,13 @@ def _iq4_xs(b: torch.Tensor, nb: int) -> torch.Tensor:
     their low 4, 128 bytes of indices: sub-block j's 32 in bytes 16 j .. 16 j + 15, low nibbles
     first) -> float32 ``[R, nb, 256]``: ``d * (ls - 32) * IQ4_VALUES[index]``."""
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # [R, nb, 1]
-    j = torch.arange(8, dtype=torch.int32)
+    j = _arange(8, b.device)
     high = ((b[..., 2].to(torch.int32) | (b[..., 3].to(torch.int32) << 8))[..., None] >> (2 * j)) & 3
     low = (b[..., 4:8].to(torch.int32)[..., j // 2] >> (4 * (j % 2))) & 15
     ls = (low | (high << 4)) - 32  # [R, nb, 8]
     qs = b[..., 8:].to(torch.int64).reshape(-1, nb, 8, 16)
     idx = torch.cat([qs & 15, qs >> 4], dim=-1)  # [R, nb, 8, 32]
-    vals = torch.tensor(IQ4_VALUES, dtype=torch.float32)[idx]
+    vals = _iq4_table(b.device)[idx]
     return ((d * ls.float())[..., None] * vals).reshape(-1, nb, 256)
 
 

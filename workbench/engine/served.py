@@ -130,12 +130,13 @@ def server_threads() -> int:
 
 
 def server_team() -> bool:
-    """``WORKBENCH_SERVER_TEAM``: ``spin`` runs the server's passes on its own spinning threads
-    (``SpinTeam`` in ``csrc/moe_decode.cpp``); ``omp`` (default) on torch's OpenMP pool. The team is
-    not the default until it is measured on the GPU machine against the pool
-    (``scripts/time_served_handoff.py --team spin,omp`` and the S1 runs): with more spinning threads
-    than cores it loses a time slice per pass (2-core tests: ms per packet)."""
-    return os.environ.get("WORKBENCH_SERVER_TEAM", "omp").strip().lower() == "spin"
+    """``WORKBENCH_SERVER_TEAM``: ``spin`` (default) runs the server's passes on its own spinning
+    threads (``SpinTeam`` in ``csrc/moe_decode.cpp``); ``omp`` on torch's OpenMP pool, whose workers
+    sleep between packets. On the H200 host (16 cores, 15 server threads) S1's decode gained 4-16%
+    with the team in 9 of 10 paired runs (Q8_0 ``frequency`` 246 -> 283 / 287 tok/s; BENCHMARKS.md,
+    2026-12-05). With more spinning threads than cores it loses a time slice per pass, so the server
+    keeps one core for the thread that launches the GPU's work (``server_threads``)."""
+    return os.environ.get("WORKBENCH_SERVER_TEAM", "spin").strip().lower() != "omp"
 
 
 def supports(lx: LayerExperts) -> bool:
