@@ -40,7 +40,8 @@ def test_one_layer_by_hand():
     assert c.pre == pytest.approx(pre)
     assert c.gpu == pytest.approx(0.5 * eb / g.expert_bandwidth + eng.launches_cpu_return * g.launch_s)
     assert c.cpu == pytest.approx(0.5 * eb / hw.cpu_expert_throughput["bf16"])
-    assert c.sync == hw.sync_s and c.bus == 0
+    # the server's hand-off is waited for when the token leaves the CPU an expert: Poisson, mean 0.5
+    assert c.sync == pytest.approx(hw.sync_s * (1 - np.exp(-0.5))) and c.bus == 0
     assert c.total == pytest.approx(c.pre + max(c.gpu, c.cpu) + c.sync)  # overlap, not the sum
     assert c.gpu_share == pytest.approx(0.5)
     assert 1 / pred.decode_tps == pytest.approx(c.total + pred.decode_other_s)
@@ -302,6 +303,17 @@ def test_bus_split_counts():
     assert cpu == pytest.approx([0.0, 4.0]) and bus == pytest.approx([0.0, 4.0]) and p_any == pytest.approx([0.0, 1.0])
     cpu, bus, _ = bus_split(np.array([2.0]), 8, 0.45, 4)  # n = 1 stays on the CPU, n = 2 sends one, ...
     assert 0 < bus[0] < cpu[0] and cpu[0] + bus[0] == pytest.approx(2.0, abs=1e-3)
+
+
+def test_the_cpu_is_waited_for_when_it_keeps_any_selection():
+    from workbench.core.costmodel import cpu_busy
+
+    lam = np.array([0.0, 0.7, 2.0, 100.0])
+    # with a bus share of 0.45, one selection stays on the CPU and two send one: n >= 1 keeps the CPU busy
+    assert cpu_busy(lam, 8, 0.45, 4) == pytest.approx([0.0, 1 - np.exp(-0.7), 1 - np.exp(-2.0), 1.0])
+    # a bus share of 1 sends every selection up to the slots: the CPU keeps those beyond 4
+    busy = cpu_busy(lam, 8, 1.0, 4)
+    assert busy[0] == 0 and busy[1] < 1e-3 and busy[3] == pytest.approx(1.0)
 
 
 def test_the_bus_share_speeds_up_cpu_experts_up_to_the_ram_bound():

@@ -169,14 +169,15 @@ def test_each_planner_takes_under_a_second_for_94_layers_by_256_experts():
 
 
 def test_balanced_completes_layers_to_save_their_sync():
-    """With most experts fitting, emptying whole layers of CPU experts saves a host sync per layer:
+    """With most experts fitting, emptying whole layers of CPU experts saves the hand-offs their cold
+    experts still cost now and then (the decode server waits for the CPU only when a token picks one):
     the overlap-aware search finds that, the per-expert greedy does not."""
     inv = _inv()
     fixed, experts = _fixed_and_experts(inv, 1024)
     cm = CostModel(inv, desktop_profile(), _stats(inv, 0, 0.1))
     planner = Planner(cm, Budget((int(fixed + 0.9 * experts),)), ctx=1024)
     freq, bal = planner.plan("frequency"), planner.plan("balanced")
-    assert bal.prediction.decode_tps > 1.1 * freq.prediction.decode_tps
+    assert bal.prediction.decode_tps > 1.04 * freq.prediction.decode_tps
     syncs = sum(c.sync > 0 for c in bal.prediction.decode_layers)
     assert syncs < sum(c.sync > 0 for c in freq.prediction.decode_layers)
 

@@ -146,6 +146,45 @@ def test_a_thread_that_does_not_answer_ends_the_server_not_the_step(tiny_model_d
         assert tokens == reference_tokens(tiny_hf_model("qwen3_moe"), PROMPT, N_NEW)
 
 
+def test_a_step_that_leaves_the_cpu_nothing_does_not_wait_for_it(tiny_model_dir, monkeypatch):
+    """A packet whose selections are all resident: ``wait_add`` adds nothing and returns without the
+    thread's answer (it is stopped here); one with a CPU expert waits, and times out."""
+    from workbench.engine.experts import COMPUTE, RESIDENT
+
+    monkeypatch.setattr(served, "TIMEOUT_S", 0.2)
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    engine = decode_step_engine(inv, hybrid(inv))
+    engine.served_mode = "on"
+    try:
+        engine.forward(torch.tensor(PROMPT), 0)
+        engine.forward(torch.tensor([PROMPT[-1]]), len(PROMPT))  # makes the decode step and its server
+        server = engine._decoder.server
+        slot = next(s for s in server.layers.values()
+                    if (s.lx.tier == RESIDENT).sum() >= server.k and (s.lx.tier == COMPUTE).any())
+        lx = slot.lx
+        server.native.stop()
+        resident = torch.tensor((lx.tier == RESIDENT).nonzero()[0][:server.k]).reshape(1, -1)
+        with torch.inference_mode():  # as the engine's steps run
+            x = torch.randn(1, server.hidden, dtype=TEST_DTYPE)
+            w = torch.full((1, server.k), 1.0 / server.k)
+            out = torch.zeros(1, server.hidden, dtype=TEST_DTYPE)
+            server.begin()
+            server.publish(lx, x, resident, w)
+            server.wait_add(lx, out)
+            assert int(slot.host[0]) == 0 and not out.any()
+            server.check()  # no time-out
+            with_cpu = resident.clone()
+            with_cpu[0, 0] = int((lx.tier == COMPUTE).nonzero()[0][0])
+            server.begin()
+            server.publish(lx, x, with_cpu, w)
+            server.wait_add(lx, out)
+            assert int(slot.host[0]) == 1
+            with pytest.raises(served.ServedError):
+                server.check()
+    finally:
+        engine.close()
+
+
 def test_closing_the_engine_stops_the_thread(tiny_model_dir):
     inv = open_inventory(tiny_model_dir("qwen3_moe"))
     engine = decode_step_engine(inv, hybrid(inv))

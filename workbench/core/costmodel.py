@@ -210,14 +210,27 @@ def bus_split(lam: np.ndarray, top_k: int, fraction: float, slots: int) -> tuple
     """Expected CPU-compute experts of one token and layer left to the CPU and sent over the bus, and
     the probability that any is sent, when their count ``n`` is Poisson with mean ``lam`` (any shape)
     capped at ``top_k`` and ``round(n * fraction)`` (at most ``slots``) travel: ``(cpu, bus, p_any)``."""
+    n, pn, m = _split_counts(lam, top_k, fraction, slots)
+    bus = (pn * m).sum(axis=-1)
+    return (pn * n).sum(axis=-1) - bus, bus, (pn * (m > 0)).sum(axis=-1)
+
+
+def cpu_busy(lam: np.ndarray, top_k: int, fraction: float, slots: int) -> np.ndarray:
+    """Probability that a token leaves the CPU at least one of a layer's CPU-compute selections (the
+    others of ``bus_split``'s split travel): the decode server's hand-off is waited for only then."""
+    n, pn, m = _split_counts(lam, top_k, fraction, slots)
+    return (pn * (n - m > 0)).sum(axis=-1)
+
+
+def _split_counts(lam, top_k: int, fraction: float, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(n [top_k + 1], P(n) [..., top_k + 1], bus's share of n)`` for Poisson counts of mean ``lam``."""
     lam = np.asarray(lam, dtype=float)[..., None]
     n = np.arange(top_k + 1)
     fact = np.array([math.factorial(int(i)) for i in n], dtype=float)
     pn = np.exp(-lam) * lam ** n / fact
     pn[..., -1] += np.clip(1.0 - pn.sum(axis=-1), 0.0, None)  # the tail counts as top_k
     m = np.minimum(np.minimum(n, slots), np.floor(n * fraction + 0.5))
-    bus = (pn * m).sum(axis=-1)
-    return (pn * n).sum(axis=-1) - bus, bus, (pn * (m > 0)).sum(axis=-1)
+    return n, pn, m
 
 
 def weight_format(dtype: str) -> str:
@@ -534,8 +547,7 @@ class CostModel:
             with np.errstate(invalid="ignore", divide="ignore"):
                 hit_rate = np.where(stream.any(axis=1), (p * hits * stream).sum(axis=1) / (p * stream).sum(axis=1), np.nan)
 
-        host_work = (compute | stream).any(axis=1)
-        sync = sync + np.where(host_work, self.profile.sync_s, 0.0)
+        sync = sync + self._handoff(compute.any(axis=1), stream.any(axis=1), (p * compute).sum(axis=1))
         attn_gpu = [self._attn_gpu(placement, layer) for layer in range(L)]
         layers = []
         for layer in range(L):
@@ -602,8 +614,21 @@ class CostModel:
         cpu_t, bus_t, gpu_extra = self._bus_share(c_gain[:, -1:] - c_gain, l_cum[:, -1:] - l_cum, p_cum[:, -1:] - p_cum)
         gpu_t = gpu_t + gpu_extra
         cpu_t = post.get("cpu", np.zeros(L))[:, None] + cpu_t
-        t = pre[:, None] + np.maximum(np.maximum(gpu_t, cpu_t), bus_t) + sync[:, None] + cpu_left * self.profile.sync_s
+        handoff = self._handoff(cpu_left, np.zeros_like(cpu_left), p_cum[:, -1:] - p_cum)
+        t = pre[:, None] + np.maximum(np.maximum(gpu_t, cpu_t), bus_t) + sync[:, None] + handoff
         return t, b_cum
+
+    def _handoff(self, compute: np.ndarray, stream: np.ndarray, lam: np.ndarray) -> np.ndarray:
+        """Seconds of the host hand-off per layer and token (any shape): ``sync_s`` for layers with
+        streamed experts (the host-driven step), for layers with CPU-compute ones (``compute``; their
+        expected selections ``lam``) ``sync_s`` times the chance that the CPU gets any of them: the
+        decode server's step waits for the CPU only then (``cpu_busy``)."""
+        sync_s = self.profile.sync_s
+        busy = np.ones_like(lam, dtype=float)
+        if self.engine.served:
+            frac = self.engine.bus_share if self.profile.h2d_pinned else 0.0
+            busy = cpu_busy(lam, max(1, self.inv.spec.n_experts_active), frac, self.engine.bus_slots)
+        return np.where(stream, sync_s, np.where(compute, sync_s * busy, 0.0))
 
     def _attn_gpu(self, placement: Placement, layer: int) -> int:
         a = placement.get(UnitKey(layer, "attn"))

@@ -71,12 +71,14 @@ def expert_formats(gate: str | None, up: str | None, down: str | None) -> tuple[
     return gate, down
 
 
-def alloc(fmt: str, lead: tuple[int, ...], n: int, k: int, device=None) -> list[torch.Tensor]:
-    """Empty storage of ``fmt`` for matrices ``[*lead, n, k]``."""
+def alloc(fmt: str, lead: tuple[int, ...], n: int, k: int, device=None, empty=None) -> list[torch.Tensor]:
+    """Empty storage of ``fmt`` for matrices ``[*lead, n, k]``; ``empty(shape, dtype)`` makes each
+    tensor instead of ``torch.empty`` on ``device`` (e.g. ``hostmem.empty``)."""
+    if empty is None:
+        empty = lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device)  # noqa: E731
     if fmt == "q8_0":
-        return [torch.empty((*lead, n, k), dtype=torch.int8, device=device),
-                torch.empty((*lead, n, k // 32), dtype=torch.float16, device=device)]
-    return [torch.empty((*lead, n, row_bytes(fmt, k)), dtype=torch.uint8, device=device)]
+        return [empty((*lead, n, k), torch.int8), empty((*lead, n, k // 32), torch.float16)]
+    return [empty((*lead, n, row_bytes(fmt, k)), torch.uint8)]
 
 
 def nbytes(parts: list[torch.Tensor]) -> int:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from workbench.core.errors import WorkbenchError
 from workbench.core.hardware import GpuProfile, HardwareProfile
 from workbench.core.hardware import preset as load_preset
-from workbench.engine import cpu_formats, cpu_kernel
+from workbench.engine import cpu_formats, cpu_kernel, hostmem
 from workbench.engine.blocks import KQUANT_HALVES, KQUANTS, RAW, row_bytes
 from workbench.telemetry.host import cpu_info
 from workbench.telemetry.nvml import default_nvml
@@ -286,7 +286,18 @@ def random_stacks(fmt: str, n: int, hidden: int, ffn: int, seed: int = 0) -> lis
     """``n`` random experts stacked as the fused CPU kernels take them, for timing: ``"bf16"``
     ``[w13, w2]``, ``"q8_0"`` ``[q13, d13, q2, d2]`` (int8 values, float16 scales of 1e-3) or
     a k-quant (``"q2_k"`` ... ``"q6_k"``) ``[b13, b2]`` (raw super-blocks whose d and dmin are about 1e-3,
-    so every value is finite), or ``"mxfp4"`` ``[b13, b2]`` (blocks whose scales are 2^-9)."""
+    so every value is finite), or ``"mxfp4"`` ``[b13, b2]`` (blocks whose scales are 2^-9). In host
+    memory as the engine's CPU tier holds it (``hostmem.empty``: huge pages where the OS gives them)."""
+    return [_as_cpu_tier(t) for t in _random_stacks(fmt, n, hidden, ffn, seed)]
+
+
+def _as_cpu_tier(t: torch.Tensor) -> torch.Tensor:
+    out = hostmem.empty(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out
+
+
+def _random_stacks(fmt: str, n: int, hidden: int, ffn: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     if fmt == "bf16":
         return [(torch.randn(n, 2 * ffn, hidden, generator=g) * 0.02).to(torch.bfloat16),

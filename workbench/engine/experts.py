@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from workbench.core.costmodel import fused_prompt_limit, prefill_fetch
 
-from . import blocks, cpu_kernel, gpu_kernels, prefill_kernels
+from . import blocks, cpu_kernel, gpu_kernels, hostmem, prefill_kernels
 from .packed import dequantize_blocks
 
 RESIDENT, COMPUTE, STREAM = 0, 1, 2
@@ -212,8 +212,12 @@ class LayerExperts:
         """Allocate the stacked tensors of ``tier`` for ``count`` experts (before ``put``)."""
         dev = self.device if tier == RESIDENT else torch.device("cpu")
         pin = tier == STREAM and self.device.type == "cuda"
-        self.w13[tier] = torch.empty((count, *shape13), dtype=self.dtype, device=dev, pin_memory=pin)
-        self.w2[tier] = torch.empty((count, *shape2), dtype=self.dtype, device=dev, pin_memory=pin)
+        if tier == COMPUTE and dev.type == "cpu":  # read a few rows at a time: huge pages spare the page walks
+            self.w13[tier] = hostmem.empty((count, *shape13), self.dtype)
+            self.w2[tier] = hostmem.empty((count, *shape2), self.dtype)
+        else:
+            self.w13[tier] = torch.empty((count, *shape13), dtype=self.dtype, device=dev, pin_memory=pin)
+            self.w2[tier] = torch.empty((count, *shape2), dtype=self.dtype, device=dev, pin_memory=pin)
         if self.bias:
             self.b13[tier] = torch.empty((count, shape13[0]), dtype=self.dtype, device=dev, pin_memory=pin)
             self.b2[tier] = torch.empty((count, shape2[0]), dtype=self.dtype, device=dev, pin_memory=pin)
@@ -233,8 +237,9 @@ class LayerExperts:
         ``put_kept``): ``w13``'s tensors then ``w2``'s, each ``[count, ...]`` as ``blocks.alloc`` lays
         them out."""
         dev = self.device if tier == RESIDENT else None
-        p13 = blocks.alloc(fmt[0], (count,), *shape13, dev)
-        parts = p13 + blocks.alloc(fmt[1], (count,), *shape2, dev)
+        host = hostmem.empty if tier == COMPUTE else None
+        p13 = blocks.alloc(fmt[0], (count,), *shape13, dev, host)
+        parts = p13 + blocks.alloc(fmt[1], (count,), *shape2, dev, host)
         self.kept, self.n13 = tuple(fmt), len(p13)
         self.k13, self.k2 = shape13[1], shape2[1]
         if tier == COMPUTE:

@@ -18,7 +18,9 @@ one CUDA graph:
    on a side stream by reading their weights from page-locked host memory in place
    (``experts_one_token`` over the CPU stacks: only the selected rows cross the bus, nothing is
    copied first).
-4. ``wait_add`` (one kernel) polls ``flag_out`` until it holds this step's number and adds ``out``.
+4. ``wait_add`` (one kernel) polls ``flag_out`` until it holds this step's number and adds ``out``;
+   when ``publish`` left the CPU no pair (every selection resident or the bus's), it returns at once:
+   the thread still sees the empty packet, but nothing waits for it.
 
 A kernel that waits longer than ``TIMEOUT_S`` gives up, sets ``status`` and adds nothing: ``check``
 raises ``ServedError`` and the step is run again without the server. On a CPU accelerator (tests)
@@ -54,11 +56,11 @@ if triton is not None:
         globaltimer = None
 
     @triton.jit
-    def _publish_kernel(ids_ptr, w_ptr, x_ptr, tier_ptr, local_ptr, packet_ptr, bus_ptr, count_ptr, H, fraction,
-                        slots, K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _publish_kernel(ids_ptr, w_ptr, x_ptr, tier_ptr, local_ptr, packet_ptr, bus_ptr, count_ptr, host_ptr, H,
+                        fraction, slots, K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr):
         """The packet ``[rows of the CPU's pairs (-1 others), weights, x]`` (float32) and the bus's rows
         per pair (-1: not the bus's) from one token's ``ids``/``w [K]`` and ``x [H]``; adds the bus's
-        pairs to ``count``."""
+        pairs to ``count`` and stores the CPU's in ``host`` (int32: 0 lets ``wait_add`` skip the layer)."""
         offs = tl.arange(0, KP)
         km = offs < K
         ids = tl.load(ids_ptr + offs, mask=km, other=0)
@@ -72,6 +74,7 @@ if triton is not None:
         m = tl.minimum(tl.minimum(n, slots), (n.to(tl.float32) * fraction + 0.5).to(tl.int32))
         bus = cpu & (rank < m)
         tl.store(count_ptr, tl.load(count_ptr) + m)
+        tl.store(host_ptr, n - m)
         tl.store(bus_ptr + offs, tl.where(bus, row, -1), mask=km)
         tl.store(packet_ptr + offs, tl.where(cpu & (rank >= m), row, -1).to(tl.float32), mask=km)
         tl.store(packet_ptr + K + offs, w, mask=km)
@@ -81,24 +84,27 @@ if triton is not None:
             tl.store(packet_ptr + 2 * K + h0 + h, tl.load(x_ptr + h0 + h, mask=hm).to(tl.float32), mask=hm)
 
     @triton.jit
-    def _wait_add_kernel(flag_ptr, step_ptr, src_ptr, out_ptr, status_ptr, H, timeout_ns, BLOCK_H: tl.constexpr):
-        """Poll ``flag`` (page-locked host memory) until it equals ``step``, then ``out += src``
-        (``src`` float32 in host memory); after ``timeout_ns`` give up: status 1, nothing added."""
+    def _wait_add_kernel(flag_ptr, step_ptr, src_ptr, out_ptr, status_ptr, host_ptr, H, timeout_ns,
+                         BLOCK_H: tl.constexpr):
+        """If the packet gave the CPU pairs (``host`` > 0), poll ``flag`` (page-locked host memory) until
+        it equals ``step``, then ``out += src`` (``src`` float32 in host memory); after ``timeout_ns``
+        give up: status 1, nothing added. Without pairs, nothing to wait for or add."""
         want = tl.load(step_ptr)
+        need = tl.load(host_ptr) > 0
         t0 = globaltimer()
         now = t0
-        got = tl.load(flag_ptr, volatile=True)
-        while (got != want) & (now - t0 < timeout_ns):
+        got = tl.load(flag_ptr, mask=need, other=0, volatile=True)
+        while need & (got != want) & (now - t0 < timeout_ns):
             got = tl.load(flag_ptr, volatile=True)
             now = globaltimer()
-        ok = got == want
+        add = need & (got == want)
         h = tl.arange(0, BLOCK_H)
         for h0 in range(0, H, BLOCK_H):
-            hm = (h0 + h < H) & ok
+            hm = (h0 + h < H) & add
             s = tl.load(src_ptr + h0 + h, mask=hm, other=0.0, volatile=True)
             o = tl.load(out_ptr + h0 + h, mask=hm, other=0.0).to(tl.float32)
             tl.store(out_ptr + h0 + h, (o + s).to(out_ptr.dtype.element_ty), mask=hm)
-        if not ok:
+        if need & (got != want):
             tl.store(status_ptr, 1)
 
 
@@ -161,6 +167,7 @@ class _Layer:
         self.out = torch.zeros(hidden, dtype=torch.float32, pin_memory=pin)
         self.flag_out = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
         self.flag_out_np = self.flag_out.numpy()
+        self.host = torch.zeros(1, dtype=torch.int32, device=dev)  # the packet's CPU pairs (publish)
 
 
 class DecodeServer:
@@ -204,8 +211,8 @@ class DecodeServer:
         s = self.layers[lx.layer]
         frac, slots = (lx.bus.fraction, lx.bus.slots) if lx.bus is not None else (0.0, 0)
         if gpu_kernels.usable(x):
-            _publish_kernel[(1,)](ids, w, x, lx.tier_dev, lx.local_dev, s.packet_dev, s.bus_rows, self.bus_count, self.hidden,
-                                  float(frac), int(slots), K=self.k, KP=triton.next_power_of_2(self.k),
+            _publish_kernel[(1,)](ids, w, x, lx.tier_dev, lx.local_dev, s.packet_dev, s.bus_rows, self.bus_count, s.host,
+                                  self.hidden, float(frac), int(slots), K=self.k, KP=triton.next_power_of_2(self.k),
                                   BLOCK_H=min(1024, triton.next_power_of_2(self.hidden)))
         else:
             self.bus_count += _publish_torch(ids.reshape(-1), w.reshape(-1), x.reshape(-1), lx, s, frac, slots)
@@ -249,8 +256,10 @@ class DecodeServer:
         """Wait for the CPU's result of this step and add it to ``out [1, H]``."""
         s = self.layers[lx.layer]
         if self.cuda:
-            _wait_add_kernel[(1,)](s.flag_out, self.step, s.out, out, self.status, self.hidden,
+            _wait_add_kernel[(1,)](s.flag_out, self.step, s.out, out, self.status, s.host, self.hidden,
                                    int(TIMEOUT_S * 1e9), BLOCK_H=min(1024, triton.next_power_of_2(self.hidden)))
+            return
+        if int(s.host[0]) == 0:
             return
         want = int(self.step[0])
         deadline = time.monotonic() + TIMEOUT_S
@@ -320,4 +329,5 @@ def _publish_torch(ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor, lx: Laye
     s.packet_dev[:k] = torch.where(cpu & ~bus, row, -1).float()
     s.packet_dev[k:2 * k] = w.float()
     s.packet_dev[2 * k:] = x.float()
+    s.host.fill_(n - m)
     return m

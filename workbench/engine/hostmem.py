@@ -1,0 +1,94 @@
+"""Host memory for the CPU tier's expert stacks, on transparent huge pages.
+
+A decode step's CPU experts are a few rows picked from gigabytes of stacks. On 4 KiB pages every
+32 KiB row of a Qwen3-30B-A3B expert spans eight pages, and each page costs the reading core a
+TLB miss and a page walk before the prefetchers can stream it. On 2 MiB pages a whole expert
+sits in a few. The test host's fused kernel read one token's eight Q8_0 experts 9-19% faster from
+huge pages (BENCHMARKS.md, 2026-12-05 (late)).
+
+Linux gives huge pages to anonymous memory that asks for them (``MADV_HUGEPAGE``) when
+``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` (most distributions) or
+``always``; the advice has to come before the pages are first touched, so the stacks are mapped
+here, advised, then filled by the loader. ``WORKBENCH_HUGE_PAGES=0`` keeps torch's own allocator.
+Page-locking the stacks for the bus (``bus.register``) works the same on either.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+
+import torch
+
+HUGE_PAGE = 2 * 2**20
+"""Bytes of a transparent huge page on x86-64 and most arm64 kernels."""
+
+
+def enabled() -> bool:
+    """Whether stacks of at least ``HUGE_PAGE`` bytes are mapped on huge pages (Linux with THP, and
+    ``WORKBENCH_HUGE_PAGES`` not ``0``)."""
+    return os.environ.get("WORKBENCH_HUGE_PAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor ``shape`` of ``dtype``. From ``HUGE_PAGE`` bytes up (and when
+    ``enabled``) its memory is an anonymous mapping aligned to ``HUGE_PAGE`` and advised
+    ``MADV_HUGEPAGE`` before first touch (zero-filled, as any fresh mapping); the tensor keeps the
+    mapping alive and unmaps it when freed. Smaller tensors, or where the kernel refuses the
+    advice, come from torch's allocator."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    if nbytes < HUGE_PAGE or not enabled():
+        return torch.empty(shape, dtype=dtype)
+    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # private: shared memory gets no THP; slack to align
+    start = _address(m)
+    offset = -start % HUGE_PAGE
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # THP off in this kernel ("never") or unsupported: plain pages, still correct
+        pass
+    flat = torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=offset)
+    return flat.view(dtype).view(shape)
+
+
+def _address(m: mmap.mmap) -> int:
+    """The virtual address where mapping ``m`` starts."""
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+
+def huge_bytes(t: torch.Tensor) -> int:
+    """Bytes of the mapping holding ``t`` that the kernel backs with huge pages now
+    (``AnonHugePages`` of its ``/proc/self/smaps`` entry); 0 where that file is missing."""
+    vma = _smaps_entry(t.data_ptr())
+    for line in vma:
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def advised(t: torch.Tensor) -> bool:
+    """Whether the mapping holding ``t`` carries the huge-page advice (``hg`` in its ``VmFlags``)."""
+    return any(line.startswith("VmFlags:") and " hg" in line for line in _smaps_entry(t.data_ptr()))
+
+
+def _smaps_entry(address: int) -> list[str]:
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    entry: list[str] = []
+    inside = False
+    for line in lines:
+        head = line.split(" ", 1)[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            if inside:
+                break
+            inside = lo <= address < hi
+        if inside:
+            entry.append(line)
+    return entry
