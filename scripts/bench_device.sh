@@ -27,7 +27,7 @@
 # as $OUT/placements.tar.gz), pack (llama-bench binary
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it),
 # handoff (scripts/time_served_handoff.py, both server teams), engine_team (S1 bf16 and Q8_0 with the
-# decode server's passes on torch's OpenMP pool), cpu_prompt (scripts/time_cpu_prompt.py: the fused kernel by tokens
+# decode server's passes on torch's OpenMP pool), engine_alt (the same, ours only, under BENCH_ALT_ENV's settings), cpu_prompt (scripts/time_cpu_prompt.py: the fused kernel by tokens
 # per expert against torch's GEMMs; $OUT/cpu_prompt.json), cpu_vs_ggml (scripts/time_cpu_vs_ggml.py:
 # one token's CPU experts, ours against llama.cpp's ggml, built from .llamacpp/ggml-src.tar.xz (carry it:
 # scripts/build_llamacpp.sh ggml-pack); $OUT/cpu_vs_ggml.json), engine_q4_hybrid (S1 as Q4_K at BENCH_Q4_BUDGET (4GiB): most experts on the
@@ -62,6 +62,7 @@ budget_s="${BENCH_TIME_S:-540}"
 left() { echo $(( budget_s - ($(date +%s) - t0) )); }
 log() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/device.log"; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site"
+log "transparent huge pages: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null || echo unknown)"
 for whl in .whl_engine .llamacpp/whl; do  # transformers and gguf wheels, as pinned here
     if [ -d "$whl" ] && ls "$whl"/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl"/*.whl; break
@@ -201,18 +202,23 @@ stage_engine_gpt_oss() {  # gpt-oss-120b's MoE shape with MXFP4 experts (bf16 re
     rm -f "$models"/gpt_oss_mx.gguf
 }
 stage_engine_team() {  # S1 skewed bf16 and Q8_0, ours only, the decode server's passes on torch's OpenMP pool (the default: its own spinning team)
+    BENCH_ALT_ENV=WORKBENCH_SERVER_TEAM=omp BENCH_ALT_TAG=team stage_engine_alt
+}
+stage_engine_alt() {  # S1 skewed bf16 and Q8_0, ours only, under the settings BENCH_ALT_ENV (e.g. WORKBENCH_HUGE_PAGES=0),
+    # results as engine_s1_skew_$BENCH_ALT_TAG.json / engine_s1_q8_$BENCH_ALT_TAG.json: set against stages engine, engine_q8
+    local alt="${BENCH_ALT_ENV:-WORKBENCH_SERVER_TEAM=omp}" tag="${BENCH_ALT_TAG:-alt}"
     if [ -f "$models/s1.gguf" ]; then wb reskew "$models/s1.gguf" --coverage 0.5 | tee -a "$OUT/device.log"
     else log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; fi
     local prof=bench-h200; [ -f "$OUT/h200.json" ] && prof="$OUT/h200.json"
-    for f in "$models/s1.gguf engine_s1_skew_team.json n-cpu-moe,frequency,balanced" \
-             "$models/s1_q8.gguf engine_s1_q8_team.json n-cpu-moe,frequency"; do set -- $f
+    for f in "$models/s1.gguf engine_s1_skew_$tag.json n-cpu-moe,frequency,balanced" \
+             "$models/s1_q8.gguf engine_s1_q8_$tag.json n-cpu-moe,frequency"; do set -- $f
         if [ "$1" = "$models/s1_q8.gguf" ]; then
             rm -f "$models"/s1.gguf; wb write -o "$1" --shape s1 $layers --weights q8_0 | tee -a "$OUT/device.log"
         fi
-        log "ours with WORKBENCH_SERVER_TEAM=omp: $1 ($(left) s left)"
-        WORKBENCH_SERVER_TEAM=omp wb run --model "$1" --budget 12GiB --margin "${BENCH_MARGIN:-512MiB}" \
+        log "ours with $alt: $1 ($(left) s left)"
+        env $alt python3 -m workbench -v bench run --model "$1" --budget 12GiB --margin "${BENCH_MARGIN:-512MiB}" \
             --profile "$prof" --strategies "$3" -p 512 -n "${BENCH_ENGINE_GEN:-64}" -r "${BENCH_ENGINE_REPEATS:-2}" \
-            --time-limit $(( $(left) - 20 )) --json "$OUT/$2" | tee -a "$OUT/device.log"
+            --time-limit $(( $(left) - 20 )) --json "$OUT/$2" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
     done
     rm -f "$models"/s1_q8.gguf
 }
