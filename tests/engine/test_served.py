@@ -163,11 +163,12 @@ def test_a_step_that_leaves_the_cpu_nothing_does_not_wait_for_it(tiny_model_dir,
                     if (s.lx.tier == RESIDENT).sum() >= server.k and (s.lx.tier == COMPUTE).any())
         lx = slot.lx
         server.native.stop()
-        resident = torch.tensor((lx.tier == RESIDENT).nonzero()[0][:server.k]).reshape(1, -1)
+        dev = engine.device
+        resident = torch.tensor((lx.tier == RESIDENT).nonzero()[0][:server.k], device=dev).reshape(1, -1)
         with torch.inference_mode():  # as the engine's steps run
-            x = torch.randn(1, server.hidden, dtype=TEST_DTYPE)
-            w = torch.full((1, server.k), 1.0 / server.k)
-            out = torch.zeros(1, server.hidden, dtype=TEST_DTYPE)
+            x = torch.randn(1, server.hidden, dtype=TEST_DTYPE, device=dev)
+            w = torch.full((1, server.k), 1.0 / server.k, device=dev)
+            out = torch.zeros(1, server.hidden, dtype=TEST_DTYPE, device=dev)
             server.begin()
             server.publish(lx, x, resident, w)
             server.wait_add(lx, out)
