@@ -33,7 +33,7 @@
 # scripts/build_llamacpp.sh ggml-pack); $OUT/cpu_vs_ggml.json), engine_q4_hybrid (S1 as Q4_K at BENCH_Q4_BUDGET (4GiB): most experts on the
 # CPU, the case of a large Q4_K model on a small GPU; BENCH_HYBRID_WEIGHTS=q3_k (or q2_k, iq4_xs) writes S1
 # in that format instead), engine_gpt_oss (gpt-oss-120b's MoE shape, MXFP4 experts, 18 of 36 layers at 12 GiB:
-# ours and llama.cpp's --n-cpu-moe). BENCH_BUDGET (12GiB) sets the side-by-side budget.
+# ours and llama.cpp's --n-cpu-moe; BENCH_CALIBRATE_KQUANTS=q4_k,mxfp4 has stage calibrate time MXFP4). BENCH_BUDGET (12GiB) sets the side-by-side budget.
 # At most 8 files come back per call: choose the stages of one call accordingly.
 # BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (64 / 2), BENCH_MARGIN (512MiB) and LLAMA_N_CPU_MOE tune
 # the side-by-side stages. Stage candidates: scripts/check_kernel_candidates.py (each autotuning
@@ -311,6 +311,7 @@ stage_placements() {  # the placements the side-by-side stages ran, as one file
 stage_calibrate() {  # the profile the later stages predict with ($OUT/h200.json)
     if [ -n "$build_pid" ]; then log "calibrate waits for the llama-bench build (it takes every core)"; wait_build; fi
     local kq=q4_k; [ -n "${BENCH_HYBRID_WEIGHTS:-}" ] && [ "$BENCH_HYBRID_WEIGHTS" != q4_k ] && kq="q4_k,$BENCH_HYBRID_WEIGHTS"
+    kq="${BENCH_CALIBRATE_KQUANTS:-$kq}"  # e.g. q4_k,mxfp4 before stage engine_gpt_oss
     log "calibrate"; python3 -m workbench calibrate -o "$OUT/h200.json" --kquants "$kq" 2>>"$OUT/device.log" | tail -4 | tee -a "$OUT/device.log"
 }
 stage_engine() {  # S1 skewed: llama.cpp and ours, with all on the GPU too

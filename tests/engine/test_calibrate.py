@@ -151,10 +151,10 @@ def test_cli_takes_the_expert_shape_from_a_model(tiny_model_dir, capsys):
 @pytest.mark.skipif(not cpu_kernel.available(), reason="the fused CPU kernel does not build here")
 def test_kept_quant_formats_are_timed_with_their_fused_kernels():
     """Q8_0 and Q4_K experts (kept as blocks by the engine) get their own CPU rates for the cost model,
-    and so do the other kept k-quants asked for (``kquants``); the rest are rated as Q4_K."""
+    and so do the other kept formats asked for (``kquants``: k-quants, IQ4_XS, MXFP4); the rest are rated as Q4_K."""
     prof = calibrate(256, 256, budget_s=2.0, weight_bytes=4 << 20, use_cuda=False, formats=["bf16", "int8", "int4"],
-                     kquants=("q4_k", "q3_k", "iq4_xs"))
-    for fmt in ("q8_0", "q4_k", "q3_k", "iq4_xs"):
+                     kquants=("q4_k", "q3_k", "iq4_xs", "mxfp4"))
+    for fmt in ("q8_0", "q4_k", "q3_k", "iq4_xs", "mxfp4"):
         if fmt == "q8_0" and "int8" not in format_table() or fmt != "q8_0" and "int4" not in format_table():
             continue
         assert prof.cpu_expert_throughput[fmt] > 1e6 and prof.cpu_prompt_flops[fmt] > 1e6, fmt

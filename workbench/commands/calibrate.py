@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", metavar="NAME", help="GPU side from this preset when there is no CUDA")
     parser.add_argument("--formats", metavar="LIST", help="CPU weight formats to measure, e.g. bf16,int8")
     parser.add_argument("--kquants", metavar="LIST", default="q4_k",
-                        help="kept GGUF block formats whose CPU kernel is timed (q4_k; e.g. q4_k,q3_k,iq4_xs: "
+                        help="kept GGUF block formats whose CPU kernel is timed (q4_k; e.g. q4_k,q3_k,iq4_xs,mxfp4: "
                              "others are rated as q4_k)")
     parser.add_argument("--cpu-only", action="store_true", help="do not measure GPUs even if CUDA is present")
     parser.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: torch's choice)")

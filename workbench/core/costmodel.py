@@ -72,7 +72,8 @@ KQUANT_KIN = {"q2_k": "q4_k", "q3_k": "q4_k", "q5_k": "q4_k", "q6_k": "q4_k", "i
 """Kept k-quant formats that calibration does not time, rated as the one it times: their kernels decode
 the same super-blocks a few bits wider (a rate in bytes/s of blocks; conservative where bytes bound).
 MXFP4 (gpt-oss) decodes like IQ4_XS: a 4-bit index looked up per value, on the CPU and in the GPU's
-tiled kernels (not measured on a GPU yet)."""
+tiled kernels. ``workbench calibrate --kquants`` times any of them (e.g. ``q4_k,mxfp4``): the rate it
+measures is used instead."""
 PREFILL_FETCH_TOKENS = 16
 """With the bus share, prefill always copies a CPU-tier expert picked by at least this many tokens of
 a chunk to the GPU (pinned, once) instead of computing it on the CPU; of the others, ``prefill_fetch``

@@ -371,8 +371,8 @@ def _cpu_fused_q8(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weigh
 def _cpu_fused_kquant(run: _Run, step: str, fmt: str, hidden: int, ffn: int, top_k: int,
                       weight_bytes: int) -> tuple[float, float]:
     """``_time_fused`` of the fused k-quant kernel (``cpu_kernel.moe_decode_q4k``) over a
-    ``_pool_experts`` pool of ``fmt`` blocks (``q4_k``, or another of ``blocks.KQUANTS``)."""
-    per_expert = 3 * hidden * ffn * KQUANTS[fmt] // 256
+    ``_pool_experts`` pool of ``fmt`` blocks (``q4_k``, or another of ``blocks.RAW``)."""
+    per_expert = 2 * ffn * row_bytes(fmt, hidden) + hidden * row_bytes(fmt, ffn)
     n = _pool_experts(per_expert, top_k, weight_bytes)
     w = random_stacks(fmt, n, hidden, ffn)
     call = _FusedCall(lambda x, r, wt, **kw: run_fused(fmt, w, x, r, wt, **kw), hidden, ffn, torch.bfloat16)
@@ -636,13 +636,13 @@ def calibrate(
     all the engine supports). ``weight_bytes``: expert bytes per CPU format (more than the caches).
     ``n_router``/``top_k``: the router size used to time the per-layer sync. ``fit_engine`` (CUDA
     only): fit the per-kernel and per-host-point costs to the engine's own decode steps
-    (``calibrate_engine``; ~10 s more). ``kquants``: the kept block formats (``blocks.KQUANTS``) whose
-    fused CPU kernel is timed with ``int4`` (the cost model rates the others as Q4_K:
+    (``calibrate_engine``; ~10 s more). ``kquants``: the kept block formats (``blocks.RAW``: the
+    k-quants, IQ4_XS and gpt-oss's MXFP4) whose fused CPU kernel is timed with ``int4`` (the cost model rates the others as Q4_K:
     ``costmodel.KQUANT_KIN``).
     """
-    bad = sorted(set(kquants) - set(KQUANTS))
+    bad = sorted(set(kquants) - set(RAW))
     if bad:
-        raise WorkbenchError(f"unknown kept format(s) {', '.join(bad)}; known: {', '.join(KQUANTS)}")
+        raise WorkbenchError(f"unknown kept format(s) {', '.join(bad)}; known: {', '.join(RAW)}")
     if hidden < 1 or expert_ffn < 1:
         raise WorkbenchError(f"expert shape must be positive, got hidden={hidden}, ffn={expert_ffn}")
     budget_s = min(max(budget_s, 0.5), MAX_BUDGET_S)
