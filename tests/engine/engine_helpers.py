@@ -144,7 +144,7 @@ def attach_bus_share(engine, fraction: float):
                          (a.hidden, a.expert_ffn), fraction)
     for lx in engine.experts.values():
         if lx.n_tier[COMPUTE]:
-            assert share.pin(lx, lx.cpu_stacks(), lx.kept_layout())
+            assert share.pin(lx, lx.bus_stacks(), lx.kept_layout(), lx.bias)
             lx.bus = share
     return share
 

@@ -114,6 +114,41 @@ def test_a_cheap_further_token_keeps_more_of_a_prompts_experts_on_the_cpu(tiny_m
         assert rel_err(logits, ref) < logits_tolerance(model, PROMPT, ref)
 
 
+@pytest.mark.parametrize("source", ["float", "MXFP4"])
+def test_gpt_oss_experts_travel_with_their_biases(source, tiny_model_dir, tiny_gguf, tiny_hf_model, exact_cpu_dots):
+    """gpt-oss's biased, clamped CPU-tier experts over the bus, float stacks and MXFP4 blocks alike:
+    a prompt that fetches every CPU expert and decode steps that send every CPU selection give the
+    logits and tokens of the same engine without a bus share (and, float, transformers' tokens)."""
+    sizes = {"hidden_size": 64, "intermediate_size": 64}
+    inv = open_inventory(tiny_model_dir("gpt_oss", **sizes) if source == "float"
+                         else tiny_gguf("gpt_oss", "MXFP4", **sizes))
+    runs = {}
+    for fraction in (None, 1.0):
+        engine = decode_step_engine(inv, placements(inv)["compute"])
+        try:
+            share = None
+            if fraction is not None:
+                share = attach_bus_share(engine, fraction)
+                share.fetch_tokens = 1  # the prompt's CPU experts all travel
+                assert all(len(share.slot_stacks(lx.kept_layout(), True)) == len(lx.cpu_stacks()) + 2
+                           for lx in engine.experts.values() if lx.bus is not None)
+            logits = engine.forward(torch.tensor(PROMPT), 0)
+            prompt_copies = share.copied if share else 0
+            tokens = greedy_tokens(engine, PROMPT, 6)
+            step = engine.forward(torch.tensor([tokens[-1]]), len(PROMPT) + 5)  # a decode step's logits
+            runs[fraction] = (logits, step, tokens, prompt_copies, share.copied if share else 0)
+        finally:
+            engine.close()
+    (plain, plain_step, plain_tokens, _, _), (sent, sent_step, sent_tokens, prompt_copies, copies) = runs[None], runs[1.0]
+    assert prompt_copies > 0 and copies > prompt_copies  # the prompt's experts and the steps' travelled
+    tol = 1e-5 if TEST_DTYPE == torch.float32 else 2e-2
+    assert rel_err(sent, plain) < tol and rel_err(sent_step, plain_step) < tol
+    if TEST_DTYPE == torch.float32:
+        assert sent_tokens == plain_tokens
+        if source == "float":
+            assert sent_tokens == reference_tokens(tiny_hf_model("gpt_oss", **sizes), PROMPT, 6)
+
+
 @pytest.mark.parametrize("tensor_type,width", [("Q8_0", 64), ("Q4_K", 256)])
 def test_kept_blocks_travel_as_blocks_and_compute_as_their_dequantization(tensor_type, width, tiny_gguf, monkeypatch):
     """CPU experts kept in the file's blocks: the bus carries the blocks into block slots and the

@@ -124,6 +124,23 @@ def test_gpt_oss_experts_are_served_with_their_biases(source, tiny_model_dir, ti
             assert tokens == reference_tokens(tiny_hf_model("gpt_oss", **sizes), PROMPT, 6)
 
 
+@pytest.mark.skipif(not served.gpu_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("source", ["float", "MXFP4"])
+def test_gpt_oss_bus_pairs_read_their_biases_in_place(source, tiny_model_dir, tiny_gguf, exact_cpu_dots):
+    """With a bus share, the accelerator computes gpt-oss's CPU-tier pairs from the page-locked stacks
+    and biases in place: the served steps give the host-driven steps' logits and tokens."""
+    sizes = {"hidden_size": 64, "intermediate_size": 64}
+    inv = open_inventory(tiny_model_dir("gpt_oss", **sizes) if source == "float"
+                         else tiny_gguf("gpt_oss", "MXFP4", **sizes))
+    placement = placements(inv)["compute"]
+    tokens, logits, (_, bus_pairs) = run(inv, placement, "on", 0.5, steps=6)
+    host_tokens, host_logits, _ = run(inv, placement, "off", steps=6)
+    assert bus_pairs > 0
+    assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
+    if TEST_DTYPE == torch.float32:
+        assert tokens == host_tokens
+
+
 def test_a_thread_that_does_not_answer_ends_the_server_not_the_step(tiny_model_dir, tiny_hf_model, monkeypatch):
     """A layer whose packet is not served in time: the step runs again host-driven, tokens unchanged."""
     monkeypatch.setattr(served, "TIMEOUT_S", 0.2)

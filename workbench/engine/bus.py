@@ -28,6 +28,8 @@ fraction`` reads), and the CPU computes them on its own thread meanwhile.
 Experts a GGUF file keeps in its quantized blocks travel as blocks and stay blocks in the slots; the
 kernels read them in place, as they read the resident tier's blocks. Nothing is dequantized on the
 way: each expert is its copies alone, and consecutive rows of a batch travel in one copy per tensor.
+gpt-oss's experts take their biases along (a row of each, copied or read in place beside the
+weights) and are computed with its clamped SwiGLU.
 """
 
 from __future__ import annotations
@@ -115,14 +117,17 @@ def runs(rows: np.ndarray) -> list[tuple[int, int]]:
 
 
 def slot_shapes(shape13: tuple[int, int], shape2: tuple[int, int], dtype: torch.dtype,
-                kept: tuple | None = None) -> list[tuple[tuple[int, ...], torch.dtype]]:
+                kept: tuple | None = None, bias: bool = False) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """``(shape, dtype)`` of one expert in each of a slot set's tensors: float ``[2I, H]``, ``[H, I]``
-    in ``dtype`` (``kept`` None), or the blocks of layout ``kept`` (``LayerExperts.kept_layout``)."""
+    in ``dtype`` (``kept`` None), or the blocks of layout ``kept`` (``LayerExperts.kept_layout``);
+    with ``bias`` (gpt-oss) then its biases ``[2I]``, ``[H]`` in ``dtype``, which travel with it."""
     if kept is None:
-        return [(tuple(shape13), dtype), (tuple(shape2), dtype)]
-    (f13, f2), _, k13, k2 = kept
-    parts = blocks.alloc(f13, (), shape13[0], k13, "meta") + blocks.alloc(f2, (), shape2[0], k2, "meta")
-    return [(tuple(t.shape), t.dtype) for t in parts]
+        out = [(tuple(shape13), dtype), (tuple(shape2), dtype)]
+    else:
+        (f13, f2), _, k13, k2 = kept
+        parts = blocks.alloc(f13, (), shape13[0], k13, "meta") + blocks.alloc(f2, (), shape2[0], k2, "meta")
+        out = [(tuple(t.shape), t.dtype) for t in parts]
+    return out + ([((shape13[0],), dtype), ((shape2[0],), dtype)] if bias else [])
 
 
 class BusShare:
@@ -133,7 +138,8 @@ class BusShare:
     The slots hold an expert as its CPU stacks hold it: float ``[w13, w2]`` rows, or a kept layout's
     blocks (``LayerExperts.kept_layout``), which the kernels read in place. One set of slots per
     layout the layers bring (``slot_stacks``): a Q4_K_M file whose down matrices are Q4_K in some
-    layers and Q6_K in others has two."""
+    layers and Q6_K in others has two. gpt-oss's experts bring their biases along (``bias``): the
+    last two tensors of their stacks and slots."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, n_experts: int, shape13: tuple[int, int],
                  shape2: tuple[int, int], fraction: float, slots: int = SLOTS):
@@ -159,24 +165,27 @@ class BusShare:
         """Device bytes of the slots (of every layout made so far)."""
         return sum(t.numel() * t.element_size() for ts in self._slots.values() for t in ts)
 
-    def slot_stacks(self, kept: tuple | None = None) -> list[torch.Tensor]:
+    def slot_stacks(self, kept: tuple | None = None, bias: bool = False) -> list[torch.Tensor]:
         """The slots of layout ``kept`` (None: float), shaped as the CPU stacks, ``[slots, ...]`` each:
-        float ``[w13, w2]``, Q8_0 ``[q13, d13, q2, d2]``, k-quants ``[b13, b2]``. Made on first use."""
-        stacks = self._slots.get(kept)
+        float ``[w13, w2]``, Q8_0 ``[q13, d13, q2, d2]``, k-quants and MXFP4 ``[b13, b2]``; with
+        ``bias``, then the biases ``[slots, 2I]``, ``[slots, H]``. Made on first use."""
+        stacks = self._slots.get((kept, bias))
         if stacks is None:
-            stacks = self._slots[kept] = [torch.empty((self.slots, *shape), dtype=dt, device=self.device)
-                                          for shape, dt in slot_shapes(self.shape13, self.shape2, self.dtype, kept)]
+            stacks = self._slots[(kept, bias)] = [
+                torch.empty((self.slots, *shape), dtype=dt, device=self.device)
+                for shape, dt in slot_shapes(self.shape13, self.shape2, self.dtype, kept, bias)]
         return stacks
 
     def share(self, n: int) -> int:
         """How many of ``n`` CPU-selected experts of one token go over the bus."""
         return min(self.slots, n, int(n * self.fraction + 0.5))
 
-    def pin(self, owner, stacks: list[torch.Tensor], kept: tuple | None = None) -> bool:
+    def pin(self, owner, stacks: list[torch.Tensor], kept: tuple | None = None, bias: bool = False) -> bool:
         """Page-lock ``owner``'s CPU-tier ``stacks``; True when all of them are (then it may share).
         ``kept``: ``LayerExperts.kept_layout()`` when the stacks are kept quantized blocks: the slots
-        then hold that layout's blocks (half of bf16's bytes for Q8_0, about a quarter for Q4_K)."""
-        self.slot_stacks(kept)
+        then hold that layout's blocks (half of bf16's bytes for Q8_0, about a quarter for Q4_K).
+        ``bias``: the last two of ``stacks`` are the experts' biases (``LayerExperts.bus_stacks``)."""
+        self.slot_stacks(kept, bias)
         if not self.cuda:
             return True
         ok = True
@@ -203,21 +212,24 @@ class BusShare:
         """Host bytes page-locked by ``pin``."""
         return sum(t.numel() * t.element_size() for ts in self.registered.values() for t in ts)
 
-    def _load(self, base: int, rows: np.ndarray, src: list[torch.Tensor], kept: tuple | None = None) -> None:
+    def _load(self, base: int, rows: np.ndarray, src: list[torch.Tensor], kept: tuple | None = None,
+              bias: bool = False) -> None:
         """Queue on the current stream the copies of rows ``rows`` of the pinned host stacks ``src``
         (float, or kept blocks of layout ``kept``) into slots ``base``, ``base + 1``, ..., as they are:
         one copy per tensor for each run of consecutive rows (a prompt's batch is often one run)."""
         for j0, j1 in runs(rows):
             r = int(rows[j0])
-            for dst, t in zip(self._slots[kept], src):
+            for dst, t in zip(self._slots[(kept, bias)], src, strict=True):
                 dst[base + j0:base + j1].copy_(t[r:r + j1 - j0], non_blocking=True)
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: np.ndarray,
-            rows: np.ndarray, src: list[torch.Tensor], kept: tuple | None = None) -> torch.Tensor:
+            rows: np.ndarray, src: list[torch.Tensor], kept: tuple | None = None, bias: bool = False,
+            act: tuple = ("silu",)) -> torch.Tensor:
         """Copy experts ``experts`` (host ids; their rows ``rows`` of the pinned host stacks ``src``,
-        with ``kept`` their layout if they are kept blocks, see ``_load``) into the slots on the copy
-        stream and queue, on the current stream after the copies, their weighted sum for the token ``x [1, H]`` with routing ``ids``/``weights``
-        ``[k]`` on the device: ``[1, H]`` (pairs of other experts read nothing). Does not wait."""
+        with ``kept`` their layout if they are kept blocks and ``bias`` if their biases come last, see
+        ``_load``) into the slots on the copy stream and queue, on the current stream after the copies,
+        their weighted sum for the token ``x [1, H]`` with routing ``ids``/``weights`` ``[k]`` on the
+        device and activation ``act``: ``[1, H]`` (pairs of other experts read nothing). Does not wait."""
         from .experts import one_token_on
 
         m = self._map_np  # the previous step's copy of the map finished before this step's routing
@@ -229,16 +241,19 @@ class BusShare:
             self.map_dev.copy_(self.map_host, non_blocking=True)
 
         # a prefill's grouped kernels may still read the slots
-        self._copy_in(0, rows, src, kept, self.free, self.done, then)
-        return one_token_on(x, ids, weights, self.map_dev, self._slots[kept], None if kept is None else kept[0])
+        self._copy_in(0, rows, src, kept, self.free, self.done, then, bias)
+        slots = self._slots[(kept, bias)]
+        b13, b2 = slots[-2:] if bias else (None, None)
+        return one_token_on(x, ids, weights, self.map_dev, slots[:-2] if bias else slots,
+                            None if kept is None else kept[0], b13, b2, act)
 
     def _copy_in(self, base: int, rows: np.ndarray, src: list[torch.Tensor], kept: tuple | None, after: list,
-                 done, then=None) -> None:
+                 done, then=None, bias: bool = False) -> None:
         """On the copy stream, once the events ``after`` are reached: load rows ``rows`` of ``src`` into
         slots ``base``, ``base + 1``, ..., run ``then()``, record ``done``; the current stream waits for
         ``done``. Without CUDA the same work, in order."""
         if not self.cuda:
-            self._load(base, rows, src, kept)
+            self._load(base, rows, src, kept, bias)
             if then is not None:
                 then()
             self.copied += len(rows)
@@ -248,7 +263,7 @@ class BusShare:
         try:
             for ev in after:
                 self.stream.wait_event(ev)
-            self._load(base, rows, src, kept)
+            self._load(base, rows, src, kept, bias)
             if then is not None:
                 then()
             done.record(self.stream)
@@ -258,14 +273,14 @@ class BusShare:
         self.copied += len(rows)
 
     def fetch(self, half: int, experts: np.ndarray, rows: np.ndarray, src: list[torch.Tensor],
-              kept: tuple | None = None) -> int:
+              kept: tuple | None = None, bias: bool = False) -> int:
         """Prefill: copy experts (rows ``rows`` of the pinned stacks ``src``; at most ``slots // 2`` of them)
         into half ``half`` (0 or 1) of the slots on the copy stream, once the kernels that read that
         half before are done (``done_with``); the current stream waits for the copies. Returns the
         first slot. Alternating halves lets one batch travel while the previous one computes."""
         base = self.half_base(half)
         self._copy_in(base, rows, src, kept, self.free[half:half + 1] if self.cuda else [],
-                      self.ready[half] if self.cuda else None)
+                      self.ready[half] if self.cuda else None, bias=bias)
         return base
 
     def half_base(self, half: int) -> int:

@@ -35,7 +35,7 @@ from workbench.core.memory import expert_weight_types
 from workbench.core.placement import Placement, is_gpu
 from workbench.core.units import KINDS, UnitKey
 
-from . import blocks, bus, gpu_kernels
+from . import blocks, bus, gpu_kernels, prefill_kernels
 from .budget import cap_reserved, check_placement, uncap_reserved
 from .experts import COMPUTE, RESIDENT, STREAM, LayerExperts
 from .families import ModelArgs
@@ -119,7 +119,8 @@ def _bus_bytes(inventory: Inventory, args: ModelArgs, placement: Placement, devi
     per_slot = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
                    for f in layouts
                    for shape, dt in bus.slot_shapes(shape13, shape2, dtype,
-                                                    None if f is None else (f, None, args.hidden, args.expert_ffn)))
+                                                    None if f is None else (f, None, args.hidden, args.expert_ffn),
+                                                    args.expert_bias))
     return bus.SLOTS * per_slot
 
 
@@ -410,8 +411,8 @@ class Engine:
     def _attach_bus(self, lx: LayerExperts) -> None:
         """On CUDA, let decode steps send some of ``lx``'s CPU-selected experts over the bus
         (``bus.BusShare``): its CPU stacks are page-locked in place."""
-        if (self.device.type != "cuda" or not lx.n_tier[COMPUTE] or lx.cpu_kernel is not None or lx.bias
-                or lx.act[0] != "silu" or not gpu_kernels.available()):
+        if (self.device.type != "cuda" or not lx.n_tier[COMPUTE] or lx.cpu_kernel is not None
+                or lx.act[0] not in prefill_kernels.ACTS or not gpu_kernels.available()):
             return
         if self._bus is None:
             fraction = self.bus_share
@@ -420,7 +421,7 @@ class Engine:
             a = self.args
             self._bus = bus.BusShare(self.device, self.dtype, a.n_experts, (2 * a.expert_ffn, a.hidden),
                                      (a.hidden, a.expert_ffn), fraction)
-        if self._bus.pin(lx, lx.cpu_stacks(), lx.kept_layout()):
+        if self._bus.pin(lx, lx.bus_stacks(), lx.kept_layout(), lx.bias):
             lx.bus = self._bus
             log.debug("layer %d: bus share %.2f of its CPU-selected experts", lx.layer, self._bus.fraction)
         else:

@@ -377,7 +377,7 @@ class LayerExperts:
             return 0
         pinned = [self.w13[STREAM], self.w2[STREAM], self.b13[STREAM], self.b2[STREAM]]
         if self.bus is not None:  # the bus share pins the CPU tier's stacks
-            pinned += self.cpu_stacks()
+            pinned += self.bus_stacks()
         n = sum(t.numel() * t.element_size() for t in pinned if t is not None)
         staging = getattr(self, "staging", None)  # made by finish()
         return n + (staging.nbytes if staging is not None else 0)
@@ -522,8 +522,8 @@ class LayerExperts:
                                              background=True)
                 experts = ids_host[sent]
                 try:
-                    bus_y = self.bus.run(x, ids.reshape(-1), flat_w, experts, self.local[experts], self.cpu_stacks(),
-                                         self.kept_layout())
+                    bus_y = self.bus.run(x, ids.reshape(-1), flat_w, experts, self.local[experts], self.bus_stacks(),
+                                         self.kept_layout(), self.bias, self.act)
                 except BaseException:
                     if finish is not None:
                         finish()  # the background run ends before the error goes up
@@ -639,6 +639,11 @@ class LayerExperts:
         """The compute tier's host stacks: ``[w13, w2]``, or the kept blocks' tensors (``alloc_kept``)."""
         return list(self.kept_cpu) if self.kept_cpu is not None else [self.w13[COMPUTE], self.w2[COMPUTE]]
 
+    def bus_stacks(self) -> list[torch.Tensor]:
+        """What of the compute tier travels over the bus (``bus.BusShare``): ``cpu_stacks``, then with
+        expert biases (gpt-oss) ``b13 [n, 2I]`` and ``b2 [n, H]``."""
+        return self.cpu_stacks() + ([self.b13[COMPUTE], self.b2[COMPUTE]] if self.bias else [])
+
     def _prefill_split(self, ids_host: np.ndarray, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Prefill with a bus share: the CPU-tier pairs ``sel`` split into those whose experts travel to
         the GPU (``costmodel.prefill_fetch``: the busy ones, and the hotter ones until the bus and the
@@ -659,8 +664,10 @@ class LayerExperts:
         one tile table."""
         experts = ids_host[sel]
         n = self.bus.half_slots
-        stacks, layout = self.cpu_stacks(), self.kept_layout()
-        slots = self.bus.slot_stacks(layout)
+        stacks, layout = self.bus_stacks(), self.kept_layout()
+        slots = self.bus.slot_stacks(layout, self.bias)
+        sb13, sb2 = slots[-2:] if self.bias else (None, None)  # the biases travel with their experts
+        slots = slots[:-2] if self.bias else slots
         fmt = None if layout is None else layout[0]
         args = blocks.kernel_args(fmt, slots)
         order = np.argsort(experts, kind="stable")
@@ -669,7 +676,7 @@ class LayerExperts:
         if not uniq.size:
             return
         if not scale_input and (prefill_kernels.takes_blocks(x, fmt, self.act, self.bias) if fmt is not None
-                                else prefill_kernels.usable_for(x, *slots, None, None, self.act)):
+                                else prefill_kernels.usable_for(x, *slots, sb13, sb2, self.act)):
             j = np.arange(uniq.size)
             slot = np.where((j // n) % 2 == 1, self.bus.half_base(1), self.bus.half_base(0)) + j % n
             per = (counts + prefill_kernels.BLOCK_M - 1) // prefill_kernels.BLOCK_M  # tiles per expert
@@ -682,9 +689,10 @@ class LayerExperts:
             begin = 0
             for b, start in enumerate(range(0, uniq.size, n)):
                 batch = uniq[start:start + n]
-                self.bus.fetch(b % 2, batch, self.local[batch], stacks, layout)
+                self.bus.fetch(b % 2, batch, self.local[batch], stacks, layout, self.bias)
                 try:
-                    prefill_kernels.grouped_into(xs, tiles_t[begin:ends[b]], *args[:2], h, ys, *args[2:], fmt=fmt)
+                    prefill_kernels.grouped_into(xs, tiles_t[begin:ends[b]], *args[:2], h, ys, *args[2:], fmt=fmt,
+                                                 b13=sb13, b2=sb2, act=self.act)
                 except Exception as exc:
                     if b or not gpu_kernels.failed_here(exc):
                         raise
@@ -700,10 +708,10 @@ class LayerExperts:
         w13, w2 = (None, None) if kept is not None else slots
         for b, start in enumerate(range(0, uniq.size, n)):  # one grouped call per batch
             batch = uniq[start:start + n]
-            base = self.bus.fetch(b % 2, batch, self.local[batch], stacks, layout)
+            base = self.bus.fetch(b % 2, batch, self.local[batch], stacks, layout, self.bias)
             in_batch = np.isin(experts, batch)
             slot = base + np.searchsorted(batch, experts[in_batch])  # batch is sorted
-            _grouped_host(x, pairs[in_batch], token, slot, flat_w, out, scale_input, w13, w2, None, None, self.act,
+            _grouped_host(x, pairs[in_batch], token, slot, flat_w, out, scale_input, w13, w2, sb13, sb2, self.act,
                           kept=kept)
             self.bus.done_with(b % 2)
 
