@@ -21,20 +21,22 @@ def test_large_stacks_are_aligned_advised_and_freed():
     t = hostmem.empty((3, 1536, 1024), torch.bfloat16)  # 9 MiB
     assert t.shape == (3, 1536, 1024) and t.dtype == torch.bfloat16 and t.is_contiguous()
     assert t.data_ptr() % hostmem.HUGE_PAGE == 0
-    assert hostmem.advised(t)
+    assert hostmem.advised(t) and hostmem.owns(t)
     t.copy_(torch.arange(t.numel(), dtype=torch.float32).reshape(t.shape))
     assert t[2, 1535, 1023].item() == float(torch.tensor(t.numel() - 1.0).to(torch.bfloat16))
     address = t.data_ptr()
     del t
     gc.collect()
     assert not hostmem._smaps_entry(address)  # unmapped with the tensor
+    assert address not in hostmem._live
 
 
 @needs_thp
 def test_small_tensors_and_the_switch_use_torchs_allocator(monkeypatch):
-    assert not hostmem.advised(hostmem.empty((16, 16), torch.float32))
+    assert not hostmem.owns(hostmem.empty((16, 16), torch.float32))
+    assert hostmem.owns(hostmem.empty((4, 2**20), torch.float32))
     monkeypatch.setenv("WORKBENCH_HUGE_PAGES", "0")
-    assert not hostmem.advised(hostmem.empty((4, 2**20), torch.float32))
+    assert not hostmem.owns(hostmem.empty((4, 2**20), torch.float32))
 
 
 @needs_thp
@@ -49,5 +51,5 @@ def test_the_cpu_tiers_stacks_are_advised_the_resident_ones_not(kept):
     cpu = lx.kept_cpu if kept else [lx.w13[COMPUTE], lx.w2[COMPUTE]]
     res = lx.kept_res if kept else [lx.w13[RESIDENT], lx.w2[RESIDENT]]
     big = [t for t in cpu if t.numel() * t.element_size() >= hostmem.HUGE_PAGE]
-    assert big and all(hostmem.advised(t) for t in big)
-    assert not any(hostmem.advised(t) for t in res)
+    assert big and all(hostmem.owns(t) and hostmem.advised(t) for t in big)
+    assert not any(hostmem.owns(t) for t in res)

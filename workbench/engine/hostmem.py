@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import weakref
 
 import torch
 
@@ -49,7 +50,19 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     except OSError:  # THP off in this kernel ("never") or unsupported: plain pages, still correct
         pass
     flat = torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=offset)
+    _live.add(start + offset)
+    weakref.finalize(m, _live.discard, start + offset)  # the mapping goes with the last tensor on it
     return flat.view(dtype).view(shape)
+
+
+_live: set[int] = set()
+
+
+def owns(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is one of ``empty``'s mappings (not torch's allocator). Other memory
+    may carry the huge-page advice too: NumPy advises its large buffers, and the C library reuses
+    them for later allocations."""
+    return t.untyped_storage().data_ptr() in _live
 
 
 def _address(m: mmap.mmap) -> int:
