@@ -176,6 +176,13 @@ class BusShare:
                 for shape, dt in slot_shapes(self.shape13, self.shape2, self.dtype, kept, bias)]
         return stacks
 
+    def weight_slots(self, kept: tuple | None = None, bias: bool = False
+                     ) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+        """``slot_stacks(kept, bias)`` as the kernels take them: ``(weight slots, b13 slots, b2 slots)``,
+        the biases None without ``bias``."""
+        stacks = self.slot_stacks(kept, bias)
+        return (stacks[:-2], stacks[-2], stacks[-1]) if bias else (stacks, None, None)
+
     def share(self, n: int) -> int:
         """How many of ``n`` CPU-selected experts of one token go over the bus."""
         return min(self.slots, n, int(n * self.fraction + 0.5))
@@ -242,10 +249,8 @@ class BusShare:
 
         # a prefill's grouped kernels may still read the slots
         self._copy_in(0, rows, src, kept, self.free, self.done, then, bias)
-        slots = self._slots[(kept, bias)]
-        b13, b2 = slots[-2:] if bias else (None, None)
-        return one_token_on(x, ids, weights, self.map_dev, slots[:-2] if bias else slots,
-                            None if kept is None else kept[0], b13, b2, act)
+        slots, b13, b2 = self.weight_slots(kept, bias)
+        return one_token_on(x, ids, weights, self.map_dev, slots, None if kept is None else kept[0], b13, b2, act)
 
     def _copy_in(self, base: int, rows: np.ndarray, src: list[torch.Tensor], kept: tuple | None, after: list,
                  done, then=None, bias: bool = False) -> None:

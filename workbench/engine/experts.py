@@ -212,7 +212,7 @@ class LayerExperts:
         """Allocate the stacked tensors of ``tier`` for ``count`` experts (before ``put``)."""
         dev = self.device if tier == RESIDENT else torch.device("cpu")
         pin = tier == STREAM and self.device.type == "cuda"
-        if tier == COMPUTE and dev.type == "cpu":  # read a few rows at a time: huge pages spare the page walks
+        if tier == COMPUTE:  # read a few rows at a time: huge pages spare the page walks
             self.w13[tier] = hostmem.empty((count, *shape13), self.dtype)
             self.w2[tier] = hostmem.empty((count, *shape2), self.dtype)
         else:
@@ -665,9 +665,7 @@ class LayerExperts:
         experts = ids_host[sel]
         n = self.bus.half_slots
         stacks, layout = self.bus_stacks(), self.kept_layout()
-        slots = self.bus.slot_stacks(layout, self.bias)
-        sb13, sb2 = slots[-2:] if self.bias else (None, None)  # the biases travel with their experts
-        slots = slots[:-2] if self.bias else slots
+        slots, sb13, sb2 = self.bus.weight_slots(layout, self.bias)  # the biases travel with their experts
         fmt = None if layout is None else layout[0]
         args = blocks.kernel_args(fmt, slots)
         order = np.argsort(experts, kind="stable")

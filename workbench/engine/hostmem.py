@@ -3,8 +3,8 @@
 A decode step's CPU experts are a few rows picked from gigabytes of stacks. On 4 KiB pages every
 32 KiB row of a Qwen3-30B-A3B expert spans eight pages, and each page costs the reading core a
 TLB miss and a page walk before the prefetchers can stream it. On 2 MiB pages a whole expert
-sits in a few. The test host's fused kernel read one token's eight Q8_0 experts 9-19% faster from
-huge pages (BENCHMARKS.md, 2026-12-05 (late)).
+sits in a few. On the test host one thread of the fused kernel computed a token's eight experts
+2-13% faster from huge pages (BENCHMARKS.md, 2026-12-05 (late); two threads: within that VM's spread).
 
 Linux gives huge pages to anonymous memory that asks for them (``MADV_HUGEPAGE``) when
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` (most distributions) or
@@ -35,11 +35,10 @@ def enabled() -> bool:
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor ``shape`` of ``dtype``. From ``HUGE_PAGE`` bytes up (and when
     ``enabled``) its memory is an anonymous mapping aligned to ``HUGE_PAGE`` and advised
-    ``MADV_HUGEPAGE`` before first touch (zero-filled, as any fresh mapping); the tensor keeps the
-    mapping alive and unmaps it when freed. Smaller tensors, or where the kernel refuses the
-    advice, come from torch's allocator."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
+    ``MADV_HUGEPAGE`` before first touch (zero-filled, as any fresh mapping; plain pages where the
+    kernel refuses the advice); the tensor keeps the mapping alive and unmaps it when freed. Smaller
+    tensors come from torch's allocator."""
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not enabled():
         return torch.empty(shape, dtype=dtype)
     m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # private: shared memory gets no THP; slack to align
