@@ -569,9 +569,10 @@ class CostModel:
         read host RAM, so the CPU lane is at least all the bytes at the RAM's read rate."""
         eng, prof = self.engine, self.profile
         zero = np.zeros_like(cpu_t)
-        if eng.bus_share <= 0 or not prof.h2d_pinned or not self.moe_layer.any():
+        frac = self._bus_fraction()
+        if frac <= 0 or not self.moe_layer.any():
             return cpu_t, zero, zero
-        n_cpu, n_bus, p_any = bus_split(lam, max(1, self.inv.spec.n_experts_active), eng.bus_share, eng.bus_slots)
+        n_cpu, n_bus, p_any = bus_split(lam, max(1, self.inv.spec.n_experts_active), frac, eng.bus_slots)
         n = n_cpu + n_bus
         sent = np.divide(n_bus, n, out=np.zeros_like(n), where=n > 0)  # share of the expected selections
         bus_bytes = cpu_bytes * sent
@@ -619,6 +620,11 @@ class CostModel:
         t = pre[:, None] + np.maximum(np.maximum(gpu_t, cpu_t), bus_t) + sync[:, None] + handoff
         return t, b_cum
 
+    def _bus_fraction(self) -> float:
+        """The share of a step's CPU-compute selections that the bus takes (``EngineShape.bus_share``),
+        or 0 where the profile has no pinned host->GPU rate to carry them at."""
+        return max(0.0, self.engine.bus_share) if self.profile.h2d_pinned else 0.0
+
     def _handoff(self, compute: np.ndarray, stream: np.ndarray, lam: np.ndarray) -> np.ndarray:
         """Seconds of the host hand-off per layer and token (any shape): ``sync_s`` for layers with
         streamed experts (the host-driven step), for layers with CPU-compute ones (``compute``; their
@@ -627,8 +633,7 @@ class CostModel:
         sync_s = self.profile.sync_s
         busy = np.ones_like(lam, dtype=float)
         if self.engine.served:
-            frac = self.engine.bus_share if self.profile.h2d_pinned else 0.0
-            busy = cpu_busy(lam, max(1, self.inv.spec.n_experts_active), frac, self.engine.bus_slots)
+            busy = cpu_busy(lam, max(1, self.inv.spec.n_experts_active), self._bus_fraction(), self.engine.bus_slots)
         return np.where(stream, sync_s, np.where(compute, sync_s * busy, 0.0))
 
     def _attn_gpu(self, placement: Placement, layer: int) -> int:

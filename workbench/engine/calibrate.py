@@ -287,28 +287,26 @@ def random_stacks(fmt: str, n: int, hidden: int, ffn: int, seed: int = 0) -> lis
     ``[w13, w2]``, ``"q8_0"`` ``[q13, d13, q2, d2]`` (int8 values, float16 scales of 1e-3) or
     a k-quant (``"q2_k"`` ... ``"q6_k"``) ``[b13, b2]`` (raw super-blocks whose d and dmin are about 1e-3,
     so every value is finite), or ``"mxfp4"`` ``[b13, b2]`` (blocks whose scales are 2^-9). In host
-    memory as the engine's CPU tier holds it (``hostmem.empty``: huge pages where the OS gives them)."""
-    return [_as_cpu_tier(t) for t in _random_stacks(fmt, n, hidden, ffn, seed)]
-
-
-def _as_cpu_tier(t: torch.Tensor) -> torch.Tensor:
-    out = hostmem.empty(tuple(t.shape), t.dtype)
-    out.copy_(t)
-    return out
-
-
-def _random_stacks(fmt: str, n: int, hidden: int, ffn: int, seed: int) -> list[torch.Tensor]:
+    memory as the engine's CPU tier holds it (``hostmem.empty``: huge pages where the OS gives them),
+    filled in place expert by expert, so no second copy of the stacks is ever held."""
     g = torch.Generator().manual_seed(seed)
     if fmt == "bf16":
-        return [(torch.randn(n, 2 * ffn, hidden, generator=g) * 0.02).to(torch.bfloat16),
-                (torch.randn(n, hidden, ffn, generator=g) * 0.02).to(torch.bfloat16)]
+        stacks = [hostmem.empty((n, 2 * ffn, hidden), torch.bfloat16), hostmem.empty((n, hidden, ffn), torch.bfloat16)]
+        for s in stacks:
+            for e in range(n):
+                s[e].copy_(torch.randn(tuple(s.shape[1:]), generator=g) * 0.02)
+        return stacks
     if fmt == "q8_0":
-        return [torch.randint(-127, 128, (n, 2 * ffn, hidden), dtype=torch.int8, generator=g),
-                torch.full((n, 2 * ffn, hidden // 32), 1e-3, dtype=torch.float16),
-                torch.randint(-127, 128, (n, hidden, ffn), dtype=torch.int8, generator=g),
-                torch.full((n, hidden, ffn // 32), 1e-3, dtype=torch.float16)]
-    b13 = torch.randint(0, 256, (n, 2 * ffn, row_bytes(fmt, hidden)), dtype=torch.uint8, generator=g)
-    b2 = torch.randint(0, 256, (n, hidden, row_bytes(fmt, ffn)), dtype=torch.uint8, generator=g)
+        stacks = [hostmem.empty((n, 2 * ffn, hidden), torch.int8), hostmem.empty((n, 2 * ffn, hidden // 32), torch.float16),
+                  hostmem.empty((n, hidden, ffn), torch.int8), hostmem.empty((n, hidden, ffn // 32), torch.float16)]
+        for q, d in (stacks[:2], stacks[2:]):
+            torch.randint(-127, 128, tuple(q.shape), dtype=torch.int8, generator=g, out=q)
+            d.fill_(1e-3)
+        return stacks
+    b13 = hostmem.empty((n, 2 * ffn, row_bytes(fmt, hidden)), torch.uint8)
+    b2 = hostmem.empty((n, hidden, row_bytes(fmt, ffn)), torch.uint8)
+    for b in (b13, b2):
+        torch.randint(0, 256, tuple(b.shape), dtype=torch.uint8, generator=g, out=b)
     if fmt == "mxfp4":
         for b in (b13, b2):
             b.view(n, b.shape[1], -1, 17)[..., 0] = 128 - 9
