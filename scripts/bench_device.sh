@@ -35,7 +35,7 @@
 # in that format instead), engine_gpt_oss (gpt-oss-120b's MoE shape, MXFP4 experts, 18 of 36 layers at 12 GiB:
 # ours and llama.cpp's --n-cpu-moe; BENCH_CALIBRATE_KQUANTS=q4_k,mxfp4 has stage calibrate time MXFP4). BENCH_BUDGET (12GiB) sets the side-by-side budget.
 # At most 8 files come back per call: choose the stages of one call accordingly.
-# BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (64 / 2), BENCH_MARGIN (512MiB) and LLAMA_N_CPU_MOE tune
+# BENCH_ENGINE_GEN / BENCH_ENGINE_REPEATS (64 / 3: one neighbour's burst moves the median of two), BENCH_MARGIN (512MiB) and LLAMA_N_CPU_MOE tune
 # the side-by-side stages. Stage candidates: scripts/check_kernel_candidates.py (each autotuning
 # candidate of the one-token kernels against PyTorch at S1's shapes, and what the engine's check keeps;
 # $OUT/candidates.txt); stage explore: the same with more forms tried ($OUT/explore.txt).
@@ -148,7 +148,7 @@ side_by_side() {  # file label json strategies [args...]: llama.cpp (-lm none) t
     local tl=$(( $(left) - 20 ))
     log "side by side: $label ($tl s left)"
     wb run --model "$file" --budget "${BENCH_BUDGET:-12GiB}" --margin "${BENCH_MARGIN:-512MiB}" --profile "$prof" \
-        --strategies "$strategies" -p 512 -n "${BENCH_ENGINE_GEN:-64}" -r "${BENCH_ENGINE_REPEATS:-2}" \
+        --strategies "$strategies" -p 512 -n "${BENCH_ENGINE_GEN:-64}" -r "${BENCH_ENGINE_REPEATS:-3}" \
         --time-limit "$tl" "${side[@]}" "$@" --json "$OUT/$json" --save-placements "/tmp/wb_placements/${json%.json}" \
         | tee -a "$OUT/device.log"
 }
@@ -217,7 +217,7 @@ stage_engine_alt() {  # S1 skewed bf16 and Q8_0, ours only, under the settings B
         fi
         log "ours with $alt: $1 ($(left) s left)"
         env $alt python3 -m workbench -v bench run --model "$1" --budget 12GiB --margin "${BENCH_MARGIN:-512MiB}" \
-            --profile "$prof" --strategies "$3" -p 512 -n "${BENCH_ENGINE_GEN:-64}" -r "${BENCH_ENGINE_REPEATS:-2}" \
+            --profile "$prof" --strategies "$3" -p 512 -n "${BENCH_ENGINE_GEN:-64}" -r "${BENCH_ENGINE_REPEATS:-3}" \
             --time-limit $(( $(left) - 20 )) --json "$OUT/$2" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
     done
     rm -f "$models"/s1_q8.gguf
