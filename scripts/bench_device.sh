@@ -10,7 +10,8 @@
 # uniform (S1 reskewed to uniform routing; llama-bench), q8, q4 (S1 as Q8_0 / Q4_K; llama-bench),
 # nommap (llama-bench -lm none: weights read into buffers, not mmap'd), tests (tests/engine on CUDA),
 # write (the S1 skewed file only), prefill (scripts/profile_prefill.py: a 512-token prompt at
-# n-cpu-moe 17 under several bus/CPU splits), prompt_tests (bus share, grouped kernels and CPU kernel
+# n-cpu-moe 17 under several bus/CPU splits), prefill_frequency (the same for the frequency placement of S1 Q8_0
+# and bf16 at the budget, planned and saved by a short run of ours), prompt_tests (bus share, grouped kernels and CPU kernel
 # prompt tests on CUDA; carry .whl_engine), profile_saved (scripts/profile_hybrid.py over the
 # placements stage engine ran, saved under /tmp/wb_placements), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
 # 12 GiB, then scripts/profile_decode.py into $OUT/decode),
@@ -240,6 +241,23 @@ stage_prefill() {  # a hybrid prompt's time under several bus/CPU splits (script
     stage_write
     log "profile_prefill"; timeout 200 python3 scripts/profile_prefill.py --model "$models/s1.gguf" --device cuda \
         --n-cpu-moe 17 --out "$OUT/prefill" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
+}
+stage_prefill_frequency() {  # where a frequency placement's prompt goes (S1 Q8_0 and bf16 at the budget; ours
+    # ran 2.9x / 1.7x below the cost model's prompt there, while its n-cpu-moe prompts met it)
+    local prof=bench-h200; [ -f "$OUT/h200.json" ] && prof="$OUT/h200.json"
+    for w in ${BENCH_PREFILL_WEIGHTS:-q8_0 bf16}; do
+        local f="$models/s1_pf.gguf" p=/tmp/wb_placements/prefill_$w
+        rm -f "$models"/*.gguf; rm -rf "$p"
+        wb write -o "$f" --shape s1 $layers --weights "$w" --coverage 0.5 | tee -a "$OUT/device.log"
+        log "plan and run frequency, $w ($(left) s left)"
+        python3 -m workbench -v bench run --model "$f" --budget "${BENCH_BUDGET:-12GiB}" --margin "${BENCH_MARGIN:-512MiB}" \
+            --profile "$prof" --strategies frequency -p 512 -n 16 -r 1 --time-limit $(( $(left) - 20 )) \
+            --save-placements "$p" 2>>"$OUT/device.log" | tail -3 | tee -a "$OUT/device.log"
+        log "profile_prefill frequency $w"
+        timeout 150 python3 scripts/profile_prefill.py --model "$f" --device cuda --placement "$p/frequency.json" \
+            --out "$OUT/prefill_$w" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
+    done
+    rm -f "$models"/s1_pf.gguf
 }
 stage_prompt_tests() {  # the prompt paths' tests on CUDA: bus share, grouped kernels, CPU kernel (carry .whl_engine)
     log "prompt tests"; WORKBENCH_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
