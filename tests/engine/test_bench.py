@@ -65,6 +65,9 @@ def test_cli_writes_json_and_table(model, tmp_path, capsys):
     on_cpu = {str(k.layer) for k in open_model(str(model)).expert_keys() if saved.get(k) == CPU_COMPUTE}
     assert on_cpu == {layer for layer, t in d["runs"][0]["engine_paths"]["tiers"].items() if t[1]}
     assert d["runs"][0]["decode_tps"] > 0 and d["runs"][0]["prediction_error"] is not None
+    r0 = d["runs"][0]  # the prompt's prediction is checked as the decode's is
+    assert r0["prefill_prediction_error"] == pytest.approx(
+        (r0["predicted_prefill_tps"] - r0["prefill_tps"]) / r0["prefill_tps"])
     paths = d["runs"][0]["engine_paths"]
     assert paths["bus_experts"] == 0 and paths["kept"] == {}  # bf16 file, no GPU: neither
     assert paths["dropped_candidates"] == []  # kernel candidates the run's checks found wrong: none here
@@ -74,7 +77,8 @@ def test_cli_writes_json_and_table(model, tmp_path, capsys):
     assert set(paths["cpu_selected"]) == cpu_layers  # each selects top_k CPU experts per token there
     top_k = open_model(str(model)).spec.n_experts_active
     assert all(v == pytest.approx(top_k) for v in paths["cpu_selected"].values())
-    assert "| placement |" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "| placement |" in table and "| predicted prefill | prefill error % |" in table
 
 
 def test_run_reports_a_placement_that_does_not_fit(model):

@@ -168,10 +168,18 @@ class EngineRun:
             return None
         return (self.predicted_decode_tps - self.decode_tps) / self.decode_tps
 
+    @property
+    def prefill_prediction_error(self) -> float | None:
+        """(predicted - measured) / measured prefill tokens/s."""
+        if not self.prefill_tps or not self.predicted_prefill_tps:
+            return None
+        return (self.predicted_prefill_tps - self.prefill_tps) / self.prefill_tps
+
     def to_json(self) -> dict:
         d = dict(self.__dict__)
         d["roofline_fraction"] = self.roofline_fraction
         d["prediction_error"] = self.prediction_error
+        d["prefill_prediction_error"] = self.prefill_prediction_error
         return d
 
 
@@ -408,7 +416,8 @@ def dequantized_extra_bytes(inv, dtype: torch.dtype, dense_kept: bool = True) ->
 
 
 RUN_COLUMNS = [("placement", "label"), ("peak GPU GiB", "peak_gpu_gib"), ("fits", "fits"),
-               ("prefill tok/s", "prefill_tps"), ("TTFT s", "ttft_s"), ("decode tok/s", "decode_tps"),
+               ("prefill tok/s", "prefill_tps"), ("predicted prefill", "predicted_prefill_tps"),
+               ("prefill error %", "prefill_prediction_error_pct"), ("TTFT s", "ttft_s"), ("decode tok/s", "decode_tps"),
                ("predicted decode", "predicted_decode_tps"), ("error %", "prediction_error_pct"),
                ("RAM GB/s", "host_read_gbs"), ("predicted at that RAM", "at_read_decode_tps"),
                ("roofline decode", "roofline_decode_tps"), ("of roofline", "roofline_pct"),
@@ -427,6 +436,8 @@ def run_rows(runs: list[EngineRun], budget_bytes: int) -> list[dict]:
         d["peak_gpu_gib"], d["peak_host_gib"] = _gib(r.peak_gpu_bytes), _gib(r.peak_host_bytes)
         d["fits"] = None if r.peak_gpu_bytes is None or r.strategy == "all-gpu" else r.peak_gpu_bytes <= budget_bytes
         d["prediction_error_pct"] = None if r.prediction_error is None else 100 * r.prediction_error
+        e = r.prefill_prediction_error
+        d["prefill_prediction_error_pct"] = None if e is None else 100 * e
         d["roofline_pct"] = None if r.roofline_fraction is None else 100 * r.roofline_fraction
         d["coverage_mean"] = float(np.mean(r.coverage)) if r.coverage else None
         rows.append(d)
