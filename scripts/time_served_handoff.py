@@ -9,9 +9,11 @@ number in its ``flag_in`` and spins until ``flag_out`` holds it. It times, per l
 
 - ``round trip``: packet written to result seen, with the CPU experts of the packet;
 - ``kernel``: the same experts through the fused kernel called on this thread (``moe_decode``,
-  ``moe_decode_q8``), on as many threads: what the CPU would take without the server;
+  ``moe_decode_q8``), on as many threads, once the server has stopped: what the CPU would take
+  without the server;
 - ``hand-off``: ``round trip - kernel``; with ``--picks 0`` the round trip is the hand-off alone.
-  Across ``--picks`` the round trip's growth per pick is the weights' read, the rest is fixed.
+  Across ``--picks`` the round trip's growth per pick is the weights' read, the rest is fixed: with
+  two or more pick counts above 0 it prints that line's fixed cost per packet and cost per pick.
 
 ``--team spin,omp``: the server's passes on its own spinning threads, then on torch's OpenMP pool.
 
@@ -81,15 +83,18 @@ def measure(fmt: str, layers: int, experts: int, hidden: int, ffn: int, k: int, 
                 while flag_out[0] != step:
                     pass
                 trips.append(time.perf_counter() - t)
-            if picks:  # the same work on this thread, for the kernel's own time
-                chosen = rng.choice(experts, size=picks, replace=False)
-                xt = torch.from_numpy(x)
-                t = time.perf_counter()
-                run_fused(fmt, w, xt, chosen, np.full(picks, 1.0 / k, np.float32))
-                kernels.append(time.perf_counter() - t)
         served_errors = srv.errors()
     finally:
         srv.stop()
+    # the same work on this thread, for the kernel's own time: after the server has stopped, as its
+    # team spins for a while after each packet and would share the cores with torch's pool (timed
+    # between steps, the kernel alone came out slower than the round trip: 2,267 against 429 us)
+    xt = torch.from_numpy(x)
+    for _ in range(steps if picks else 0):
+        chosen = rng.choice(experts, size=picks, replace=False)
+        t = time.perf_counter()
+        run_fused(fmt, w, xt, chosen, np.full(picks, 1.0 / k, np.float32))
+        kernels.append(time.perf_counter() - t)
     trip = statistics.median(trips[layers:])  # the first step warms up
     kernel = statistics.median(kernels[1:]) if len(kernels) > 1 else 0.0
     return {"format": fmt, "picks": picks, "layers": layers, "threads": threads, "own_team": own_team,
@@ -153,6 +158,16 @@ def measure_cuda(layers: int, hidden: int, ffn: int, k: int, steps: int, threads
             "graph_layer_s": out["without"]}
 
 
+def per_pick_fit(rows: list[dict]) -> tuple[float, float] | None:
+    """``(fixed s, s per pick)``: the least-squares line through the round trips of ``rows`` (two or
+    more pick counts above 0) against their picks, or None."""
+    picks = np.array([r["picks"] for r in rows], dtype=float)
+    if np.unique(picks).size < 2:
+        return None
+    slope, fixed = np.polyfit(picks, np.array([r["round_trip_s"] for r in rows]), 1)
+    return float(fixed), float(slope)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--format", default="bf16", choices=["bf16", "q8_0"])
@@ -183,6 +198,12 @@ def main() -> int:
             print(f"{args.format} {team} picks {picks}: round trip {r['round_trip_s'] * 1e6:8.1f} us, kernel "
                   f"{r['kernel_s'] * 1e6:8.1f} us, hand-off {r['handoff_s'] * 1e6:7.1f} us per layer "
                   f"({threads} threads, {r['errors']} errors)", flush=True)
+        fit = per_pick_fit([r for r in rows if r["own_team"] == (team == "spin") and r["picks"] > 0])
+        if fit is not None:
+            rows.append({"format": args.format, "team": team, "fixed_s": fit[0], "per_pick_s": fit[1]})
+            per = sum(t.numel() * t.element_size() for t in w) / args.experts  # bytes of one expert
+            print(f"{args.format} {team} round trips over picks: {fit[0] * 1e6:.1f} us fixed per packet, "
+                  f"{fit[1] * 1e6:.1f} us per pick ({per / fit[1] / 1e9:.1f} GB/s)", flush=True)
     if torch.cuda.is_available() and served.triton is not None:
         r = measure_cuda(args.layers, args.hidden, args.ffn, args.top_k, args.steps, threads, w, args.format,
                          own_team=args.team.split(",")[0] == "spin")
