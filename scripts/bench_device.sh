@@ -249,9 +249,9 @@ stage_prefill_frequency() {  # where a frequency placement's prompt goes (S1 Q8_
         local f="$models/s1_pf.gguf" p=/tmp/wb_placements/prefill_$w
         rm -f "$models"/*.gguf; rm -rf "$p"
         wb write -o "$f" --shape s1 $layers --weights "$w" --coverage 0.5 | tee -a "$OUT/device.log"
-        log "plan and run frequency, $w ($(left) s left)"
+        log "plan and run frequency (after n-cpu-moe, whose run gives it the routing counts), $w ($(left) s left)"
         python3 -m workbench -v bench run --model "$f" --budget "${BENCH_BUDGET:-12GiB}" --margin "${BENCH_MARGIN:-512MiB}" \
-            --profile "$prof" --strategies frequency -p 512 -n 16 -r 1 --time-limit $(( $(left) - 20 )) \
+            --profile "$prof" --strategies n-cpu-moe,frequency -p 512 -n 16 -r 1 --time-limit $(( $(left) - 20 )) \
             --save-placements "$p" 2>>"$OUT/device.log" | tail -3 | tee -a "$OUT/device.log"
         log "profile_prefill frequency $w"
         timeout 150 python3 scripts/profile_prefill.py --model "$f" --device cuda --placement "$p/frequency.json" \
