@@ -330,7 +330,7 @@ stage_calibrate() {  # the profile the later stages predict with ($OUT/h200.json
     if [ -n "$build_pid" ]; then log "calibrate waits for the llama-bench build (it takes every core)"; wait_build; fi
     local kq=q4_k; [ -n "${BENCH_HYBRID_WEIGHTS:-}" ] && [ "$BENCH_HYBRID_WEIGHTS" != q4_k ] && kq="q4_k,$BENCH_HYBRID_WEIGHTS"
     kq="${BENCH_CALIBRATE_KQUANTS:-$kq}"  # e.g. q4_k,mxfp4 before stage engine_gpt_oss
-    log "calibrate"; python3 -m workbench calibrate -o "$OUT/h200.json" --kquants "$kq" 2>>"$OUT/device.log" | tail -4 | tee -a "$OUT/device.log"
+    log "calibrate"; python3 -m workbench -v calibrate -o "$OUT/h200.json" --kquants "$kq" 2>>"$OUT/device.log" | tail -4 | tee -a "$OUT/device.log"
 }
 stage_engine() {  # S1 skewed: llama.cpp and ours, with all on the GPU too
     if [ -f "$models/s1.gguf" ]; then  # a stage before may have left it uniform

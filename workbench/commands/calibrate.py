@@ -101,9 +101,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     show = not args.json
 
-    def progress(fraction: float, message: str) -> None:
+    import time
+
+    t0 = time.perf_counter()
+
+    def progress(fraction: float, message: str) -> None:  # with the seconds since the start
         if show:
-            print(f"[{fraction * 100:3.0f}%] {message}", file=sys.stderr, flush=True)
+            print(f"[{fraction * 100:3.0f}% {time.perf_counter() - t0:5.0f} s] {message}", file=sys.stderr, flush=True)
 
     prof = calibrate(
         hidden,

@@ -66,8 +66,11 @@ def _decode_seconds(inv, placement, device: str, steps: int = STEPS) -> float:
     from .engine import Engine
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    t0 = time.perf_counter()
     engine = Engine.load(inv, placement, device=device, dtype=dtype, max_context=16 + 2 * steps + 8,
                          bus_share=0.0)  # the CPU alone: the bus share is modelled from the bus's own rate
+    log.info("calibration model loaded in %.1f s (%.1f GB on the CPU)", time.perf_counter() - t0,
+             engine.memory_report()["cpu"] / 1e9)
     try:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, VOCAB, (16 + 2 * steps,), generator=g)
@@ -124,7 +127,10 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
                              experts, min(top_k, experts), ffn, VOCAB, qk_norm=True)
     with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
         path = Path(tmp) / "calibration.gguf"
+        t0 = time.perf_counter()
         synth.write_gguf(path, shape, coverage_target=None)
+        log.info("calibration model written in %.1f s: %d layers of %d experts", time.perf_counter() - t0, LAYERS,
+                 experts)
         inv = open_model(path)
         res, cpu = placement_all_gpu(inv), placement_cpu_moe(inv)
         hybrid = [_upper_on_cpu(inv, share) for share in (0.25, 0.5, 0.75)]
