@@ -249,8 +249,8 @@ class DecodeServer:
 
     def _bus_experts(self, lx: LayerExperts, s: _Layer, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fmt = lx.kept if lx.kept_cpu is not None else None
-        b13, b2 = (lx.b13[COMPUTE], lx.b2[COMPUTE]) if lx.bias else (None, None)  # page-locked with the stacks
-        return one_token_on(x, self.pair_ids, w.reshape(-1), s.bus_rows, lx.cpu_stacks(), fmt, b13, b2, lx.act)
+        return one_token_on(x, self.pair_ids, w.reshape(-1), s.bus_rows, lx.cpu_stacks(), fmt,
+                            lx.b13[COMPUTE], lx.b2[COMPUTE], lx.act)  # biases (None without): page-locked with the stacks
 
     @_guarded
     def wait_add(self, lx: LayerExperts, out: torch.Tensor) -> None:
