@@ -11,7 +11,8 @@
 # nommap (llama-bench -lm none: weights read into buffers, not mmap'd), tests (tests/engine on CUDA),
 # write (the S1 skewed file only), prefill (scripts/profile_prefill.py: a 512-token prompt at
 # n-cpu-moe 17 under several bus/CPU splits), prefill_frequency (the same for the frequency placement of S1 Q8_0
-# and bf16 at the budget, planned and saved by a short run of ours), prompt_tests (bus share, grouped kernels and CPU kernel
+# and bf16 at the budget, planned and saved by a short run of ours), contention (scripts/time_bus_contention.py: the bus's
+# copies and the CPU's expert reads alone and at once; $OUT/contention.json), prompt_tests (bus share, grouped kernels and CPU kernel
 # prompt tests on CUDA; carry .whl_engine), profile_saved (scripts/profile_hybrid.py over the
 # placements stage engine ran, saved under /tmp/wb_placements), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
 # 12 GiB, then scripts/profile_decode.py into $OUT/decode),
@@ -258,6 +259,10 @@ stage_prefill_frequency() {  # where a frequency placement's prompt goes (S1 Q8_
             --out "$OUT/prefill_$w" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
     done
     rm -f "$models"/s1_pf.gguf
+}
+stage_contention() {  # the bus's copies and the CPU's expert reads, alone and at once (scripts/time_bus_contention.py)
+    log "bus against CPU contention"; timeout 120 python3 scripts/time_bus_contention.py --threads ${BENCH_CONTENTION_THREADS:-4,8,15} \
+        --json "$OUT/contention.json" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
 }
 stage_prompt_tests() {  # the prompt paths' tests on CUDA: bus share, grouped kernels, CPU kernel (carry .whl_engine)
     log "prompt tests"; WORKBENCH_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
