@@ -253,7 +253,8 @@ stage_prefill_frequency() {  # where a frequency placement's prompt goes (S1 Q8_
         log "plan and run frequency (after n-cpu-moe, whose run gives it the routing counts), $w ($(left) s left)"
         python3 -m workbench -v bench run --model "$f" --budget "${BENCH_BUDGET:-12GiB}" --margin "${BENCH_MARGIN:-512MiB}" \
             --profile "$prof" --strategies n-cpu-moe,frequency -p 512 -n 16 -r 1 --time-limit $(( $(left) - 20 )) \
-            --save-placements "$p" 2>>"$OUT/device.log" | tail -3 | tee -a "$OUT/device.log"
+            --save-placements "$p" --json "$OUT/prefill_$w.json" 2>>"$OUT/device.log" | tail -3 | tee -a "$OUT/device.log"
+        mkdir -p "$OUT/prefill_$w" && cp "$p"/*.json "$OUT/prefill_$w/" 2>/dev/null  # to re-predict here
         log "profile_prefill frequency $w"
         timeout 150 python3 scripts/profile_prefill.py --model "$f" --device cuda --placement "$p/frequency.json" \
             --out "$OUT/prefill_$w" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
