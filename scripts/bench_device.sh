@@ -12,7 +12,8 @@
 # write (the S1 skewed file only), prefill (scripts/profile_prefill.py: a 512-token prompt at
 # n-cpu-moe 17 under several bus/CPU splits), prefill_frequency (the same for the frequency placement of S1 Q8_0
 # and bf16 at the budget, planned and saved by a short run of ours), contention (scripts/time_bus_contention.py: the bus's
-# copies and the CPU's expert reads alone and at once; $OUT/contention.json), prompt_tests (bus share, grouped kernels and CPU kernel
+# copies and the CPU's expert reads alone and at once; $OUT/contention.json), prefill_ab (scripts/profile_prefill.py
+# with timelines on saved placements: this tree, 16 bus slots, an earlier tree; $OUT/prefill_ab.tar.gz), prompt_tests (bus share, grouped kernels and CPU kernel
 # prompt tests on CUDA; carry .whl_engine), profile_saved (scripts/profile_hybrid.py over the
 # placements stage engine ran, saved under /tmp/wb_placements), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
 # 12 GiB, then scripts/profile_decode.py into $OUT/decode),
@@ -260,6 +261,29 @@ stage_prefill_frequency() {  # where a frequency placement's prompt goes (S1 Q8_
             --out "$OUT/prefill_$w" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
     done
     rm -f "$models"/s1_pf.gguf
+}
+stage_prefill_ab() {  # the prompt of saved placements ($BENCH_PREFILL_PLACEMENTS/<weights>_<strategy>.json) under
+    # this tree's engine, the same with WORKBENCH_BUS_SLOTS=16, and (BENCH_OLD_TREE: a folder holding an earlier
+    # workbench package, carried) under that one; scripts/profile_prefill.py with timelines, as $OUT/prefill_ab.tar.gz
+    local dir="${BENCH_PREFILL_PLACEMENTS:?set BENCH_PREFILL_PLACEMENTS}" f="$models/s1_pf.gguf" pf="$OUT/pf"
+    mkdir -p "$pf"
+    for w in ${BENCH_PREFILL_WEIGHTS:-q8_0 bf16}; do
+        rm -f "$models"/*.gguf
+        wb write -o "$f" --shape s1 $layers --weights "$w" --coverage 0.5 | tee -a "$OUT/device.log"
+        for p in "$dir"/"${w}"_*.json; do
+            local st; st=$(basename "$p" .json)
+            for v in new old slots16; do
+                local env=() path="$PWD"
+                [ "$v" = old ] && { [ -d "${BENCH_OLD_TREE:-}" ] || continue; path="$(cd "$BENCH_OLD_TREE" && pwd)"; }
+                [ "$v" = slots16 ] && env=(WORKBENCH_BUS_SLOTS=16)
+                [ "$(left)" -lt 40 ] && { log "no time left for $st $v"; continue; }
+                log "profile_prefill $st $v ($(left) s left)"
+                env "${env[@]}" PYTHONPATH="$path:/tmp/site" timeout 120 python3 scripts/profile_prefill.py --model "$f" \
+                    --device cuda --placement "$p" --out "$pf/${st}_$v" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
+            done
+        done
+    done
+    rm -f "$f"; tar czf "$OUT/prefill_ab.tar.gz" -C "$OUT" pf && rm -rf "$pf"
 }
 stage_contention() {  # the bus's copies and the CPU's expert reads, alone and at once (scripts/time_bus_contention.py)
     log "bus against CPU contention"; timeout 120 python3 scripts/time_bus_contention.py --threads ${BENCH_CONTENTION_THREADS:-4,8,15} \

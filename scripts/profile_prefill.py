@@ -6,7 +6,8 @@ resident), then times a ``--prompt``-token prefill (median of ``--repeats``) wit
 prefill split as the engine sets it and with the split forced: everything over the bus, everything
 on the CPU. For the default split it also times the host-side phases of each hybrid layer
 (``wait``: the routing sync, ``fetch``: queueing the bus's copies and kernels, ``cpu``: the CPU's
-pairs, ``finish``: waiting for them) and writes a torch profile's top operations.
+pairs, ``finish``: waiting for them) and writes a torch profile's top operations and its timeline
+(``prefill_trace.json.gz``, Chrome's trace format: copies, kernels and host calls of one prompt).
 
     python scripts/profile_prefill.py --model /dev/shm/wb/s1.gguf --device cuda --n-cpu-moe 17 --out $OUT/prefill
     python scripts/profile_prefill.py            # locally: a small synthetic model, CPU accelerator
@@ -15,6 +16,7 @@ pairs, ``finish``: waiting for them) and writes a torch profile's top operations
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 import sys
@@ -115,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             with torch.profiler.profile(activities=acts) as prof:
                 prefill_s(engine, toks, 1)
             sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+            trace = out_dir / "prefill_trace.json"
+            prof.export_chrome_trace(str(trace))  # the copies, kernels and host calls on one timeline
+            with open(trace, "rb") as src, gzip.open(str(trace) + ".gz", "wb") as dst:
+                dst.write(src.read())
+            trace.unlink()
             (out_dir / "prefill_profile.txt").write_text(
                 prof.key_averages().table(sort_by=sort, row_limit=30) + "\n"
                 + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))

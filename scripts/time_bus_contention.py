@@ -95,9 +95,9 @@ def main() -> None:
     args = ap.parse_args()
     if not cpu_kernel.available():
         sys.exit(f"the fused CPU kernel is unavailable: {cpu_kernel.unavailable_reason()}")
-    E, H, I = args.experts, args.hidden, args.ffn
+    E, H, ffn = args.experts, args.hidden, args.ffn
     half = E // 2
-    w13, w2 = stack(E, (2 * I, H)), stack(E, (H, I))
+    w13, w2 = stack(E, (2 * ffn, H)), stack(E, (H, ffn))
     per_expert = (w13[0].numel() + w2[0].numel()) * 2
     cuda = torch.cuda.is_available()
     if cuda:
@@ -108,7 +108,7 @@ def main() -> None:
     rows = torch.arange(half)
     weights = torch.full((half,), 1.0 / half)
     cpu_bytes = half * per_expert
-    out: dict = {"experts": E, "hidden": H, "ffn": I, "bytes_per_expert": per_expert,
+    out: dict = {"experts": E, "hidden": H, "ffn": ffn, "bytes_per_expert": per_expert,
                  "huge_pages": hostmem.huge_bytes(w13) > 0, "runs": []}
     bus_bytes = (E - half) * per_expert
     if cuda:

@@ -23,7 +23,10 @@ always travel; of the others the hottest travel and the coldest stay with the CP
 token costs, as calibration measured it or a read per token, a copy about ``(1 - fraction) /
 fraction`` reads), and the CPU computes them on its own thread meanwhile.
 ``WORKBENCH_PREFILL_FETCH_TOKENS`` sets the threshold for measuring other splits. Device slots:
-``costmodel.BUS_SLOTS`` experts (75 MB at the Qwen3-30B-A3B shape in bf16, 40 MB in Q8_0).
+``costmodel.BUS_SLOTS`` experts (75 MB at the Qwen3-30B-A3B shape in bf16, 40 MB in Q8_0;
+``WORKBENCH_BUS_SLOTS`` sets another count, for measuring). A prompt's fetched experts are computed
+on a stream of their own (``kernel_stream``), so that the resident tier's kernels, queued on the
+layer's stream, neither delay the copies nor wait for them.
 
 Experts a GGUF file keeps in its quantized blocks travel as blocks and stay blocks in the slots; the
 kernels read them in place, as they read the resident tier's blocks. Nothing is dequantized on the
@@ -73,6 +76,17 @@ def fetch_tokens_from_env() -> int:
     except ValueError:
         log.warning("WORKBENCH_PREFILL_FETCH_TOKENS=%r is not a whole number; using %d", raw, PREFILL_FETCH_TOKENS)
         return PREFILL_FETCH_TOKENS
+
+
+def slots_from_env() -> int:
+    """``WORKBENCH_BUS_SLOTS``: device slots of the bus share (default ``SLOTS``; at least 2, one per
+    half of a prompt's batches; for measuring other counts)."""
+    raw = os.environ.get("WORKBENCH_BUS_SLOTS", "").strip()
+    try:
+        return max(2, int(raw)) if raw else SLOTS
+    except ValueError:
+        log.warning("WORKBENCH_BUS_SLOTS=%r is not a whole number; using %d", raw, SLOTS)
+        return SLOTS
 
 
 def register(t: torch.Tensor) -> bool:
@@ -142,7 +156,8 @@ class BusShare:
     last two tensors of their stacks and slots."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, n_experts: int, shape13: tuple[int, int],
-                 shape2: tuple[int, int], fraction: float, slots: int = SLOTS):
+                 shape2: tuple[int, int], fraction: float, slots: int | None = None):
+        slots = slots_from_env() if slots is None else slots
         self.device, self.dtype, self.fraction, self.slots = device, dtype, fraction, slots
         self.shape13, self.shape2 = shape13, shape2
         self.cuda = device.type == "cuda"  # elsewhere (tests: Triton's interpreter) the copies are plain
@@ -150,6 +165,7 @@ class BusShare:
         self._map_np = self.map_host.numpy()  # the same memory, written without per-item tensor calls
         self.map_dev = torch.full((n_experts,), -1, dtype=torch.int64, device=device)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.kernel_stream = torch.cuda.Stream(device) if self.cuda else None  # a prompt's fetched experts
         self.done = torch.cuda.Event() if self.cuda else None
         self.ready = [torch.cuda.Event() for _ in range(2)] if self.cuda else None  # prefill: two halves
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else None

@@ -121,7 +121,7 @@ def _bus_bytes(inventory: Inventory, args: ModelArgs, placement: Placement, devi
                    for shape, dt in bus.slot_shapes(shape13, shape2, dtype,
                                                     None if f is None else (f, None, args.hidden, args.expert_ffn),
                                                     args.expert_bias))
-    return bus.SLOTS * per_slot
+    return bus.slots_from_env() * per_slot
 
 
 def _expert_formats(inventory: Inventory, layer: int) -> tuple[str, str] | None:

@@ -14,6 +14,7 @@ An expert computes ``w * down(silu(gate(x)) * up(x))`` or, for Llama 4 (``scale_
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import OrderedDict
@@ -490,29 +491,32 @@ class LayerExperts:
         ids_host = host[0].numpy()
         tiers = self.tier[ids_host]
         token_host = np.repeat(np.arange(T), k)
-        if not self._small(T, k) and self.n_tier[RESIDENT]:
-            pairs = np.nonzero(tiers == RESIDENT)[0]
-            if pairs.size:
-                kept = self.resident_kept()
-                w13, w2 = (None, None) if kept is not None else self.resident_stacks()
-                _grouped_host(x, pairs, token_host, self.local[ids_host[pairs]], flat_w, out, scale_input,
-                              w13, w2, self.b13[0], self.b2[0], self.act, kept=kept)
-        str_sel = np.nonzero(tiers == STREAM)[0]
-        if str_sel.size:
-            self._run_streamed(x, token_host, flat_w, ids_host, str_sel, out, scale_input)
         cpu_sel = np.nonzero(tiers == COMPUTE)[0]
-        bus_y = finish = None
+        bus_y = finish = fetched = sent = None
         if cpu_sel.size and self.bus is not None and T > 1:  # experts many tokens select: to the GPU once
-            sent, cpu_sel = self._prefill_split(ids_host, cpu_sel)
+            sent, cpu_sel = self._prefill_split(ids_host, cpu_sel)  # first, so that the copies start at once
             if cpu_sel.size and self._fused_cpu(scale_input):  # the CPU starts first, on its own thread
                 finish = self._start_cpu(host[2], token_host, host[1], ids_host, cpu_sel, scale_input,
                                          background=True)
-            try:
-                self._run_fetched(x, token_host, flat_w, ids_host, sent, out, scale_input)
-            except BaseException:
-                if finish is not None:
-                    finish()  # the background run ends before the error goes up
-                raise
+        try:
+            if sent is not None:
+                fetched = self._run_fetched(x, token_host, flat_w, ids_host, sent, out, scale_input)
+            if not self._small(T, k) and self.n_tier[RESIDENT]:
+                pairs = np.nonzero(tiers == RESIDENT)[0]
+                if pairs.size:
+                    kept = self.resident_kept()
+                    w13, w2 = (None, None) if kept is not None else self.resident_stacks()
+                    _grouped_host(x, pairs, token_host, self.local[ids_host[pairs]], flat_w, out, scale_input,
+                                  w13, w2, self.b13[0], self.b2[0], self.act, kept=kept)
+            str_sel = np.nonzero(tiers == STREAM)[0]
+            if str_sel.size:
+                self._run_streamed(x, token_host, flat_w, ids_host, str_sel, out, scale_input)
+            if fetched is not None:
+                fetched()
+        except BaseException:
+            if finish is not None:
+                finish()  # the background run ends before the error goes up
+            raise
         if cpu_sel.size and self.bus is not None and T == 1 and not scale_input and gpu_kernels.usable(x):
             m = self.bus.share(cpu_sel.size)
             if m:  # these travel and the GPU computes them while the CPU computes the rest
@@ -656,12 +660,17 @@ class LayerExperts:
         return sel[travels], sel[~travels]
 
     def _run_fetched(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
-                     sel: np.ndarray, out: torch.Tensor, scale_input: bool) -> None:
+                     sel: np.ndarray, out: torch.Tensor, scale_input: bool):
         """Copy the experts of the pairs ``sel`` to the GPU slots (``bus.half_slots`` at a time, the two
-        halves alternating; kept blocks travel and stay blocks) and add their pairs to ``out`` there,
-        queued without waiting. With the grouped kernels the pairs are sorted, gathered and indexed
-        once for the layer and each batch is only its copies and two kernel launches over its slice of
-        one tile table."""
+        halves alternating; kept blocks travel and stay blocks) and compute their pairs there, queued
+        without waiting. Returns a function that adds them to ``out`` (the caller queues the
+        resident tier's kernels in between), or None when nothing travels.
+
+        With the grouped kernels the pairs are sorted, gathered and indexed once for the layer, each
+        batch is only its copies and two kernel launches over its slice of one tile table, and on
+        CUDA all of it runs on the bus's ``kernel_stream``: the copies start before the resident
+        tier's kernels are queued, and the batches' kernels do not wait behind them; the returned
+        function has the layer's stream wait for them before it adds their sum."""
         experts = ids_host[sel]
         n = self.bus.half_slots
         stacks, layout = self.bus_stacks(), self.kept_layout()
@@ -672,36 +681,28 @@ class LayerExperts:
         pairs, experts = sel[order], experts[order]
         uniq, starts, counts = np.unique(experts, return_index=True, return_counts=True)
         if not uniq.size:
-            return
+            return None
         if not scale_input and (prefill_kernels.takes_blocks(x, fmt, self.act, self.bias) if fmt is not None
                                 else prefill_kernels.usable_for(x, *slots, sb13, sb2, self.act)):
-            j = np.arange(uniq.size)
-            slot = np.where((j // n) % 2 == 1, self.bus.half_base(1), self.bus.half_base(0)) + j % n
-            per = (counts + prefill_kernels.BLOCK_M - 1) // prefill_kernels.BLOCK_M  # tiles per expert
-            ends = np.cumsum(np.bincount(j // n, weights=per)).astype(np.int64)  # tile table end of each batch
-            dev = x.device
-            tiles_t = _h2d(torch.from_numpy(prefill_kernels.tile_table(starts, counts, slot)), dev)
-            tok_t = _h2d(torch.from_numpy(token[pairs]), dev)
-            xs = x[tok_t]
-            h, ys = prefill_kernels.buffers(xs, args[1], fmt)
-            begin = 0
-            for b, start in enumerate(range(0, uniq.size, n)):
-                batch = uniq[start:start + n]
-                self.bus.fetch(b % 2, batch, self.local[batch], stacks, layout, self.bias)
-                try:
-                    prefill_kernels.grouped_into(xs, tiles_t[begin:ends[b]], *args[:2], h, ys, *args[2:], fmt=fmt,
-                                                 b13=sb13, b2=sb2, act=self.act)
-                except Exception as exc:
-                    if b or not gpu_kernels.failed_here(exc):
-                        raise
-                    prefill_kernels.disable(f"{type(exc).__name__}: {exc}")
-                    break  # nothing computed yet: the loop below does it all
-                self.bus.done_with(b % 2)
-                begin = int(ends[b])
-            else:
-                ws = flat_w[_h2d(torch.from_numpy(pairs), dev)].to(x.dtype)[:, None]
-                out.index_add_(0, tok_t, ys * ws)
-                return
+            side = self.bus.kernel_stream if x.is_cuda else None
+            main = torch.cuda.current_stream(x.device) if side is not None else None
+            if side is not None:
+                side.wait_stream(main)  # x and the routing weights are ready there
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                added = self._fetched_kernels(x, token, flat_w, pairs, uniq, starts, counts, stacks, layout,
+                                              args, fmt, sb13, sb2)
+            if added is not None:
+                tok_t, y = added
+
+                def add():
+                    if side is not None:
+                        main.wait_stream(side)
+                        for t in (tok_t, y):  # made on the kernel stream, read on the layer's
+                            t.record_stream(main)
+                    out.index_add_(0, tok_t, y)
+                return add
+            if side is not None:
+                main.wait_stream(side)  # the fallback below reuses the slots on the layer's stream
         kept = None if fmt is None else KeptStacks(args, fmt, lambda rows=None: self._dequant(slots, rows))
         w13, w2 = (None, None) if kept is not None else slots
         for b, start in enumerate(range(0, uniq.size, n)):  # one grouped call per batch
@@ -712,6 +713,38 @@ class LayerExperts:
             _grouped_host(x, pairs[in_batch], token, slot, flat_w, out, scale_input, w13, w2, sb13, sb2, self.act,
                           kept=kept)
             self.bus.done_with(b % 2)
+        return None
+
+    def _fetched_kernels(self, x, token, flat_w, pairs, uniq, starts, counts, stacks, layout, args, fmt, sb13, sb2):
+        """The grouped-kernel path of ``_run_fetched`` on the current stream: ``(tokens [n], weighted
+        outputs [n, H])`` of the pairs ``pairs`` (sorted by expert; ``uniq``/``starts``/``counts`` their
+        experts), or None if the kernels failed before computing anything (they are then off)."""
+        n = self.bus.half_slots
+        j = np.arange(uniq.size)
+        slot = np.where((j // n) % 2 == 1, self.bus.half_base(1), self.bus.half_base(0)) + j % n
+        per = (counts + prefill_kernels.BLOCK_M - 1) // prefill_kernels.BLOCK_M  # tiles per expert
+        ends = np.cumsum(np.bincount(j // n, weights=per)).astype(np.int64)  # tile table end of each batch
+        dev = x.device
+        tiles_t = _h2d(torch.from_numpy(prefill_kernels.tile_table(starts, counts, slot)), dev)
+        tok_t = _h2d(torch.from_numpy(token[pairs]), dev)
+        xs = x[tok_t]
+        h, ys = prefill_kernels.buffers(xs, args[1], fmt)
+        begin = 0
+        for b, start in enumerate(range(0, uniq.size, n)):
+            batch = uniq[start:start + n]
+            self.bus.fetch(b % 2, batch, self.local[batch], stacks, layout, self.bias)
+            try:
+                prefill_kernels.grouped_into(xs, tiles_t[begin:ends[b]], *args[:2], h, ys, *args[2:], fmt=fmt,
+                                             b13=sb13, b2=sb2, act=self.act)
+            except Exception as exc:
+                if b or not gpu_kernels.failed_here(exc):
+                    raise
+                prefill_kernels.disable(f"{type(exc).__name__}: {exc}")
+                return None  # nothing computed yet: the caller's loop does it all
+            self.bus.done_with(b % 2)
+            begin = int(ends[b])
+        ws = flat_w[_h2d(torch.from_numpy(pairs), dev)].to(x.dtype)[:, None]
+        return tok_t, ys * ws
 
     def _run_streamed(self, x, token, flat_w, ids_host, sel, out, scale_input) -> None:
         needed = list(dict.fromkeys(ids_host[sel].tolist()))  # unique, in first-use order
