@@ -13,7 +13,8 @@
 # n-cpu-moe 17 under several bus/CPU splits), prefill_frequency (the same for the frequency placement of S1 Q8_0
 # and bf16 at the budget, planned and saved by a short run of ours), contention (scripts/time_bus_contention.py: the bus's
 # copies and the CPU's expert reads alone and at once; $OUT/contention.json), prefill_ab (scripts/profile_prefill.py
-# with timelines on saved placements: this tree, 16 bus slots, an earlier tree; $OUT/prefill_ab.tar.gz), prompt_tests (bus share, grouped kernels and CPU kernel
+# with timelines on saved placements: this tree, 16 bus slots, an earlier tree (BENCH_PREFILL_VARIANTS="new old slots16");
+# $OUT/prefill_ab.tar.gz), prompt_tests (bus share, grouped kernels and CPU kernel
 # prompt tests on CUDA; carry .whl_engine), profile_saved (scripts/profile_hybrid.py over the
 # placements stage engine ran, saved under /tmp/wb_placements), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
 # 12 GiB, then scripts/profile_decode.py into $OUT/decode),
@@ -253,33 +254,36 @@ stage_prefill_frequency() {  # where a frequency placement's prompt goes (S1 Q8_
         wb write -o "$f" --shape s1 $layers --weights "$w" --coverage 0.5 | tee -a "$OUT/device.log"
         log "plan and run frequency (after n-cpu-moe, whose run gives it the routing counts), $w ($(left) s left)"
         python3 -m workbench -v bench run --model "$f" --budget "${BENCH_BUDGET:-12GiB}" --margin "${BENCH_MARGIN:-512MiB}" \
-            --profile "$prof" --strategies n-cpu-moe,frequency -p 512 -n 16 -r 1 --time-limit $(( $(left) - 20 )) \
+            --profile "$prof" --strategies n-cpu-moe,frequency -p 512 -n "${BENCH_PF_GEN:-16}" -r "${BENCH_PF_REPEATS:-1}" --time-limit $(( $(left) - 20 )) \
             --save-placements "$p" --json "$OUT/prefill_$w.json" 2>>"$OUT/device.log" | tail -3 | tee -a "$OUT/device.log"
         mkdir -p "$OUT/prefill_$w" && cp "$p"/*.json "$OUT/prefill_$w/" 2>/dev/null  # to re-predict here
         log "profile_prefill frequency $w"
         timeout 150 python3 scripts/profile_prefill.py --model "$f" --device cuda --placement "$p/frequency.json" \
-            --out "$OUT/prefill_$w" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
+            --profile "$prof" --out "$OUT/prefill_$w" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
     done
     rm -f "$models"/s1_pf.gguf
+    (cd "$OUT" && tar czf prefill_frequency.tar.gz prefill_q8_0 prefill_bf16 2>/dev/null && rm -rf prefill_q8_0 prefill_bf16)
 }
 stage_prefill_ab() {  # the prompt of saved placements ($BENCH_PREFILL_PLACEMENTS/<weights>_<strategy>.json) under
     # this tree's engine, the same with WORKBENCH_BUS_SLOTS=16, and (BENCH_OLD_TREE: a folder holding an earlier
     # workbench package, carried) under that one; scripts/profile_prefill.py with timelines, as $OUT/prefill_ab.tar.gz
     local dir="${BENCH_PREFILL_PLACEMENTS:?set BENCH_PREFILL_PLACEMENTS}" f="$models/s1_pf.gguf" pf="$OUT/pf"
+    local prof=bench-h200; [ -f "$OUT/h200.json" ] && prof="$OUT/h200.json"
     mkdir -p "$pf"
     for w in ${BENCH_PREFILL_WEIGHTS:-q8_0 bf16}; do
         rm -f "$models"/*.gguf
         wb write -o "$f" --shape s1 $layers --weights "$w" --coverage 0.5 | tee -a "$OUT/device.log"
         for p in "$dir"/"${w}"_*.json; do
             local st; st=$(basename "$p" .json)
-            for v in new old slots16; do
+            for v in ${BENCH_PREFILL_VARIANTS:-new old slots16}; do
                 local env=() path="$PWD"
                 [ "$v" = old ] && { [ -d "${BENCH_OLD_TREE:-}" ] || continue; path="$(cd "$BENCH_OLD_TREE" && pwd)"; }
                 [ "$v" = slots16 ] && env=(WORKBENCH_BUS_SLOTS=16)
                 [ "$(left)" -lt 40 ] && { log "no time left for $st $v"; continue; }
                 log "profile_prefill $st $v ($(left) s left)"
                 env "${env[@]}" PYTHONPATH="$path:/tmp/site" timeout 120 python3 scripts/profile_prefill.py --model "$f" \
-                    --device cuda --placement "$p" --out "$pf/${st}_$v" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
+                    --device cuda --placement "$p" --profile "$prof" --out "$pf/${st}_$v" 2>>"$OUT/device.log" \
+                    | tee -a "$OUT/device.log"
             done
         done
     done

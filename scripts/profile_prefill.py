@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_decode import n_cpu_moe_placement, small_model  # noqa: E402
 from profile_decode import timed as timed_by  # noqa: E402
 
+from workbench.core.costmodel import model_prompt_pair_reads  # noqa: E402
+from workbench.core.hardware import HardwareProfile, preset  # noqa: E402
 from workbench.core.project import load_project  # noqa: E402
 from workbench.core.readers import open_model  # noqa: E402
 from workbench.engine import Engine  # noqa: E402
@@ -75,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="folder for prefill.json and the torch profile table")
     ap.add_argument("--placement", default=None, help="a project file's placement instead of --n-cpu-moe")
+    ap.add_argument("--profile", default="bench-h200",
+                    help="hardware profile (preset or calibration JSON) whose prompt cost per further token "
+                         "the engine's split uses, as `workbench bench run` sets it")
     args = ap.parse_args(argv)
 
     inv = open_model(str(small_model(args.model)))
@@ -82,10 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     placement = load_project(args.placement).placement if args.placement else n_cpu_moe_placement(inv, n)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     engine = Engine.load(inv, placement, device=args.device, dtype=dtype, max_context=args.prompt + 16)
+    profile = HardwareProfile.load(args.profile) if Path(args.profile).is_file() else preset(args.profile)
+    engine.set_prompt_pair_reads(model_prompt_pair_reads(inv, profile))
     out_dir = Path(args.out) if args.out else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"model": inv.path.name, "placement": args.placement or f"n-cpu-moe {n}", "prompt": args.prompt}
+    result = {"model": inv.path.name, "placement": args.placement or f"n-cpu-moe {n}", "prompt": args.prompt,
+              "prompt_pair_reads": engine.prompt_pair_reads}
     try:
         toks = torch.randint(0, engine.vocab_size, (args.prompt,))
         share = engine._bus

@@ -78,6 +78,9 @@ PREFILL_FETCH_TOKENS = 16
 """With the bus share, prefill always copies a CPU-tier expert picked by at least this many tokens of
 a chunk to the GPU (pinned, once) instead of computing it on the CPU; of the others, ``prefill_fetch``
 splits by time."""
+PROMPT_DRAWS = 16
+"""Draws of a prompt chunk's token counts per expert over which the prefill model averages the
+engine's bus/CPU split (``CostModel._sampled_split``)."""
 
 
 def cpu_prompt_reads(tokens, pair_reads=None, gemm=True) -> np.ndarray:
@@ -652,6 +655,7 @@ class CostModel:
         pre = np.zeros(L)
         lanes: dict[str, np.ndarray] = {}
         cpu = np.zeros(L)
+        bus = np.zeros(L)
         sync = np.zeros(L)
         for key, nbytes, params in self.other_units:
             if key.layer is None:
@@ -695,30 +699,59 @@ class CostModel:
         fetch = b * used / h2d + flops / g0.bf16_flops
         stream = grid == TIER_CPU_STREAM
         choose_cpu = on_cpu <= fetch
-        if self.engine.bus_share > 0:  # the engine's rule for CPU-compute experts (prefill_fetch)
+        sampled = np.zeros(L, dtype=bool)
+        if self.engine.bus_share > 0:  # the fused kernel's cost, or a GEMM's
             given_used = n_tok / np.maximum(used, 1e-12)  # tokens per expert when the chunk uses it
             gemm = ~np.isin(self.expert_format, KEPT_EXPERT_FORMATS)  # kept blocks: the kernel at any count
-            reads = used * cpu_prompt_reads(given_used, self.pair_reads, gemm)  # the kernel, or a GEMM
+            reads = used * cpu_prompt_reads(given_used, self.pair_reads, gemm)
             on_cpu = np.where(stream, on_cpu, b * reads / self.expert_cpu_rate)
+        if self.engine.bus_share > 0 and self.engine.prefill_fetch_compute:  # the engine's rule (prefill_fetch)
             compute = host & ~stream
             for layer in np.flatnonzero(compute.any(axis=1)):
                 cols = np.flatnonzero(compute[layer])
-                sent = prefill_fetch(given_used[layer, cols], PREFILL_FETCH_TOKENS, self.engine.bus_share,
-                                     float(self.pair_reads[layer, cols[0]]), bool(gemm[layer, cols[0]]))
-                choose_cpu[layer, cols] = ~sent
+                c, f = self._sampled_split(layer, cols, n_tok[layer, cols], h2d[layer, cols])
+                cpu[layer] += c
+                bus[layer] += f
+                sampled[layer] = True
+                host[layer, cols] = False  # done
         if not self.engine.prefill_fetch_compute:
             choose_cpu |= ~stream
         if not self.engine.prefill_cpu_stream:
             choose_cpu &= ~stream
         cpu += (on_cpu * host * choose_cpu).sum(axis=1)
-        bus = (fetch * host * ~choose_cpu).sum(axis=1)
-        sync += np.where(host.any(axis=1), prof.sync_s, 0.0)
+        bus += (fetch * host * ~choose_cpu).sum(axis=1)
+        sync += np.where(host.any(axis=1) | sampled, prof.sync_s, 0.0)
         out = []
         for layer in range(L):
             gpu_t = max([v[layer] for v in lanes.values()] or [0.0])
             out.append(LayerCost(layer, float(pre[layer]), float(gpu_t), float(cpu[layer]), float(bus[layer]),
                                  float(sync[layer])))
         return out
+
+    def _sampled_split(self, layer: int, cols: np.ndarray, n_tok: np.ndarray, h2d: np.ndarray
+                       ) -> tuple[float, float]:
+        """Expected CPU and bus seconds of one prompt chunk for the CPU-compute experts ``cols`` of
+        ``layer`` under the engine's split (``prefill_fetch``), which decides on the chunk's actual
+        token counts: averaged over ``PROMPT_DRAWS`` draws of those counts (Poisson, mean ``n_tok``
+        tokens per expert; fixed seed). An expert near the always-fetch threshold travels in some
+        draws and not in others, and the engine sends more of them than the mean counts would.
+        A travelling expert costs its copy (``h2d``, B/s) and its tokens' GPU work."""
+        b = self.expert_bytes[layer, cols]
+        rate = self.expert_cpu_rate[layer, cols]
+        gemm = not np.isin(self.expert_format[layer, cols[0]], KEPT_EXPERT_FORMATS)
+        pair = float(self.pair_reads[layer, cols[0]])
+        rng = np.random.default_rng(layer)
+        counts = rng.poisson(np.broadcast_to(n_tok, (PROMPT_DRAWS, len(cols))))
+        gpu_per_token = 2.0 * self.expert_params[layer, cols] / self._gpu(0).bf16_flops  # seconds
+        cpu = bus = 0.0
+        for draw in counts:
+            used = draw > 0
+            sent = np.zeros(len(cols), dtype=bool)
+            sent[used] = prefill_fetch(draw[used], PREFILL_FETCH_TOKENS, self.engine.bus_share, pair, gemm)
+            stay = used & ~sent
+            cpu += float((b[stay] * cpu_prompt_reads(draw[stay], pair, gemm) / rate[stay]).sum())
+            bus += float((b[sent] / h2d[sent] + gpu_per_token[sent] * draw[sent]).sum())
+        return cpu / PROMPT_DRAWS, bus / PROMPT_DRAWS
 
 
 def lru_hit_probs(q: np.ndarray, slots: int) -> np.ndarray:
