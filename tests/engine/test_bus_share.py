@@ -32,7 +32,7 @@ from workbench.engine.experts import COMPUTE
 pytestmark = pytest.mark.skipif(not gpu_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
 
 
-@pytest.mark.parametrize("fraction,n,expect", [(0.45, 1, 0), (0.45, 2, 1), (0.45, 5, 2), (0.45, 8, 4), (1.0, 9, bus.SLOTS),
+@pytest.mark.parametrize("fraction,n,expect", [(0.45, 1, 0), (0.45, 2, 1), (0.45, 5, 2), (0.45, 8, 4), (1.0, bus.SLOTS + 1, bus.SLOTS),
                                                (0.0, 8, 0)])
 def test_share_splits_the_cpu_selected_experts(fraction, n, expect):
     share = bus.BusShare(torch.device("cpu"), torch.float32, 16, (8, 4), (4, 4), fraction)

@@ -57,9 +57,12 @@ from .units import UnitKey
 BUS_SHARE = 0.45
 """Default share of a token's CPU-selected experts sent over the bus in decode (about bus / (bus + CPU
 kernel) read rates on the H200 machine: 55 and 67 GB/s)."""
-BUS_SLOTS = 8
+BUS_SLOTS = 16
 """Device slots for them (decode sends at most ``round(top_k * BUS_SHARE)`` per layer and token; a
-prompt's fetched experts travel half the slots at a time)."""
+prompt's fetched experts travel half the slots at a time). 16 rather than 8: a prompt's batch of
+fetched experts costs the host ~0.3 ms (copies queued, two kernel launches, events) whatever its
+size, and Q8_0 experts copy in ~0.1 ms each, so batches of 4 left the copy engine waiting on the
+host; the Q8_0 `frequency` prompt of S1 ran 169 -> 145 ms on an H100 host with 16 (2026-12-05)."""
 FUSED_PROMPT_TOKENS = 8
 """A prompt's CPU-tier expert picked by up to this many tokens goes through the fused CPU kernel (a
 weight read per token); one picked by more, through torch's CPU GEMM (about this many reads' time:

@@ -23,7 +23,7 @@ always travel; of the others the hottest travel and the coldest stay with the CP
 token costs, as calibration measured it or a read per token, a copy about ``(1 - fraction) /
 fraction`` reads), and the CPU computes them on its own thread meanwhile.
 ``WORKBENCH_PREFILL_FETCH_TOKENS`` sets the threshold for measuring other splits. Device slots:
-``costmodel.BUS_SLOTS`` experts (75 MB at the Qwen3-30B-A3B shape in bf16, 40 MB in Q8_0;
+``costmodel.BUS_SLOTS`` experts (151 MB at the Qwen3-30B-A3B shape in bf16, 80 MB in Q8_0;
 ``WORKBENCH_BUS_SLOTS`` sets another count, for measuring). A prompt's fetched experts are computed
 on a stream of their own (``kernel_stream``), so that the resident tier's kernels, queued on the
 layer's stream, neither delay the copies nor wait for them.
