@@ -66,27 +66,28 @@ def fraction_from_env() -> float:
         return DEFAULT_FRACTION
 
 
+def _whole_from_env(name: str, default: int, least: int) -> int:
+    """The environment variable ``name`` as a whole number of at least ``least`` (``default`` when
+    unset, or, with a warning, when it is not a whole number)."""
+    raw = os.environ.get(name, "").strip()
+    try:
+        return max(least, int(raw)) if raw else default
+    except ValueError:
+        log.warning("%s=%r is not a whole number; using %d", name, raw, default)
+        return default
+
+
 def fetch_tokens_from_env() -> int:
     """``WORKBENCH_PREFILL_FETCH_TOKENS``: how many of a prompt chunk's tokens must select a CPU-tier
     expert for it to be fetched to the GPU (default ``costmodel.PREFILL_FETCH_TOKENS``, which the
     cost model predicts with; for measuring other splits)."""
-    raw = os.environ.get("WORKBENCH_PREFILL_FETCH_TOKENS", "").strip()
-    try:
-        return max(1, int(raw)) if raw else PREFILL_FETCH_TOKENS
-    except ValueError:
-        log.warning("WORKBENCH_PREFILL_FETCH_TOKENS=%r is not a whole number; using %d", raw, PREFILL_FETCH_TOKENS)
-        return PREFILL_FETCH_TOKENS
+    return _whole_from_env("WORKBENCH_PREFILL_FETCH_TOKENS", PREFILL_FETCH_TOKENS, 1)
 
 
 def slots_from_env() -> int:
     """``WORKBENCH_BUS_SLOTS``: device slots of the bus share (default ``SLOTS``; at least 2, one per
     half of a prompt's batches; for measuring other counts)."""
-    raw = os.environ.get("WORKBENCH_BUS_SLOTS", "").strip()
-    try:
-        return max(2, int(raw)) if raw else SLOTS
-    except ValueError:
-        log.warning("WORKBENCH_BUS_SLOTS=%r is not a whole number; using %d", raw, SLOTS)
-        return SLOTS
+    return _whole_from_env("WORKBENCH_BUS_SLOTS", SLOTS, 2)
 
 
 def register(t: torch.Tensor) -> bool:
