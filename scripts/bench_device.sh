@@ -268,7 +268,7 @@ stage_prefill_ab() {  # the prompt of saved placements ($BENCH_PREFILL_PLACEMENT
     # this tree's engine, the same with WORKBENCH_BUS_SLOTS=16, and (BENCH_OLD_TREE: a folder holding an earlier
     # workbench package, carried) under that one; scripts/profile_prefill.py with timelines, as $OUT/prefill_ab.tar.gz
     local dir="${BENCH_PREFILL_PLACEMENTS:?set BENCH_PREFILL_PLACEMENTS}" f="$models/s1_pf.gguf" pf="$OUT/pf"
-    local prof=bench-h200; [ -f "$OUT/h200.json" ] && prof="$OUT/h200.json"
+    local prof=bench-h200 w p v; [ -f "$OUT/h200.json" ] && prof="$OUT/h200.json"
     mkdir -p "$pf"
     for w in ${BENCH_PREFILL_WEIGHTS:-q8_0 bf16}; do
         rm -f "$models"/*.gguf

@@ -158,6 +158,20 @@ def test_prefill_fetches_busy_experts_and_computes_rare_ones():
     assert alone.cpu > 0 and alone.bus == 0
 
 
+def test_prefill_counts_the_experts_a_prompts_actual_counts_send():
+    """The engine sends a CPU-compute expert that 16 or more of a chunk's tokens select, judged on the
+    chunk's own counts: at 15 tokens per expert on average some chunks reach 16 and those experts
+    travel even where the bus is too slow to take any other; at 5 on average none do."""
+    inv = synth_inventory(1, 8, hidden=1024, expert_ffn=512, top_k=2)
+    cm = CostModel(inv, h200_profile())
+    cm.engine = dataclasses.replace(cm.engine, bus_share=0.01)  # a copy costs 99 reads: only the rule sends
+    p = placement_cpu_moe(inv)
+    near = cm.predict(p, prompt_tokens=60).prefill_layers[0]  # 60 tokens x 2 / 8 experts: 15 each
+    assert near.bus > 0 and near.cpu > 0
+    below = cm.predict(p, prompt_tokens=20).prefill_layers[0]  # 5 each
+    assert below.bus == 0 and below.cpu > 0
+
+
 def test_predict_is_fast_for_94_layers_by_256_experts():
     inv = synth_inventory(94, 256, hidden=4096, expert_ffn=1536, top_k=8, vocab=151936, n_heads=64, n_kv_heads=4,
                           head_dim=128)

@@ -43,6 +43,7 @@ def test_share_splits_the_cpu_selected_experts(fraction, n, expect):
     ("WORKBENCH_BUS_SHARE", bus.fraction_from_env, bus.DEFAULT_FRACTION, "0", 0.0),
     ("WORKBENCH_PREFILL_FETCH_TOKENS", bus.fetch_tokens_from_env, bus.PREFILL_FETCH_TOKENS, "40", 40),
     ("WORKBENCH_PROMPT_PAIR_READS", engine_mod._pair_reads_from_env, None, "0.2", 0.2),
+    ("WORKBENCH_BUS_SLOTS", bus.slots_from_env, bus.SLOTS, "24", 24),
 ])
 def test_settings_from_the_environment(name, read, default, given, value, monkeypatch):
     monkeypatch.setenv(name, given)
@@ -89,6 +90,44 @@ def test_prefill_fetches_the_experts_many_tokens_select(fetch_tokens, tiny_model
     assert rel_err(logits, ref) < logits_tolerance(model, PROMPT, ref)  # bf16: this model has a near-tie
     if TEST_DTYPE == torch.float32:
         assert tokens == reference_tokens(model, PROMPT, N_NEW)
+
+
+def test_a_prompts_copies_are_queued_before_the_other_tiers_kernels(tiny_model_dir, tiny_hf_model, monkeypatch):
+    """In a prompt step of a layer with resident, streamed and CPU-tier experts, the bus's first copy
+    is queued before the resident and streamed tiers' grouped kernels, so the copy engine starts
+    right after the routing sync; the logits stay transformers'."""
+    from workbench.engine import experts as experts_mod
+
+    events: list[str] = []
+    grouped, host_part = experts_mod._grouped_host, experts_mod.LayerExperts.host_part
+
+    def record_grouped(*a, **k):
+        events.append("grouped")
+        return grouped(*a, **k)
+
+    def record_layer(self, *a, **k):
+        events.append("layer")
+        return host_part(self, *a, **k)
+
+    monkeypatch.setattr(experts_mod, "_grouped_host", record_grouped)
+    monkeypatch.setattr(experts_mod.LayerExperts, "host_part", record_layer)
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    engine = decode_step_engine(inv, placements(inv)["mixed"])
+    try:
+        share = attach_bus_share(engine, 1.0)
+        share.fetch_tokens = 1  # every CPU-tier expert of the prompt travels
+        fetch = share.fetch
+        monkeypatch.setattr(share, "fetch", lambda *a, **k: (events.append("bus"), fetch(*a, **k))[1])
+        logits = engine.forward(torch.tensor(PROMPT), 0)
+    finally:
+        engine.close()
+    steps = " ".join(events).split("layer")
+    both = [s.split() for s in steps if "bus" in s and "grouped" in s]
+    assert both  # layers with fetched experts and another tier's grouped kernels
+    assert all(s.index("bus") < s.index("grouped") for s in both)
+    model = tiny_hf_model("qwen3_moe")
+    ref = reference_logits(model, PROMPT)
+    assert rel_err(logits, ref) < logits_tolerance(model, PROMPT, ref)
 
 
 def test_a_cheap_further_token_keeps_more_of_a_prompts_experts_on_the_cpu(tiny_model_dir, tiny_hf_model):
