@@ -52,6 +52,12 @@ def test_strategies_run_end_to_end_on_cpu(model):
     assert nmoe.label.startswith("n-cpu-moe ") and nmoe.roofline["cpu_bytes"] > 0
     # the frequency plan saw the n-cpu-moe run's routing counts: it keeps hot experts off the CPU
     assert runs[2].roofline["cpu_bytes"] < nmoe.roofline["cpu_bytes"]
+    # the first runs were planned before any routing was seen: predicted again with their own counts
+    # (skewed: the hot experts' tokens share one read, so the prompt comes out faster than uniform)
+    for r in runs[:1]:
+        assert r.predicted_from.startswith("routing counts of this run")
+        assert r.uniform_prefill_tps > 0 and r.predicted_prefill_tps != r.uniform_prefill_tps
+    assert runs[2].predicted_from.startswith("routing counts of the runs before") and runs[2].uniform_prefill_tps is None
 
 
 def test_cli_writes_json_and_table(model, tmp_path, capsys):

@@ -354,3 +354,36 @@ def test_kept_blocks_whose_grouped_kernel_fails_are_dequantized_in_their_slots(t
                                          ([5, 4, 3], [(0, 1), (1, 2), (2, 3)])])
 def test_a_batch_of_rows_is_copied_in_runs_of_consecutive_rows(rows, expect):
     assert bus.runs(np.array(rows, dtype=np.int64)) == expect
+
+
+def test_rows_of_gives_the_address_and_row_size_of_contiguous_stacks():
+    from workbench.engine import h2d
+
+    t = torch.zeros(5, 6, 4, dtype=torch.bfloat16)
+    assert h2d.rows_of(t) == (t.data_ptr(), 6 * 4 * 2)
+    assert h2d.rows_of(t[:, :3]) is None  # not whole rows
+    assert h2d.rows_of(t.transpose(1, 2)) is None
+
+
+@pytest.mark.skipif(TEST_DEVICE == "cpu", reason="the driver's copies need CUDA")
+@pytest.mark.parametrize("native", [True, False])
+def test_a_prompts_fetch_copies_the_rows_it_is_given(native, monkeypatch):
+    """The driver's row copies (``h2d.Copier``) and torch's land the same rows in the same slots, runs
+    of consecutive rows and single ones alike, and the slots hold nothing else of the stacks."""
+    from workbench.engine import h2d
+
+    if not native:
+        monkeypatch.setattr(h2d, "available", lambda: False)
+    w13 = torch.randn(12, 64, 32).to(torch.bfloat16)
+    w2 = torch.randn(12, 32, 32).to(torch.bfloat16)
+    share = bus.BusShare(torch.device(TEST_DEVICE), torch.bfloat16, 12, (64, 32), (32, 32), 0.5, slots=8)
+    try:
+        assert share.pin(object(), [w13, w2])
+        s13, s2 = share.slot_stacks()
+        rows = np.array([2, 3, 4, 9])
+        base = share.fetch(1, rows, rows, [w13, w2])
+        torch.cuda.current_stream().synchronize()
+        assert isinstance(share._copier, h2d.Copier) == native
+        assert torch.equal(s13[base:base + 4].cpu(), w13[rows]) and torch.equal(s2[base:base + 4].cpu(), w2[rows])
+    finally:
+        share.close()

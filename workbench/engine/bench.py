@@ -140,6 +140,12 @@ class EngineRun:
     the VRAM cap, ``budget.cap_reserved``; each one synchronizes the device)."""
     predicted_decode_tps: float | None = None
     predicted_prefill_tps: float | None = None
+    predicted_from: str = "routing counts of the runs before it"
+    """Which routing counts the predictions used: the runs' before it, or, for a run the bench planned
+    before any run had routed a token, its own (the counts, not its timings; the prediction without
+    any counts, i.e. with uniform routing, is then ``uniform_decode_tps`` / ``uniform_prefill_tps``)."""
+    uniform_decode_tps: float | None = None
+    uniform_prefill_tps: float | None = None
     host_read_gbs: float | None = None
     """The host's RAM read (GB/s) just before the run; None when not probed."""
     at_read_decode_tps: float | None = None
@@ -385,10 +391,16 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
             run.host_read_gbs = read / 1e9
             run.at_read_decode_tps = CostModel(inv, profile.at_host_read(read), seen).predict(
                 plan.placement, prompt + gen, prompt_tokens=prompt).decode_tps
-        rf = roofline(cost, plan.placement, profile)
-        run.roofline, run.roofline_decode_tps = rf, rf["tps"]
         if counts.any():
             stats.add(counts)
+        if seen is None and counts.any():  # planned blind: predict again with the routing it saw
+            run.uniform_decode_tps, run.uniform_prefill_tps = run.predicted_decode_tps, run.predicted_prefill_tps
+            cost = CostModel(inv, profile, stats)
+            again = cost.predict(plan.placement, prompt + gen, prompt_tokens=prompt)
+            run.predicted_decode_tps, run.predicted_prefill_tps = again.decode_tps, again.prefill_tps
+            run.predicted_from = "routing counts of this run (none before it)"
+        rf = roofline(cost, plan.placement, profile)
+        run.roofline, run.roofline_decode_tps = rf, rf["tps"]
         runs.append(run)
         log.info("%s: decode %s tok/s (predicted %s)", label, run.decode_tps, run.predicted_decode_tps)
     return runs

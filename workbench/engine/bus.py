@@ -49,7 +49,7 @@ from workbench.core.costmodel import BUS_SHARE as DEFAULT_FRACTION
 from workbench.core.costmodel import BUS_SLOTS as SLOTS
 from workbench.core.costmodel import PREFILL_FETCH_TOKENS
 
-from . import blocks
+from . import blocks, h2d
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,7 @@ class BusShare:
         self.registered: dict[int, list[torch.Tensor]] = {}  # by id() of the owner (a LayerExperts)
         self._release_all = weakref.finalize(self, _unregister_all, self.registered, device)
         self.copied = 0  # experts sent over the bus so far
+        self._copier: h2d.Copier | bool | None = None  # None: not tried yet; False: torch's copies
 
     @property
     def nbytes(self) -> int:
@@ -241,10 +242,29 @@ class BusShare:
         """Queue on the current stream the copies of rows ``rows`` of the pinned host stacks ``src``
         (float, or kept blocks of layout ``kept``) into slots ``base``, ``base + 1``, ..., as they are:
         one copy per tensor for each run of consecutive rows (a prompt's batch is often one run)."""
+        pairs = list(zip(self._slots[(kept, bias)], src, strict=True))
+        native = self._native_rows(pairs) if self.cuda else None
         for j0, j1 in runs(rows):
             r = int(rows[j0])
-            for dst, t in zip(self._slots[(kept, bias)], src, strict=True):
-                dst[base + j0:base + j1].copy_(t[r:r + j1 - j0], non_blocking=True)
+            for i, (dst, t) in enumerate(pairs):
+                if native is not None and native[i] is not None:
+                    self._copier.rows(native[i][0], base + j0, native[i][1], r, j1 - j0)
+                else:
+                    dst[base + j0:base + j1].copy_(t[r:r + j1 - j0], non_blocking=True)
+
+    def _native_rows(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list | None:
+        """For each ``(slots, host stack)`` pair, their ``h2d.rows_of`` when the driver can copy between
+        them (both contiguous, the same bytes per row), else None; None for all without the driver or
+        a CUDA context on this thread (``h2d.Copier``, made on first use, queues on the bus's stream)."""
+        if self._copier is None:
+            self._copier = h2d.Copier(self.stream) if h2d.available() else False
+        if not self._copier or not h2d.available():
+            return None
+        out = []
+        for dst, t in pairs:
+            a, b = h2d.rows_of(dst), h2d.rows_of(t)
+            out.append((a, b) if a is not None and b is not None and a[1] == b[1] else None)
+        return out
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: np.ndarray,
             rows: np.ndarray, src: list[torch.Tensor], kept: tuple | None = None, bias: bool = False,

@@ -493,14 +493,16 @@ class LayerExperts:
         token_host = np.repeat(np.arange(T), k)
         cpu_sel = np.nonzero(tiers == COMPUTE)[0]
         bus_y = finish = fetched = sent = None
+        early = False
         if cpu_sel.size and self.bus is not None and T > 1:  # experts many tokens select: to the GPU once
             sent, cpu_sel = self._prefill_split(ids_host, cpu_sel)  # first, so that the copies start at once
+            early = self._fetch_first(x, ids_host, sent, scale_input)  # the bus starts before the CPU's setup
             if cpu_sel.size and self._fused_cpu(scale_input):  # the CPU starts first, on its own thread
                 finish = self._start_cpu(host[2], token_host, host[1], ids_host, cpu_sel, scale_input,
                                          background=True)
         try:
             if sent is not None:
-                fetched = self._run_fetched(x, token_host, flat_w, ids_host, sent, out, scale_input)
+                fetched = self._run_fetched(x, token_host, flat_w, ids_host, sent, out, scale_input, early)
             if not self._small(T, k) and self.n_tier[RESIDENT]:
                 pairs = np.nonzero(tiers == RESIDENT)[0]
                 if pairs.size:
@@ -659,8 +661,31 @@ class LayerExperts:
         travels = np.isin(experts, hot)
         return sel[travels], sel[~travels]
 
+    def _fetch_kernels_usable(self, x: torch.Tensor, scale_input: bool) -> bool:
+        """Whether a prompt's fetched experts are computed by the grouped kernels (``_fetched_kernels``)."""
+        if scale_input:
+            return False
+        layout = self.kept_layout()
+        slots, sb13, sb2 = self.bus.weight_slots(layout, self.bias)
+        if layout is not None:
+            return prefill_kernels.takes_blocks(x, layout[0], self.act, self.bias)
+        return prefill_kernels.usable_for(x, *slots, sb13, sb2, self.act)
+
+    def _fetch_first(self, x: torch.Tensor, ids_host: np.ndarray, sel: np.ndarray, scale_input: bool) -> bool:
+        """On CUDA with the grouped kernels: queue the copies of the first batch of the experts of the
+        pairs ``sel`` (``_run_fetched``'s first batch) right away, with the bus's kernel stream waiting
+        for them, so that the bus starts while this thread sets up the CPU's share. True if queued."""
+        if not sel.size or not x.is_cuda or not self._fetch_kernels_usable(x, scale_input):
+            return False
+        batch = np.unique(ids_host[sel])[:self.bus.half_slots]
+        side = self.bus.kernel_stream
+        side.wait_stream(torch.cuda.current_stream(x.device))  # x and the routing weights are ready there
+        with torch.cuda.stream(side):
+            self.bus.fetch(0, batch, self.local[batch], self.bus_stacks(), self.kept_layout(), self.bias)
+        return True
+
     def _run_fetched(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
-                     sel: np.ndarray, out: torch.Tensor, scale_input: bool):
+                     sel: np.ndarray, out: torch.Tensor, scale_input: bool, early: bool = False):
         """Copy the experts of the pairs ``sel`` to the GPU slots (``bus.half_slots`` at a time, the two
         halves alternating; kept blocks travel and stay blocks) and compute their pairs there, queued
         without waiting. Returns a function that adds them to ``out`` (the caller queues the
@@ -670,7 +695,8 @@ class LayerExperts:
         batch is only its copies and two kernel launches over its slice of one tile table, and on
         CUDA all of it runs on the bus's ``kernel_stream``: the copies start before the resident
         tier's kernels are queued, and the batches' kernels do not wait behind them; the returned
-        function has the layer's stream wait for them before it adds their sum."""
+        function has the layer's stream wait for them before it adds their sum. ``early``: the first
+        batch's copies were queued already (``_fetch_first``)."""
         experts = ids_host[sel]
         n = self.bus.half_slots
         stacks, layout = self.bus_stacks(), self.kept_layout()
@@ -682,15 +708,14 @@ class LayerExperts:
         uniq, starts, counts = np.unique(experts, return_index=True, return_counts=True)
         if not uniq.size:
             return None
-        if not scale_input and (prefill_kernels.takes_blocks(x, fmt, self.act, self.bias) if fmt is not None
-                                else prefill_kernels.usable_for(x, *slots, sb13, sb2, self.act)):
+        if early or self._fetch_kernels_usable(x, scale_input):
             side = self.bus.kernel_stream if x.is_cuda else None
             main = torch.cuda.current_stream(x.device) if side is not None else None
-            if side is not None:
+            if side is not None and not early:
                 side.wait_stream(main)  # x and the routing weights are ready there
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 added = self._fetched_kernels(x, token, flat_w, pairs, uniq, starts, counts, stacks, layout,
-                                              args, fmt, sb13, sb2)
+                                              args, fmt, sb13, sb2, early)
             if added is not None:
                 tok_t, y = added
 
@@ -715,10 +740,12 @@ class LayerExperts:
             self.bus.done_with(b % 2)
         return None
 
-    def _fetched_kernels(self, x, token, flat_w, pairs, uniq, starts, counts, stacks, layout, args, fmt, sb13, sb2):
+    def _fetched_kernels(self, x, token, flat_w, pairs, uniq, starts, counts, stacks, layout, args, fmt, sb13, sb2,
+                         early: bool = False):
         """The grouped-kernel path of ``_run_fetched`` on the current stream: ``(tokens [n], weighted
         outputs [n, H])`` of the pairs ``pairs`` (sorted by expert; ``uniq``/``starts``/``counts`` their
-        experts), or None if the kernels failed before computing anything (they are then off)."""
+        experts), or None if the kernels failed before computing anything (they are then off).
+        ``early``: the first batch is in its half already, with this stream waiting for it."""
         n = self.bus.half_slots
         j = np.arange(uniq.size)
         slot = np.where((j // n) % 2 == 1, self.bus.half_base(1), self.bus.half_base(0)) + j % n
@@ -732,7 +759,8 @@ class LayerExperts:
         begin = 0
         for b, start in enumerate(range(0, uniq.size, n)):
             batch = uniq[start:start + n]
-            self.bus.fetch(b % 2, batch, self.local[batch], stacks, layout, self.bias)
+            if b or not early:
+                self.bus.fetch(b % 2, batch, self.local[batch], stacks, layout, self.bias)
             try:
                 prefill_kernels.grouped_into(xs, tiles_t[begin:ends[b]], *args[:2], h, ys, *args[2:], fmt=fmt,
                                              b13=sb13, b2=sb2, act=self.act)
