@@ -13,9 +13,10 @@
 # n-cpu-moe 17 under several bus/CPU splits), prefill_frequency (the same for the frequency placement of S1 Q8_0
 # and bf16 at the budget, planned and saved by a short run of ours), contention (scripts/time_bus_contention.py: the bus's
 # copies and the CPU's expert reads alone and at once; $OUT/contention.json), prefill_ab (scripts/profile_prefill.py
-# with timelines on saved placements: this tree, 16 bus slots, an earlier tree (BENCH_PREFILL_VARIANTS="new old slots16");
-# $OUT/prefill_ab.tar.gz), prompt_tests (bus share, grouped kernels and CPU kernel
-# prompt tests on CUDA; carry .whl_engine), profile_saved (scripts/profile_hybrid.py over the
+# with timelines on saved placements: this tree, 16 bus slots, an earlier tree, torch's copies instead of the driver's
+# (BENCH_PREFILL_VARIANTS="new old slots16 torchcopies"); $OUT/prefill_ab.tar.gz), prompt_tests (bus share, grouped
+# kernels and CPU kernel prompt tests on CUDA; carry .whl_engine; BENCH_PROMPT_TESTS: other files), refit_prompt
+# (workbench calibrate --refit-prompt on $OUT/h200.json: the prompt's host time per hybrid layer), profile_saved (scripts/profile_hybrid.py over the
 # placements stage engine ran, saved under /tmp/wb_placements), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
 # 12 GiB, then scripts/profile_decode.py into $OUT/decode),
 # calibrate ($OUT/h200.json, then the profile of the stages after it), engine (`workbench bench
@@ -279,6 +280,7 @@ stage_prefill_ab() {  # the prompt of saved placements ($BENCH_PREFILL_PLACEMENT
                 local env=() path="$PWD"
                 [ "$v" = old ] && { [ -d "${BENCH_OLD_TREE:-}" ] || continue; path="$(cd "$BENCH_OLD_TREE" && pwd)"; }
                 [ "$v" = slots16 ] && env=(WORKBENCH_BUS_SLOTS=16)
+                [ "$v" = torchcopies ] && env=(WORKBENCH_NATIVE_COPIES=0)
                 [ "$(left)" -lt 40 ] && { log "no time left for $st $v"; continue; }
                 log "profile_prefill $st $v ($(left) s left)"
                 env "${env[@]}" PYTHONPATH="$path:/tmp/site" timeout 120 python3 scripts/profile_prefill.py --model "$f" \
@@ -293,10 +295,16 @@ stage_contention() {  # the bus's copies and the CPU's expert reads, alone and a
     log "bus against CPU contention"; timeout 120 python3 scripts/time_bus_contention.py --threads ${BENCH_CONTENTION_THREADS:-4,8,15} \
         --json "$OUT/contention.json" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
 }
-stage_prompt_tests() {  # the prompt paths' tests on CUDA: bus share, grouped kernels, CPU kernel (carry .whl_engine)
+stage_prompt_tests() {  # the prompt paths' tests on CUDA: bus share, grouped kernels, CPU kernel (carry .whl_engine;
+    # BENCH_PROMPT_TESTS: other test files)
     log "prompt tests"; WORKBENCH_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
-        tests/engine/test_bus_share.py tests/engine/test_prefill_kernels.py tests/engine/test_cpu_kernel_prompt.py \
+        ${BENCH_PROMPT_TESTS:-tests/engine/test_bus_share.py tests/engine/test_prefill_kernels.py tests/engine/test_cpu_kernel_prompt.py} \
         >"$OUT/prompt_tests.txt" 2>&1; log "prompt tests rc $?"; tail -3 "$OUT/prompt_tests.txt" | tee -a "$OUT/device.log"
+}
+stage_refit_prompt() {  # the prompt's host time per hybrid layer fitted on top of $OUT/h200.json (workbench calibrate --refit-prompt)
+    [ -f "$OUT/h200.json" ] || { log "refit_prompt needs \$OUT/h200.json"; return; }
+    log "refit prompt"; timeout 200 python3 -m workbench -v calibrate --refit-prompt "$OUT/h200.json" -o "$OUT/h200.json" \
+        2>>"$OUT/device.log" | tail -3 | tee -a "$OUT/device.log"; grep -h "engine prompt" "$OUT/device.log" | tail -1
 }
 stage_profile_saved() {  # decode host phases (scripts/profile_hybrid.py) of the placements the skewed run ran
     local p=/tmp/wb_profile_saved; rm -rf "$p"; mkdir -p "$p"

@@ -172,6 +172,20 @@ def test_prefill_counts_the_experts_a_prompts_actual_counts_send():
     assert below.bus == 0 and below.cpu > 0
 
 
+def test_a_prompts_host_time_per_hybrid_layer_counts_once_per_hybrid_layer_and_chunk():
+    """``prompt_sync_s`` lengthens each prompt chunk's layers that hold CPU-tier experts by itself, and
+    leaves all-resident layers and decode alone."""
+    inv = synth_inventory(4, 8, hidden=1024, expert_ffn=512, top_k=2)
+    base = h200_profile()
+    slow = dataclasses.replace(base, prompt_sync_s=1e-3)
+    p = placement_n_cpu_moe(inv, 2)  # two layers' experts on the CPU
+    a, b = CostModel(inv, base).predict(p, prompt_tokens=1024), CostModel(inv, slow).predict(p, prompt_tokens=1024)
+    assert b.decode_tps == a.decode_tps
+    added = [y.total - x.total for x, y in zip(a.prefill_layers, b.prefill_layers)]
+    assert added == pytest.approx([1e-3, 1e-3, 0, 0])
+    assert 1024 / b.prefill_tps - 1024 / a.prefill_tps == pytest.approx(2 * 2 * 1e-3)  # two chunks of 512
+
+
 def test_predict_is_fast_for_94_layers_by_256_experts():
     inv = synth_inventory(94, 256, hidden=4096, expert_ffn=1536, top_k=8, vocab=151936, n_heads=64, n_kv_heads=4,
                           head_dim=128)

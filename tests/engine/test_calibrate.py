@@ -148,6 +148,23 @@ def test_cli_takes_the_expert_shape_from_a_model(tiny_model_dir, capsys):
     assert main(["calibrate", "--model", str(path / "missing")]) == 2
 
 
+def test_cli_refits_the_prompt_only_on_cuda(tmp_path, capsys, monkeypatch):
+    """``--refit-prompt`` times the engine's prompts: without CUDA it says so (exit 2), and a missing
+    profile is named."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    prof = tmp_path / "p.json"
+    from workbench.core.hardware import preset
+
+    preset("bench-h200").save(prof)
+    assert main(["calibrate", "--refit-prompt", str(prof)]) == 2
+    assert "no CUDA GPU here" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(["calibrate", "--refit-prompt", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not cpu_kernel.available(), reason="the fused CPU kernel does not build here")
 def test_kept_quant_formats_are_timed_with_their_fused_kernels():
     """Q8_0 and Q4_K experts (kept as blocks by the engine) get their own CPU rates for the cost model,

@@ -141,3 +141,32 @@ def test_a_quarter_of_the_calibration_experts_is_eight_times_the_l3(monkeypatch)
     n = calibrate_engine.calibration_experts(2048, 768, 8, room=room)
     assert n % 32 == 0 and n * layers * expert <= room / 2 < (n + 32) * layers * expert
     assert calibrate_engine.calibration_experts(2048, 768, 8, room=2**20) == calibrate_engine.EXPERTS  # the floor
+
+
+def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
+    """``prompt_sync_s`` is the host time per hybrid prompt layer at which the model predicts the two
+    fitted prompts on average (half and all of the experts on the CPU); it reaches the predictions
+    and nothing else of the profile."""
+    monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
+    monkeypatch.setattr(calibrate_engine, "PROMPT_TOKENS", 48)
+    real, seen = calibrate_engine._prompt_seconds, []
+
+    def slower(inv, placement, device, pair_reads):  # a host that spends 2 ms more per prompt than the model
+        seen.append((inv, placement))
+        return real(inv, placement, device, pair_reads) + 2e-3
+
+    monkeypatch.setattr(calibrate_engine, "_prompt_seconds", slower)
+    base = preset("bench-h200")
+    fitted, info = calibrate_engine.fit_prompt_costs(base, 64, 32, 2, n_heads=4, n_kv_heads=2, head_dim=16,
+                                                     device="cpu", experts=8)
+    assert len(seen) == 2 and info["prompt_sync_s"] == fitted.prompt_sync_s >= 0
+    assert fitted.sync_s == base.sync_s and fitted.cpu_expert_throughput == base.cpu_expert_throughput
+    if fitted.prompt_sync_s > 0:  # both runs have 8 hybrid layers: the mean error is 0
+        mean_err = (info["half_predicted_s"] - info["half_s"] + info["cpu_predicted_s"] - info["cpu_s"]) / 2
+        assert mean_err == pytest.approx(0.0, abs=1e-6)
+        assert info["prompt_sync_s"] == pytest.approx(sum(info["per_run"]) / 2)
+    else:
+        assert max(info["per_run"]) <= 0 or sum(info["per_run"]) <= 0
+    from workbench.core.hardware import HardwareProfile
+
+    assert HardwareProfile.from_json(fitted.to_json()).prompt_sync_s == fitted.prompt_sync_s

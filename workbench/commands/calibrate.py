@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "others are rated as q4_k)")
     parser.add_argument("--cpu-only", action="store_true", help="do not measure GPUs even if CUDA is present")
     parser.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: torch's choice)")
+    parser.add_argument("--refit-prompt", metavar="PROFILE",
+                        help="measure nothing else: fit only the prompt's host time per hybrid layer (CUDA, "
+                             "~30 s) on top of this saved profile")
 
 
 def _shape(args: argparse.Namespace) -> tuple[int, int]:
@@ -72,7 +75,8 @@ def format_profile(p: HardwareProfile) -> str:
     lines += [
         f"  host->GPU pinned {_rate(p.h2d_pinned)}, pageable {_rate(p.h2d_pageable)}; "
         f"GPU->host pinned {_rate(p.d2h_pinned)}{tag('h2d_pinned')}",
-        f"  sync per layer {p.sync_s * 1e6:.0f} us{tag('sync_s')}",
+        f"  sync per layer {p.sync_s * 1e6:.0f} us{tag('sync_s')}; host time per hybrid prompt layer "
+        f"{p.prompt_sync_s * 1e6:.0f} us{tag('prompt_sync_s')}",
         f"  host RAM {bytes2human(p.host_ram_bytes)}, read {_rate(p.host_read_bandwidth)}{tag('host_read_bandwidth')}",
         f"  CPU {p.cpu_cores} cores, bf16 GEMM {p.cpu_flops / 1e12:.2f} TFLOP/s{tag('cpu_flops')}",
         "  CPU experts (batch 1, bytes of weights/s):"
@@ -104,6 +108,14 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     t0 = time.perf_counter()
+    if args.refit_prompt:
+        from workbench.engine.calibrate import refit_prompt
+
+        if not torch.cuda.is_available():
+            raise WorkbenchError("--refit-prompt times the engine's prompts on CUDA, and there is no CUDA GPU here")
+        base = HardwareProfile.load(args.refit_prompt)
+        prof = refit_prompt(base, hidden, ffn, report=lambda m: print(m, file=sys.stderr, flush=True))
+        return _finish(args, prof)
 
     def progress(fraction: float, message: str) -> None:  # with the seconds since the start
         if show:
@@ -119,6 +131,11 @@ def run(args: argparse.Namespace) -> int:
         use_cuda=False if args.cpu_only else None,
         kquants=tuple(f.strip().lower() for f in args.kquants.split(",") if f.strip()),
     )
+    return _finish(args, prof)
+
+
+def _finish(args: argparse.Namespace, prof: HardwareProfile) -> int:
+    """Save and print ``prof`` as the arguments ask."""
     problems = prof.problems()
     if args.output:
         prof.save(args.output)

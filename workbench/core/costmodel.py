@@ -723,7 +723,7 @@ class CostModel:
             choose_cpu &= ~stream
         cpu += (on_cpu * host * choose_cpu).sum(axis=1)
         bus += (fetch * host * ~choose_cpu).sum(axis=1)
-        sync += np.where(host.any(axis=1) | sampled, prof.sync_s, 0.0)
+        sync += np.where(host.any(axis=1) | sampled, prof.sync_s + prof.prompt_sync_s, 0.0)
         out = []
         for layer in range(L):
             gpu_t = max([v[layer] for v in lanes.values()] or [0.0])

@@ -783,12 +783,34 @@ def calibrate(
             prof = replace(prof, provenance=prof.provenance | {"sync_s": "fitted to the engine"})
         except (WorkbenchError, RuntimeError, OSError) as e:
             run.report(f"engine decode not timed ({e}); launch and sync stay as measured")
+        prof = refit_prompt(prof, hidden, expert_ffn, top_k, run.report)
     run.done_weight = 1.0
     run.report(f"done in {time.perf_counter() - run.t0:.1f} s")
     return prof
 
 
 _GPU_SIDE = ("gpus", "h2d_pinned", "h2d_pageable", "d2h_pinned", "sync_s")
+
+
+def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int = 8,
+                 report: Callable[[str], None] | None = None, device: str = "cuda") -> HardwareProfile:
+    """``prof`` with ``prompt_sync_s`` fitted to the engine's prompts at this expert shape
+    (``calibrate_engine.fit_prompt_costs``, ~30 s on CUDA); ``prof`` as it was, with the reason
+    reported, when the engine cannot run them."""
+    from .calibrate_engine import fit_prompt_costs
+
+    say = report or (lambda message: log.info("%s", message))
+    try:
+        fitted, fit = fit_prompt_costs(prof, hidden, expert_ffn, top_k, device=device)
+    except (WorkbenchError, RuntimeError, OSError) as e:
+        say(f"engine prompts not timed ({e}); the prompt's host time per hybrid layer stays "
+            f"{prof.prompt_sync_s * 1e6:.0f} us")
+        return prof
+    say(f"engine prompt of 512 tokens: {fit['half_s'] * 1e3:.1f} ms with half the experts on the CPU, "
+        f"{fit['cpu_s'] * 1e3:.1f} ms with all ({fit['half_predicted_s'] * 1e3:.1f} / "
+        f"{fit['cpu_predicted_s'] * 1e3:.1f} ms predicted); host time per hybrid prompt layer "
+        f"{fit['prompt_sync_s'] * 1e6:.0f} us")
+    return replace(fitted, provenance=fitted.provenance | {"prompt_sync_s": "fitted to the engine"})
 
 
 def _prefill_flops(run: _Run, experts, hidden: int, ffn: int, tokens: int = 32) -> float:

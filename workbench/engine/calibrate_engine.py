@@ -39,6 +39,9 @@ from workbench.core.readers import open_model
 log = logging.getLogger(__name__)
 
 LAYERS, EXPERTS, VOCAB, STEPS, REPEATS = 8, 32, 2048, 24, 2
+PROMPT_TOKENS, PROMPT_EXPERTS = 512, 128
+"""The prompt fit's prompt (one chunk) and experts per layer (at the Qwen3-30B-A3B shape a layer's
+prompt picks each about 32 times, as Qwen3-30B-A3B's own 128 experts are)."""
 MAX_EXPERTS = 256
 
 
@@ -206,6 +209,76 @@ def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str =
                  "(kernels alone %.0f GB/s)", LAYERS, fmt, t * 1e3, rates[fmt] / 1e9, measured / 1e9)
     gpus = (replace(g0, expert_throughput=rates),) + tuple(prof.gpus[1:])
     return replace(prof, gpus=gpus), info
+
+
+def _prompt_seconds(inv, placement, device: str, pair_reads: float | None) -> float:
+    """Median seconds of ``REPEATS + 1`` prompts of ``PROMPT_TOKENS`` random tokens under ``placement``
+    (after one untimed: kernels tuned, stacks page-locked), with the engine's default bus share and
+    the profile's cost per further token of a CPU expert (``pair_reads``), as the bench runs them."""
+    from .bench import _sync
+    from .engine import Engine
+
+    tokens = PROMPT_TOKENS
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    engine = Engine.load(inv, placement, device=device, dtype=dtype, max_context=tokens + 8)
+    try:
+        engine.set_prompt_pair_reads(pair_reads)
+        ids = torch.randint(0, VOCAB, (tokens,), generator=torch.Generator().manual_seed(0))
+        engine.forward(ids, 0, last_only=True)
+        times = []
+        for _ in range(REPEATS + 1):
+            _sync(engine.device)
+            t = time.perf_counter()
+            engine.forward(ids, 0, last_only=True)[-1].argmax().item()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+    finally:
+        engine.close()
+
+
+def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n_heads: int = 32,
+                     n_kv_heads: int = 4, head_dim: int = 128, device: str = "cuda",
+                     experts: int | None = None) -> tuple[HardwareProfile, dict]:
+    """``prof`` with ``prompt_sync_s`` fitted to the engine's prompts: a ``PROMPT_TOKENS``-token prompt
+    of a ``LAYERS``-layer model of ``experts`` (default ``PROMPT_EXPERTS``, fewer where memory is
+    short) experts at the given shape, with half of every layer's experts on the CPU and with all of
+    them there. Each run gives the value at which the model predicts it; the fit is their mean (a
+    negative one, the model already slower than the engine, counts as 0). Returns the profile and
+    ``{"half_s", "cpu_s", "half_predicted_s", "cpu_predicted_s", "prompt_sync_s", "per_run"}``
+    (seconds per prompt, the predictions at the fitted value; ``per_run``: each run's own value)."""
+    from workbench.core.costmodel import model_prompt_pair_reads
+
+    room = psutil.virtual_memory().available
+    if device == "cuda" and torch.cuda.is_available():
+        room = min(room, torch.cuda.mem_get_info()[0])
+    expert = 3 * hidden * ffn * 2
+    n = experts or max(top_k, min(PROMPT_EXPERTS, int(room / 2 / (LAYERS * expert))))
+    shape = synth.SynthShape("calibration", "qwen3moe", LAYERS, hidden, n_heads, n_kv_heads, head_dim,
+                             n, min(top_k, n), ffn, VOCAB, qk_norm=True)
+    with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
+        path = Path(tmp) / "calibration-prompt.gguf"
+        synth.write_gguf(path, shape, coverage_target=None)
+        inv = open_model(path)
+        pair_reads = model_prompt_pair_reads(inv, prof)
+        runs = [(_upper_on_cpu(inv, 0.5), None), (placement_cpu_moe(inv), None)]
+        runs = [(p, _prompt_seconds(inv, p, device, pair_reads)) for p, _ in runs]
+
+    def seconds(v: float, placement) -> float:
+        p = replace(prof, prompt_sync_s=v)
+        return PROMPT_TOKENS / CostModel(inv, p).predict(placement, PROMPT_TOKENS + 8,
+                                                           prompt_tokens=PROMPT_TOKENS).prefill_tps
+
+    per_run = [(measured - seconds(0.0, p)) / max(1e-12, (seconds(1e-3, p) - seconds(0.0, p)) / 1e-3)
+               for p, measured in runs]
+    value = max(0.0, float(np.mean(per_run)))
+    fitted = replace(prof, prompt_sync_s=value)
+    info = {"half_s": runs[0][1], "cpu_s": runs[1][1], "half_predicted_s": seconds(value, runs[0][0]),
+            "cpu_predicted_s": seconds(value, runs[1][0]), "prompt_sync_s": value, "per_run": per_run}
+    log.info("engine prompt of %d tokens, %d layers of %d experts: %.1f ms with half on the CPU, %.1f ms with all "
+             "(predicted %.1f and %.1f); host time per hybrid prompt layer %.0f us (runs: %s)", PROMPT_TOKENS,
+             LAYERS, n, info["half_s"] * 1e3, info["cpu_s"] * 1e3, info["half_predicted_s"] * 1e3,
+             info["cpu_predicted_s"] * 1e3, value * 1e6, ", ".join(f"{v * 1e6:.0f}" for v in per_run))
+    return fitted, info
 
 
 def _fit_host(model, runs: list, u0: float) -> tuple[float | None, float]:
