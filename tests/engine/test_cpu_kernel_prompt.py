@@ -128,14 +128,18 @@ def test_each_token_of_a_prompt_matches_its_own_decode_call(kernel, quant_dots, 
             assert relative_error(y[t], own) < 1e-6, t
 
 
-def test_a_prompt_runs_in_the_background(kernel):
+@pytest.mark.parametrize("inference", [False, True])
+def test_a_prompt_runs_in_the_background(kernel, inference):
+    """The background run makes x's float copy and its zeroed result on its own thread, also for the
+    engine's inference-mode tensors, and returns what the inline call does."""
     gen = torch.Generator().manual_seed(5)
     w13, w2 = random_experts(8, 256, 128, torch.bfloat16, gen)
-    x = torch.randn(32, 256, generator=gen).to(torch.bfloat16)
     tokens, rows, weights = prompt_pairs(32, 4, 8, gen)
-    inline = kernel.moe_decode(x, w13, w2, rows, weights, tokens=tokens)
-    pending = kernel.moe_decode(x, w13, w2, rows, weights, background=1, tokens=tokens)
-    kernel.wait()
+    with torch.inference_mode(inference):
+        x = torch.randn(32, 256, generator=gen).to(torch.bfloat16)
+        inline = kernel.moe_decode(x, w13, w2, rows, weights, tokens=tokens)
+        pending = kernel.moe_decode(x, w13, w2, rows, weights, background=1, tokens=tokens)
+        kernel.wait()
     assert torch.equal(pending, inline)
 
 

@@ -94,7 +94,8 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
         weights: ``[n]`` per-expert weights (converted to float32).
         background: 0 to run on this thread; else the run starts on the extension's own thread on
             ``background`` threads and this returns at once: the result is valid after ``wait()``
-            (one background run at a time; the weights must stay alive until then).
+            (one background run at a time; the weights must stay alive, and ``x`` unchanged, until then:
+            ``x``'s float copy and the zeroed result are made there too).
         tokens: ``[n]`` int64 rows of a 2-D ``x`` (one per pair); None for a 1-D ``x``.
         b13, b2: ``[E, 2I]`` and ``[E, H]`` float32 expert biases (both or neither), contiguous.
         act: ``("silu",)`` or ``("clamped_swiglu", alpha, limit)`` (``ACTIVATIONS``).

@@ -493,7 +493,7 @@ class LayerExperts:
         token_host = np.repeat(np.arange(T), k)
         cpu_sel = np.nonzero(tiers == COMPUTE)[0]
         bus_y = finish = fetched = sent = None
-        early = False
+        early = 0
         if cpu_sel.size and self.bus is not None and T > 1:  # experts many tokens select: to the GPU once
             sent, cpu_sel = self._prefill_split(ids_host, cpu_sel)  # first, so that the copies start at once
             early = self._fetch_first(x, ids_host, sent, scale_input)  # the bus starts before the CPU's setup
@@ -671,21 +671,27 @@ class LayerExperts:
             return prefill_kernels.takes_blocks(x, layout[0], self.act, self.bias)
         return prefill_kernels.usable_for(x, *slots, sb13, sb2, self.act)
 
-    def _fetch_first(self, x: torch.Tensor, ids_host: np.ndarray, sel: np.ndarray, scale_input: bool) -> bool:
-        """On CUDA with the grouped kernels: queue the copies of the first batch of the experts of the
-        pairs ``sel`` (``_run_fetched``'s first batch) right away, with the bus's kernel stream waiting
-        for them, so that the bus starts while this thread sets up the CPU's share. True if queued."""
+    def _fetch_first(self, x: torch.Tensor, ids_host: np.ndarray, sel: np.ndarray, scale_input: bool) -> int:
+        """On CUDA with the grouped kernels: queue the copies of the first two batches of the experts of
+        the pairs ``sel`` (``_run_fetched``'s first batches, one in each half of the slots) right away,
+        with the bus's kernel stream waiting for them, so that the bus runs while this thread sets up
+        the CPU's share and the batches' kernels. Returns how many batches it queued (0 to 2)."""
         if not sel.size or not x.is_cuda or not self._fetch_kernels_usable(x, scale_input):
-            return False
-        batch = np.unique(ids_host[sel])[:self.bus.half_slots]
+            return 0
+        n = self.bus.half_slots
+        halves = 2 if 2 * n <= self.bus.slots else 1  # one slot: both halves are that slot
+        uniq = np.unique(ids_host[sel])[:halves * n]
         side = self.bus.kernel_stream
         side.wait_stream(torch.cuda.current_stream(x.device))  # x and the routing weights are ready there
+        stacks, layout = self.bus_stacks(), self.kept_layout()
         with torch.cuda.stream(side):
-            self.bus.fetch(0, batch, self.local[batch], self.bus_stacks(), self.kept_layout(), self.bias)
-        return True
+            for b, start in enumerate(range(0, uniq.size, n)):
+                batch = uniq[start:start + n]
+                self.bus.fetch(b, batch, self.local[batch], stacks, layout, self.bias)
+        return -(-uniq.size // n)
 
     def _run_fetched(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
-                     sel: np.ndarray, out: torch.Tensor, scale_input: bool, early: bool = False):
+                     sel: np.ndarray, out: torch.Tensor, scale_input: bool, early: int = 0):
         """Copy the experts of the pairs ``sel`` to the GPU slots (``bus.half_slots`` at a time, the two
         halves alternating; kept blocks travel and stay blocks) and compute their pairs there, queued
         without waiting. Returns a function that adds them to ``out`` (the caller queues the
@@ -695,8 +701,8 @@ class LayerExperts:
         batch is only its copies and two kernel launches over its slice of one tile table, and on
         CUDA all of it runs on the bus's ``kernel_stream``: the copies start before the resident
         tier's kernels are queued, and the batches' kernels do not wait behind them; the returned
-        function has the layer's stream wait for them before it adds their sum. ``early``: the first
-        batch's copies were queued already (``_fetch_first``)."""
+        function has the layer's stream wait for them before it adds their sum. ``early``: how many of
+        the first batches' copies were queued already (``_fetch_first``)."""
         experts = ids_host[sel]
         n = self.bus.half_slots
         stacks, layout = self.bus_stacks(), self.kept_layout()
@@ -741,11 +747,11 @@ class LayerExperts:
         return None
 
     def _fetched_kernels(self, x, token, flat_w, pairs, uniq, starts, counts, stacks, layout, args, fmt, sb13, sb2,
-                         early: bool = False):
+                         early: int = 0):
         """The grouped-kernel path of ``_run_fetched`` on the current stream: ``(tokens [n], weighted
         outputs [n, H])`` of the pairs ``pairs`` (sorted by expert; ``uniq``/``starts``/``counts`` their
         experts), or None if the kernels failed before computing anything (they are then off).
-        ``early``: the first batch is in its half already, with this stream waiting for it."""
+        ``early``: the first ``early`` batches are in their halves already, with this stream waiting."""
         n = self.bus.half_slots
         j = np.arange(uniq.size)
         slot = np.where((j // n) % 2 == 1, self.bus.half_base(1), self.bus.half_base(0)) + j % n
@@ -759,7 +765,7 @@ class LayerExperts:
         begin = 0
         for b, start in enumerate(range(0, uniq.size, n)):
             batch = uniq[start:start + n]
-            if b or not early:
+            if b >= early:
                 self.bus.fetch(b % 2, batch, self.local[batch], stacks, layout, self.bias)
             try:
                 prefill_kernels.grouped_into(xs, tiles_t[begin:ends[b]], *args[:2], h, ys, *args[2:], fmt=fmt,

@@ -1333,7 +1333,8 @@ Background& background() {
 // [n]), group the pairs by row, run
 // run(x f32 [T, H], pairs, out f32 [T, H]) without the GIL, return out ([H] for a 1-D x). With
 // ``threads`` > 0 the run goes to the background thread on that many threads and ``out`` is valid
-// after ``wait_background()``; ``run`` must then hold its tensors by value. Bad input is raised with
+// after ``wait_background()``; ``run`` must then hold its tensors by value, and x must not change
+// until then (it is read there). Bad input is raised with
 // the GIL held (an exception leaving a GIL-released call crashed the process with PyTorch 2.11 on
 // Python 3.12).
 template <typename Run>
@@ -1353,16 +1354,23 @@ at::Tensor checked_run(const char* name, const at::Tensor& x, const at::Tensor& 
     TORCH_CHECK(rp[j] >= 0 && rp[j] < E, name, ": rows[", j, "] = ", rp[j], " is outside [0, ", E, ")");
     TORCH_CHECK(!tp || (tp[j] >= 0 && tp[j] < T), name, ": tokens[", j, "] is outside [0, ", T, ")");
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::zeros(x.dim() == 2 ? at::IntArrayRef({T, H}) : at::IntArrayRef({H}),
-                             x.options().dtype(at::kFloat));
+  const std::vector<int64_t> shape = x.dim() == 2 ? std::vector<int64_t>{T, H} : std::vector<int64_t>{H};
   Pairs pr = group_pairs(rp, tp, wt.data_ptr<float>(), n);
   pr.act = act;
-  if (threads > 0) {
-    background().submit([xf, out, pr = std::move(pr), run]() { run(xf.data_ptr<float>(), pr, out.data_ptr<float>()); },
-                        static_cast<int>(threads));
+  if (threads > 0) {  // x's float copy and out's zeros are made there too: off the caller's thread
+    at::Tensor out = at::empty(shape, x.options().dtype(at::kFloat));
+    background().submit(
+        [x, out, pr = std::move(pr), run]() {
+          // raw zeros: an in-place op on the caller's inference-mode tensor is refused on this thread
+          std::memset(out.data_ptr<float>(), 0, static_cast<size_t>(out.numel()) * sizeof(float));
+          const at::Tensor xf = x.to(at::kFloat).contiguous();
+          run(xf.data_ptr<float>(), pr, out.data_ptr<float>());
+        },
+        static_cast<int>(threads));
     return out;
   }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::zeros(shape, x.options().dtype(at::kFloat));
   if (n == 0) return out;
   py::gil_scoped_release nogil;
   run(xf.data_ptr<float>(), pr, out.data_ptr<float>());
