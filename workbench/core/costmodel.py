@@ -712,8 +712,9 @@ class CostModel:
             compute = host & ~stream
             for layer in np.flatnonzero(compute.any(axis=1)):
                 cols = np.flatnonzero(compute[layer])
-                c, f = self._sampled_split(layer, cols, n_tok[layer, cols], h2d[layer, cols])
-                cpu[layer] += c
+                c, f, read = self._sampled_split(layer, cols, n_tok[layer, cols], h2d[layer, cols])
+                # both lanes read the CPU tier from host RAM: together at most its read rate
+                cpu[layer] += max(c, read / (prof.host_read_bandwidth * self.engine.shared_read))
                 bus[layer] += f
                 sampled[layer] = True
                 host[layer, cols] = False  # done
@@ -732,9 +733,9 @@ class CostModel:
         return out
 
     def _sampled_split(self, layer: int, cols: np.ndarray, n_tok: np.ndarray, h2d: np.ndarray
-                       ) -> tuple[float, float]:
-        """Expected CPU and bus seconds of one prompt chunk for the CPU-compute experts ``cols`` of
-        ``layer`` under the engine's split (``prefill_fetch``), which decides on the chunk's actual
+                       ) -> tuple[float, float, float]:
+        """Expected CPU and bus seconds, and the bytes both read from host RAM, of one prompt chunk for
+        the CPU-compute experts ``cols`` of ``layer`` under the engine's split (``prefill_fetch``), which decides on the chunk's actual
         token counts: averaged over ``PROMPT_DRAWS`` draws of those counts (Poisson, mean ``n_tok``
         tokens per expert; fixed seed). An expert near the always-fetch threshold travels in some
         draws and not in others, and the engine sends more of them than the mean counts would.
@@ -746,7 +747,7 @@ class CostModel:
         rng = np.random.default_rng(layer)
         counts = rng.poisson(np.broadcast_to(n_tok, (PROMPT_DRAWS, len(cols))))
         gpu_per_token = 2.0 * self.expert_params[layer, cols] / self._gpu(0).bf16_flops  # seconds
-        cpu = bus = 0.0
+        cpu = bus = read = 0.0
         for draw in counts:
             used = draw > 0
             sent = np.zeros(len(cols), dtype=bool)
@@ -754,7 +755,8 @@ class CostModel:
             stay = used & ~sent
             cpu += float((b[stay] * cpu_prompt_reads(draw[stay], pair, gemm) / rate[stay]).sum())
             bus += float((b[sent] / h2d[sent] + gpu_per_token[sent] * draw[sent]).sum())
-        return cpu / PROMPT_DRAWS, bus / PROMPT_DRAWS
+            read += float(b[used].sum())
+        return cpu / PROMPT_DRAWS, bus / PROMPT_DRAWS, read / PROMPT_DRAWS
 
 
 def lru_hit_probs(q: np.ndarray, slots: int) -> np.ndarray:
