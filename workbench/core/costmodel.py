@@ -714,7 +714,7 @@ class CostModel:
                 cols = np.flatnonzero(compute[layer])
                 c, f, read = self._sampled_split(layer, cols, n_tok[layer, cols], h2d[layer, cols])
                 # both lanes read the CPU tier from host RAM: together at most its read rate
-                cpu[layer] += max(c, read / (prof.host_read_bandwidth * self.engine.shared_read))
+                cpu[layer] += max(c, read / (prof.host_read_bandwidth * self.engine.shared_read)) if c > 0 else 0.0
                 bus[layer] += f
                 sampled[layer] = True
                 host[layer, cols] = False  # done
