@@ -14,7 +14,7 @@
 # and bf16 at the budget, planned and saved by a short run of ours), contention (scripts/time_bus_contention.py: the bus's
 # copies and the CPU's expert reads alone and at once; $OUT/contention.json), prefill_ab (scripts/profile_prefill.py
 # with timelines on saved placements: this tree, 16 bus slots, an earlier tree, torch's copies instead of the driver's
-# (BENCH_PREFILL_VARIANTS="new old slots16 torchcopies"); $OUT/prefill_ab.tar.gz), prompt_tests (bus share, grouped
+# (BENCH_PREFILL_VARIANTS="new old slots16 torchcopies early2"; early2: two batches fetched before the CPU's setup); $OUT/prefill_ab.tar.gz), prompt_tests (bus share, grouped
 # kernels and CPU kernel prompt tests on CUDA; carry .whl_engine; BENCH_PROMPT_TESTS: other files), refit_prompt
 # (workbench calibrate --refit-prompt on $OUT/h200.json: the prompt's host time per hybrid layer), profile_saved (scripts/profile_hybrid.py over the
 # placements stage engine ran, saved under /tmp/wb_placements), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
@@ -281,6 +281,7 @@ stage_prefill_ab() {  # the prompt of saved placements ($BENCH_PREFILL_PLACEMENT
                 [ "$v" = old ] && { [ -d "${BENCH_OLD_TREE:-}" ] || continue; path="$(cd "$BENCH_OLD_TREE" && pwd)"; }
                 [ "$v" = slots16 ] && env=(WORKBENCH_BUS_SLOTS=16)
                 [ "$v" = torchcopies ] && env=(WORKBENCH_NATIVE_COPIES=0)
+                [ "$v" = early2 ] && env=(WORKBENCH_EARLY_BATCHES=2)
                 [ "$(left)" -lt 40 ] && { log "no time left for $st $v"; continue; }
                 log "profile_prefill $st $v ($(left) s left)"
                 env "${env[@]}" PYTHONPATH="$path:/tmp/site" timeout 120 python3 scripts/profile_prefill.py --model "$f" \

@@ -44,6 +44,7 @@ def test_share_splits_the_cpu_selected_experts(fraction, n, expect):
     ("WORKBENCH_PREFILL_FETCH_TOKENS", bus.fetch_tokens_from_env, bus.PREFILL_FETCH_TOKENS, "40", 40),
     ("WORKBENCH_PROMPT_PAIR_READS", engine_mod._pair_reads_from_env, None, "0.2", 0.2),
     ("WORKBENCH_BUS_SLOTS", bus.slots_from_env, bus.SLOTS, "24", 24),
+    ("WORKBENCH_EARLY_BATCHES", bus.early_batches_from_env, 1, "2", 2),
 ])
 def test_settings_from_the_environment(name, read, default, given, value, monkeypatch):
     monkeypatch.setenv(name, given)

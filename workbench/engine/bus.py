@@ -22,7 +22,8 @@ always travel; of the others the hottest travel and the coldest stay with the CP
 (``costmodel.prefill_fetch``: the CPU's fused kernel costs a weight read plus what each further
 token costs, as calibration measured it or a read per token, a copy about ``(1 - fraction) /
 fraction`` reads), and the CPU computes them on its own thread meanwhile.
-``WORKBENCH_PREFILL_FETCH_TOKENS`` sets the threshold for measuring other splits. Device slots:
+``WORKBENCH_PREFILL_FETCH_TOKENS`` sets the threshold for measuring other splits; the first batch's
+copies are queued before the CPU's share is set up (``WORKBENCH_EARLY_BATCHES=2``: the first two). Device slots:
 ``costmodel.BUS_SLOTS`` experts (151 MB at the Qwen3-30B-A3B shape in bf16, 80 MB in Q8_0;
 ``WORKBENCH_BUS_SLOTS`` sets another count, for measuring). A prompt's fetched experts are computed
 on a stream of their own (``kernel_stream``), so that the resident tier's kernels, queued on the
@@ -82,6 +83,12 @@ def fetch_tokens_from_env() -> int:
     expert for it to be fetched to the GPU (default ``costmodel.PREFILL_FETCH_TOKENS``, which the
     cost model predicts with; for measuring other splits)."""
     return _whole_from_env("WORKBENCH_PREFILL_FETCH_TOKENS", PREFILL_FETCH_TOKENS, 1)
+
+
+def early_batches_from_env() -> int:
+    """``WORKBENCH_EARLY_BATCHES``: how many of a prompt layer's fetched batches are queued before the
+    CPU's share is set up (1, the measured default; 2, one in each half of the slots, for measuring)."""
+    return min(2, _whole_from_env("WORKBENCH_EARLY_BATCHES", 1, 1))
 
 
 def slots_from_env() -> int:
@@ -171,6 +178,7 @@ class BusShare:
         self.ready = [torch.cuda.Event() for _ in range(2)] if self.cuda else None  # prefill: two halves
         self.free = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
         self.fetch_tokens = fetch_tokens_from_env()
+        self.early_batches = early_batches_from_env()
         self._slots: dict[tuple | None, list[torch.Tensor]] = {}
         self._set = np.zeros(0, dtype=np.int64)
         self.registered: dict[int, list[torch.Tensor]] = {}  # by id() of the owner (a LayerExperts)

@@ -672,14 +672,14 @@ class LayerExperts:
         return prefill_kernels.usable_for(x, *slots, sb13, sb2, self.act)
 
     def _fetch_first(self, x: torch.Tensor, ids_host: np.ndarray, sel: np.ndarray, scale_input: bool) -> int:
-        """On CUDA with the grouped kernels: queue the copies of the first two batches of the experts of
-        the pairs ``sel`` (``_run_fetched``'s first batches, one in each half of the slots) right away,
-        with the bus's kernel stream waiting for them, so that the bus runs while this thread sets up
-        the CPU's share and the batches' kernels. Returns how many batches it queued (0 to 2)."""
+        """On CUDA with the grouped kernels: queue the copies of the first ``bus.early_batches`` batches
+        (1 or 2, one in each half of the slots) of the experts of the pairs ``sel`` (``_run_fetched``'s
+        first batches) right away, with the bus's kernel stream waiting for them, so that the bus runs
+        while this thread sets up the CPU's share. Returns how many batches it queued (0 to 2)."""
         if not sel.size or not x.is_cuda or not self._fetch_kernels_usable(x, scale_input):
             return 0
         n = self.bus.half_slots
-        halves = 2 if 2 * n <= self.bus.slots else 1  # one slot: both halves are that slot
+        halves = self.bus.early_batches if 2 * n <= self.bus.slots else 1  # one slot: both halves are it
         uniq = np.unique(ids_host[sel])[:halves * n]
         side = self.bus.kernel_stream
         side.wait_stream(torch.cuda.current_stream(x.device))  # x and the routing weights are ready there
