@@ -735,8 +735,8 @@ class CostModel:
     def _sampled_split(self, layer: int, cols: np.ndarray, n_tok: np.ndarray, h2d: np.ndarray
                        ) -> tuple[float, float, float]:
         """Expected CPU and bus seconds, and the bytes both read from host RAM, of one prompt chunk for
-        the CPU-compute experts ``cols`` of ``layer`` under the engine's split (``prefill_fetch``), which decides on the chunk's actual
-        token counts: averaged over ``PROMPT_DRAWS`` draws of those counts (Poisson, mean ``n_tok``
+        the CPU-compute experts ``cols`` of ``layer`` under the engine's split (``prefill_fetch``),
+        which decides on the chunk's actual token counts: averaged over ``PROMPT_DRAWS`` draws of those counts (Poisson, mean ``n_tok``
         tokens per expert; fixed seed). An expert near the always-fetch threshold travels in some
         draws and not in others, and the engine sends more of them than the mean counts would.
         A travelling expert costs its copy (``h2d``, B/s) and its tokens' GPU work."""

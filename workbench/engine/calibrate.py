@@ -797,7 +797,7 @@ def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int
     """``prof`` with ``prompt_sync_s`` fitted to the engine's prompts at this expert shape
     (``calibrate_engine.fit_prompt_costs``, ~30 s on CUDA); ``prof`` as it was, with the reason
     reported, when the engine cannot run them."""
-    from .calibrate_engine import fit_prompt_costs
+    from .calibrate_engine import PROMPT_TOKENS, fit_prompt_costs
 
     say = report or (lambda message: log.info("%s", message))
     try:
@@ -806,7 +806,7 @@ def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int
         say(f"engine prompts not timed ({e}); the prompt's host time per hybrid layer stays "
             f"{prof.prompt_sync_s * 1e6:.0f} us")
         return prof
-    say(f"engine prompt of 512 tokens: {fit['half_s'] * 1e3:.1f} ms with half the experts on the CPU, "
+    say(f"engine prompt of {PROMPT_TOKENS} tokens: {fit['half_s'] * 1e3:.1f} ms with half the experts on the CPU, "
         f"{fit['cpu_s'] * 1e3:.1f} ms with all ({fit['half_predicted_s'] * 1e3:.1f} / "
         f"{fit['cpu_predicted_s'] * 1e3:.1f} ms predicted); host time per hybrid prompt layer "
         f"{fit['prompt_sync_s'] * 1e6:.0f} us")

@@ -260,8 +260,8 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
         synth.write_gguf(path, shape, coverage_target=None)
         inv = open_model(path)
         pair_reads = model_prompt_pair_reads(inv, prof)
-        runs = [(_upper_on_cpu(inv, 0.5), None), (placement_cpu_moe(inv), None)]
-        runs = [(p, _prompt_seconds(inv, p, device, pair_reads)) for p, _ in runs]
+        runs = [(p, _prompt_seconds(inv, p, device, pair_reads)) for p in (_upper_on_cpu(inv, 0.5),
+                                                                             placement_cpu_moe(inv))]
 
     def seconds(v: float, placement) -> float:
         p = replace(prof, prompt_sync_s=v)

@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=1)
