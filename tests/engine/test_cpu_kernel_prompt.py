@@ -143,6 +143,49 @@ def test_a_prompt_runs_in_the_background(kernel, inference):
     assert torch.equal(pending, inline)
 
 
+@pytest.mark.parametrize("background", [0, 1])
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_k"])
+def test_the_result_goes_where_it_is_asked(kernel, fmt, background):
+    """``out``: the result is written there (stale values overwritten, also on the background thread)
+    and that very tensor comes back, equal to a call that makes its own."""
+    gen = torch.Generator().manual_seed(8)
+    H, ffn, e, T = 256, 256, 4, 9
+    tokens, rows, weights = prompt_pairs(T, 2, e, gen)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    if fmt == "bf16":
+        w13, w2 = random_experts(e, H, ffn, torch.bfloat16, gen)
+        call = lambda **kw: kernel.moe_decode(x, w13, w2, rows, weights, tokens=tokens, **kw)  # noqa: E731
+    elif fmt == "q8_0":
+        w13, w2 = random_experts(e, H, ffn, torch.float32, gen)
+        q13, d13, _ = _q8_0(w13)
+        q2, d2, _ = _q8_0(w2)
+        call = lambda **kw: kernel.moe_decode_q8(x, q13, d13, q2, d2, rows, weights, tokens=tokens, **kw)  # noqa: E731
+    else:
+        b13, _ = random_kquant(fmt, e * 2 * ffn, H, gen)
+        b2, _ = random_kquant(fmt, e * H, ffn, gen)
+        b13, b2 = b13.reshape(e, 2 * ffn, -1), b2.reshape(e, H, -1)
+        call = lambda **kw: kernel.moe_decode_q4k(x, b13, b2, rows, weights, tokens=tokens, **kw)  # noqa: E731
+    own = call()
+    dest = torch.full((T, H), 7.0)
+    got = call(out=dest, background=background)
+    if background:
+        kernel.wait()
+    assert got.data_ptr() == dest.data_ptr()
+    assert torch.equal(dest, own)
+
+
+@pytest.mark.parametrize("dest", [torch.zeros(9, 255), torch.zeros(9, 256, dtype=torch.bfloat16),
+                                  torch.zeros(256, 9).t()])
+def test_a_wrong_destination_is_refused(kernel, dest):
+    gen = torch.Generator().manual_seed(9)
+    w13, w2 = random_experts(4, 256, 128, torch.bfloat16, gen)
+    tokens, rows, weights = prompt_pairs(9, 2, 4, gen)
+    x = torch.randn(9, 256, generator=gen).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="out must be float32, contiguous"):
+        kernel.moe_decode(x, w13, w2, rows, weights, tokens=tokens, out=dest, background=1)
+    kernel.wait()  # nothing started: returns at once
+
+
 def test_q8_0_prompt_matches_ggufs_dequantization(kernel, quant_dots):
     gen = torch.Generator().manual_seed(6)
     H, ffn, e, T = 64, 64, 6, 12

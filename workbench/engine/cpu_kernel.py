@@ -76,7 +76,7 @@ ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor | np.ndarray,
                weights: torch.Tensor | np.ndarray, background: int = 0,
                tokens: torch.Tensor | np.ndarray | None = None, b13: torch.Tensor | None = None,
-               b2: torch.Tensor | None = None, act: tuple = ("silu",)) -> torch.Tensor:
+               b2: torch.Tensor | None = None, act: tuple = ("silu",), out: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted sum of the selected SwiGLU experts for one token (or for each token of a prompt), on
     the CPU.
 
@@ -99,9 +99,12 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
         tokens: ``[n]`` int64 rows of a 2-D ``x`` (one per pair); None for a 1-D ``x``.
         b13, b2: ``[E, 2I]`` and ``[E, H]`` float32 expert biases (both or neither), contiguous.
         act: ``("silu",)`` or ``("clamped_swiglu", alpha, limit)`` (``ACTIVATIONS``).
+        out: where the result goes instead of a new tensor: float32, contiguous, ``T * H`` values
+            (any shape), on the CPU, e.g. a page-locked buffer; overwritten (a background run zeroes it
+            on its own thread) and returned.
 
     Returns:
-        ``[H]`` (or ``[T, H]``) float32, accumulated in float32 throughout.
+        ``[H]`` (or ``[T, H]``) float32, accumulated in float32 throughout (``out`` when given).
 
     Runs on the intra-op threads of the calling thread, like any torch op: a thread takes
     ``torch.set_num_threads``' value when it first runs a parallel op and changes it only by
@@ -122,12 +125,14 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
     _check(x, w13, w2, rows, weights)
     tokens = _tokens(x, tokens, rows, lambda msg: _raise("moe_decode", msg))
     extra = act_args(act, b13, b2, "moe_decode")
-    return _start(lambda bg: mod.moe_decode(x.contiguous(), w13, w2, rows, weights, bg, tokens, *extra), background)
+    dest = _dest(out)
+    return _start(lambda bg: mod.moe_decode(x.contiguous(), w13, w2, rows, weights, bg, tokens, *extra, **dest),
+                  background)
 
 
 def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: torch.Tensor, d2: torch.Tensor,
                   rows: torch.Tensor | np.ndarray, weights: torch.Tensor | np.ndarray, background: int = 0,
-                  tokens: torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
+                  tokens: torch.Tensor | np.ndarray | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_decode`` for experts kept in GGUF's Q8_0 blocks (``value = d * q`` per 32 values along
     the input axis), read as they are: half the bytes of bf16.
 
@@ -136,7 +141,7 @@ def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: tor
         q13: ``[E, 2I, H]`` int8 and ``d13``: ``[E, 2I, H/32]`` float16: gate (first ``I`` rows) and up.
         q2: ``[E, H, I]`` int8 and ``d2``: ``[E, H, I/32]`` float16: down. ``H`` and ``I`` multiples of 32,
             all contiguous, on the CPU.
-        rows, weights, background, tokens: as in ``moe_decode``.
+        rows, weights, background, tokens, out: as in ``moe_decode``.
 
     Returns ``[H]`` (or ``[T, H]``) float32. Raises RuntimeError as ``moe_decode`` does.
     """
@@ -161,8 +166,17 @@ def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: tor
         fail(f"x must be bfloat16, float16 or float32 [H] or [T, H] with H = {H}, got {x.dtype} {list(x.shape)}")
     _check_rows(rows, weights, E, fail)
     tokens = _tokens(x, tokens, rows, fail)
-    return _start(lambda bg: mod.moe_decode_q8(x.contiguous(), q13, d13, q2, d2, rows, weights, bg, tokens),
+    dest = _dest(out)
+    return _start(lambda bg: mod.moe_decode_q8(x.contiguous(), q13, d13, q2, d2, rows, weights, bg, tokens, **dest),
                   background)
+
+
+def _dest(out) -> dict:
+    """The extension's ``out`` keyword: the destination, or an empty tensor (none: the extension
+    makes the result; its bindings take no None)."""
+    import torch
+
+    return {"out": torch.empty(0) if out is None else out}
 
 
 def _prepare(name: str, rows, weights):
@@ -236,7 +250,7 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
                    weights: torch.Tensor | np.ndarray, fmt13: str = "q4_k", fmt2: str = "q4_k",
                    background: int = 0, tokens: torch.Tensor | np.ndarray | None = None,
                    bias13: torch.Tensor | None = None, bias2: torch.Tensor | None = None,
-                   act: tuple = ("silu",)) -> torch.Tensor:
+                   act: tuple = ("silu",), out: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_decode`` for experts kept as raw GGUF blocks, read as they are: Q4_K (super-blocks of
     256 values in 144 bytes, 4.5 bits a value), Q5_K (176 bytes, 5.5 bits), Q6_K (210 bytes, 6.6
     bits), Q3_K (110 bytes, 3.4 bits), Q2_K (84 bytes, 2.6 bits), IQ4_XS (136 bytes, 4.25 bits) or
@@ -249,7 +263,7 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
             blocks.
         b2: ``[E, H, blocks.row_bytes(fmt2, I)]`` uint8: the down rows'. ``H`` and ``I`` multiples of the
             formats' blocks (256; MXFP4 32), contiguous.
-        rows, weights, background, tokens: as in ``moe_decode``.
+        rows, weights, background, tokens, out: as in ``moe_decode``.
         bias13, bias2, act: the experts' biases and activation, as ``moe_decode``'s ``b13``, ``b2``,
             ``act`` (gpt-oss).
 
@@ -283,8 +297,9 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
     tokens = _tokens(x, tokens, rows, fail)
     extra = act_args(act, bias13, bias2, "moe_decode_q4k")
     codes = KQUANT_CODES
+    dest = _dest(out)
     return _start(lambda bg: mod.moe_decode_kq(x.contiguous(), b13, codes[fmt13], b2, codes[fmt2], ffn, rows,
-                                               weights, bg, tokens, *extra), background)
+                                               weights, bg, tokens, *extra, **dest), background)
 
 
 def int8_dots(on: bool | None = None) -> bool:

@@ -448,6 +448,9 @@ class LayerExperts:
                 out = one_token_on(x, flat_ids, flat_w, rowmap, [self.w13[0], self.w2[0]], None, self.b13[0],
                                    self.b2[0], self.act)
             return out if extra is None else out + extra()
+        if self.needs_host and not (small and self.n_tier[RESIDENT]):  # host_part computes every pair
+            out = torch.zeros_like(x)
+            return out if extra is None else out + extra()
         if T == 1:  # one token: its k pairs read x as a view and sum with one reduction
             xt = x.expand(k, x.shape[1])
             pair_sum = lambda y: y.sum(0, keepdim=True)  # noqa: E731
@@ -461,17 +464,15 @@ class LayerExperts:
             out = pair_sum(grouped(xt, self.local_dev[flat_ids], flat_w, w13, w2, scale_input,
                                    self.b13[0], self.b2[0], self.act, kept=kept))
             return out if extra is None else out + extra()
-        if small and self.n_tier[RESIDENT]:  # resident experts before the sync: masked
-            res = self.res_mask_dev[flat_ids]
-            kept = self.resident_kept()
-            w13, w2 = (None, None) if kept is not None else self.resident_stacks()
-            y = grouped(xt, self.res_row_dev[flat_ids], flat_w * res, w13, w2, scale_input,
-                        self.b13[0], self.b2[0], self.act, kept=kept)
-            if scale_input and self.bias:  # a zero input still gives the biases
-                y = y * res[:, None]
-            out = pair_sum(y)
-        else:
-            out = torch.zeros_like(x)
+        # resident experts before the sync: masked
+        res = self.res_mask_dev[flat_ids]
+        kept = self.resident_kept()
+        w13, w2 = (None, None) if kept is not None else self.resident_stacks()
+        y = grouped(xt, self.res_row_dev[flat_ids], flat_w * res, w13, w2, scale_input,
+                    self.b13[0], self.b2[0], self.act, kept=kept)
+        if scale_input and self.bias:  # a zero input still gives the biases
+            y = y * res[:, None]
+        out = pair_sum(y)
         if extra is not None:
             out = out + extra()
         return out
@@ -544,44 +545,50 @@ class LayerExperts:
     def _start_cpu(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
                    sel: np.ndarray, scale_input: bool, background: bool = False):
         """The CPU tier's pairs ``sel``: host ``x [T, H]`` -> a function returning the summed ``[T, H]``
-        (pinned when the accelerator is CUDA). ``background``: the fused kernel starts on its own thread
-        (``cpu_kernel``'s background run) and the function runs a prompt's GEMMs for its busy experts,
-        then waits for it; everything else runs here before this returns."""
-        out = self.staging.buffer("cpu_out", tuple(x.shape), x.dtype).zero_()
+        (pinned when the accelerator is CUDA; float32 from the fused kernel, else ``x``'s dtype).
+        ``background``: the fused kernel starts on its own thread (``cpu_kernel``'s background run),
+        which zeroes and fills its own page-locked float32 buffer, and the function runs a prompt's
+        GEMMs for its busy experts, then waits for it; everything else runs here before this returns."""
+        fused_cpu = self._fused_cpu(scale_input)
+        out = self.staging.buffer("cpu_out", tuple(x.shape), x.dtype)
         rows = self.local[ids_host[sel]]
-        fused = None  # a fused kernel's call, given the pairs' weights
+        fused = None  # a fused kernel's call, given the pairs' weights and its result's buffer
         one = x.shape[0] == 1  # decode: x [H]; a prompt: x [T, H] and a token per pair
         gemm = None  # pairs of experts many tokens select: one GEMM each (torch's CPU GEMM runs near its
-        if not one and self._fused_cpu(scale_input):  # FLOP rate), past what the kernel does in that time
+        gemm_sum = False  # FLOP rate), past what the kernel does in that time; their sum goes to out
+        if not one and fused_cpu:
             _, inverse, counts = np.unique(rows, return_inverse=True, return_counts=True)
             many = counts[inverse.reshape(-1)] > fused_prompt_limit(self.prompt_pair_reads, self.kept_cpu is None)
             if many.any():
-                gemm = (sel[many], rows[many])
+                gemm, gemm_sum = (sel[many], rows[many]), True
                 sel, rows = sel[~many], rows[~many]
+                out.zero_()
                 if not background or not sel.size:
                     self._grouped_cpu(x, token, flat_w, *gemm, out, scale_input)
                     gemm = None
                 if not sel.size:
                     return lambda: out
+        if not fused_cpu:
+            out.zero_()  # the paths below add to it
         xk, tok = (x[0], None) if one else (x, token[sel])
         if self.cpu_kernel is not None:
             tok = torch.from_numpy(token[sel])
             y = self.cpu_kernel(x[tok], torch.from_numpy(rows), flat_w[torch.from_numpy(sel)], scale_input)
             out.index_add_(0, tok, y.to(out.dtype))
-        elif self.kept_cpu is not None and self._fused_cpu(scale_input):  # the file's blocks, read in place
+        elif self.kept_cpu is not None and fused_cpu:  # the file's blocks, read in place
             if self.kept[0] == "q8_0":
-                fused = lambda w, bg: cpu_kernel.moe_decode_q8(xk, *self.kept_cpu, rows, w, background=bg,  # noqa: E731
-                                                               tokens=tok)
+                fused = lambda w, bg, o: cpu_kernel.moe_decode_q8(xk, *self.kept_cpu, rows, w,  # noqa: E731
+                                                                  background=bg, tokens=tok, out=o)
             else:
                 bias13, bias2 = self._cpu_biases()
-                fused = lambda w, bg: cpu_kernel.moe_decode_q4k(xk, *self.kept_cpu, rows, w, *self.kept,  # noqa: E731
-                                                                background=bg, tokens=tok, bias13=bias13,
-                                                                bias2=bias2, act=self.act)
-        elif self._fused_cpu(scale_input):  # the fused C++ kernel: every selected expert in one call
+                fused = lambda w, bg, o: cpu_kernel.moe_decode_q4k(xk, *self.kept_cpu, rows, w,  # noqa: E731
+                                                                   *self.kept, background=bg, tokens=tok,
+                                                                   bias13=bias13, bias2=bias2, act=self.act, out=o)
+        elif fused_cpu:  # the fused C++ kernel: every selected expert in one call
             w13, w2 = self.w13[COMPUTE], self.w2[COMPUTE]
             b13, b2 = self._cpu_biases()
-            fused = lambda w, bg: cpu_kernel.moe_decode(xk, w13, w2, rows, w, background=bg, tokens=tok,  # noqa: E731
-                                                        b13=b13, b2=b2, act=self.act)
+            fused = lambda w, bg, o: cpu_kernel.moe_decode(xk, w13, w2, rows, w, background=bg,  # noqa: E731
+                                                           tokens=tok, b13=b13, b2=b2, act=self.act, out=o)
         elif one and not scale_input and not self.bias and self.act[0] == "silu":
             # decode without the kernel: five ops per expert, no grouping or gathers
             w13, w2 = self.w13[COMPUTE], self.w2[COMPUTE]
@@ -594,10 +601,13 @@ class LayerExperts:
         if fused is None:
             return lambda: out
         weights = flat_w[torch.from_numpy(sel)]
+        res = self.staging.buffer("cpu_res", tuple(x.shape), torch.float32)  # the kernel zeroes it
         if not background:
-            out.add_(fused(weights, 0).view(out.shape))
-            return lambda: out
-        pending = fused(weights, _background_threads())
+            fused(weights, 0, res)
+            if gemm_sum:  # made above
+                res.add_(out)
+            return lambda: res
+        fused(weights, _background_threads(), res)
 
         def finish():
             try:
@@ -605,8 +615,9 @@ class LayerExperts:
                     self._grouped_cpu(x, token, flat_w, *gemm, out, scale_input)
             finally:
                 cpu_kernel.wait()
-            out.add_(pending.view(out.shape))
-            return out
+            if gemm_sum:
+                res.add_(out)
+            return res
         return finish
 
     def _grouped_cpu(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, sel: np.ndarray,

@@ -1334,12 +1334,15 @@ Background& background() {
 // run(x f32 [T, H], pairs, out f32 [T, H]) without the GIL, return out ([H] for a 1-D x). With
 // ``threads`` > 0 the run goes to the background thread on that many threads and ``out`` is valid
 // after ``wait_background()``; ``run`` must then hold its tensors by value, and x must not change
-// until then (it is read there). Bad input is raised with
+// until then (it is read there). ``dest``: where the result goes (float32, contiguous, T * H values,
+// on the CPU; overwritten, and returned as given; an empty tensor: none) instead of a new tensor,
+// e.g. a page-locked buffer the caller copies to the accelerator. Bad input is raised with
 // the GIL held (an exception leaving a GIL-released call crashed the process with PyTorch 2.11 on
 // Python 3.12).
 template <typename Run>
 at::Tensor checked_run(const char* name, const at::Tensor& x, const at::Tensor& tokens, const at::Tensor& rows,
-                       const at::Tensor& weights, int64_t E, int64_t H, int64_t threads, Run run, Act act = Act()) {
+                       const at::Tensor& weights, int64_t E, int64_t H, int64_t threads, const at::Tensor& dest,
+                       Run run, Act act = Act()) {
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, name, ": rows must be int64 [n]");
   TORCH_CHECK(weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.size(0) == rows.size(0), name,
               ": weights must be float32 [n] with n = len(rows) = ", rows.size(0));
@@ -1355,10 +1358,14 @@ at::Tensor checked_run(const char* name, const at::Tensor& x, const at::Tensor& 
     TORCH_CHECK(!tp || (tp[j] >= 0 && tp[j] < T), name, ": tokens[", j, "] is outside [0, ", T, ")");
   }
   const std::vector<int64_t> shape = x.dim() == 2 ? std::vector<int64_t>{T, H} : std::vector<int64_t>{H};
+  const bool given = dest.defined() && dest.numel() > 0;  // empty: none given
+  TORCH_CHECK(!given || (dest.scalar_type() == at::kFloat && dest.is_contiguous() && dest.device().is_cpu() &&
+                         dest.numel() == T * H),
+              name, ": out must be float32, contiguous, on the CPU, with ", T * H, " values");
   Pairs pr = group_pairs(rp, tp, wt.data_ptr<float>(), n);
   pr.act = act;
   if (threads > 0) {  // x's float copy and out's zeros are made there too: off the caller's thread
-    at::Tensor out = at::empty(shape, x.options().dtype(at::kFloat));
+    at::Tensor out = given ? dest : at::empty(shape, x.options().dtype(at::kFloat));
     background().submit(
         [x, out, pr = std::move(pr), run]() {
           // raw zeros: an in-place op on the caller's inference-mode tensor is refused on this thread
@@ -1370,7 +1377,8 @@ at::Tensor checked_run(const char* name, const at::Tensor& x, const at::Tensor& 
     return out;
   }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::zeros(shape, x.options().dtype(at::kFloat));
+  at::Tensor out = given ? dest : at::empty(shape, x.options().dtype(at::kFloat));
+  std::memset(out.data_ptr<float>(), 0, static_cast<size_t>(out.numel()) * sizeof(float));  // raw, as above
   if (n == 0) return out;
   py::gil_scoped_release nogil;
   run(xf.data_ptr<float>(), pr, out.data_ptr<float>());
@@ -1408,7 +1416,7 @@ Act checked_act(const char* name, int64_t act, double alpha, double limit, const
 
 at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& rows,
                       const at::Tensor& weights, int64_t threads, const at::Tensor& tokens, const at::Tensor& b13,
-                      const at::Tensor& b2, int64_t act, double alpha, double limit) {
+                      const at::Tensor& b2, int64_t act, double alpha, double limit, const at::Tensor& out) {
   TORCH_CHECK(w13.device().is_cpu() && w2.device().is_cpu() && x.device().is_cpu() &&
                   rows.device().is_cpu() && weights.device().is_cpu(),
               "moe_decode: every tensor must be on the CPU");
@@ -1425,7 +1433,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "moe_decode: w13 and w2 must be contiguous");
   check_x("moe_decode", x, H);
   const Act fn = checked_act("moe_decode", act, alpha, limit, b13, b2, E, H, I);
-  return checked_run("moe_decode", x, tokens, rows, weights, E, H, threads,
+  return checked_run("moe_decode", x, tokens, rows, weights, E, H, threads, out,
                      [=](const float* xp, const Pairs& pr, float* op) {
                        (void)b13, (void)b2;  // held while a background run reads them
                        if (wtype == at::kBFloat16) {
@@ -1445,7 +1453,7 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
 // The Python wrapper checks the input; these checks only guard the reads.
 at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::Tensor& d13, const at::Tensor& q2,
                          const at::Tensor& d2, const at::Tensor& rows, const at::Tensor& weights, int64_t threads,
-                         const at::Tensor& tokens) {
+                         const at::Tensor& tokens, const at::Tensor& out) {
   const int64_t E = q13.size(0), I = q13.size(1) / 2, H = q13.size(2);
   TORCH_CHECK(q13.dim() == 3 && q2.dim() == 3 && q13.size(1) == 2 * I && H % 32 == 0 && I % 32 == 0 &&
                   q2.size(0) == E && q2.size(1) == H && q2.size(2) == I && d13.numel() * 32 == q13.numel() &&
@@ -1454,7 +1462,7 @@ at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::T
                   q2.is_contiguous() && d13.is_contiguous() && d2.is_contiguous(),
               "moe_decode_q8: bad weight stacks");
   check_x("moe_decode_q8", x, H);
-  return checked_run("moe_decode_q8", x, tokens, rows, weights, E, H, threads,
+  return checked_run("moe_decode_q8", x, tokens, rows, weights, E, H, threads, out,
                      [=](const float* xp, const Pairs& pr, float* op) {
                        run_q8(xp, q13.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d13.data_ptr()),
                               q2.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d2.data_ptr()), pr, H, I, op);
@@ -1468,7 +1476,7 @@ at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::T
 at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13, const at::Tensor& b2, int64_t f2,
                          int64_t I, const at::Tensor& rows, const at::Tensor& weights, int64_t threads,
                          const at::Tensor& tokens, const at::Tensor& b13b, const at::Tensor& b2b, int64_t act,
-                         double alpha, double limit) {
+                         double alpha, double limit, const at::Tensor& out) {
   const int64_t H = x.size(-1), E = b13.size(0), T = x.dim() == 2 ? x.size(0) : 1;
   TORCH_CHECK(kq_known(f13) && kq_known(f2), "moe_decode_kq: unknown format");
   TORCH_CHECK(H % kq_values(f13) == 0 && I % kq_values(f2) == 0 && I > 0 && b13.dim() == 3 && b2.dim() == 3 &&
@@ -1478,7 +1486,7 @@ at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13
               "moe_decode_kq: bad weight stacks");
   check_x("moe_decode_kq", x, H);
   const Act fn = checked_act("moe_decode_kq", act, alpha, limit, b13b, b2b, E, H, I);
-  return checked_run("moe_decode_kq", x, tokens, rows, weights, E, H, threads,
+  return checked_run("moe_decode_kq", x, tokens, rows, weights, E, H, threads, out,
                      [=](const float* xp, const Pairs& pr, float* op) {
                        (void)b13b, (void)b2b;  // held while a background run reads them
                        run_kq(xp, T, b13.data_ptr<uint8_t>(), f13, b2.data_ptr<uint8_t>(), f2, pr, H, I, op);
@@ -1673,19 +1681,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "or f32), rows [n] int64, weights [n] f32 -> [H] (or [T, H]) f32",
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("rows"), py::arg("weights"), py::arg("threads") = 0,
         py::arg("tokens") = at::Tensor(), py::arg("b13") = at::Tensor(), py::arg("b2") = at::Tensor(),
-        py::arg("act") = 0, py::arg("alpha") = 1.0, py::arg("limit") = 0.0);
+        py::arg("act") = 0, py::arg("alpha") = 1.0, py::arg("limit") = 0.0, py::arg("out") = at::Tensor());
   m.def("moe_decode_q8", &moe_decode_q8,
         "moe_decode with GGUF Q8_0 experts: x [H], q13 int8 [E, 2I, H], d13 f16 [E, 2I, H/32], q2 int8 [E, H, I], "
         "d2 f16 [E, H, I/32], rows [n] int64, weights [n] f32 -> [H] f32",
         py::arg("x"), py::arg("q13"), py::arg("d13"), py::arg("q2"), py::arg("d2"), py::arg("rows"),
-        py::arg("weights"), py::arg("threads") = 0, py::arg("tokens") = at::Tensor());
+        py::arg("weights"), py::arg("threads") = 0, py::arg("tokens") = at::Tensor(), py::arg("out") = at::Tensor());
   m.def("moe_decode_kq", &moe_decode_kq,
         "moe_decode with GGUF experts as raw blocks (formats 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 Q2_K, 4 Q3_K, 5 IQ4_XS, "
         "6 MXFP4): x [H], b13 uint8 [E, 2I, row bytes of H], f13, b2 uint8 [E, H, row bytes of I], f2, I, rows [n] "
         "int64, weights [n] f32 -> [H] f32; biases and act as moe_decode's",
         py::arg("x"), py::arg("b13"), py::arg("f13"), py::arg("b2"), py::arg("f2"), py::arg("I"), py::arg("rows"),
         py::arg("weights"), py::arg("threads") = 0, py::arg("tokens") = at::Tensor(), py::arg("bias13") = at::Tensor(),
-        py::arg("bias2") = at::Tensor(), py::arg("act") = 0, py::arg("alpha") = 1.0, py::arg("limit") = 0.0);
+        py::arg("bias2") = at::Tensor(), py::arg("act") = 0, py::arg("alpha") = 1.0, py::arg("limit") = 0.0,
+        py::arg("out") = at::Tensor());
   m.def("set_int8_dots", [](bool on) { g_int8_dots.store(on); },
         "Experts kept in GGUF blocks: dots with inputs rounded to int8 (True; AVX512-VNNI or AVX2 builds) or exact f32 ones",
         py::arg("on"));
