@@ -186,6 +186,24 @@ def test_a_prompts_host_time_per_hybrid_layer_counts_once_per_hybrid_layer_and_c
     assert 1024 / b.prefill_tps - 1024 / a.prefill_tps == pytest.approx(2 * 2 * 1e-3)  # two chunks of 512
 
 
+def test_a_prompts_host_time_with_a_cpu_share_counts_where_the_cpu_computes_experts():
+    """``prompt_cpu_sync_s`` lengthens a hybrid prompt layer by itself times the chance that the CPU
+    computes a share there: each time in a short chunk (every expert picked by a few tokens, the split
+    keeps some on the CPU), never in a long one (every expert picked by many: all travel)."""
+    inv = synth_inventory(4, 8, hidden=1024, expert_ffn=512, top_k=2)
+    base = h200_profile()
+    slow = dataclasses.replace(base, prompt_cpu_sync_s=1e-3)
+    p = placement_n_cpu_moe(inv, 2)
+
+    def added(tokens: int) -> list[float]:
+        a, b = CostModel(inv, base).predict(p, prompt_tokens=tokens), CostModel(inv, slow).predict(p, prompt_tokens=tokens)
+        assert b.decode_tps == a.decode_tps
+        return [y.total - x.total for x, y in zip(a.prefill_layers, b.prefill_layers)]
+
+    assert added(8) == pytest.approx([1e-3, 1e-3, 0, 0])  # 2 tokens an expert: the CPU keeps the coldest
+    assert added(512) == pytest.approx([0, 0, 0, 0])  # 128 tokens an expert: all travel
+
+
 def test_predict_is_fast_for_94_layers_by_256_experts():
     inv = synth_inventory(94, 256, hidden=4096, expert_ffn=1536, top_k=8, vocab=151936, n_heads=64, n_kv_heads=4,
                           head_dim=128)

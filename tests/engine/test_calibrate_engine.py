@@ -4,8 +4,12 @@ accelerator, at a tiny expert shape)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 
+from workbench.core.costmodel import CostModel
 from workbench.core.hardware import preset
 from workbench.engine import calibrate_engine
 
@@ -144,29 +148,42 @@ def test_a_quarter_of_the_calibration_experts_is_eight_times_the_l3(monkeypatch)
 
 
 def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
-    """``prompt_sync_s`` is the host time per hybrid prompt layer at which the model predicts the two
-    fitted prompts on average (half and all of the experts on the CPU); it reaches the predictions
-    and nothing else of the profile."""
+    """The two host costs of a hybrid prompt layer come from three prompts (half and all of the experts on
+    the CPU, all of them in a short prompt): measured times built from known costs give those costs
+    back, and the fitted costs reach the predictions and nothing else of the profile."""
     monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
     monkeypatch.setattr(calibrate_engine, "PROMPT_TOKENS", 48)
+    monkeypatch.setattr(calibrate_engine, "SHORT_PROMPT_TOKENS", 8)
+    base = preset("bench-h200")
+    layer_s, cpu_s = 700e-6, 300e-6
+    truth = replace(base, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s)
     real, seen = calibrate_engine._prompt_seconds, []
 
-    def slower(inv, placement, device, pair_reads):  # a host that spends 2 ms more per prompt than the model
-        seen.append((inv, placement))
-        return real(inv, placement, device, pair_reads) + 2e-3
+    def as_modelled(inv, placement, device, pair_reads, lengths):  # a host the model with known costs predicts
+        real(inv, placement, device, pair_reads, lengths)  # the engine runs them all the same
+        seen.append(lengths)
+        return [t / CostModel(inv, truth).predict(placement, t + 8, prompt_tokens=t).prefill_tps for t in lengths]
 
-    monkeypatch.setattr(calibrate_engine, "_prompt_seconds", slower)
-    base = preset("bench-h200")
+    monkeypatch.setattr(calibrate_engine, "_prompt_seconds", as_modelled)
     fitted, info = calibrate_engine.fit_prompt_costs(base, 64, 32, 2, n_heads=4, n_kv_heads=2, head_dim=16,
                                                      device="cpu", experts=8)
-    assert len(seen) == 2 and info["prompt_sync_s"] == fitted.prompt_sync_s >= 0
+    assert seen == [(48,), (48, 8)] and len(info["runs"]) == 3
+    assert fitted.prompt_sync_s == pytest.approx(layer_s, rel=1e-6)
+    assert fitted.prompt_cpu_sync_s == pytest.approx(cpu_s, rel=1e-6)
+    for run in info["runs"]:
+        assert run["predicted_s"] == pytest.approx(run["measured_s"], rel=1e-9)
     assert fitted.sync_s == base.sync_s and fitted.cpu_expert_throughput == base.cpu_expert_throughput
-    if fitted.prompt_sync_s > 0:  # both runs have 8 hybrid layers: the mean error is 0
-        mean_err = (info["half_predicted_s"] - info["half_s"] + info["cpu_predicted_s"] - info["cpu_s"]) / 2
-        assert mean_err == pytest.approx(0.0, abs=1e-6)
-        assert info["prompt_sync_s"] == pytest.approx(sum(info["per_run"]) / 2)
-    else:
-        assert max(info["per_run"]) <= 0 or sum(info["per_run"]) <= 0
     from workbench.core.hardware import HardwareProfile
 
-    assert HardwareProfile.from_json(fitted.to_json()).prompt_sync_s == fitted.prompt_sync_s
+    back = HardwareProfile.from_json(fitted.to_json())
+    assert (back.prompt_sync_s, back.prompt_cpu_sync_s) == (fitted.prompt_sync_s, fitted.prompt_cpu_sync_s)
+
+
+def test_the_prompt_fit_keeps_its_costs_at_least_zero():
+    """A cost the least squares would make negative is 0, and the other is fitted alone."""
+    a = np.array([[8.0, 0.0], [8.0, 0.0], [8.0, 8.0]])
+    assert calibrate_engine._least_squares_at_least_zero(a, a @ np.array([1e-3, 5e-4])) == pytest.approx((1e-3, 5e-4))
+    layer, cpu = calibrate_engine._least_squares_at_least_zero(a, np.array([8e-3, 8e-3, 4e-3]))
+    assert cpu == 0 and layer == pytest.approx((8e-3 * 8 * 2 + 4e-3 * 8) / (3 * 64))
+    assert calibrate_engine._least_squares_at_least_zero(np.array([[8.0, 0.0], [8.0, 0.0]]),
+                                                         np.array([-1e-3, -2e-3])) == (0.0, 0.0)

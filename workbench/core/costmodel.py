@@ -703,6 +703,7 @@ class CostModel:
         stream = grid == TIER_CPU_STREAM
         choose_cpu = on_cpu <= fetch
         sampled = np.zeros(L, dtype=bool)
+        cpu_share = np.zeros(L)  # chance that the CPU computes a share of the layer's experts
         if self.engine.bus_share > 0:  # the fused kernel's cost, or a GEMM's
             given_used = n_tok / np.maximum(used, 1e-12)  # tokens per expert when the chunk uses it
             gemm = ~np.isin(self.expert_format, KEPT_EXPERT_FORMATS)  # kept blocks: the kernel at any count
@@ -712,7 +713,7 @@ class CostModel:
             compute = host & ~stream
             for layer in np.flatnonzero(compute.any(axis=1)):
                 cols = np.flatnonzero(compute[layer])
-                c, f, read = self._sampled_split(layer, cols, n_tok[layer, cols], h2d[layer, cols])
+                c, f, read, cpu_share[layer] = self._sampled_split(layer, cols, n_tok[layer, cols], h2d[layer, cols])
                 # both lanes read the CPU tier from host RAM: together at most its read rate
                 cpu[layer] += max(c, read / (prof.host_read_bandwidth * self.engine.shared_read)) if c > 0 else 0.0
                 bus[layer] += f
@@ -724,7 +725,9 @@ class CostModel:
             choose_cpu &= ~stream
         cpu += (on_cpu * host * choose_cpu).sum(axis=1)
         bus += (fetch * host * ~choose_cpu).sum(axis=1)
+        cpu_share = np.maximum(cpu_share, (host & choose_cpu).any(axis=1))
         sync += np.where(host.any(axis=1) | sampled, prof.sync_s + prof.prompt_sync_s, 0.0)
+        sync += prof.prompt_cpu_sync_s * cpu_share
         out = []
         for layer in range(L):
             gpu_t = max([v[layer] for v in lanes.values()] or [0.0])
@@ -733,8 +736,9 @@ class CostModel:
         return out
 
     def _sampled_split(self, layer: int, cols: np.ndarray, n_tok: np.ndarray, h2d: np.ndarray
-                       ) -> tuple[float, float, float]:
-        """Expected CPU and bus seconds, and the bytes both read from host RAM, of one prompt chunk for
+                       ) -> tuple[float, float, float, float]:
+        """Expected CPU and bus seconds, the bytes both read from host RAM, and the chance that the CPU
+        computes any of them, of one prompt chunk for
         the CPU-compute experts ``cols`` of ``layer`` under the engine's split (``prefill_fetch``),
         which decides on the chunk's actual token counts: averaged over ``PROMPT_DRAWS`` draws of those counts (Poisson, mean ``n_tok``
         tokens per expert; fixed seed). An expert near the always-fetch threshold travels in some
@@ -747,7 +751,7 @@ class CostModel:
         rng = np.random.default_rng(layer)
         counts = rng.poisson(np.broadcast_to(n_tok, (PROMPT_DRAWS, len(cols))))
         gpu_per_token = 2.0 * self.expert_params[layer, cols] / self._gpu(0).bf16_flops  # seconds
-        cpu = bus = read = 0.0
+        cpu = bus = read = shared = 0.0
         for draw in counts:
             used = draw > 0
             sent = np.zeros(len(cols), dtype=bool)
@@ -756,7 +760,8 @@ class CostModel:
             cpu += float((b[stay] * cpu_prompt_reads(draw[stay], pair, gemm) / rate[stay]).sum())
             bus += float((b[sent] / h2d[sent] + gpu_per_token[sent] * draw[sent]).sum())
             read += float(b[used].sum())
-        return cpu / PROMPT_DRAWS, bus / PROMPT_DRAWS, read / PROMPT_DRAWS
+            shared += float(stay.any())
+        return cpu / PROMPT_DRAWS, bus / PROMPT_DRAWS, read / PROMPT_DRAWS, shared / PROMPT_DRAWS
 
 
 def lru_hit_probs(q: np.ndarray, slots: int) -> np.ndarray:

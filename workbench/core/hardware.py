@@ -96,6 +96,10 @@ class HardwareProfile:
     its CPU-tier experts, setting up the CPU's share, summing the tiers, while neither the bus nor
     the GPU has work queued (fitted to the engine's prompts by ``workbench calibrate``; 0: not
     measured)."""
+    prompt_cpu_sync_s: float = 0.0
+    """Host seconds more in a hybrid layer of a prompt chunk where the CPU computes a share of the
+    experts (not all of them travel): starting its run, waiting for it, adding its result (fitted
+    with ``prompt_sync_s``; 0: not measured)."""
     source: str = ""
     provenance: dict[str, str] = field(default_factory=dict)
     """Where each number came from, by field name: ``"measured"``, ``"preset:<name>"`` or ``"absent"``
@@ -144,8 +148,9 @@ class HardwareProfile:
             out.append(f"cpu_cores must be a whole number >= 1, got {self.cpu_cores!r}")
         if not (0 <= self.sync_s < 1):
             out.append(f"sync_s is {self.sync_s!r} s: expected a cost between 0 and 1 second")
-        if not (0 <= self.prompt_sync_s < 1):
-            out.append(f"prompt_sync_s is {self.prompt_sync_s!r} s: expected a cost between 0 and 1 second")
+        for name in ("prompt_sync_s", "prompt_cpu_sync_s"):
+            if not (0 <= getattr(self, name) < 1):
+                out.append(f"{name} is {getattr(self, name)!r} s: expected a cost between 0 and 1 second")
         for i, g in enumerate(self.gpus):
             out += [f"GPU {i} ({g.name}): {p}" for p in g.problems()]
         return out

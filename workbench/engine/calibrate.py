@@ -156,10 +156,16 @@ def l3_bytes() -> int:
     return sum(sizes.values())
 
 
-def _ram_buffer(nbytes: int) -> torch.Tensor:
+RAM_FILL_RATE = 4e9
+"""Bytes/s at which the host-read step may assume it writes and reads its buffer at the least (one
+slow core): a short calibration's buffer holds what its time share gives at this rate."""
+
+
+def _ram_buffer(nbytes: int, seconds: float = math.inf) -> torch.Tensor:
     """A float32 buffer of ``nbytes``, but at least eight times the last-level caches (within an
-    eighth of the free memory): summed, it reads the RAM, not the caches."""
-    nbytes = int(min(max(nbytes, 8 * l3_bytes()), psutil.virtual_memory().available // 8))
+    eighth of the free memory, and of what ``seconds`` fill at ``RAM_FILL_RATE``: a 480 MiB L3 asks
+    for 3.8 GB, 6 s of a 1.5 s calibration on a 2-core host): summed, it reads the RAM, not the caches."""
+    nbytes = int(min(max(nbytes, min(8 * l3_bytes(), seconds * RAM_FILL_RATE)), psutil.virtual_memory().available // 8))
     return torch.ones(max(1, nbytes // 4), dtype=torch.float32)
 
 
@@ -168,7 +174,7 @@ def _host_read(run: _Run, nbytes: int) -> float:
     at least eight times the last-level caches (within an eighth of the free memory). A server's L3
     holds hundreds of MB and keeps part of a smaller buffer between passes: 512 MiB read at 123 GB/s
     on the H200 machine (300 MiB of L3), whose RAM gives 88."""
-    buf = _ram_buffer(nbytes)
+    buf = _ram_buffer(nbytes, run.share["host"])
     # the fastest pass: what the RAM can give; slower passes met other readers (the median moved
     # 117 -> 93 GB/s between calls on the H200 machine while the engine's speed did not)
     t = _repeat(run, lambda: buf.sum(), run.share["host"], best=True)
@@ -794,23 +800,24 @@ _GPU_SIDE = ("gpus", "h2d_pinned", "h2d_pageable", "d2h_pinned", "sync_s")
 
 def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int = 8,
                  report: Callable[[str], None] | None = None, device: str = "cuda") -> HardwareProfile:
-    """``prof`` with ``prompt_sync_s`` fitted to the engine's prompts at this expert shape
-    (``calibrate_engine.fit_prompt_costs``, ~30 s on CUDA); ``prof`` as it was, with the reason
-    reported, when the engine cannot run them."""
-    from .calibrate_engine import PROMPT_TOKENS, fit_prompt_costs
+    """``prof`` with ``prompt_sync_s`` and ``prompt_cpu_sync_s`` fitted to the engine's prompts at this
+    expert shape (``calibrate_engine.fit_prompt_costs``, ~40 s on CUDA); ``prof`` as it was, with the
+    reason reported, when the engine cannot run them."""
+    from .calibrate_engine import fit_prompt_costs
 
     say = report or (lambda message: log.info("%s", message))
     try:
         fitted, fit = fit_prompt_costs(prof, hidden, expert_ffn, top_k, device=device)
     except (WorkbenchError, RuntimeError, OSError) as e:
         say(f"engine prompts not timed ({e}); the prompt's host time per hybrid layer stays "
-            f"{prof.prompt_sync_s * 1e6:.0f} us")
+            f"{prof.prompt_sync_s * 1e6:.0f} us (+{prof.prompt_cpu_sync_s * 1e6:.0f} us with a CPU share)")
         return prof
-    say(f"engine prompt of {PROMPT_TOKENS} tokens: {fit['half_s'] * 1e3:.1f} ms with half the experts on the CPU, "
-        f"{fit['cpu_s'] * 1e3:.1f} ms with all ({fit['half_predicted_s'] * 1e3:.1f} / "
-        f"{fit['cpu_predicted_s'] * 1e3:.1f} ms predicted); host time per hybrid prompt layer "
-        f"{fit['prompt_sync_s'] * 1e6:.0f} us")
-    return replace(fitted, provenance=fitted.provenance | {"prompt_sync_s": "fitted to the engine"})
+    runs = ", ".join(f"{r['name']}, {r['tokens']} tokens: {r['measured_s'] * 1e3:.1f} ms "
+                     f"({r['predicted_s'] * 1e3:.1f} predicted)" for r in fit["runs"])
+    say(f"engine prompts ({runs}); host time per hybrid prompt layer {fit['prompt_sync_s'] * 1e6:.0f} us, "
+        f"{fit['prompt_cpu_sync_s'] * 1e6:.0f} us more where the CPU computes a share")
+    return replace(fitted, provenance=fitted.provenance | {"prompt_sync_s": "fitted to the engine",
+                                                           "prompt_cpu_sync_s": "fitted to the engine"})
 
 
 def _prefill_flops(run: _Run, experts, hidden: int, ffn: int, tokens: int = 32) -> float:

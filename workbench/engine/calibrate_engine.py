@@ -42,6 +42,9 @@ LAYERS, EXPERTS, VOCAB, STEPS, REPEATS = 8, 32, 2048, 24, 2
 PROMPT_TOKENS, PROMPT_EXPERTS = 512, 128
 """The prompt fit's prompt (one chunk) and experts per layer (at the Qwen3-30B-A3B shape a layer's
 prompt picks each about 32 times, as Qwen3-30B-A3B's own 128 experts are)."""
+SHORT_PROMPT_TOKENS = 128
+"""The prompt fit's short prompt: each expert picked about 8 times, so that the CPU computes a share
+of them while the rest travel (a skewed model's cold experts in a longer prompt)."""
 MAX_EXPERTS = 256
 
 
@@ -211,27 +214,30 @@ def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str =
     return replace(prof, gpus=gpus), info
 
 
-def _prompt_seconds(inv, placement, device: str, pair_reads: float | None) -> float:
-    """Median seconds of ``REPEATS + 1`` prompts of ``PROMPT_TOKENS`` random tokens under ``placement``
-    (after one untimed: kernels tuned, stacks page-locked), with the engine's default bus share and
-    the profile's cost per further token of a CPU expert (``pair_reads``), as the bench runs them."""
+def _prompt_seconds(inv, placement, device: str, pair_reads: float | None, lengths: tuple[int, ...]) -> list[float]:
+    """Median seconds of ``REPEATS + 1`` prompts of random tokens of each of ``lengths`` under
+    ``placement`` (after one untimed each: kernels tuned, stacks page-locked), with the engine's default
+    bus share and the profile's cost per further token of a CPU expert (``pair_reads``), as the bench
+    runs them."""
     from .bench import _sync
     from .engine import Engine
 
-    tokens = PROMPT_TOKENS
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    engine = Engine.load(inv, placement, device=device, dtype=dtype, max_context=tokens + 8)
+    engine = Engine.load(inv, placement, device=device, dtype=dtype, max_context=max(lengths) + 8)
     try:
         engine.set_prompt_pair_reads(pair_reads)
-        ids = torch.randint(0, VOCAB, (tokens,), generator=torch.Generator().manual_seed(0))
-        engine.forward(ids, 0, last_only=True)
-        times = []
-        for _ in range(REPEATS + 1):
-            _sync(engine.device)
-            t = time.perf_counter()
-            engine.forward(ids, 0, last_only=True)[-1].argmax().item()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+        out = []
+        for tokens in lengths:
+            ids = torch.randint(0, VOCAB, (tokens,), generator=torch.Generator().manual_seed(tokens))
+            engine.forward(ids, 0, last_only=True)
+            times = []
+            for _ in range(REPEATS + 1):
+                _sync(engine.device)
+                t = time.perf_counter()
+                engine.forward(ids, 0, last_only=True)[-1].argmax().item()
+                times.append(time.perf_counter() - t)
+            out.append(statistics.median(times))
+        return out
     finally:
         engine.close()
 
@@ -239,13 +245,16 @@ def _prompt_seconds(inv, placement, device: str, pair_reads: float | None) -> fl
 def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n_heads: int = 32,
                      n_kv_heads: int = 4, head_dim: int = 128, device: str = "cuda",
                      experts: int | None = None) -> tuple[HardwareProfile, dict]:
-    """``prof`` with ``prompt_sync_s`` fitted to the engine's prompts: a ``PROMPT_TOKENS``-token prompt
-    of a ``LAYERS``-layer model of ``experts`` (default ``PROMPT_EXPERTS``, fewer where memory is
-    short) experts at the given shape, with half of every layer's experts on the CPU and with all of
-    them there. Each run gives the value at which the model predicts it; the fit is their mean (a
-    negative one, the model already slower than the engine, counts as 0). Returns the profile and
-    ``{"half_s", "cpu_s", "half_predicted_s", "cpu_predicted_s", "prompt_sync_s", "per_run"}``
-    (seconds per prompt, the predictions at the fitted value; ``per_run``: each run's own value)."""
+    """``prof`` with ``prompt_sync_s`` and ``prompt_cpu_sync_s`` fitted to the engine's prompts, of a
+    ``LAYERS``-layer model of ``experts`` (default ``PROMPT_EXPERTS``, fewer where memory is short)
+    experts at the given shape: ``PROMPT_TOKENS`` tokens with half of every layer's experts on the CPU
+    and with all of them there (each expert picked by about 32 tokens: all travel, the CPU computes
+    none), and ``SHORT_PROMPT_TOKENS`` with all of them there (about 8 tokens each: the bus and the
+    CPU split them). The model is linear in both costs; the fit is least squares over the three runs
+    (a cost that comes out negative, the model already slower than the engine there, is 0 and the
+    other is fitted alone). Returns the profile and ``{"runs": [{"name", "tokens", "measured_s",
+    "predicted_s"}], "prompt_sync_s", "prompt_cpu_sync_s"}`` (seconds per prompt, the predictions at
+    the fitted values)."""
     from workbench.core.costmodel import model_prompt_pair_reads
 
     room = psutil.virtual_memory().available
@@ -260,25 +269,50 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
         synth.write_gguf(path, shape, coverage_target=None)
         inv = open_model(path)
         pair_reads = model_prompt_pair_reads(inv, prof)
-        runs = [(p, _prompt_seconds(inv, p, device, pair_reads)) for p in (_upper_on_cpu(inv, 0.5),
-                                                                             placement_cpu_moe(inv))]
+        half, every = _upper_on_cpu(inv, 0.5), placement_cpu_moe(inv)
+        (half_s,) = _prompt_seconds(inv, half, device, pair_reads, (PROMPT_TOKENS,))
+        cpu_s, short_s = _prompt_seconds(inv, every, device, pair_reads, (PROMPT_TOKENS, SHORT_PROMPT_TOKENS))
+    runs = [("half on the CPU", half, PROMPT_TOKENS, half_s), ("all on the CPU", every, PROMPT_TOKENS, cpu_s),
+            ("all on the CPU, short", every, SHORT_PROMPT_TOKENS, short_s)]
 
-    def seconds(v: float, placement) -> float:
-        p = replace(prof, prompt_sync_s=v)
-        return PROMPT_TOKENS / CostModel(inv, p).predict(placement, PROMPT_TOKENS + 8,
-                                                           prompt_tokens=PROMPT_TOKENS).prefill_tps
+    def seconds(layer_s: float, cpu_s: float, placement, tokens: int) -> float:
+        p = replace(prof, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s)
+        return tokens / CostModel(inv, p).predict(placement, tokens + 8, prompt_tokens=tokens).prefill_tps
 
-    per_run = [(measured - seconds(0.0, p)) / max(1e-12, (seconds(1e-3, p) - seconds(0.0, p)) / 1e-3)
-               for p, measured in runs]
-    value = max(0.0, float(np.mean(per_run)))
-    fitted = replace(prof, prompt_sync_s=value)
-    info = {"half_s": runs[0][1], "cpu_s": runs[1][1], "half_predicted_s": seconds(value, runs[0][0]),
-            "cpu_predicted_s": seconds(value, runs[1][0]), "prompt_sync_s": value, "per_run": per_run}
-    log.info("engine prompt of %d tokens, %d layers of %d experts: %.1f ms with half on the CPU, %.1f ms with all "
-             "(predicted %.1f and %.1f); host time per hybrid prompt layer %.0f us (runs: %s)", PROMPT_TOKENS,
-             LAYERS, n, info["half_s"] * 1e3, info["cpu_s"] * 1e3, info["half_predicted_s"] * 1e3,
-             info["cpu_predicted_s"] * 1e3, value * 1e6, ", ".join(f"{v * 1e6:.0f}" for v in per_run))
+    step = 1e-3
+    rows, rhs = [], []
+    for _, placement, tokens, measured in runs:
+        base = seconds(0.0, 0.0, placement, tokens)
+        rows.append(((seconds(step, 0.0, placement, tokens) - base) / step,
+                     (seconds(0.0, step, placement, tokens) - base) / step))
+        rhs.append(measured - base)
+    a, b = np.array(rows), np.array(rhs)
+    layer_s, cpu_s = _least_squares_at_least_zero(a, b)
+    fitted = replace(prof, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s)
+    info = {"runs": [{"name": name, "tokens": tokens, "measured_s": measured,
+                      "predicted_s": seconds(layer_s, cpu_s, placement, tokens)}
+                     for name, placement, tokens, measured in runs],
+            "prompt_sync_s": layer_s, "prompt_cpu_sync_s": cpu_s}
+    log.info("engine prompts of %d layers of %d experts: %s; host time per hybrid prompt layer %.0f us, %.0f us "
+             "more where the CPU computes a share", LAYERS, n,
+             ", ".join(f"{r['name']} ({r['tokens']} tokens) {r['measured_s'] * 1e3:.1f} ms, predicted "
+                       f"{r['predicted_s'] * 1e3:.1f}" for r in info["runs"]), layer_s * 1e6, cpu_s * 1e6)
     return fitted, info
+
+
+def _least_squares_at_least_zero(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """``x >= 0`` (two values) minimizing ``|a x - b|``: the least-squares solution, or where a value of
+    it is negative (or the columns do not pin both), the best with that value 0; ``a`` [runs, 2]."""
+    def alone(col: int) -> float:
+        c = a[:, col]
+        return max(0.0, float(c @ b / (c @ c))) if c @ c > 0 else 0.0
+
+    if np.linalg.matrix_rank(a, tol=1e-9 * max(1.0, np.abs(a).max())) == 2:
+        x = np.linalg.lstsq(a, b, rcond=None)[0]
+        if np.all(x >= 0):
+            return float(x[0]), float(x[1])
+    candidates = [(alone(0), 0.0), (0.0, alone(1))]
+    return min(candidates, key=lambda x: float(np.sum((a @ np.array(x) - b) ** 2)))
 
 
 def _fit_host(model, runs: list, u0: float) -> tuple[float | None, float]:
