@@ -156,17 +156,27 @@ def l3_bytes() -> int:
     return sum(sizes.values())
 
 
-RAM_FILL_RATE = 4e9
-"""Bytes/s at which the host-read step may assume it writes and reads its buffer at the least (one
-slow core): a short calibration's buffer holds what its time share gives at this rate."""
+RAM_FILL_RATE = 1e9
+"""Bytes/s at which the host-read step may assume it fills its buffer at the least (first touch on a
+virtual machine: ~0.8 GB/s seen on a 2-core one): a short calibration's buffer holds what its time
+share fills at this rate."""
+FILL_SLICE = 1 << 26
+"""Bytes of the host-read buffer filled between two checks for a cancel."""
 
 
-def _ram_buffer(nbytes: int, seconds: float = math.inf) -> torch.Tensor:
+def _ram_buffer(nbytes: int, seconds: float = math.inf, check: Callable[[], None] | None = None) -> torch.Tensor:
     """A float32 buffer of ``nbytes``, but at least eight times the last-level caches (within an
     eighth of the free memory, and of what ``seconds`` fill at ``RAM_FILL_RATE``: a 480 MiB L3 asks
-    for 3.8 GB, 6 s of a 1.5 s calibration on a 2-core host): summed, it reads the RAM, not the caches."""
+    for 3.8 GB, 6 s of a 1.5 s calibration on a 2-core host): summed, it reads the RAM, not the
+    caches. ``check()`` runs between slices of the fill (a cancel raises there)."""
     nbytes = int(min(max(nbytes, min(8 * l3_bytes(), seconds * RAM_FILL_RATE)), psutil.virtual_memory().available // 8))
-    return torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    buf = torch.empty(max(1, nbytes // 4), dtype=torch.float32)
+    step = FILL_SLICE // 4
+    for start in range(0, buf.numel(), step):
+        if check is not None:
+            check()
+        buf[start:start + step].fill_(1.0)
+    return buf
 
 
 def _host_read(run: _Run, nbytes: int) -> float:
@@ -174,7 +184,7 @@ def _host_read(run: _Run, nbytes: int) -> float:
     at least eight times the last-level caches (within an eighth of the free memory). A server's L3
     holds hundreds of MB and keeps part of a smaller buffer between passes: 512 MiB read at 123 GB/s
     on the H200 machine (300 MiB of L3), whose RAM gives 88."""
-    buf = _ram_buffer(nbytes, run.share["host"])
+    buf = _ram_buffer(nbytes, run.share["host"], run.check)
     # the fastest pass: what the RAM can give; slower passes met other readers (the median moved
     # 117 -> 93 GB/s between calls on the H200 machine while the engine's speed did not)
     t = _repeat(run, lambda: buf.sum(), run.share["host"], best=True)
