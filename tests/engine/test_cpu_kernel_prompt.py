@@ -177,13 +177,25 @@ def test_the_result_goes_where_it_is_asked(kernel, fmt, background):
 @pytest.mark.parametrize("dest", [torch.zeros(9, 255), torch.zeros(9, 256, dtype=torch.bfloat16),
                                   torch.zeros(256, 9).t()])
 def test_a_wrong_destination_is_refused(kernel, dest):
+    """Refused before the extension runs, by each entry point, with nothing started in the background
+    (an error raised inside the extension crashed the process on the GPU machine's PyTorch)."""
     gen = torch.Generator().manual_seed(9)
-    w13, w2 = random_experts(4, 256, 128, torch.bfloat16, gen)
-    tokens, rows, weights = prompt_pairs(9, 2, 4, gen)
-    x = torch.randn(9, 256, generator=gen).to(torch.bfloat16)
-    with pytest.raises(RuntimeError, match="out must be float32, contiguous"):
-        kernel.moe_decode(x, w13, w2, rows, weights, tokens=tokens, out=dest, background=1)
-    kernel.wait()  # nothing started: returns at once
+    H, ffn, e = 256, 256, 4
+    tokens, rows, weights = prompt_pairs(9, 2, e, gen)
+    x = torch.randn(9, H, generator=gen).to(torch.bfloat16)
+    w13, w2 = random_experts(e, H, ffn, torch.float32, gen)
+    q13, d13, _ = _q8_0(w13)
+    q2, d2, _ = _q8_0(w2)
+    b13, _ = random_kquant("q4_k", e * 2 * ffn, H, gen)
+    b2, _ = random_kquant("q4_k", e * H, ffn, gen)
+    calls = [lambda **kw: kernel.moe_decode(x, w13.to(torch.bfloat16), w2.to(torch.bfloat16), rows, weights, **kw),
+             lambda **kw: kernel.moe_decode_q8(x, q13, d13, q2, d2, rows, weights, **kw),
+             lambda **kw: kernel.moe_decode_q4k(x, b13.reshape(e, 2 * ffn, -1), b2.reshape(e, H, -1), rows,
+                                                weights, **kw)]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="out must be float32, contiguous"):
+            call(tokens=tokens, out=dest, background=1)
+        kernel.wait()  # nothing started: returns at once
 
 
 def test_q8_0_prompt_matches_ggufs_dequantization(kernel, quant_dots):

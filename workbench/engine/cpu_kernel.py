@@ -125,7 +125,7 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: torch
     _check(x, w13, w2, rows, weights)
     tokens = _tokens(x, tokens, rows, lambda msg: _raise("moe_decode", msg))
     extra = act_args(act, b13, b2, "moe_decode")
-    dest = _dest(out)
+    dest = _dest(out, x, lambda msg: _raise("moe_decode", msg))
     return _start(lambda bg: mod.moe_decode(x.contiguous(), w13, w2, rows, weights, bg, tokens, *extra, **dest),
                   background)
 
@@ -166,17 +166,24 @@ def moe_decode_q8(x: torch.Tensor, q13: torch.Tensor, d13: torch.Tensor, q2: tor
         fail(f"x must be bfloat16, float16 or float32 [H] or [T, H] with H = {H}, got {x.dtype} {list(x.shape)}")
     _check_rows(rows, weights, E, fail)
     tokens = _tokens(x, tokens, rows, fail)
-    dest = _dest(out)
+    dest = _dest(out, x, fail)
     return _start(lambda bg: mod.moe_decode_q8(x.contiguous(), q13, d13, q2, d2, rows, weights, bg, tokens, **dest),
                   background)
 
 
-def _dest(out) -> dict:
-    """The extension's ``out`` keyword: the destination, or an empty tensor (none: the extension
-    makes the result; its bindings take no None)."""
+def _dest(out, x, fail) -> dict:
+    """The extension's ``out`` keyword: the destination, checked against ``x`` (``[H]`` or ``[T, H]``)
+    here (an error raised inside the extension crashed the process with PyTorch 2.11 on Python 3.12),
+    or an empty tensor (none: the extension makes the result; its bindings take no None)."""
     import torch
 
-    return {"out": torch.empty(0) if out is None else out}
+    if out is None:
+        return {"out": torch.empty(0)}
+    if (out.dtype != torch.float32 or not out.is_contiguous() or out.device.type != "cpu"
+            or out.numel() != x.numel() or out.numel() == 0):
+        fail(f"out must be float32, contiguous, on the CPU, with {x.numel()} values, got {out.dtype} "
+             f"{list(out.shape)} on {out.device}")
+    return {"out": out}
 
 
 def _prepare(name: str, rows, weights):
@@ -297,7 +304,7 @@ def moe_decode_q4k(x: torch.Tensor, b13: torch.Tensor, b2: torch.Tensor, rows: t
     tokens = _tokens(x, tokens, rows, fail)
     extra = act_args(act, bias13, bias2, "moe_decode_q4k")
     codes = KQUANT_CODES
-    dest = _dest(out)
+    dest = _dest(out, x, fail)
     return _start(lambda bg: mod.moe_decode_kq(x.contiguous(), b13, codes[fmt13], b2, codes[fmt2], ffn, rows,
                                                weights, bg, tokens, *extra, **dest), background)
 
