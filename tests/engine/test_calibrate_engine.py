@@ -148,15 +148,18 @@ def test_a_quarter_of_the_calibration_experts_is_eight_times_the_l3(monkeypatch)
 
 
 def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
-    """The two host costs of a hybrid prompt layer come from three prompts (half and all of the experts on
-    the CPU, all of them in a short prompt): measured times built from known costs give those costs
-    back, and the fitted costs reach the predictions and nothing else of the profile."""
+    """The two host costs of a hybrid prompt layer and the prompt's copy rate come from three prompts (an
+    eighth and all of the experts on the CPU, all of them in a short prompt): measured times built
+    from known values give those values back, and they reach the predictions and nothing else of
+    the profile."""
     monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
-    monkeypatch.setattr(calibrate_engine, "PROMPT_TOKENS", 48)
-    monkeypatch.setattr(calibrate_engine, "SHORT_PROMPT_TOKENS", 8)
+    monkeypatch.setattr(calibrate_engine, "LAYERS", 2)
+    monkeypatch.setattr(calibrate_engine, "REPEATS", 0)  # the times come from the model here
+    monkeypatch.setattr(calibrate_engine, "PROMPT_TOKENS", 256)  # 32 tokens an expert: all travel
+    monkeypatch.setattr(calibrate_engine, "SHORT_PROMPT_TOKENS", 64)  # 8 an expert: the CPU keeps some
     base = preset("bench-h200")
-    layer_s, cpu_s = 700e-6, 300e-6
-    truth = replace(base, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s)
+    layer_s, cpu_s, rate = 700e-6, 300e-6, 0.8 * base.h2d_pinned
+    truth = replace(base, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s, prompt_h2d=rate)
     real, seen = calibrate_engine._prompt_seconds, []
 
     def as_modelled(inv, placement, device, pair_reads, lengths):  # a host the model with known costs predicts
@@ -165,18 +168,34 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
         return [t / CostModel(inv, truth).predict(placement, t + 8, prompt_tokens=t).prefill_tps for t in lengths]
 
     monkeypatch.setattr(calibrate_engine, "_prompt_seconds", as_modelled)
-    fitted, info = calibrate_engine.fit_prompt_costs(base, 64, 32, 2, n_heads=4, n_kv_heads=2, head_dim=16,
-                                                     device="cpu", experts=8)
-    assert seen == [(48,), (48, 8)] and len(info["runs"]) == 3
-    assert fitted.prompt_sync_s == pytest.approx(layer_s, rel=1e-6)
-    assert fitted.prompt_cpu_sync_s == pytest.approx(cpu_s, rel=1e-6)
+    fitted, info = calibrate_engine.fit_prompt_costs(base, 512, 256, 2, n_heads=8, n_kv_heads=2, head_dim=64,
+                                                     device="cpu", experts=16)  # experts big enough for the bus
+    assert seen == [(256,), (256, 64)] and len(info["runs"]) == 3
+    assert fitted.prompt_sync_s == pytest.approx(layer_s, rel=1e-4)
+    assert fitted.prompt_cpu_sync_s == pytest.approx(cpu_s, rel=1e-4)
+    assert fitted.prompt_h2d == pytest.approx(rate, rel=1e-4)
     for run in info["runs"]:
-        assert run["predicted_s"] == pytest.approx(run["measured_s"], rel=1e-9)
+        assert run["predicted_s"] == pytest.approx(run["measured_s"], rel=1e-6)
     assert fitted.sync_s == base.sync_s and fitted.cpu_expert_throughput == base.cpu_expert_throughput
     from workbench.core.hardware import HardwareProfile
 
     back = HardwareProfile.from_json(fitted.to_json())
-    assert (back.prompt_sync_s, back.prompt_cpu_sync_s) == (fitted.prompt_sync_s, fitted.prompt_cpu_sync_s)
+    assert (back.prompt_sync_s, back.prompt_cpu_sync_s, back.prompt_h2d) == (
+        fitted.prompt_sync_s, fitted.prompt_cpu_sync_s, fitted.prompt_h2d)
+
+
+def test_three_costs_pin_a_rate_or_none():
+    """The three runs give the two host costs and the bus's seconds per byte; a negative value or runs
+    that do not pin all three give None (the fit then keeps the pinned copy rate)."""
+    u0 = 1 / 50e9
+    a = np.array([[8.0, 0.0, 1e9], [8.0, 0.0, 4e9], [8.0, 8.0, 2e9]])
+    assert calibrate_engine._three_costs(a, a @ np.array([1e-3, 5e-4, 0.5 * u0]), u0) == pytest.approx(
+        (1e-3, 5e-4, 1.5 * u0))
+    assert calibrate_engine._three_costs(a, a @ np.array([1e-3, 5e-4, -2 * u0]), u0) is None
+    assert calibrate_engine._three_costs(a, a @ np.array([-1e-3, 5e-4, 0.0]), u0) is None
+    flat = a.copy()
+    flat[:, 2] = 0
+    assert calibrate_engine._three_costs(flat, np.ones(3), u0) is None
 
 
 def test_the_prompt_fit_keeps_its_costs_at_least_zero():

@@ -698,7 +698,7 @@ class CostModel:
         g0 = self._gpu(0)
         on_cpu = np.maximum(b * used / self.expert_cpu_rate, flops / prof.cpu_flops)
         pinned = (grid == TIER_CPU_STREAM) | (self.engine.bus_share > 0)  # the bus share page-locks the CPU tier
-        h2d = np.where(pinned, prof.h2d_pinned, prof.h2d_pageable)
+        h2d = np.where(pinned, prof.prompt_h2d if prof.prompt_h2d > 0 else prof.h2d_pinned, prof.h2d_pageable)
         fetch = b * used / h2d + flops / g0.bf16_flops
         stream = grid == TIER_CPU_STREAM
         choose_cpu = on_cpu <= fetch

@@ -100,6 +100,9 @@ class HardwareProfile:
     """Host seconds more in a hybrid layer of a prompt chunk where the CPU computes a share of the
     experts (not all of them travel): starting its run, waiting for it, adding its result (fitted
     with ``prompt_sync_s``; 0: not measured)."""
+    prompt_h2d: float = 0.0
+    """Bytes/s a prompt's fetched experts travel at in the engine, its per-batch pauses included
+    (fitted with ``prompt_sync_s``; 0: not measured, ``h2d_pinned``)."""
     source: str = ""
     provenance: dict[str, str] = field(default_factory=dict)
     """Where each number came from, by field name: ``"measured"``, ``"preset:<name>"`` or ``"absent"``
@@ -148,6 +151,8 @@ class HardwareProfile:
             out.append(f"cpu_cores must be a whole number >= 1, got {self.cpu_cores!r}")
         if not (0 <= self.sync_s < 1):
             out.append(f"sync_s is {self.sync_s!r} s: expected a cost between 0 and 1 second")
+        if not (self.prompt_h2d >= 0):
+            out.append(f"prompt_h2d is {self.prompt_h2d!r} B/s: expected a rate, or 0 (not measured)")
         for name in ("prompt_sync_s", "prompt_cpu_sync_s"):
             if not (0 <= getattr(self, name) < 1):
                 out.append(f"{name} is {getattr(self, name)!r} s: expected a cost between 0 and 1 second")

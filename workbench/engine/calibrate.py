@@ -810,9 +810,9 @@ _GPU_SIDE = ("gpus", "h2d_pinned", "h2d_pageable", "d2h_pinned", "sync_s")
 
 def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int = 8,
                  report: Callable[[str], None] | None = None, device: str = "cuda") -> HardwareProfile:
-    """``prof`` with ``prompt_sync_s`` and ``prompt_cpu_sync_s`` fitted to the engine's prompts at this
-    expert shape (``calibrate_engine.fit_prompt_costs``, ~40 s on CUDA); ``prof`` as it was, with the
-    reason reported, when the engine cannot run them."""
+    """``prof`` with ``prompt_sync_s``, ``prompt_cpu_sync_s`` and ``prompt_h2d`` fitted to the engine's
+    prompts at this expert shape (``calibrate_engine.fit_prompt_costs``, ~40 s on CUDA); ``prof`` as it
+    was, with the reason reported, when the engine cannot run them."""
     from .calibrate_engine import fit_prompt_costs
 
     say = report or (lambda message: log.info("%s", message))
@@ -824,10 +824,11 @@ def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int
         return prof
     runs = ", ".join(f"{r['name']}, {r['tokens']} tokens: {r['measured_s'] * 1e3:.1f} ms "
                      f"({r['predicted_s'] * 1e3:.1f} predicted)" for r in fit["runs"])
+    rate = f"{fit['prompt_h2d'] / 1e9:.1f} GB/s" if fit["prompt_h2d"] else "the pinned copy rate"
     say(f"engine prompts ({runs}); host time per hybrid prompt layer {fit['prompt_sync_s'] * 1e6:.0f} us, "
-        f"{fit['prompt_cpu_sync_s'] * 1e6:.0f} us more where the CPU computes a share")
-    return replace(fitted, provenance=fitted.provenance | {"prompt_sync_s": "fitted to the engine",
-                                                           "prompt_cpu_sync_s": "fitted to the engine"})
+        f"{fit['prompt_cpu_sync_s'] * 1e6:.0f} us more where the CPU computes a share; a prompt's copies at {rate}")
+    fitted_by_engine = dict.fromkeys(("prompt_sync_s", "prompt_cpu_sync_s", "prompt_h2d"), "fitted to the engine")
+    return replace(fitted, provenance=fitted.provenance | fitted_by_engine)
 
 
 def _prefill_flops(run: _Run, experts, hidden: int, ffn: int, tokens: int = 32) -> float:

@@ -245,16 +245,17 @@ def _prompt_seconds(inv, placement, device: str, pair_reads: float | None, lengt
 def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n_heads: int = 32,
                      n_kv_heads: int = 4, head_dim: int = 128, device: str = "cuda",
                      experts: int | None = None) -> tuple[HardwareProfile, dict]:
-    """``prof`` with ``prompt_sync_s`` and ``prompt_cpu_sync_s`` fitted to the engine's prompts, of a
-    ``LAYERS``-layer model of ``experts`` (default ``PROMPT_EXPERTS``, fewer where memory is short)
-    experts at the given shape: ``PROMPT_TOKENS`` tokens with half of every layer's experts on the CPU
-    and with all of them there (each expert picked by about 32 tokens: all travel, the CPU computes
-    none), and ``SHORT_PROMPT_TOKENS`` with all of them there (about 8 tokens each: the bus and the
-    CPU split them). The model is linear in both costs; the fit is least squares over the three runs
-    (a cost that comes out negative, the model already slower than the engine there, is 0 and the
-    other is fitted alone). Returns the profile and ``{"runs": [{"name", "tokens", "measured_s",
-    "predicted_s"}], "prompt_sync_s", "prompt_cpu_sync_s"}`` (seconds per prompt, the predictions at
-    the fitted values)."""
+    """``prof`` with ``prompt_sync_s``, ``prompt_cpu_sync_s`` and ``prompt_h2d`` fitted to the engine's
+    prompts, of a ``LAYERS``-layer model of ``experts`` (default ``PROMPT_EXPERTS``, fewer where memory
+    is short) experts at the given shape: ``PROMPT_TOKENS`` tokens with an eighth of every layer's
+    experts on the CPU (short lanes: the layer's host time shows) and with all of them there (each
+    picked by about 32 tokens: all travel, the bus's rate shows), and ``SHORT_PROMPT_TOKENS`` with all
+    of them there (about 8 tokens each: the bus and the CPU split them, the CPU share's host time
+    shows). The model is linear in the two host costs and in the bus's seconds per byte; three runs
+    pin the three. Where that gives a negative value or no rate, the bus keeps ``h2d_pinned`` and
+    the two costs are fitted by least squares at or above zero. Returns the profile and ``{"runs":
+    [{"name", "tokens", "measured_s", "predicted_s"}], "prompt_sync_s", "prompt_cpu_sync_s",
+    "prompt_h2d"}`` (seconds per prompt, the predictions at the fitted values)."""
     from workbench.core.costmodel import model_prompt_pair_reads
 
     room = psutil.virtual_memory().available
@@ -269,35 +270,66 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
         synth.write_gguf(path, shape, coverage_target=None)
         inv = open_model(path)
         pair_reads = model_prompt_pair_reads(inv, prof)
-        half, every = _upper_on_cpu(inv, 0.5), placement_cpu_moe(inv)
-        (half_s,) = _prompt_seconds(inv, half, device, pair_reads, (PROMPT_TOKENS,))
+        few, every = _upper_on_cpu(inv, 0.125), placement_cpu_moe(inv)
+        (few_s,) = _prompt_seconds(inv, few, device, pair_reads, (PROMPT_TOKENS,))
         cpu_s, short_s = _prompt_seconds(inv, every, device, pair_reads, (PROMPT_TOKENS, SHORT_PROMPT_TOKENS))
-    runs = [("half on the CPU", half, PROMPT_TOKENS, half_s), ("all on the CPU", every, PROMPT_TOKENS, cpu_s),
+    runs = [("an eighth on the CPU", few, PROMPT_TOKENS, few_s), ("all on the CPU", every, PROMPT_TOKENS, cpu_s),
             ("all on the CPU, short", every, SHORT_PROMPT_TOKENS, short_s)]
+    u0 = 1.0 / prof.h2d_pinned
 
-    def seconds(layer_s: float, cpu_s: float, placement, tokens: int) -> float:
-        p = replace(prof, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s)
+    def seconds(layer_s: float, cpu_s: float, u: float, placement, tokens: int) -> float:
+        p = replace(prof, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s, prompt_h2d=1.0 / u)
         return tokens / CostModel(inv, p).predict(placement, tokens + 8, prompt_tokens=tokens).prefill_tps
 
-    step = 1e-3
-    rows, rhs = [], []
-    for _, placement, tokens, measured in runs:
-        base = seconds(0.0, 0.0, placement, tokens)
-        rows.append(((seconds(step, 0.0, placement, tokens) - base) / step,
-                     (seconds(0.0, step, placement, tokens) - base) / step))
-        rhs.append(measured - base)
-    a, b = np.array(rows), np.array(rhs)
-    layer_s, cpu_s = _least_squares_at_least_zero(a, b)
-    fitted = replace(prof, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s)
+    def linear_at(u: float) -> tuple[np.ndarray, np.ndarray]:
+        """The model's seconds per unit of each value around ``(0, 0, u)``, and the measured seconds
+        beyond it there (the bus is one lane of a max: linear in ``u`` only while no other overtakes)."""
+        step, du = 1e-3, 0.1 * u
+        rows, rhs = [], []
+        for _, placement, tokens, measured in runs:
+            base = seconds(0.0, 0.0, u, placement, tokens)
+            rows.append(((seconds(step, 0.0, u, placement, tokens) - base) / step,
+                         (seconds(0.0, step, u, placement, tokens) - base) / step,
+                         (seconds(0.0, 0.0, u + du, placement, tokens) - base) / du))
+            rhs.append(measured - base)
+        return np.array(rows), np.array(rhs)
+
+    u, settled = u0, False
+    for _ in range(6):  # Newton's steps on the one value the model is not linear in
+        fit = _three_costs(*linear_at(u), u)
+        if fit is None:
+            break
+        layer_s, cpu_s, nxt = fit
+        settled, u = abs(nxt - u) < 1e-4 * u, nxt
+        if settled:
+            break
+    if not settled:  # no rate pinned: the pinned copy rate, and the two costs alone
+        a, b = linear_at(u0)
+        (layer_s, cpu_s), u = _least_squares_at_least_zero(a[:, :2], b), u0
+    fitted = replace(prof, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s,
+                     prompt_h2d=0.0 if u == u0 else 1.0 / u)
     info = {"runs": [{"name": name, "tokens": tokens, "measured_s": measured,
-                      "predicted_s": seconds(layer_s, cpu_s, placement, tokens)}
+                      "predicted_s": seconds(layer_s, cpu_s, u, placement, tokens)}
                      for name, placement, tokens, measured in runs],
-            "prompt_sync_s": layer_s, "prompt_cpu_sync_s": cpu_s}
+            "prompt_sync_s": layer_s, "prompt_cpu_sync_s": cpu_s, "prompt_h2d": fitted.prompt_h2d}
     log.info("engine prompts of %d layers of %d experts: %s; host time per hybrid prompt layer %.0f us, %.0f us "
-             "more where the CPU computes a share", LAYERS, n,
+             "more where the CPU computes a share; a prompt's copies at %.1f GB/s", LAYERS, n,
              ", ".join(f"{r['name']} ({r['tokens']} tokens) {r['measured_s'] * 1e3:.1f} ms, predicted "
-                       f"{r['predicted_s'] * 1e3:.1f}" for r in info["runs"]), layer_s * 1e6, cpu_s * 1e6)
+                       f"{r['predicted_s'] * 1e3:.1f}" for r in info["runs"]), layer_s * 1e6, cpu_s * 1e6,
+             1e-9 / u)
     return fitted, info
+
+
+def _three_costs(a: np.ndarray, b: np.ndarray, u: float) -> tuple[float, float, float] | None:
+    """``(layer_s, cpu_s, u + du)`` with ``a @ (layer_s, cpu_s, du) == b`` (``a`` [3, 3]: the model's
+    seconds per unit of each around ``(0, 0, u)``, ``b`` the measured seconds beyond the model there),
+    or None when the runs do not pin all three or one comes out negative (no rate)."""
+    if np.linalg.matrix_rank(a, tol=1e-9 * max(1.0, np.abs(a).max())) < 3:
+        return None
+    x = np.linalg.solve(a, b)
+    if x[0] < 0 or x[1] < 0 or u + x[2] <= 0:
+        return None
+    return float(x[0]), float(x[1]), float(u + x[2])
 
 
 def _least_squares_at_least_zero(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
