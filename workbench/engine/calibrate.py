@@ -827,7 +827,8 @@ def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int
     rate = f"{fit['prompt_h2d'] / 1e9:.1f} GB/s" if fit["prompt_h2d"] else "the pinned copy rate"
     say(f"engine prompts ({runs}); host time per hybrid prompt layer {fit['prompt_sync_s'] * 1e6:.0f} us, "
         f"{fit['prompt_cpu_sync_s'] * 1e6:.0f} us more where the CPU computes a share; a prompt's copies at {rate}")
-    fitted_by_engine = dict.fromkeys(("prompt_sync_s", "prompt_cpu_sync_s", "prompt_h2d"), "fitted to the engine")
+    names = ("prompt_sync_s", "prompt_cpu_sync_s") + (("prompt_h2d",) if fit["prompt_h2d"] else ())
+    fitted_by_engine = dict.fromkeys(names, "fitted to the engine")
     return replace(fitted, provenance=fitted.provenance | fitted_by_engine)
 
 

@@ -272,8 +272,8 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
         pair_reads = model_prompt_pair_reads(inv, prof)
         few, every = _upper_on_cpu(inv, 0.125), placement_cpu_moe(inv)
         (few_s,) = _prompt_seconds(inv, few, device, pair_reads, (PROMPT_TOKENS,))
-        cpu_s, short_s = _prompt_seconds(inv, every, device, pair_reads, (PROMPT_TOKENS, SHORT_PROMPT_TOKENS))
-    runs = [("an eighth on the CPU", few, PROMPT_TOKENS, few_s), ("all on the CPU", every, PROMPT_TOKENS, cpu_s),
+        every_s, short_s = _prompt_seconds(inv, every, device, pair_reads, (PROMPT_TOKENS, SHORT_PROMPT_TOKENS))
+    runs = [("an eighth on the CPU", few, PROMPT_TOKENS, few_s), ("all on the CPU", every, PROMPT_TOKENS, every_s),
             ("all on the CPU, short", every, SHORT_PROMPT_TOKENS, short_s)]
     u0 = 1.0 / prof.h2d_pinned
 
