@@ -155,8 +155,8 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
     monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
     monkeypatch.setattr(calibrate_engine, "LAYERS", 2)
     monkeypatch.setattr(calibrate_engine, "REPEATS", 0)  # the times come from the model here
-    monkeypatch.setattr(calibrate_engine, "PROMPT_TOKENS", 256)  # 32 tokens an expert: all travel
-    monkeypatch.setattr(calibrate_engine, "SHORT_PROMPT_TOKENS", 64)  # 8 an expert: the CPU keeps some
+    monkeypatch.setattr(calibrate_engine, "PROMPT_TOKENS", 128)  # 32 tokens an expert: all travel
+    monkeypatch.setattr(calibrate_engine, "SHORT_PROMPT_TOKENS", 32)  # 8 an expert: the CPU keeps some
     base = preset("bench-h200")
     layer_s, cpu_s, rate = 700e-6, 300e-6, 0.8 * base.h2d_pinned
     truth = replace(base, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s, prompt_h2d=rate)
@@ -169,8 +169,8 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
 
     monkeypatch.setattr(calibrate_engine, "_prompt_seconds", as_modelled)
     fitted, info = calibrate_engine.fit_prompt_costs(base, 512, 256, 2, n_heads=8, n_kv_heads=2, head_dim=64,
-                                                     device="cpu", experts=16)  # experts big enough for the bus
-    assert seen == [(256,), (256, 64)] and len(info["runs"]) == 3
+                                                     device="cpu", experts=8)  # experts big enough for the bus
+    assert seen == [(128,), (128, 32)] and len(info["runs"]) == 3
     assert fitted.prompt_sync_s == pytest.approx(layer_s, rel=1e-4)
     assert fitted.prompt_cpu_sync_s == pytest.approx(cpu_s, rel=1e-4)
     assert fitted.prompt_h2d == pytest.approx(rate, rel=1e-4)
