@@ -16,7 +16,7 @@
 # with timelines on saved placements: this tree, 16 bus slots, an earlier tree, torch's copies instead of the driver's
 # (BENCH_PREFILL_VARIANTS="new old slots16 torchcopies early2"; early2: two batches fetched before the CPU's setup); $OUT/prefill_ab.tar.gz), prompt_tests (bus share, grouped
 # kernels and CPU kernel prompt tests on CUDA; carry .whl_engine; BENCH_PROMPT_TESTS: other files), refit_prompt
-# (workbench calibrate --refit-prompt on $OUT/h200.json: the prompt's host time per hybrid layer), profile_saved (scripts/profile_hybrid.py over the
+# (workbench calibrate --refit-prompt on $OUT/h200.json: a hybrid prompt layer's host time, the time more with a CPU share, the prompt's copy rate), profile_saved (scripts/profile_hybrid.py over the
 # placements stage engine ran, saved under /tmp/wb_placements), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
 # 12 GiB, then scripts/profile_decode.py into $OUT/decode),
 # calibrate ($OUT/h200.json, then the profile of the stages after it), engine (`workbench bench
@@ -302,7 +302,7 @@ stage_prompt_tests() {  # the prompt paths' tests on CUDA: bus share, grouped ke
         ${BENCH_PROMPT_TESTS:-tests/engine/test_bus_share.py tests/engine/test_prefill_kernels.py tests/engine/test_cpu_kernel_prompt.py} \
         >"$OUT/prompt_tests.txt" 2>&1; log "prompt tests rc $?"; tail -3 "$OUT/prompt_tests.txt" | tee -a "$OUT/device.log"
 }
-stage_refit_prompt() {  # the prompt's host time per hybrid layer fitted on top of $OUT/h200.json (workbench calibrate --refit-prompt)
+stage_refit_prompt() {  # the prompt's host costs and copy rate fitted on top of $OUT/h200.json (workbench calibrate --refit-prompt)
     [ -f "$OUT/h200.json" ] || { log "refit_prompt needs \$OUT/h200.json"; return; }
     log "refit prompt"; timeout 200 python3 -m workbench -v calibrate --refit-prompt "$OUT/h200.json" -o "$OUT/h200.json" \
         2>>"$OUT/device.log" | tail -3 | tee -a "$OUT/device.log"; grep -h "engine prompt" "$OUT/device.log" | tail -1
