@@ -196,6 +196,10 @@ def test_three_costs_pin_a_rate_or_none():
     flat = a.copy()
     flat[:, 2] = 0
     assert calibrate_engine._three_costs(flat, np.ones(3), u0) is None
+    # columns ~1e10 apart (the 2026-12-06 call's runs): pinned all the same
+    real = np.array([[8.0, 0.375, 4.83e9], [8.0, 0.9375, 9.65e9], [8.0, 8.0, 5.64e9]])
+    assert calibrate_engine._three_costs(real, real @ np.array([1e-3, 5e-4, 0.1 * u0]), u0) == pytest.approx(
+        (1e-3, 5e-4, 1.1 * u0))
 
 
 def test_the_prompt_fit_keeps_its_costs_at_least_zero():

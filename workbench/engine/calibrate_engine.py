@@ -320,14 +320,25 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     return fitted, info
 
 
+def _scaled_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """Least squares for ``a x = b`` with each column of ``a`` scaled to its largest entry first (the
+    fits' columns, seconds per second and seconds per (s/B), lie ~1e10 apart: unscaled, a rank test
+    takes the small ones for zero); None when a column is all zero or the rows do not pin every value."""
+    scale = np.abs(a).max(axis=0)
+    if not np.all(scale > 0):
+        return None
+    a_n = a / scale
+    if np.linalg.matrix_rank(a_n, tol=1e-9) < a.shape[1]:
+        return None
+    return np.linalg.lstsq(a_n, b, rcond=None)[0] / scale
+
+
 def _three_costs(a: np.ndarray, b: np.ndarray, u: float) -> tuple[float, float, float] | None:
     """``(layer_s, cpu_s, u + du)`` with ``a @ (layer_s, cpu_s, du) == b`` (``a`` [3, 3]: the model's
     seconds per unit of each around ``(0, 0, u)``, ``b`` the measured seconds beyond the model there),
     or None when the runs do not pin all three or one comes out negative (no rate)."""
-    if np.linalg.matrix_rank(a, tol=1e-9 * max(1.0, np.abs(a).max())) < 3:
-        return None
-    x = np.linalg.solve(a, b)
-    if x[0] < 0 or x[1] < 0 or u + x[2] <= 0:
+    x = _scaled_lstsq(a, b)
+    if x is None or x[0] < 0 or x[1] < 0 or u + x[2] <= 0:
         return None
     return float(x[0]), float(x[1]), float(u + x[2])
 
@@ -339,10 +350,9 @@ def _least_squares_at_least_zero(a: np.ndarray, b: np.ndarray) -> tuple[float, f
         c = a[:, col]
         return max(0.0, float(c @ b / (c @ c))) if c @ c > 0 else 0.0
 
-    if np.linalg.matrix_rank(a, tol=1e-9 * max(1.0, np.abs(a).max())) == 2:
-        x = np.linalg.lstsq(a, b, rcond=None)[0]
-        if np.all(x >= 0):
-            return float(x[0]), float(x[1])
+    x = _scaled_lstsq(a, b)
+    if x is not None and np.all(x >= 0):
+        return float(x[0]), float(x[1])
     candidates = [(alone(0), 0.0), (0.0, alone(1))]
     return min(candidates, key=lambda x: float(np.sum((a @ np.array(x) - b) ** 2)))
 
@@ -360,14 +370,9 @@ def _fit_host(model, runs: list, u0: float) -> tuple[float | None, float]:
         c = (model(placement, 0.0, u0 + du) - base) / du
         rows.append((b, c))
         rhs.append(measured - (base - c * u0))
-    a = np.array(rows, dtype=float)
-    scale = np.abs(a).max(axis=0)  # columns of seconds per second and seconds per (s/B): ~1e10 apart
-    if len(runs) < 2 or not np.all(scale > 0):
+    sol = _scaled_lstsq(np.array(rows, dtype=float), np.array(rhs, dtype=float))
+    if sol is None:
         return None, 0.0
-    a_n = a / scale
-    if np.linalg.matrix_rank(a_n, tol=1e-9) < 2:
-        return None, 0.0
-    sol = np.linalg.lstsq(a_n, np.array(rhs, dtype=float), rcond=None)[0] / scale
     sync, u = float(sol[0]), float(sol[1])
     if sync < 0 or u <= 0:
         return None, 0.0
