@@ -239,8 +239,8 @@ def test_kept_blocks_travel_as_blocks_and_compute_as_their_dequantization(tensor
 def test_the_slots_hold_an_expert_as_the_file_stores_it_and_the_load_counts_them(tensor_type, width, tiny_gguf,
                                                                                  monkeypatch):
     """A slot of kept experts is one expert's blocks, as many bytes as the file gives an expert (no
-    float slots beside them); the memory the engine reserves before loading (``_bus_bytes``) is what
-    the slots take."""
+    float slots beside them), and there are as many as fit in the float slots' bytes; the memory the
+    engine reserves before loading (``_bus_bytes``) is what the slots take."""
     from workbench.core.units import UnitKey
     from workbench.engine import engine as engine_mod
 
@@ -261,7 +261,11 @@ def test_the_slots_hold_an_expert_as_the_file_stores_it_and_the_load_counts_them
             assert expected == bus.SLOTS * 3 * width * width * engine.dtype.itemsize
         else:
             assert engine.experts[layer].kept_cpu is not None
-            assert expected == bus.SLOTS * inv.units[UnitKey(layer, "expert", 0)].nbytes
+            one = inv.units[UnitKey(layer, "expert", 0)].nbytes
+            room = bus.SLOTS * 3 * width * width * engine.dtype.itemsize  # what float slots would take
+            n = share.slots_of(engine.experts[layer].kept_layout())
+            assert expected == n * one
+            assert n > bus.SLOTS and n * one <= room < (n + 1) * one  # as many as fit in the float slots' bytes
     finally:
         engine.close()
 
@@ -388,3 +392,13 @@ def test_a_prompts_fetch_copies_the_rows_it_is_given(native, monkeypatch):
         assert torch.equal(s13[base:base + 4].cpu(), w13[rows]) and torch.equal(s2[base:base + 4].cpu(), w2[rows])
     finally:
         share.close()
+
+
+def test_a_batch_is_one_copy_per_run_of_rows_and_tensor():
+    """The copies a prompt batch queues through the driver: each run of consecutive host rows is one
+    copy per tensor, into consecutive slots from ``base``, at each tensor's own row size."""
+    native = [((1000, 10), (5000, 10)), ((2000, 3), (9000, 3))]  # (slots, stack): (address, row bytes)
+    dst, src, size = bus.copy_table(native, 4, np.array([7, 8, 9, 2, 5, 6]))
+    assert dst == [1040, 1070, 1080, 2012, 2021, 2024]
+    assert src == [5070, 5020, 5050, 9021, 9006, 9015]
+    assert size == [30, 10, 20, 9, 3, 6]

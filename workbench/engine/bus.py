@@ -24,8 +24,9 @@ token costs, as calibration measured it or a read per token, a copy about ``(1 -
 fraction`` reads), and the CPU computes them on its own thread meanwhile.
 ``WORKBENCH_PREFILL_FETCH_TOKENS`` sets the threshold for measuring other splits; the first batch's
 copies are queued before the CPU's share is set up (``WORKBENCH_EARLY_BATCHES=2``: the first two). Device slots:
-``costmodel.BUS_SLOTS`` experts (151 MB at the Qwen3-30B-A3B shape in bf16, 80 MB in Q8_0;
-``WORKBENCH_BUS_SLOTS`` sets another count, for measuring). A prompt's fetched experts are computed
+``costmodel.BUS_SLOTS`` bf16 experts' bytes (151 MB at the Qwen3-30B-A3B shape), which hold that
+many float experts or, kept in blocks, as many more as fit (30 in Q8_0, 56 in Q4_K: ``slot_count``);
+``WORKBENCH_BUS_SLOTS`` sets another count, for measuring. A prompt's fetched experts are computed
 on a stream of their own (``kernel_stream``), so that the resident tier's kernels, queued on the
 layer's stream, neither delay the copies nor wait for them.
 
@@ -39,7 +40,9 @@ weights) and are computed with its clamped SwiGLU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
 import os
 import weakref
 
@@ -138,6 +141,22 @@ def runs(rows: np.ndarray) -> list[tuple[int, int]]:
     return list(zip([0, *cuts], [*cuts, rows.size]))
 
 
+def copy_table(native: list[tuple[tuple[int, int], tuple[int, int]]], base: int, rows: np.ndarray
+               ) -> tuple[list[int], list[int], list[int]]:
+    """``(device addresses, host addresses, bytes)`` of the copies that load rows ``rows`` of host stacks
+    into slots ``base``, ``base + 1``, ...: for each ``((slots address, row bytes), (stack address,
+    row bytes))`` of ``native``, one copy per run of consecutive rows (``runs``), tensor by tensor."""
+    rows = np.asarray(rows, dtype=np.int64)
+    spans = np.array(runs(rows), dtype=np.int64).reshape(-1, 2)
+    first, n = spans[:, 0], spans[:, 1] - spans[:, 0]
+    dst, src, size = [], [], []
+    for (d, row), (s, _) in native:
+        dst += (d + (base + first) * row).tolist()
+        src += (s + rows[first] * row).tolist()
+        size += (n * row).tolist()
+    return dst, src, size
+
+
 def slot_shapes(shape13: tuple[int, int], shape2: tuple[int, int], dtype: torch.dtype,
                 kept: tuple | None = None, bias: bool = False) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """``(shape, dtype)`` of one expert in each of a slot set's tensors: float ``[2I, H]``, ``[H, I]``
@@ -150,6 +169,22 @@ def slot_shapes(shape13: tuple[int, int], shape2: tuple[int, int], dtype: torch.
         parts = blocks.alloc(f13, (), shape13[0], k13, "meta") + blocks.alloc(f2, (), shape2[0], k2, "meta")
         out = [(tuple(t.shape), t.dtype) for t in parts]
     return out + ([((shape13[0],), dtype), ((shape2[0],), dtype)] if bias else [])
+
+
+@functools.lru_cache(maxsize=64)
+def slot_count(slots: int, shape13: tuple[int, int], shape2: tuple[int, int], dtype: torch.dtype,
+               kept: tuple | None = None, bias: bool = False) -> int:
+    """Slots of layout ``kept`` (see ``slot_shapes``) for a share of ``slots`` float slots: as many of
+    its experts as fit in the bytes of ``slots`` float ones (at least ``slots``): 30 Q8_0 experts for
+    16 bf16 ones, 56 Q4_K. A prompt's fetched experts travel half the slots at a time, and each batch
+    costs the host about the same (two kernel launches, events), so smaller experts travel in
+    bigger batches, not in more of them."""
+
+    def nbytes(shapes) -> int:
+        return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in shapes)
+
+    own = nbytes(slot_shapes(shape13, shape2, dtype, kept, bias))
+    return max(slots, slots * nbytes(slot_shapes(shape13, shape2, dtype, None, bias)) // max(1, own))
 
 
 class BusShare:
@@ -192,13 +227,15 @@ class BusShare:
         return sum(t.numel() * t.element_size() for ts in self._slots.values() for t in ts)
 
     def slot_stacks(self, kept: tuple | None = None, bias: bool = False) -> list[torch.Tensor]:
-        """The slots of layout ``kept`` (None: float), shaped as the CPU stacks, ``[slots, ...]`` each:
+        """The slots of layout ``kept`` (None: float), shaped as the CPU stacks, ``[n, ...]`` each (``n``:
+        ``slot_count``, ``slots`` for float):
         float ``[w13, w2]``, Q8_0 ``[q13, d13, q2, d2]``, k-quants and MXFP4 ``[b13, b2]``; with
         ``bias``, then the biases ``[slots, 2I]``, ``[slots, H]``. Made on first use."""
         stacks = self._slots.get((kept, bias))
         if stacks is None:
+            n = slot_count(self.slots, self.shape13, self.shape2, self.dtype, kept, bias)
             stacks = self._slots[(kept, bias)] = [
-                torch.empty((self.slots, *shape), dtype=dt, device=self.device)
+                torch.empty((n, *shape), dtype=dt, device=self.device)
                 for shape, dt in slot_shapes(self.shape13, self.shape2, self.dtype, kept, bias)]
         return stacks
 
@@ -252,6 +289,9 @@ class BusShare:
         one copy per tensor for each run of consecutive rows (a prompt's batch is often one run)."""
         pairs = list(zip(self._slots[(kept, bias)], src, strict=True))
         native = self._native_rows(pairs) if self.cuda else None
+        if native is not None and all(n is not None for n in native):  # every copy through the driver
+            self._copier.many(*copy_table(native, base, rows))
+            return
         for j0, j1 in runs(rows):
             r = int(rows[j0])
             for i, (dst, t) in enumerate(pairs):
@@ -324,28 +364,33 @@ class BusShare:
 
     def fetch(self, half: int, experts: np.ndarray, rows: np.ndarray, src: list[torch.Tensor],
               kept: tuple | None = None, bias: bool = False) -> int:
-        """Prefill: copy experts (rows ``rows`` of the pinned stacks ``src``; at most ``slots // 2`` of them)
-        into half ``half`` (0 or 1) of the slots on the copy stream, once the kernels that read that
-        half before are done (``done_with``); the current stream waits for the copies. Returns the
-        first slot. Alternating halves lets one batch travel while the previous one computes."""
-        base = self.half_base(half)
+        """Prefill: copy experts (rows ``rows`` of the pinned stacks ``src``, of layout ``kept``; at most
+        ``half_slots(kept, bias)`` of them) into half ``half`` (0 or 1) of that layout's slots on the copy
+        stream, once the kernels that read that half before are done (``done_with``); the current
+        stream waits for the copies. Returns the first slot. Alternating halves lets one batch travel
+        while the previous one computes."""
+        base = self.half_base(half, kept, bias)
         self._copy_in(base, rows, src, kept, self.free[half:half + 1] if self.cuda else [],
                       self.ready[half] if self.cuda else None, bias=bias)
         return base
 
-    def half_base(self, half: int) -> int:
-        """The first slot of prefill half ``half`` (0 or 1)."""
-        return half * self.half_slots if 2 * self.half_slots <= self.slots else 0
+    def half_base(self, half: int, kept: tuple | None = None, bias: bool = False) -> int:
+        """The first slot of prefill half ``half`` (0 or 1) in the slots of layout ``kept``."""
+        n = self.half_slots(kept, bias)
+        return half * n if 2 * n <= self.slots_of(kept, bias) else 0
 
     def done_with(self, half: int) -> None:
         """The kernels queued so far on the current stream are the last readers of ``half``."""
         if self.cuda:
             self.free[half].record(torch.cuda.current_stream(self.device))
 
-    @property
-    def half_slots(self) -> int:
-        """Experts per prefill batch."""
-        return max(1, self.slots // 2)
+    def slots_of(self, kept: tuple | None = None, bias: bool = False) -> int:
+        """How many experts of layout ``kept`` the slots hold (``slot_count``)."""
+        return slot_count(self.slots, self.shape13, self.shape2, self.dtype, kept, bias)
+
+    def half_slots(self, kept: tuple | None = None, bias: bool = False) -> int:
+        """Experts of layout ``kept`` per prefill batch."""
+        return max(1, self.slots_of(kept, bias) // 2)
 
     def close(self) -> None:
         """Release every page lock (the engine calls this before freeing the stacks)."""

@@ -116,12 +116,13 @@ def _bus_bytes(inventory: Inventory, args: ModelArgs, placement: Placement, devi
               if any(on_cpu(placement.get(UnitKey(layer, "expert", e))) for e in range(args.n_experts))}
     layouts = {_expert_formats(inventory, layer) if keeps else None for layer in layers}
     shape13, shape2 = (2 * args.expert_ffn, args.hidden), (args.hidden, args.expert_ffn)
-    per_slot = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
-                   for f in layouts
-                   for shape, dt in bus.slot_shapes(shape13, shape2, dtype,
-                                                    None if f is None else (f, None, args.hidden, args.expert_ffn),
-                                                    args.expert_bias))
-    return bus.slots_from_env() * per_slot
+    slots, total = bus.slots_from_env(), 0
+    for f in layouts:
+        kept = None if f is None else (f, None, args.hidden, args.expert_ffn)
+        per_slot = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+                       for shape, dt in bus.slot_shapes(shape13, shape2, dtype, kept, args.expert_bias))
+        total += bus.slot_count(slots, shape13, shape2, dtype, kept, args.expert_bias) * per_slot
+    return total
 
 
 def _expert_formats(inventory: Inventory, layer: int) -> tuple[str, str] | None:

@@ -510,7 +510,8 @@ class LayerExperts:
                     kept = self.resident_kept()
                     w13, w2 = (None, None) if kept is not None else self.resident_stacks()
                     _grouped_host(x, pairs, token_host, self.local[ids_host[pairs]], flat_w, out, scale_input,
-                                  w13, w2, self.b13[0], self.b2[0], self.act, kept=kept)
+                                  w13, w2, self.b13[0], self.b2[0], self.act, kept=kept,
+                                  staged=lambda arrays: self.staging.indices("resident", arrays))
             str_sel = np.nonzero(tiers == STREAM)[0]
             if str_sel.size:
                 self._run_streamed(x, token_host, flat_w, ids_host, str_sel, out, scale_input)
@@ -689,12 +690,12 @@ class LayerExperts:
         while this thread sets up the CPU's share. Returns how many batches it queued (0 to 2)."""
         if not sel.size or not x.is_cuda or not self._fetch_kernels_usable(x, scale_input):
             return 0
-        n = self.bus.half_slots
-        halves = self.bus.early_batches if 2 * n <= self.bus.slots else 1  # one slot: both halves are it
+        stacks, layout = self.bus_stacks(), self.kept_layout()
+        n = self.bus.half_slots(layout, self.bias)
+        halves = self.bus.early_batches if 2 * n <= self.bus.slots_of(layout, self.bias) else 1  # one slot: both halves
         uniq = np.unique(ids_host[sel])[:halves * n]
         side = self.bus.kernel_stream
         side.wait_stream(torch.cuda.current_stream(x.device))  # x and the routing weights are ready there
-        stacks, layout = self.bus_stacks(), self.kept_layout()
         with torch.cuda.stream(side):
             for b, start in enumerate(range(0, uniq.size, n)):
                 batch = uniq[start:start + n]
@@ -703,7 +704,7 @@ class LayerExperts:
 
     def _run_fetched(self, x: torch.Tensor, token: np.ndarray, flat_w: torch.Tensor, ids_host: np.ndarray,
                      sel: np.ndarray, out: torch.Tensor, scale_input: bool, early: int = 0):
-        """Copy the experts of the pairs ``sel`` to the GPU slots (``bus.half_slots`` at a time, the two
+        """Copy the experts of the pairs ``sel`` to the GPU slots (``bus.half_slots`` of them at a time, the two
         halves alternating; kept blocks travel and stay blocks) and compute their pairs there, queued
         without waiting. Returns a function that adds them to ``out`` (the caller queues the
         resident tier's kernels in between), or None when nothing travels.
@@ -715,8 +716,8 @@ class LayerExperts:
         function has the layer's stream wait for them before it adds their sum. ``early``: how many of
         the first batches' copies were queued already (``_fetch_first``)."""
         experts = ids_host[sel]
-        n = self.bus.half_slots
         stacks, layout = self.bus_stacks(), self.kept_layout()
+        n = self.bus.half_slots(layout, self.bias)
         slots, sb13, sb2 = self.bus.weight_slots(layout, self.bias)  # the biases travel with their experts
         fmt = None if layout is None else layout[0]
         args = blocks.kernel_args(fmt, slots)
@@ -763,14 +764,14 @@ class LayerExperts:
         outputs [n, H])`` of the pairs ``pairs`` (sorted by expert; ``uniq``/``starts``/``counts`` their
         experts), or None if the kernels failed before computing anything (they are then off).
         ``early``: the first ``early`` batches are in their halves already, with this stream waiting."""
-        n = self.bus.half_slots
+        n = self.bus.half_slots(layout, self.bias)
         j = np.arange(uniq.size)
-        slot = np.where((j // n) % 2 == 1, self.bus.half_base(1), self.bus.half_base(0)) + j % n
+        slot = np.where((j // n) % 2 == 1, self.bus.half_base(1, layout, self.bias),
+                        self.bus.half_base(0, layout, self.bias)) + j % n
         per = (counts + prefill_kernels.BLOCK_M - 1) // prefill_kernels.BLOCK_M  # tiles per expert
         ends = np.cumsum(np.bincount(j // n, weights=per)).astype(np.int64)  # tile table end of each batch
-        dev = x.device
-        tiles_t = _h2d(torch.from_numpy(prefill_kernels.tile_table(starts, counts, slot)), dev)
-        tok_t = _h2d(torch.from_numpy(token[pairs]), dev)
+        tiles_t, tok_t, pair_t = self.staging.indices("fetched", [prefill_kernels.tile_table(starts, counts, slot),
+                                                                    token[pairs], pairs])
         xs = x[tok_t]
         h, ys = prefill_kernels.buffers(xs, args[1], fmt)
         begin = 0
@@ -788,7 +789,7 @@ class LayerExperts:
                 return None  # nothing computed yet: the caller's loop does it all
             self.bus.done_with(b % 2)
             begin = int(ends[b])
-        ws = flat_w[_h2d(torch.from_numpy(pairs), dev)].to(x.dtype)[:, None]
+        ws = flat_w[pair_t].to(x.dtype)[:, None]
         return tok_t, ys * ws
 
     def _run_streamed(self, x, token, flat_w, ids_host, sel, out, scale_input) -> None:
@@ -835,28 +836,33 @@ def _background_threads() -> int:
 def _grouped_host(x: torch.Tensor, pairs: np.ndarray, token: np.ndarray, rows: np.ndarray, flat_w: torch.Tensor,
                   out: torch.Tensor, scale_input: bool, w13: torch.Tensor, w2: torch.Tensor,
                   b13: torch.Tensor | None, b2: torch.Tensor | None, act: tuple, on_host: bool = False,
-                  kept: KeptStacks | None = None) -> None:
+                  kept: KeptStacks | None = None, staged=None) -> None:
     """Add to ``out [T, H]`` the experts of ``pairs`` (indices into the flat ``[T*k]`` selections;
     ``token [T*k]`` host; ``rows [len(pairs)]`` host rows of ``w13``/``w2``) with weights
     ``flat_w [T*k]``. Pairs are grouped by expert on the host (no host sync): each expert's weights
     are read once, in place (no gathered copy); index tensors reach the accelerator through pinned
     memory without waiting. ``on_host``: the CPU tier's stacks (never the accelerator's kernels);
-    ``kept``: blocks instead of ``w13``/``w2`` (see ``grouped``)."""
+    ``kept``: blocks instead of ``w13``/``w2`` (see ``grouped``). ``staged``: ``HostStaging.indices``
+    for the index arrays (one pinned copy for all of them), else each through ``_h2d``."""
     w13, w2, kept = _kernel_or_stacks(x, len(pairs), 0, w13, w2, b13, act, kept)
     order = np.argsort(rows, kind="stable")
     pairs, rows = pairs[order], rows[order]
     uniq, starts, counts = np.unique(rows, return_index=True, return_counts=True)
-    dev = x.device
-    pair_t = _h2d(torch.from_numpy(pairs), dev)
-    tok_t = _h2d(torch.from_numpy(token[pairs]), dev)
+    kernels = kept is not None or (not on_host and isinstance(w13, torch.Tensor)
+                                   and prefill_kernels.usable_for(x, w13, w2, b13, b2, act))
+    tiles = prefill_kernels.tile_table(starts, counts, uniq) if kernels else None
+    if staged is not None:
+        pair_t, tok_t, *tiles_t = staged([pairs, token[pairs]] + ([tiles] if kernels else []))
+        tiles = tiles_t[0] if kernels else None
+    else:
+        pair_t, tok_t = (_h2d(torch.from_numpy(a), x.device) for a in (pairs, token[pairs]))
     xs = x[tok_t]
     ws = flat_w[pair_t].to(x.dtype)[:, None]
     if scale_input:
         xs = xs * ws
     ys = None
-    if kept is not None or (not on_host and isinstance(w13, torch.Tensor)
-                            and prefill_kernels.usable_for(x, w13, w2, b13, b2, act)):
-        ys = prefill_kernels.run_or_none(xs, prefill_kernels.tile_table(starts, counts, uniq),
+    if kernels:
+        ys = prefill_kernels.run_or_none(xs, tiles,
                                          *((w13, w2) if kept is None else kept.args),
                                          fmt=None if kept is None else kept.fmt, b13=b13, b2=b2, act=act)
         if ys is None and kept is not None:
@@ -877,6 +883,9 @@ def _h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 class HostStaging:
@@ -938,6 +947,29 @@ class HostStaging:
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a buffer of this staging) on the accelerator, copied without waiting."""
         return t.to(self.device, non_blocking=True) if self.cuda else t
+
+    def indices(self, name: str, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Small host arrays (a prompt layer's pair indices and tile tables) on the accelerator through
+        one pinned buffer ``name`` and one copy queued on the current stream, without waiting: the
+        tensors in the same order, dtypes and shapes. On the host: the arrays as tensors.
+
+        Each ``pin_memory`` and copy of its own costs the host tens of µs, several times per hybrid
+        prompt layer. Reuse of ``name`` is safe as ``buffer``'s: the next step writes it after its
+        ``wait``, which follows this copy in stream order (a side stream's copy joins the layer's
+        stream before the layer's result is used)."""
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        if not self.cuda:
+            return [torch.from_numpy(a) for a in arrays]
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.nbytes // 8) * 8  # each view starts 8-byte aligned
+        buf = self.buffer(name, (1 << max(12, (total - 1).bit_length()),), torch.uint8)  # few sizes: few views
+        raw = buf.numpy()
+        for a, at in zip(arrays, offsets):
+            raw[at:at + a.nbytes] = a.reshape(-1).view(np.uint8)
+        dev = buf[:total].to(self.device, non_blocking=True)
+        return [dev[at:at + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape) for a, at in zip(arrays, offsets)]
 
 
 def _copy_halves(dst: torch.Tensor, src) -> None:

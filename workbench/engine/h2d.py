@@ -67,7 +67,15 @@ class Copier:
         """Copy rows ``src_row .. src_row + n`` of the host stack ``src`` into rows ``dst_row ..`` of the
         device stack ``dst`` (both ``rows_of`` pairs of the same row size). RuntimeError with the
         driver's code if it refuses."""
-        size = dst[1]
-        err = self._copy(dst[0] + dst_row * size, src[0] + src_row * size, n * size, self._stream)
-        if err:
-            raise RuntimeError(f"CUDA driver error {err} queueing a host-to-GPU copy of {n * size} bytes")
+        self.many([dst[0] + dst_row * dst[1]], [src[0] + src_row * dst[1]], [n * dst[1]])
+
+    def many(self, dst: list[int], src: list[int], nbytes: list[int]) -> None:
+        """Queue copies of ``nbytes[i]`` bytes from host address ``src[i]`` to device address ``dst[i]``,
+        in order (a prompt batch's rows of every tensor: addresses worked out together by the caller,
+        one driver call each and nothing else per copy). RuntimeError with the driver's code if it
+        refuses one; those before it stay queued."""
+        copy, stream = self._copy, self._stream
+        for d, s, n in zip(dst, src, nbytes):
+            err = copy(d, s, n, stream)
+            if err:
+                raise RuntimeError(f"CUDA driver error {err} queueing a host-to-GPU copy of {n} bytes")

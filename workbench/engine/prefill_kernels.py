@@ -169,7 +169,7 @@ def swiglu_grouped(xs: torch.Tensor, tiles: np.ndarray, w13: torch.Tensor, w2: t
                    fmt: tuple[str, str] | None = None, b13: torch.Tensor | None = None,
                    b2: torch.Tensor | None = None, act: tuple = ("silu",)) -> torch.Tensor:
     """``xs [n, H]`` (pairs sorted so that each tile's pairs are consecutive), ``tiles`` from
-    ``tile_table``, ``w13 [R, 2I, H]`` (gate rows first), ``w2 [R, H, I]`` -> ``[n, H]`` in ``xs``'s
+    ``tile_table`` (or that table as an int32 tensor on ``xs``'s device), ``w13 [R, 2I, H]`` (gate rows first), ``w2 [R, H, I]`` -> ``[n, H]`` in ``xs``'s
     dtype: each pair's SwiGLU expert output (unweighted). Queued without a host sync.
 
     Experts kept as GGUF blocks (``fmt`` = formats of gate/up and down): Q8_0 as ``w13``/``w2`` int8
@@ -182,8 +182,11 @@ def swiglu_grouped(xs: torch.Tensor, tiles: np.ndarray, w13: torch.Tensor, w2: t
     """
     xs = xs.contiguous()
     dev = xs.device
-    tiles_t = torch.from_numpy(np.ascontiguousarray(tiles))
-    tiles_t = tiles_t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else tiles_t
+    if isinstance(tiles, torch.Tensor):  # on the device already
+        tiles_t = tiles
+    else:
+        tiles_t = torch.from_numpy(np.ascontiguousarray(tiles))
+        tiles_t = tiles_t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else tiles_t
     h, out = buffers(xs, w2, fmt)
     grouped_into(xs, tiles_t, w13, w2, h, out, d13, d2, fmt, b13, b2, act)
     return out
