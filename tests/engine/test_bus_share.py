@@ -402,3 +402,35 @@ def test_a_batch_is_one_copy_per_run_of_rows_and_tensor():
     assert dst == [1040, 1070, 1080, 2012, 2021, 2024]
     assert src == [5070, 5020, 5050, 9021, 9006, 9015]
     assert size == [30, 10, 20, 9, 3, 6]
+
+
+def test_the_host_clock_tells_each_hybrid_prompt_layer_what_it_fetched(tiny_model_dir):
+    """With a ``HostClock`` attached, every hybrid layer of a prompt reports its host time and work:
+    its fetched experts add up to the bus's count, in batches of at most half the slots, each with a
+    copy per tensor at least; the CPU's share shows where it computed experts. Decode steps and
+    prompts after ``record_host(None)`` report nothing."""
+    from workbench.engine.hostclock import HostClock
+
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    engine = decode_step_engine(inv, placements(inv)["compute"])
+    try:
+        share = attach_bus_share(engine, 0.0)
+        share.fetch_tokens = 4  # some travel, some stay with the CPU
+        clock = HostClock()
+        engine.record_host(clock)
+        engine.forward(torch.tensor(PROMPT), 0)
+        engine.forward(torch.tensor(PROMPT[:1]), len(PROMPT))  # a decode step: not recorded
+        hybrid = [layer for layer, lx in engine.experts.items() if not lx.all_resident]
+        assert [r.layer for r in clock.layers] == hybrid
+        assert [r.first for r in clock.layers] == [True] + [False] * (len(hybrid) - 1)
+        assert sum(r.fetched for r in clock.layers) == share.copied > 0
+        for r in clock.layers:
+            assert r.busy_s > 0 and r.wait_s >= 0 and r.cpu_wait_s >= 0
+            assert r.batches == -(-r.fetched // share.half_slots())
+            assert r.copies >= 2 * r.batches  # float experts: w13 and w2
+        assert any(r.cpu_share for r in clock.layers)
+        engine.record_host(None)
+        engine.forward(torch.tensor(PROMPT), 0)
+        assert len(clock.layers) == len(hybrid)
+    finally:
+        engine.close()

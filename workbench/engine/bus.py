@@ -219,6 +219,8 @@ class BusShare:
         self.registered: dict[int, list[torch.Tensor]] = {}  # by id() of the owner (a LayerExperts)
         self._release_all = weakref.finalize(self, _unregister_all, self.registered, device)
         self.copied = 0  # experts sent over the bus so far
+        self.batches = 0  # prompt batches fetched so far
+        self.copy_calls = 0  # host-to-GPU copies queued so far
         self._copier: h2d.Copier | bool | None = None  # None: not tried yet; False: torch's copies
 
     @property
@@ -290,7 +292,9 @@ class BusShare:
         pairs = list(zip(self._slots[(kept, bias)], src, strict=True))
         native = self._native_rows(pairs) if self.cuda else None
         if native is not None and all(n is not None for n in native):  # every copy through the driver
-            self._copier.many(*copy_table(native, base, rows))
+            table = copy_table(native, base, rows)
+            self._copier.many(*table)
+            self.copy_calls += len(table[0])
             return
         for j0, j1 in runs(rows):
             r = int(rows[j0])
@@ -299,6 +303,7 @@ class BusShare:
                     self._copier.rows(native[i][0], base + j0, native[i][1], r, j1 - j0)
                 else:
                     dst[base + j0:base + j1].copy_(t[r:r + j1 - j0], non_blocking=True)
+                self.copy_calls += 1
 
     def _native_rows(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list | None:
         """For each ``(slots, host stack)`` pair, their ``h2d.rows_of`` when the driver can copy between
@@ -370,6 +375,7 @@ class BusShare:
         stream waits for the copies. Returns the first slot. Alternating halves lets one batch travel
         while the previous one computes."""
         base = self.half_base(half, kept, bias)
+        self.batches += 1
         self._copy_in(base, rows, src, kept, self.free[half:half + 1] if self.cuda else [],
                       self.ready[half] if self.cuda else None, bias=bias)
         return base

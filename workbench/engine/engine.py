@@ -39,6 +39,7 @@ from . import blocks, bus, gpu_kernels, prefill_kernels
 from .budget import cap_reserved, check_placement, uncap_reserved
 from .experts import COMPUTE, RESIDENT, STREAM, LayerExperts
 from .families import ModelArgs
+from .hostclock import HostClock
 from .layouts import FamilyWeights
 from .mla import LatentCache, MlaAttention
 from .model import Attention, DenseMlp, KVCache, Layer, Rope, rms_norm
@@ -261,6 +262,7 @@ class Engine:
         self._decoder = None
         self._bus, self.bus_share, self._keeps_blocks, self._keeps_dense = None, bus_share, keeps, dense_kept
         self.prompt_pair_reads = _pair_reads_from_env()
+        self.host_clock: HostClock | None = None  # record_host
         self._reader = WeightReader(inventory)
         self._fw = FamilyWeights(self._reader, args)
         self.cpu_format, self._pool = cpu_format, None
@@ -373,7 +375,7 @@ class Engine:
         lx = LayerExperts(layer, a.n_experts, self.device, self.dtype, self._worker, placement.stream_slots,
                           act, a.expert_bias)
         shape13, shape2 = (2 * a.expert_ffn, a.hidden), (a.hidden, a.expert_ffn)
-        lx.prompt_pair_reads = self.prompt_pair_reads
+        lx.prompt_pair_reads, lx.clock = self.prompt_pair_reads, self.host_clock
         self.experts[layer] = lx  # reachable for _free() if a later allocation fails
         loader.unit = UnitKey(layer, "expert", 0)
         fmt = self._kept_format(layer)
@@ -520,6 +522,8 @@ class Engine:
                     f"positions, and going back to position {start_pos} lost some it needs; go on from "
                     f"position {ring.next_pos} or start again from 0")
             try:
+                if self.host_clock is not None and T > 1:
+                    self.host_clock.start()
                 out = self._forward(ids, start_pos, last_only)
                 if T > 1 and self.memory_cap is not None:
                     self._warn_at_cap()
@@ -604,6 +608,12 @@ class Engine:
         return {layer: (lx.hits, lx.misses) for layer, lx in self.experts.items() if lx.cache_w13 is not None}
 
     # -- placement -------------------------------------------------------------------------------
+
+    def record_host(self, clock: HostClock | None) -> None:
+        """Tell ``clock`` the host time of every hybrid layer of the prompts from now on (None: stop)."""
+        self.host_clock = clock
+        for lx in self.experts.values():
+            lx.clock = clock
 
     def set_prompt_pair_reads(self, pair_reads: float | None) -> None:
         """What a prompt's further token of a CPU-tier expert costs the fused CPU kernel, in reads of

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -201,6 +202,8 @@ class LayerExperts:
         self.fused_cpu = False  # the compute tier through cpu_kernel.moe_decode (set by the engine)
         self.bus = None  # bus.BusShare: decode sends some CPU-selected experts over the bus (set by the engine)
         self.prompt_pair_reads: float | None = None  # Engine.set_prompt_pair_reads
+        self.clock = None  # hostclock.HostClock: prompts tell it their host time (Engine.record_host)
+        self._cpu_wait_s, self._cpu_share = 0.0, False  # this prompt layer's, for the clock
         self.fast_gpu = os.environ.get("WORKBENCH_GPU_KERNELS", "1") != "0"  # one-token resident experts in Triton
         self.cache_expert: list[int] = []
         self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> cache slot, oldest first
@@ -402,10 +405,26 @@ class LayerExperts:
         """
         host = self.stage(x, ids, weights)
         out = self.device_part(x, ids, weights, scale_input, extra)
-        if host is not None:
+        if host is not None and self.clock is not None and x.shape[0] > 1:
+            self._timed_host_part(x, ids, weights, host, out, scale_input)
+        elif host is not None:
             self.staging.wait()  # the one host sync of a hybrid layer
             self.host_part(x, ids, weights, host, out, scale_input)
         return out
+
+    def _timed_host_part(self, x, ids, weights, host, out, scale_input) -> None:
+        """Steps 3 to 5 of a prompt with the engine's ``hostclock.HostClock`` attached: the same work,
+        with the thread's blocked time and what the layer fetched told to the clock."""
+        bus = self.bus
+        before = (bus.copied, bus.batches, bus.copy_calls) if bus is not None else (0, 0, 0)
+        t = time.perf_counter()
+        self.staging.wait()
+        wait_s = time.perf_counter() - t
+        self._cpu_wait_s, self._cpu_share = 0.0, False
+        self.host_part(x, ids, weights, host, out, scale_input)
+        after = (bus.copied, bus.batches, bus.copy_calls) if bus is not None else (0, 0, 0)
+        self.clock.layer(self.layer, wait_s, self._cpu_wait_s, *(b - a for a, b in zip(before, after)),
+                         self._cpu_share)
 
     @property
     def needs_host(self) -> bool:
@@ -536,6 +555,7 @@ class LayerExperts:
                     if finish is not None:
                         finish()  # the background run ends before the error goes up
                     raise
+        self._cpu_share = bool(cpu_sel.size)
         if finish is None and cpu_sel.size:
             finish = self._start_cpu(host[2], token_host, host[1], ids_host, cpu_sel, scale_input)
         if finish is not None:
@@ -615,7 +635,9 @@ class LayerExperts:
                 if gemm is not None:  # on this thread while the kernel runs on its own
                     self._grouped_cpu(x, token, flat_w, *gemm, out, scale_input)
             finally:
+                t = time.perf_counter()
                 cpu_kernel.wait()
+                self._cpu_wait_s += time.perf_counter() - t
             if gemm_sum:
                 res.add_(out)
             return res
