@@ -204,6 +204,40 @@ def test_a_prompts_host_time_with_a_cpu_share_counts_where_the_cpu_computes_expe
     assert added(512) == pytest.approx([0, 0, 0, 0])  # 128 tokens an expert: all travel
 
 
+def test_a_prompt_layer_lasts_at_least_its_host_lane():
+    """The engine thread's work for a hybrid prompt layer (``prompt_host_*``) is a lane of its own: a
+    fixed cost per hybrid layer, more with a CPU share, and a cost per fetched batch and per copy. A
+    layer takes the longer of it and the old sum, and says it is host-bound then. In a long chunk
+    every CPU-tier expert travels: 8 bf16 experts a batch, two copies per run of consecutive rows, and
+    all of a layer's rows are one run per batch."""
+    inv = synth_inventory(4, 32, hidden=1024, expert_ffn=512, top_k=2)
+    base = h200_profile()
+    p = placement_n_cpu_moe(inv, 2)
+    costs = dict(prompt_host_layer_s=1e-3, prompt_host_cpu_s=0.0, prompt_host_batch_s=2e-3, prompt_host_copy_s=1e-4)
+    a = CostModel(inv, base).predict(p, prompt_tokens=4096)
+    b = CostModel(inv, dataclasses.replace(base, **costs)).predict(p, prompt_tokens=4096)
+    lanes = [1e-3 + 4 * 2e-3 + 4 * 2 * 1e-4] * 2 + [0, 0]  # 32 experts: 4 batches, 2 tensors, one run each
+    assert [c.host for c in b.prefill_layers] == pytest.approx(lanes)
+    for x, y, lane in zip(a.prefill_layers, b.prefill_layers, lanes):
+        assert y.total == pytest.approx(max(x.total, lane))
+        assert (y.bound == "host") == (lane > x.total)
+    assert b.prefill_layers[0].bound == "host" and b.prefill_tps < a.prefill_tps
+    assert b.decode_tps == a.decode_tps
+
+
+def test_a_prompts_experts_travel_in_batches_by_bytes_as_their_tensors():
+    """Batches hold half of ``BUS_SLOTS`` bf16 experts' bytes: 8 bf16 experts, 15 Q8_0 ones (four tensors
+    each: values and scales of both matrices), 28 Q4_K ones (two block arrays)."""
+    from workbench.core.costmodel import BUS_SLOTS
+
+    got = {}
+    for fmt in ("BF16", "Q8_0", "Q4_K"):
+        inv = synth_inventory(2, 8, hidden=2048, expert_ffn=768, top_k=2, expert_dtype=fmt)
+        got[fmt] = CostModel(inv, h200_profile())._prompt_batch(0, 0)
+    assert BUS_SLOTS == 16
+    assert got == {"BF16": (8, 2), "Q8_0": (15, 4), "Q4_K": (28, 2)}
+
+
 def test_predict_is_fast_for_94_layers_by_256_experts():
     inv = synth_inventory(94, 256, hidden=4096, expert_ffn=1536, top_k=8, vocab=151936, n_heads=64, n_kv_heads=4,
                           head_dim=128)

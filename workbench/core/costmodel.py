@@ -322,6 +322,8 @@ class CostModel:
                 pairs[shape] = np.nan if pair is None else pair
             self.pair_reads[key.layer, key.expert] = pairs[shape]
         self.expert_keys.sort()
+        self.expert_biases = any("bias" in t.tensor.name for k, u in inventory.units.items()
+                                 if k.kind == "expert" for t in u.tensors)
         self.moe_layer = self.present.any(axis=1)
         self.stats = stats
         self.p_sel = self._selection_probs(stats, recent)
@@ -704,6 +706,7 @@ class CostModel:
         choose_cpu = on_cpu <= fetch
         sampled = np.zeros(L, dtype=bool)
         cpu_share = np.zeros(L)  # chance that the CPU computes a share of the layer's experts
+        host_lane = np.zeros(L)  # the engine thread's own work (HardwareProfile.prompt_host_*)
         if self.engine.bus_share > 0:  # the fused kernel's cost, or a GEMM's
             given_used = n_tok / np.maximum(used, 1e-12)  # tokens per expert when the chunk uses it
             gemm = ~np.isin(self.expert_format, KEPT_EXPERT_FORMATS)  # kept blocks: the kernel at any count
@@ -713,7 +716,9 @@ class CostModel:
             compute = host & ~stream
             for layer in np.flatnonzero(compute.any(axis=1)):
                 cols = np.flatnonzero(compute[layer])
-                c, f, read, cpu_share[layer] = self._sampled_split(layer, cols, n_tok[layer, cols], h2d[layer, cols])
+                c, f, read, cpu_share[layer], batches, copies = self._sampled_split(layer, cols, n_tok[layer, cols],
+                                                                                    h2d[layer, cols])
+                host_lane[layer] += prof.prompt_host_batch_s * batches + prof.prompt_host_copy_s * copies
                 # both lanes read the CPU tier from host RAM: together at most its read rate
                 cpu[layer] += max(c, read / (prof.host_read_bandwidth * self.engine.shared_read)) if c > 0 else 0.0
                 bus[layer] += f
@@ -726,22 +731,39 @@ class CostModel:
         cpu += (on_cpu * host * choose_cpu).sum(axis=1)
         bus += (fetch * host * ~choose_cpu).sum(axis=1)
         cpu_share = np.maximum(cpu_share, (host & choose_cpu).any(axis=1))
-        sync += np.where(host.any(axis=1) | sampled, prof.sync_s + prof.prompt_sync_s, 0.0)
+        hybrid = host.any(axis=1) | sampled
+        sync += np.where(hybrid, prof.sync_s + prof.prompt_sync_s, 0.0)
         sync += prof.prompt_cpu_sync_s * cpu_share
+        host_lane += np.where(hybrid, prof.prompt_host_layer_s + prof.prompt_host_cpu_s * cpu_share, 0.0)
         out = []
         for layer in range(L):
             gpu_t = max([v[layer] for v in lanes.values()] or [0.0])
             out.append(LayerCost(layer, float(pre[layer]), float(gpu_t), float(cpu[layer]), float(bus[layer]),
-                                 float(sync[layer])))
+                                 float(sync[layer]), host=float(host_lane[layer])))
         return out
 
+    def _prompt_batch(self, layer: int, col: int) -> tuple[int, int]:
+        """How the engine fetches a prompt's CPU-tier expert ``col`` of ``layer``: ``(experts per batch,
+        copies per run of consecutive rows)``. The bus's slots hold ``BUS_SLOTS`` bf16 experts' bytes
+        and a batch is half of them (``bus.slot_count``); an expert travels as its tensors: two float
+        matrices, Q8_0's values and scales of each (four), one block array of each otherwise, then
+        two biases where the model has them (gpt-oss)."""
+        params, nbytes = self.expert_params[layer, col], self.expert_bytes[layer, col]
+        fmt = self.expert_format[layer, col]
+        slots = self.engine.bus_slots
+        if fmt in KEPT_EXPERT_FORMATS and nbytes > 0:
+            slots = max(slots, int(slots * 2 * params // nbytes))
+        tensors = (4 if fmt == "q8_0" else 2) + (2 if self.expert_biases else 0)
+        return max(1, slots // 2), tensors
+
     def _sampled_split(self, layer: int, cols: np.ndarray, n_tok: np.ndarray, h2d: np.ndarray
-                       ) -> tuple[float, float, float, float]:
-        """Expected CPU and bus seconds, the bytes both read from host RAM, and the chance that the CPU
-        computes any of them, of one prompt chunk for
-        the CPU-compute experts ``cols`` of ``layer`` under the engine's split (``prefill_fetch``),
-        which decides on the chunk's actual token counts: averaged over ``PROMPT_DRAWS`` draws of those counts (Poisson, mean ``n_tok``
-        tokens per expert; fixed seed). An expert near the always-fetch threshold travels in some
+                       ) -> tuple[float, float, float, float, float, float]:
+        """Expected CPU and bus seconds, the bytes both read from host RAM, the chance that the CPU
+        computes any of them, and the batches and copies the engine's thread queues for them
+        (``_prompt_batch``), of one prompt chunk for the CPU-compute experts ``cols`` of ``layer``
+        under the engine's split (``prefill_fetch``), which decides on the chunk's actual token
+        counts: averaged over ``PROMPT_DRAWS`` draws of those counts (Poisson, mean ``n_tok`` tokens
+        per expert; fixed seed). An expert near the always-fetch threshold travels in some
         draws and not in others, and the engine sends more of them than the mean counts would.
         A travelling expert costs its copy (``h2d``, B/s) and its tokens' GPU work."""
         b = self.expert_bytes[layer, cols]
@@ -751,7 +773,8 @@ class CostModel:
         rng = np.random.default_rng(layer)
         counts = rng.poisson(np.broadcast_to(n_tok, (PROMPT_DRAWS, len(cols))))
         gpu_per_token = 2.0 * self.expert_params[layer, cols] / self._gpu(0).bf16_flops  # seconds
-        cpu = bus = read = shared = 0.0
+        half, tensors = self._prompt_batch(layer, int(cols[0]))
+        cpu = bus = read = shared = batches = copies = 0.0
         for draw in counts:
             used = draw > 0
             sent = np.zeros(len(cols), dtype=bool)
@@ -761,7 +784,14 @@ class CostModel:
             bus += float((b[sent] / h2d[sent] + gpu_per_token[sent] * draw[sent]).sum())
             read += float(b[used].sum())
             shared += float(stay.any())
-        return cpu / PROMPT_DRAWS, bus / PROMPT_DRAWS, read / PROMPT_DRAWS, shared / PROMPT_DRAWS
+            rows = np.flatnonzero(sent)  # the CPU tier's rows, in expert order, fetched in this order
+            if rows.size:
+                new_run = np.diff(rows) != 1
+                new_run[half - 1::half] = True  # each batch starts its own runs
+                batches += -(-rows.size // half)
+                copies += tensors * (1 + int(new_run.sum()))
+        n = PROMPT_DRAWS
+        return cpu / n, bus / n, read / n, shared / n, batches / n, copies / n
 
 
 def lru_hit_probs(q: np.ndarray, slots: int) -> np.ndarray:

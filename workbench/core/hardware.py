@@ -103,6 +103,18 @@ class HardwareProfile:
     prompt_h2d: float = 0.0
     """Bytes/s a prompt's fetched experts travel at in the engine, its per-batch pauses included
     (fitted with ``prompt_sync_s``; 0: not measured, ``h2d_pinned``)."""
+    prompt_host_layer_s: float = 0.0
+    """The engine thread's busy seconds per hybrid layer of a prompt chunk, the layer's attention and
+    routing queued, its split, the resident tier's grouping and the CPU's result added; the next four
+    make the layer's host lane, which bounds the layer when it is longer than the lanes it feeds
+    (fitted to the engine's own records, ``hostclock.HostClock``, by ``workbench calibrate``; all 0:
+    not measured, no host lane)."""
+    prompt_host_cpu_s: float = 0.0
+    """Host lane seconds more where the CPU computes a share of the layer's experts."""
+    prompt_host_batch_s: float = 0.0
+    """Host lane seconds per batch of fetched experts (its kernel launches and events)."""
+    prompt_host_copy_s: float = 0.0
+    """Host lane seconds per host-to-GPU copy queued for a fetched expert (a tensor's run of rows)."""
     source: str = ""
     provenance: dict[str, str] = field(default_factory=dict)
     """Where each number came from, by field name: ``"measured"``, ``"preset:<name>"`` or ``"absent"``
@@ -153,7 +165,8 @@ class HardwareProfile:
             out.append(f"sync_s is {self.sync_s!r} s: expected a cost between 0 and 1 second")
         if not (self.prompt_h2d >= 0):
             out.append(f"prompt_h2d is {self.prompt_h2d!r} B/s: expected a rate, or 0 (not measured)")
-        for name in ("prompt_sync_s", "prompt_cpu_sync_s"):
+        for name in ("prompt_sync_s", "prompt_cpu_sync_s", "prompt_host_layer_s", "prompt_host_cpu_s",
+                     "prompt_host_batch_s", "prompt_host_copy_s"):
             if not (0 <= getattr(self, name) < 1):
                 out.append(f"{name} is {getattr(self, name)!r} s: expected a cost between 0 and 1 second")
         for i, g in enumerate(self.gpus):

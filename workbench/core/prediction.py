@@ -25,19 +25,24 @@ class LayerCost:
     """Expected share of the layer's expert selections served by GPU-resident experts."""
     stream_hit_rate: float = float("nan")
     """Expected hit rate of the layer's stream cache (NaN without streamed experts)."""
+    host: float = 0.0
+    """A prompt chunk's host lane: the engine thread's own work for the layer (0: not modelled). The
+    layer takes at least this long, however short its other lanes."""
 
     @property
     def total(self) -> float:
-        return self.pre + max(self.gpu, self.cpu, self.bus) + self.sync
+        return max(self.pre + max(self.gpu, self.cpu, self.bus) + self.sync, self.host)
 
     @property
     def bound(self) -> str:
+        if self.host > self.pre + max(self.gpu, self.cpu, self.bus) + self.sync:
+            return "host"
         lanes = {"gpu": self.gpu, "cpu": self.cpu, "bus": self.bus}
         return max(lanes, key=lanes.get)
 
     def to_json(self) -> dict:
         return {"layer": self.layer, "pre_s": self.pre, "gpu_s": self.gpu, "cpu_s": self.cpu,
-                "bus_s": self.bus, "sync_s": self.sync, "total_s": self.total, "bound": self.bound,
+                "bus_s": self.bus, "sync_s": self.sync, "host_s": self.host, "total_s": self.total, "bound": self.bound,
                 "gpu_share": self.gpu_share,
                 "stream_hit_rate": None if math.isnan(self.stream_hit_rate) else self.stream_hit_rate}
 
