@@ -148,10 +148,13 @@ def test_a_quarter_of_the_calibration_experts_is_eight_times_the_l3(monkeypatch)
 
 
 def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
-    """The two host costs of a hybrid prompt layer and the prompt's copy rate come from three prompts (an
-    eighth and all of the experts on the CPU, all of them in a short prompt): measured times built
-    from known values give those values back, and they reach the predictions and nothing else of
-    the profile."""
+    """The host lane comes from the engine thread's records of its hybrid prompt layers; the two host
+    costs of a hybrid prompt layer and the prompt's copy rate from three prompts (an eighth and all
+    of the experts on the CPU, all of them in a short prompt) in bf16 and again in Q8_0: measured
+    times and records built from known values give those values back, and they reach the
+    predictions and nothing else of the profile."""
+    from workbench.engine.hostclock import HostLayer
+
     monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
     monkeypatch.setattr(calibrate_engine, "LAYERS", 2)
     monkeypatch.setattr(calibrate_engine, "REPEATS", 0)  # the times come from the model here
@@ -159,18 +162,32 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
     monkeypatch.setattr(calibrate_engine, "SHORT_PROMPT_TOKENS", 32)  # 8 an expert: the CPU keeps some
     base = preset("bench-h200")
     layer_s, cpu_s, rate = 700e-6, 300e-6, 0.8 * base.h2d_pinned
-    truth = replace(base, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s, prompt_h2d=rate)
+    lane = dict(prompt_host_layer_s=100e-6, prompt_host_cpu_s=50e-6, prompt_host_batch_s=20e-6,
+                prompt_host_copy_s=2e-6)
+    truth = replace(base, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s, prompt_h2d=rate, **lane)
     real, seen = calibrate_engine._prompt_seconds, []
 
-    def as_modelled(inv, placement, device, pair_reads, lengths):  # a host the model with known costs predicts
-        real(inv, placement, device, pair_reads, lengths)  # the engine runs them all the same
+    def as_modelled(inv, placement, device, pair_reads, lengths, clock=None):  # a host the model predicts
+        if len(seen) < 2:  # the engine runs the bf16 ones all the same (Q8_0's kernels: Triton's interpreter here)
+            real(inv, placement, device, pair_reads, lengths)
         seen.append(lengths)
+        for i in range(4):  # what the engine thread would record, at the known costs
+            batches, copies, share = i + len(seen), 2 * (i + len(seen)) + i % 3, bool(i % 2)
+            busy = (lane["prompt_host_layer_s"] + lane["prompt_host_cpu_s"] * share
+                    + lane["prompt_host_batch_s"] * batches + lane["prompt_host_copy_s"] * copies)
+            clock.layers.append(HostLayer(i, busy + (1.0 if i == 0 else 0.0), 0.0, 0.0, 8, batches, copies, share,
+                                          i == 0))  # a forward's first layer holds the embedding: left out
         return [t / CostModel(inv, truth).predict(placement, t + 8, prompt_tokens=t).prefill_tps for t in lengths]
 
     monkeypatch.setattr(calibrate_engine, "_prompt_seconds", as_modelled)
     fitted, info = calibrate_engine.fit_prompt_costs(base, 512, 256, 2, n_heads=8, n_kv_heads=2, head_dim=64,
                                                      device="cpu", experts=8)  # experts big enough for the bus
-    assert seen == [(128,), (128, 32)] and len(info["runs"]) == 3
+    assert seen == [(128,), (128, 32)] * 2 and len(info["runs"]) == 6
+    assert [r["name"] for r in info["runs"]][3:] == ["an eighth on the CPU, Q8_0", "all on the CPU, Q8_0",
+                                                     "all on the CPU, short, Q8_0"]
+    for name, value in lane.items():
+        assert getattr(fitted, name) == pytest.approx(value, rel=1e-6), name
+    assert info["host_lane"] == pytest.approx(lane, rel=1e-6) and info["host_layers"] == 16
     assert fitted.prompt_sync_s == pytest.approx(layer_s, rel=1e-4)
     assert fitted.prompt_cpu_sync_s == pytest.approx(cpu_s, rel=1e-4)
     assert fitted.prompt_h2d == pytest.approx(rate, rel=1e-4)
@@ -180,8 +197,21 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
     from workbench.core.hardware import HardwareProfile
 
     back = HardwareProfile.from_json(fitted.to_json())
-    assert (back.prompt_sync_s, back.prompt_cpu_sync_s, back.prompt_h2d) == (
-        fitted.prompt_sync_s, fitted.prompt_cpu_sync_s, fitted.prompt_h2d)
+    names = ("prompt_sync_s", "prompt_cpu_sync_s", "prompt_h2d", *lane)
+    assert [getattr(back, n) for n in names] == [getattr(fitted, n) for n in names]
+
+
+def test_the_host_lane_fit_keeps_its_costs_at_least_zero():
+    """Records whose best fit has a negative cost per copy get that cost 0 and the others fitted
+    without it; no records give no host lane."""
+    from workbench.engine.hostclock import HostLayer
+
+    recs = [HostLayer(i, 1e-3 + 1e-4 * b - 1e-6 * 3 * b, 0.0, 0.0, 8, b, 3 * b, False, False) for i, b in
+            enumerate((1, 2, 3, 4))]
+    lane = calibrate_engine.fit_host_lane(recs)
+    assert lane["prompt_host_copy_s"] == 0 and lane["prompt_host_cpu_s"] == 0
+    assert lane["prompt_host_layer_s"] + 4 * lane["prompt_host_batch_s"] == pytest.approx(1e-3 + 4 * 97e-6)
+    assert calibrate_engine.fit_host_lane([]) == dict.fromkeys(calibrate_engine.HOST_LANE, 0.0)
 
 
 def test_three_costs_pin_a_rate_or_none():

@@ -84,6 +84,11 @@ def format_profile(p: HardwareProfile) -> str:
         + "".join(f" {fmt} {_rate(v)};" for fmt, v in p.cpu_expert_throughput.items())
         + tag("cpu_expert_throughput"),
     ]
+    if any((p.prompt_host_layer_s, p.prompt_host_cpu_s, p.prompt_host_batch_s, p.prompt_host_copy_s)):
+        lines.insert(4 + max(1, len(p.gpus)),  # after the sync line
+                     f"  engine thread per hybrid prompt layer {p.prompt_host_layer_s * 1e6:.0f} us, "
+                     f"+{p.prompt_host_cpu_s * 1e6:.0f} us with a CPU share, {p.prompt_host_batch_s * 1e6:.0f} us "
+                     f"a fetched batch, {p.prompt_host_copy_s * 1e6:.1f} us a copy" + tag("prompt_host_layer_s"))
     if p.cpu_prompt_flops:
         lines.append("  CPU experts in a prompt (each further token per expert, FLOP/s):"
                      + "".join(f" {fmt} {v / 1e9:.0f} G;" for fmt, v in p.cpu_prompt_flops.items())

@@ -36,6 +36,8 @@ from workbench.core.memory import placement_all_gpu, placement_cpu_moe
 from workbench.core.placement import CPU_COMPUTE, Placement
 from workbench.core.readers import open_model
 
+from .hostclock import HostClock, HostLayer
+
 log = logging.getLogger(__name__)
 
 LAYERS, EXPERTS, VOCAB, STEPS, REPEATS = 8, 32, 2048, 24, 2
@@ -214,11 +216,12 @@ def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str =
     return replace(prof, gpus=gpus), info
 
 
-def _prompt_seconds(inv, placement, device: str, pair_reads: float | None, lengths: tuple[int, ...]) -> list[float]:
+def _prompt_seconds(inv, placement, device: str, pair_reads: float | None, lengths: tuple[int, ...],
+                    clock: HostClock | None = None) -> list[float]:
     """Median seconds of ``REPEATS + 1`` prompts of random tokens of each of ``lengths`` under
     ``placement`` (after one untimed each: kernels tuned, stacks page-locked), with the engine's default
     bus share and the profile's cost per further token of a CPU expert (``pair_reads``), as the bench
-    runs them."""
+    runs them. ``clock`` gets the timed prompts' hybrid layers (``Engine.record_host``)."""
     from .bench import _sync
     from .engine import Engine
 
@@ -230,32 +233,59 @@ def _prompt_seconds(inv, placement, device: str, pair_reads: float | None, lengt
         for tokens in lengths:
             ids = torch.randint(0, VOCAB, (tokens,), generator=torch.Generator().manual_seed(tokens))
             engine.forward(ids, 0, last_only=True)
+            engine.record_host(clock)
             times = []
             for _ in range(REPEATS + 1):
                 _sync(engine.device)
                 t = time.perf_counter()
                 engine.forward(ids, 0, last_only=True)[-1].argmax().item()
                 times.append(time.perf_counter() - t)
+            engine.record_host(None)
             out.append(statistics.median(times))
         return out
     finally:
         engine.close()
 
 
+PROMPT_FORMATS = ("bf16", "q8_0")
+"""The prompt fit's calibration model is written in each: Q8_0 experts are half the bytes and four
+tensors each, so the engine's thread, not the bus, is a Q8_0 layer's long lane."""
+
+HOST_LANE = ("prompt_host_layer_s", "prompt_host_cpu_s", "prompt_host_batch_s", "prompt_host_copy_s")
+
+
+def fit_host_lane(layers: list[HostLayer]) -> dict[str, float]:
+    """The host lane's costs (``HOST_LANE``, seconds) by least squares at or above zero over the
+    engine's own records of hybrid prompt layers: busy seconds = a fixed cost + one with a CPU
+    share + one per batch + one per copy. A forward's first hybrid layer is left out (its time
+    holds the embedding and what else comes first); no records: all 0 (no host lane)."""
+    use = [r for r in layers if not r.first]
+    if not use:
+        return dict.fromkeys(HOST_LANE, 0.0)
+    a = np.array([(1.0, float(r.cpu_share), float(r.batches), float(r.copies)) for r in use])
+    b = np.array([r.busy_s for r in use])
+    return dict(zip(HOST_LANE, _least_squares_at_least_zero(a, b)))
+
+
 def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n_heads: int = 32,
                      n_kv_heads: int = 4, head_dim: int = 128, device: str = "cuda",
                      experts: int | None = None) -> tuple[HardwareProfile, dict]:
-    """``prof`` with ``prompt_sync_s``, ``prompt_cpu_sync_s`` and ``prompt_h2d`` fitted to the engine's
-    prompts, of a ``LAYERS``-layer model of ``experts`` (default ``PROMPT_EXPERTS``, fewer where memory
-    is short) experts at the given shape: ``PROMPT_TOKENS`` tokens with an eighth of every layer's
-    experts on the CPU (short lanes: the layer's host time shows) and with all of them there (each
-    picked by about 32 tokens: all travel, the bus's rate shows), and ``SHORT_PROMPT_TOKENS`` with all
-    of them there (about 8 tokens each: the bus and the CPU split them, the CPU share's host time
-    shows). The model is linear in the two host costs and in the bus's seconds per byte; three runs
-    pin the three. Where that gives a negative value or no rate, the bus keeps ``h2d_pinned`` and
-    the two costs are fitted by least squares at or above zero. Returns the profile and ``{"runs":
-    [{"name", "tokens", "measured_s", "predicted_s"}], "prompt_sync_s", "prompt_cpu_sync_s",
-    "prompt_h2d"}`` (seconds per prompt, the predictions at the fitted values)."""
+    """``prof`` with the prompt's host lane (``HOST_LANE``), ``prompt_sync_s``, ``prompt_cpu_sync_s``
+    and ``prompt_h2d`` fitted to the engine's prompts, of a ``LAYERS``-layer model of ``experts``
+    (default ``PROMPT_EXPERTS``, fewer where memory is short) experts at the given shape, written
+    in each of ``PROMPT_FORMATS`` (Q8_0 where the shape takes its blocks): ``PROMPT_TOKENS`` tokens
+    with an eighth of every layer's experts on the CPU (short lanes: the layer's host time shows)
+    and with all of them there (each picked by about 32 tokens: all travel, the bus's rate shows),
+    and ``SHORT_PROMPT_TOKENS`` with all of them there (about 8 tokens each: the bus and the CPU
+    split them, the CPU share's host time shows).
+
+    The host lane comes first, from what the engine's thread itself recorded in those prompts
+    (``fit_host_lane``). With it in the model, the model is linear in the two host costs and in
+    the bus's seconds per byte, which the runs pin by least squares. Where that gives a negative
+    value or no rate, the bus keeps ``h2d_pinned`` and the two costs are fitted by least squares at
+    or above zero. Returns the profile and ``{"runs": [{"name", "tokens", "measured_s",
+    "predicted_s"}], "prompt_sync_s", "prompt_cpu_sync_s", "prompt_h2d", "host_lane": {name: s},
+    "host_layers": n}`` (seconds per prompt, the predictions at the fitted values)."""
     from workbench.core.costmodel import model_prompt_pair_reads
 
     room = psutil.virtual_memory().available
@@ -265,19 +295,27 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     n = experts or max(top_k, min(PROMPT_EXPERTS, int(room / 2 / (LAYERS * expert))))
     shape = synth.SynthShape("calibration", "qwen3moe", LAYERS, hidden, n_heads, n_kv_heads, head_dim,
                              n, min(top_k, n), ffn, VOCAB, qk_norm=True)
-    with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
-        path = Path(tmp) / "calibration-prompt.gguf"
-        synth.write_gguf(path, shape, coverage_target=None)
-        inv = open_model(path)
-        pair_reads = model_prompt_pair_reads(inv, prof)
-        few, every = _upper_on_cpu(inv, 0.125), placement_cpu_moe(inv)
-        (few_s,) = _prompt_seconds(inv, few, device, pair_reads, (PROMPT_TOKENS,))
-        every_s, short_s = _prompt_seconds(inv, every, device, pair_reads, (PROMPT_TOKENS, SHORT_PROMPT_TOKENS))
-    runs = [("an eighth on the CPU", few, PROMPT_TOKENS, few_s), ("all on the CPU", every, PROMPT_TOKENS, every_s),
-            ("all on the CPU, short", every, SHORT_PROMPT_TOKENS, short_s)]
+    clock, runs = HostClock(), []
+    formats = [f for f in PROMPT_FORMATS if f == "bf16" or (hidden % 32 == 0 and ffn % 32 == 0)]
+    for fmt in formats:
+        with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
+            path = Path(tmp) / f"calibration-prompt-{fmt}.gguf"
+            synth.write_gguf(path, shape, coverage_target=None, wtype=fmt)
+            inv = open_model(path)
+            pair_reads = model_prompt_pair_reads(inv, prof)
+            few, every = _upper_on_cpu(inv, 0.125), placement_cpu_moe(inv)
+            (few_s,) = _prompt_seconds(inv, few, device, pair_reads, (PROMPT_TOKENS,), clock)
+            every_s, short_s = _prompt_seconds(inv, every, device, pair_reads, (PROMPT_TOKENS, SHORT_PROMPT_TOKENS),
+                                               clock)
+        tag = "" if fmt == "bf16" else f", {fmt.upper()}"
+        runs += [(f"an eighth on the CPU{tag}", inv, few, PROMPT_TOKENS, few_s),
+                 (f"all on the CPU{tag}", inv, every, PROMPT_TOKENS, every_s),
+                 (f"all on the CPU, short{tag}", inv, every, SHORT_PROMPT_TOKENS, short_s)]
+    lane = fit_host_lane(clock.layers)
+    prof = replace(prof, **lane)
     u0 = 1.0 / prof.h2d_pinned
 
-    def seconds(layer_s: float, cpu_s: float, u: float, placement, tokens: int) -> float:
+    def seconds(layer_s: float, cpu_s: float, u: float, inv, placement, tokens: int) -> float:
         p = replace(prof, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s, prompt_h2d=1.0 / u)
         return tokens / CostModel(inv, p).predict(placement, tokens + 8, prompt_tokens=tokens).prefill_tps
 
@@ -286,11 +324,11 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
         beyond it there (the bus is one lane of a max: linear in ``u`` only while no other overtakes)."""
         step, du = 1e-3, 0.1 * u
         rows, rhs = [], []
-        for _, placement, tokens, measured in runs:
-            base = seconds(0.0, 0.0, u, placement, tokens)
-            rows.append(((seconds(step, 0.0, u, placement, tokens) - base) / step,
-                         (seconds(0.0, step, u, placement, tokens) - base) / step,
-                         (seconds(0.0, 0.0, u + du, placement, tokens) - base) / du))
+        for _, inv, placement, tokens, measured in runs:
+            base = seconds(0.0, 0.0, u, inv, placement, tokens)
+            rows.append(((seconds(step, 0.0, u, inv, placement, tokens) - base) / step,
+                         (seconds(0.0, step, u, inv, placement, tokens) - base) / step,
+                         (seconds(0.0, 0.0, u + du, inv, placement, tokens) - base) / du))
             rhs.append(measured - base)
         return np.array(rows), np.array(rhs)
 
@@ -309,14 +347,16 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     fitted = replace(prof, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s,
                      prompt_h2d=0.0 if u == u0 else 1.0 / u)
     info = {"runs": [{"name": name, "tokens": tokens, "measured_s": measured,
-                      "predicted_s": seconds(layer_s, cpu_s, u, placement, tokens)}
-                     for name, placement, tokens, measured in runs],
-            "prompt_sync_s": layer_s, "prompt_cpu_sync_s": cpu_s, "prompt_h2d": fitted.prompt_h2d}
-    log.info("engine prompts of %d layers of %d experts: %s; host time per hybrid prompt layer %.0f us, %.0f us "
+                      "predicted_s": seconds(layer_s, cpu_s, u, inv, placement, tokens)}
+                     for name, inv, placement, tokens, measured in runs],
+            "prompt_sync_s": layer_s, "prompt_cpu_sync_s": cpu_s, "prompt_h2d": fitted.prompt_h2d,
+            "host_lane": lane, "host_layers": len(clock.layers)}
+    log.info("engine prompts of %d layers of %d experts: %s; host lane per hybrid prompt layer %.0f us, +%.0f us "
+             "with a CPU share, %.0f us a batch, %.1f us a copy; beyond it %.0f us per hybrid prompt layer, %.0f us "
              "more where the CPU computes a share; a prompt's copies at %.1f GB/s", LAYERS, n,
              ", ".join(f"{r['name']} ({r['tokens']} tokens) {r['measured_s'] * 1e3:.1f} ms, predicted "
-                       f"{r['predicted_s'] * 1e3:.1f}" for r in info["runs"]), layer_s * 1e6, cpu_s * 1e6,
-             1e-9 / u)
+                       f"{r['predicted_s'] * 1e3:.1f}" for r in info["runs"]),
+             *(lane[k] * 1e6 for k in HOST_LANE), layer_s * 1e6, cpu_s * 1e6, 1e-9 / u)
     return fitted, info
 
 
@@ -343,18 +383,23 @@ def _three_costs(a: np.ndarray, b: np.ndarray, u: float) -> tuple[float, float, 
     return float(x[0]), float(x[1]), float(u + x[2])
 
 
-def _least_squares_at_least_zero(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
-    """``x >= 0`` (two values) minimizing ``|a x - b|``: the least-squares solution, or where a value of
-    it is negative (or the columns do not pin both), the best with that value 0; ``a`` [runs, 2]."""
-    def alone(col: int) -> float:
-        c = a[:, col]
-        return max(0.0, float(c @ b / (c @ c))) if c @ c > 0 else 0.0
-
-    x = _scaled_lstsq(a, b)
-    if x is not None and np.all(x >= 0):
-        return float(x[0]), float(x[1])
-    candidates = [(alone(0), 0.0), (0.0, alone(1))]
-    return min(candidates, key=lambda x: float(np.sum((a @ np.array(x) - b) ** 2)))
+def _least_squares_at_least_zero(a: np.ndarray, b: np.ndarray) -> tuple[float, ...]:
+    """``x >= 0`` minimizing ``|a x - b|`` (``a`` [runs, n], n small): the least-squares solution where
+    every value of it is at least 0, else the best of those with some values held at 0 (each subset
+    of the columns solved alone; a subset that does not pin its values is skipped; none: all 0)."""
+    n = a.shape[1]
+    best, best_r = (0.0,) * n, float(np.sum(b ** 2))
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        x = _scaled_lstsq(a[:, cols], b)
+        if x is None or np.any(x < 0):
+            continue
+        full = np.zeros(n)
+        full[cols] = x
+        r = float(np.sum((a @ full - b) ** 2))
+        if r < best_r * (1 - 1e-12):
+            best, best_r = tuple(float(v) for v in full), r
+    return best
 
 
 def _fit_host(model, runs: list, u0: float) -> tuple[float | None, float]:
