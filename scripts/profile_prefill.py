@@ -32,12 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_decode import n_cpu_moe_placement, small_model  # noqa: E402
 from profile_decode import timed as timed_by  # noqa: E402
 
-from workbench.core.costmodel import model_prompt_pair_reads  # noqa: E402
+from workbench.core.costmodel import CostModel, model_prompt_pair_reads  # noqa: E402
 from workbench.core.hardware import HardwareProfile, preset  # noqa: E402
 from workbench.core.project import load_project  # noqa: E402
 from workbench.core.readers import open_model  # noqa: E402
 from workbench.engine import Engine  # noqa: E402
 from workbench.engine import experts as experts_mod  # noqa: E402
+from workbench.engine.hostclock import HostClock  # noqa: E402
 
 PHASES: dict[str, float] = defaultdict(float)
 
@@ -66,6 +67,36 @@ def prefill_s(engine: Engine, toks: torch.Tensor, repeats: int) -> float:
         engine.forward(toks, 0, last_only=True).argmax().item()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def host_lane(engine: Engine, toks: torch.Tensor, repeats: int, inv, placement, profile: HardwareProfile) -> dict:
+    """The engine thread's own records of the prompt's hybrid layers (``hostclock.HostClock``; a
+    forward's first hybrid layer left out), means per layer, beside what the cost model predicts for
+    them with ``profile`` (its host lane, and the layer's other lanes)."""
+    clock = HostClock()
+    engine.record_host(clock)
+    try:
+        s = prefill_s(engine, toks, repeats)
+    finally:
+        engine.record_host(None)
+    recs = [r for r in clock.layers if not r.first]
+    pred = CostModel(inv, profile).predict(placement, len(toks) + 8, prompt_tokens=len(toks))
+    hybrid = {r.layer for r in recs}
+    layers = [c for c in pred.prefill_layers if c.layer in hybrid]
+
+    def mean(values) -> float:
+        values = list(values)
+        return sum(values) / len(values) if values else 0.0
+
+    out = {"prefill_s": s, "layers": len(recs), "busy_ms": 1e3 * mean(r.busy_s for r in recs),
+           "wait_ms": 1e3 * mean(r.wait_s for r in recs), "cpu_wait_ms": 1e3 * mean(r.cpu_wait_s for r in recs),
+           "fetched": mean(r.fetched for r in recs), "batches": mean(r.batches for r in recs),
+           "copies": mean(r.copies for r in recs), "cpu_share": mean(r.cpu_share for r in recs),
+           "predicted_host_ms": 1e3 * mean(c.host for c in layers),
+           "predicted_other_ms": 1e3 * mean(c.pre + max(c.gpu, c.cpu, c.bus) + c.sync for c in layers),
+           "predicted_prefill_s": len(toks) / pred.prefill_tps}
+    print("host clock per hybrid layer: " + ", ".join(f"{k} {v:.3g}" for k, v in out.items()))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 share.fraction, share.fetch_tokens = fraction, fetch
             result[name] = {"prefill_s": s, "tok_s": args.prompt / s, "experts_sent": sent}
             print(f"{name:18s} {1e3 * s:8.1f} ms  {args.prompt / s:8.1f} tok/s  {sent:7.0f} experts over the bus")
+        result["host_clock"] = host_lane(engine, toks, args.repeats, inv, placement, profile)
         instrument()
         PHASES.clear()
         s = prefill_s(engine, toks, args.repeats)
