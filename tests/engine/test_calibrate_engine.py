@@ -148,11 +148,11 @@ def test_a_quarter_of_the_calibration_experts_is_eight_times_the_l3(monkeypatch)
 
 
 def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
-    """The host lane comes from the engine thread's records of its hybrid prompt layers; the two host
-    costs of a hybrid prompt layer and the prompt's copy rate from three prompts (an eighth and all
-    of the experts on the CPU, all of them in a short prompt) in bf16 and again in Q8_0: measured
-    times and records built from known values give those values back, and they reach the
-    predictions and nothing else of the profile."""
+    """The host lane comes from the engine thread's records of its hybrid prompt layers; the host time
+    beyond the lanes, the CPU share's slowdown and the prompt's copy rate from three prompts (an
+    eighth and all of the experts on the CPU, all of them in a short prompt) in bf16 and again in
+    Q8_0: measured times and records built from known values give those values back, and they
+    reach the predictions and nothing else of the profile."""
     from workbench.engine.hostclock import HostLayer
 
     monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
@@ -161,10 +161,10 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
     monkeypatch.setattr(calibrate_engine, "PROMPT_TOKENS", 128)  # 32 tokens an expert: all travel
     monkeypatch.setattr(calibrate_engine, "SHORT_PROMPT_TOKENS", 32)  # 8 an expert: the CPU keeps some
     base = preset("bench-h200")
-    layer_s, cpu_s, rate = 700e-6, 300e-6, 0.8 * base.h2d_pinned
+    layer_s, scale, rate = 700e-6, 1.6, 0.8 * base.h2d_pinned
     lane = dict(prompt_host_layer_s=100e-6, prompt_host_cpu_s=50e-6, prompt_host_batch_s=20e-6,
                 prompt_host_copy_s=2e-6)
-    truth = replace(base, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s, prompt_h2d=rate, **lane)
+    truth = replace(base, prompt_sync_s=layer_s, prompt_cpu_scale=scale, prompt_h2d=rate, **lane)
     real, seen = calibrate_engine._prompt_seconds, []
 
     def as_modelled(inv, placement, device, pair_reads, lengths, clock=None):  # a host the model predicts
@@ -188,16 +188,17 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
     for name, value in lane.items():
         assert getattr(fitted, name) == pytest.approx(value, rel=1e-6), name
     assert info["host_lane"] == pytest.approx(lane, rel=1e-6) and info["host_layers"] == 16
-    assert fitted.prompt_sync_s == pytest.approx(layer_s, rel=1e-4)
-    assert fitted.prompt_cpu_sync_s == pytest.approx(cpu_s, rel=1e-4)
-    assert fitted.prompt_h2d == pytest.approx(rate, rel=1e-4)
+    assert fitted.prompt_sync_s == pytest.approx(layer_s, rel=0.02)
+    assert fitted.prompt_cpu_scale == pytest.approx(scale, rel=0.05)
+    assert fitted.prompt_h2d == pytest.approx(rate, rel=0.05)
+    assert fitted.prompt_cpu_sync_s == 0
     for run in info["runs"]:
-        assert run["predicted_s"] == pytest.approx(run["measured_s"], rel=1e-6)
+        assert run["predicted_s"] == pytest.approx(run["measured_s"], rel=0.01)
     assert fitted.sync_s == base.sync_s and fitted.cpu_expert_throughput == base.cpu_expert_throughput
     from workbench.core.hardware import HardwareProfile
 
     back = HardwareProfile.from_json(fitted.to_json())
-    names = ("prompt_sync_s", "prompt_cpu_sync_s", "prompt_h2d", *lane)
+    names = ("prompt_sync_s", "prompt_cpu_scale", "prompt_h2d", *lane)
     assert [getattr(back, n) for n in names] == [getattr(fitted, n) for n in names]
 
 
@@ -214,22 +215,18 @@ def test_the_host_lane_fit_keeps_its_costs_at_least_zero():
     assert calibrate_engine.fit_host_lane([]) == dict.fromkeys(calibrate_engine.HOST_LANE, 0.0)
 
 
-def test_three_costs_pin_a_rate_or_none():
-    """The three runs give the two host costs and the bus's seconds per byte; a negative value or runs
-    that do not pin all three give None (the fit then keeps the pinned copy rate)."""
-    u0 = 1 / 50e9
-    a = np.array([[8.0, 0.0, 1e9], [8.0, 0.0, 4e9], [8.0, 8.0, 2e9]])
-    assert calibrate_engine._three_costs(a, a @ np.array([1e-3, 5e-4, 0.5 * u0]), u0) == pytest.approx(
-        (1e-3, 5e-4, 1.5 * u0))
-    assert calibrate_engine._three_costs(a, a @ np.array([1e-3, 5e-4, -2 * u0]), u0) is None
-    assert calibrate_engine._three_costs(a, a @ np.array([-1e-3, 5e-4, 0.0]), u0) is None
-    flat = a.copy()
-    flat[:, 2] = 0
-    assert calibrate_engine._three_costs(flat, np.ones(3), u0) is None
-    # columns ~1e10 apart (the 2026-12-06 call's runs): pinned all the same
-    real = np.array([[8.0, 0.375, 4.83e9], [8.0, 0.9375, 9.65e9], [8.0, 8.0, 5.64e9]])
-    assert calibrate_engine._three_costs(real, real @ np.array([1e-3, 5e-4, 0.1 * u0]), u0) == pytest.approx(
-        (1e-3, 5e-4, 1.1 * u0))
+def test_the_simplex_search_finds_the_least_point_of_a_kinked_function_within_its_bounds():
+    """A time that is a max of lanes (not smooth where they meet), values of different scales: its
+    least point is found; one outside the bounds gives the nearest point inside them."""
+    def f(x):
+        t = max(x[0] + 1e-3 * x[1], 2e-3)  # the host time and a lane scaled by x[1], or a floor
+        return ((t - 5e-3) / 1e-3) ** 2 + (x[1] - 1.7) ** 2 + ((x[2] - 40e9) / 10e9) ** 2
+
+    x, fx = calibrate_engine._least_point(f, (0.0, 1.0, 50e9), (1e-3, 0.5, 5e9),
+                                          ((0.0, 1.0), (1.0, 5.0), (10e9, 100e9)), 1000, 1e-14)
+    assert x == pytest.approx((3.3e-3, 1.7, 40e9), rel=1e-3) and fx < 1e-6
+    x, _ = calibrate_engine._least_point(lambda v: (v[0] + 2.0) ** 2, (0.5,), (0.25,), ((0.0, 1.0),))
+    assert x == (0.0,)
 
 
 def test_the_prompt_fit_keeps_its_costs_at_least_zero():

@@ -720,7 +720,8 @@ class CostModel:
                                                                                     h2d[layer, cols])
                 host_lane[layer] += prof.prompt_host_batch_s * batches + prof.prompt_host_copy_s * copies
                 # both lanes read the CPU tier from host RAM: together at most its read rate
-                cpu[layer] += max(c, read / (prof.host_read_bandwidth * self.engine.shared_read)) if c > 0 else 0.0
+                cpu[layer] += max(c * prof.prompt_cpu_scale,
+                                  read / (prof.host_read_bandwidth * self.engine.shared_read)) if c > 0 else 0.0
                 bus[layer] += f
                 sampled[layer] = True
                 host[layer, cols] = False  # done

@@ -103,6 +103,11 @@ class HardwareProfile:
     prompt_h2d: float = 0.0
     """Bytes/s a prompt's fetched experts travel at in the engine, its per-batch pauses included
     (fitted with ``prompt_sync_s``; 0: not measured, ``h2d_pinned``)."""
+    prompt_cpu_scale: float = 1.0
+    """How much longer the CPU's share of a hybrid prompt layer takes in the engine than the fused
+    kernel's prompt rate (``cpu_prompt_flops``, measured alone) gives: its threads share the RAM with
+    the bus's copies and the cores with the engine's thread (fitted to the engine's prompts; 1: not
+    measured)."""
     prompt_host_layer_s: float = 0.0
     """The engine thread's busy seconds per hybrid layer of a prompt chunk, the layer's attention and
     routing queued, its split, the resident tier's grouping and the CPU's result added; the next four
@@ -163,6 +168,8 @@ class HardwareProfile:
             out.append(f"cpu_cores must be a whole number >= 1, got {self.cpu_cores!r}")
         if not (0 <= self.sync_s < 1):
             out.append(f"sync_s is {self.sync_s!r} s: expected a cost between 0 and 1 second")
+        if not (1 <= self.prompt_cpu_scale < 100):
+            out.append(f"prompt_cpu_scale is {self.prompt_cpu_scale!r}: expected a factor of at least 1")
         if not (self.prompt_h2d >= 0):
             out.append(f"prompt_h2d is {self.prompt_h2d!r} B/s: expected a rate, or 0 (not measured)")
         for name in ("prompt_sync_s", "prompt_cpu_sync_s", "prompt_host_layer_s", "prompt_host_cpu_s",

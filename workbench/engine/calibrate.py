@@ -810,7 +810,7 @@ _GPU_SIDE = ("gpus", "h2d_pinned", "h2d_pageable", "d2h_pinned", "sync_s")
 
 def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int = 8,
                  report: Callable[[str], None] | None = None, device: str = "cuda") -> HardwareProfile:
-    """``prof`` with the prompt's host lane (``prompt_host_*``), ``prompt_sync_s``, ``prompt_cpu_sync_s`` and
+    """``prof`` with the prompt's host lane (``prompt_host_*``), ``prompt_sync_s``, ``prompt_cpu_scale`` and
     ``prompt_h2d`` fitted to the engine's prompts at this expert shape
     (``calibrate_engine.fit_prompt_costs``, ~60 s on CUDA); ``prof`` as it
     was, with the reason reported, when the engine cannot run them."""
@@ -825,14 +825,14 @@ def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int
         return prof
     runs = ", ".join(f"{r['name']}, {r['tokens']} tokens: {r['measured_s'] * 1e3:.1f} ms "
                      f"({r['predicted_s'] * 1e3:.1f} predicted)" for r in fit["runs"])
-    rate = f"{fit['prompt_h2d'] / 1e9:.1f} GB/s" if fit["prompt_h2d"] else "the pinned copy rate"
     lane = fit["host_lane"]
     say(f"engine prompts ({runs}); the engine thread's lane per hybrid prompt layer "
         f"{lane['prompt_host_layer_s'] * 1e6:.0f} us, +{lane['prompt_host_cpu_s'] * 1e6:.0f} us with a CPU share, "
         f"{lane['prompt_host_batch_s'] * 1e6:.0f} us a fetched batch, {lane['prompt_host_copy_s'] * 1e6:.1f} us a copy "
-        f"({fit['host_layers']} layers recorded); host time beyond the lanes {fit['prompt_sync_s'] * 1e6:.0f} us, "
-        f"{fit['prompt_cpu_sync_s'] * 1e6:.0f} us more where the CPU computes a share; a prompt's copies at {rate}")
-    names = ("prompt_sync_s", "prompt_cpu_sync_s") + (("prompt_h2d",) if fit["prompt_h2d"] else ())
+        f"({fit['host_layers']} layers recorded); beyond the lanes {fit['prompt_sync_s'] * 1e6:.0f} us per hybrid "
+        f"prompt layer; the CPU's share {fit['prompt_cpu_scale']:.2f}x its kernel's time; a prompt's copies at "
+        f"{fit['prompt_h2d'] / 1e9:.1f} GB/s")
+    names = ("prompt_sync_s", "prompt_cpu_sync_s", "prompt_cpu_scale", "prompt_h2d")
     names += tuple(lane) if fit["host_layers"] else ()
     fitted_by_engine = dict.fromkeys(names, "fitted to the engine")
     return replace(fitted, provenance=fitted.provenance | fitted_by_engine)

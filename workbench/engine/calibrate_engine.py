@@ -270,22 +270,26 @@ def fit_host_lane(layers: list[HostLayer]) -> dict[str, float]:
 def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n_heads: int = 32,
                      n_kv_heads: int = 4, head_dim: int = 128, device: str = "cuda",
                      experts: int | None = None) -> tuple[HardwareProfile, dict]:
-    """``prof`` with the prompt's host lane (``HOST_LANE``), ``prompt_sync_s``, ``prompt_cpu_sync_s``
-    and ``prompt_h2d`` fitted to the engine's prompts, of a ``LAYERS``-layer model of ``experts``
+    """``prof`` with the prompt's host lane (``HOST_LANE``), ``prompt_sync_s``, ``prompt_cpu_scale`` and
+    ``prompt_h2d`` fitted to the engine's prompts, of a ``LAYERS``-layer model of ``experts``
     (default ``PROMPT_EXPERTS``, fewer where memory is short) experts at the given shape, written
     in each of ``PROMPT_FORMATS`` (Q8_0 where the shape takes its blocks): ``PROMPT_TOKENS`` tokens
     with an eighth of every layer's experts on the CPU (short lanes: the layer's host time shows)
     and with all of them there (each picked by about 32 tokens: all travel, the bus's rate shows),
     and ``SHORT_PROMPT_TOKENS`` with all of them there (about 8 tokens each: the bus and the CPU
-    split them, the CPU share's host time shows).
+    split them, the CPU's share shows).
 
     The host lane comes first, from what the engine's thread itself recorded in those prompts
-    (``fit_host_lane``). With it in the model, the model is linear in the two host costs and in
-    the bus's seconds per byte, which the runs pin by least squares. Where that gives a negative
-    value or no rate, the bus keeps ``h2d_pinned`` and the two costs are fitted by least squares at
-    or above zero. Returns the profile and ``{"runs": [{"name", "tokens", "measured_s",
-    "predicted_s"}], "prompt_sync_s", "prompt_cpu_sync_s", "prompt_h2d", "host_lane": {name: s},
-    "host_layers": n}`` (seconds per prompt, the predictions at the fitted values)."""
+    (``fit_host_lane``). With it in the model, the three other values are those at which the
+    model's predictions of the six prompts are nearest the measured times (least squares of the
+    relative errors, by ``_least_point``: the model's lanes meet in a max, so its times are not
+    smooth in them): the host time of a hybrid layer beyond its lanes, how much longer the CPU's
+    share takes than its kernel alone (its threads share the RAM with the copies and the cores with
+    the engine's thread), and the rate the prompt's copies reach. ``prompt_cpu_sync_s`` is 0 (the
+    host lane holds what a CPU share adds to the thread's work). Returns the profile and
+    ``{"runs": [{"name", "tokens", "measured_s", "predicted_s"}], "prompt_sync_s",
+    "prompt_cpu_scale", "prompt_h2d", "host_lane": {name: s}, "host_layers": n}`` (seconds per
+    prompt, the predictions at the fitted values)."""
     from workbench.core.costmodel import model_prompt_pair_reads
 
     room = psutil.virtual_memory().available
@@ -312,52 +316,84 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
                  (f"all on the CPU{tag}", inv, every, PROMPT_TOKENS, every_s),
                  (f"all on the CPU, short{tag}", inv, every, SHORT_PROMPT_TOKENS, short_s)]
     lane = fit_host_lane(clock.layers)
-    prof = replace(prof, **lane)
-    u0 = 1.0 / prof.h2d_pinned
+    prof = replace(prof, prompt_cpu_sync_s=0.0, **lane)
+    measured = np.array([r[4] for r in runs])
 
-    def seconds(layer_s: float, cpu_s: float, u: float, inv, placement, tokens: int) -> float:
-        p = replace(prof, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s, prompt_h2d=1.0 / u)
+    def seconds(values: tuple[float, float, float], inv, placement, tokens: int) -> float:
+        sync, scale, rate = values
+        p = replace(prof, prompt_sync_s=sync, prompt_cpu_scale=scale, prompt_h2d=rate)
         return tokens / CostModel(inv, p).predict(placement, tokens + 8, prompt_tokens=tokens).prefill_tps
 
-    def linear_at(u: float) -> tuple[np.ndarray, np.ndarray]:
-        """The model's seconds per unit of each value around ``(0, 0, u)``, and the measured seconds
-        beyond it there (the bus is one lane of a max: linear in ``u`` only while no other overtakes)."""
-        step, du = 1e-3, 0.1 * u
-        rows, rhs = [], []
-        for _, inv, placement, tokens, measured in runs:
-            base = seconds(0.0, 0.0, u, inv, placement, tokens)
-            rows.append(((seconds(step, 0.0, u, inv, placement, tokens) - base) / step,
-                         (seconds(0.0, step, u, inv, placement, tokens) - base) / step,
-                         (seconds(0.0, 0.0, u + du, inv, placement, tokens) - base) / du))
-            rhs.append(measured - base)
-        return np.array(rows), np.array(rhs)
+    def misfit(values: tuple[float, float, float]) -> float:
+        got = np.array([seconds(values, inv, placement, tokens) for _, inv, placement, tokens, _ in runs])
+        return float(np.sum((got / measured - 1.0) ** 2))
 
-    u, settled = u0, False
-    for _ in range(6):  # Newton's steps on the one value the model is not linear in
-        fit = _three_costs(*linear_at(u), u)
-        if fit is None:
-            break
-        layer_s, cpu_s, nxt = fit
-        settled, u = abs(nxt - u) < 1e-4 * u, nxt
-        if settled:
-            break
-    if not settled:  # no rate pinned: the pinned copy rate, and the two costs alone
-        a, b = linear_at(u0)
-        (layer_s, cpu_s), u = _least_squares_at_least_zero(a[:, :2], b), u0
-    fitted = replace(prof, prompt_sync_s=layer_s, prompt_cpu_sync_s=cpu_s,
-                     prompt_h2d=0.0 if u == u0 else 1.0 / u)
-    info = {"runs": [{"name": name, "tokens": tokens, "measured_s": measured,
-                      "predicted_s": seconds(layer_s, cpu_s, u, inv, placement, tokens)}
-                     for name, inv, placement, tokens, measured in runs],
-            "prompt_sync_s": layer_s, "prompt_cpu_sync_s": cpu_s, "prompt_h2d": fitted.prompt_h2d,
+    values, _ = _least_point(misfit, (0.0, 1.0, prof.h2d_pinned), (1e-3, 0.5, 0.1 * prof.h2d_pinned),
+                             ((0.0, 0.05), (1.0, 5.0), (0.2 * prof.h2d_pinned, 2.0 * prof.h2d_pinned)))
+    sync, scale, rate = values
+    fitted = replace(prof, prompt_sync_s=sync, prompt_cpu_scale=scale, prompt_h2d=rate)
+    info = {"runs": [{"name": name, "tokens": tokens, "measured_s": m,
+                      "predicted_s": seconds(values, inv, placement, tokens)}
+                     for name, inv, placement, tokens, m in runs],
+            "prompt_sync_s": sync, "prompt_cpu_scale": scale, "prompt_h2d": rate,
             "host_lane": lane, "host_layers": len(clock.layers)}
     log.info("engine prompts of %d layers of %d experts: %s; host lane per hybrid prompt layer %.0f us, +%.0f us "
-             "with a CPU share, %.0f us a batch, %.1f us a copy; beyond it %.0f us per hybrid prompt layer, %.0f us "
-             "more where the CPU computes a share; a prompt's copies at %.1f GB/s", LAYERS, n,
+             "with a CPU share, %.0f us a batch, %.1f us a copy; beyond the lanes %.0f us per hybrid prompt layer; "
+             "the CPU's share %.2fx its kernel's time; a prompt's copies at %.1f GB/s", LAYERS, n,
              ", ".join(f"{r['name']} ({r['tokens']} tokens) {r['measured_s'] * 1e3:.1f} ms, predicted "
                        f"{r['predicted_s'] * 1e3:.1f}" for r in info["runs"]),
-             *(lane[k] * 1e6 for k in HOST_LANE), layer_s * 1e6, cpu_s * 1e6, 1e-9 / u)
+             *(lane[k] * 1e6 for k in HOST_LANE), sync * 1e6, scale, rate / 1e9)
     return fitted, info
+
+
+def _least_point(f, start: tuple[float, ...], step: tuple[float, ...], bounds: tuple[tuple[float, float], ...],
+                 evaluations: int = 200, tol: float = 1e-9) -> tuple[tuple[float, ...], float]:
+    """The point within ``bounds`` (per value: (low, high)) where ``f`` is least, by Nelder and Mead's
+    simplex search from ``start`` (a first simplex ``step`` away along each value; points outside the
+    bounds are moved onto them), until the simplex's values lie within ``tol`` of each other or
+    ``evaluations`` calls are spent. ``f`` need not be smooth (the cost model's lanes meet in a
+    max), and values of different scales move together along a valley. Returns the point and
+    ``f`` there."""
+    lo = np.array([b[0] for b in bounds], dtype=float)
+    hi = np.array([b[1] for b in bounds], dtype=float)
+    scale = np.array(step, dtype=float)  # the search runs in units of the first steps
+
+    def value(u: np.ndarray) -> float:
+        return f(tuple(float(v) for v in np.clip(u * scale, lo, hi)))
+
+    n = len(start)
+    x0 = np.clip(np.array(start, dtype=float), lo, hi) / scale
+    pts = [x0] + [x0 + np.eye(n)[i] for i in range(n)]
+    vals = [value(p) for p in pts]
+    calls = n + 1
+    while calls < evaluations:
+        order = np.argsort(vals)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        if vals[-1] - vals[0] <= tol * max(1.0, abs(vals[0])):
+            break
+        centre = np.mean(pts[:-1], axis=0)
+        refl = centre + (centre - pts[-1])
+        fr = value(refl)
+        calls += 1
+        if fr < vals[0]:
+            far = centre + 2.0 * (centre - pts[-1])
+            fe = value(far)
+            calls += 1
+            pts[-1], vals[-1] = (far, fe) if fe < fr else (refl, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = refl, fr
+        else:
+            inner = centre + 0.5 * (pts[-1] - centre) if fr >= vals[-1] else centre + 0.5 * (refl - centre)
+            fc = value(inner)
+            calls += 1
+            if fc < min(fr, vals[-1]):
+                pts[-1], vals[-1] = inner, fc
+            else:  # shrink toward the best
+                pts = [pts[0]] + [pts[0] + 0.5 * (p - pts[0]) for p in pts[1:]]
+                vals = [vals[0]] + [value(p) for p in pts[1:]]
+                calls += n
+    best = int(np.argmin(vals))
+    return tuple(float(v) for v in np.clip(pts[best] * scale, lo, hi)), float(vals[best])
 
 
 def _scaled_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
@@ -371,16 +407,6 @@ def _scaled_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     if np.linalg.matrix_rank(a_n, tol=1e-9) < a.shape[1]:
         return None
     return np.linalg.lstsq(a_n, b, rcond=None)[0] / scale
-
-
-def _three_costs(a: np.ndarray, b: np.ndarray, u: float) -> tuple[float, float, float] | None:
-    """``(layer_s, cpu_s, u + du)`` with ``a @ (layer_s, cpu_s, du) == b`` (``a`` [3, 3]: the model's
-    seconds per unit of each around ``(0, 0, u)``, ``b`` the measured seconds beyond the model there),
-    or None when the runs do not pin all three or one comes out negative (no rate)."""
-    x = _scaled_lstsq(a, b)
-    if x is None or x[0] < 0 or x[1] < 0 or u + x[2] <= 0:
-        return None
-    return float(x[0]), float(x[1]), float(u + x[2])
 
 
 def _least_squares_at_least_zero(a: np.ndarray, b: np.ndarray) -> tuple[float, ...]:
