@@ -225,6 +225,24 @@ def test_a_prompt_layer_lasts_at_least_its_host_lane():
     assert b.decode_tps == a.decode_tps
 
 
+def test_a_prompts_cpu_share_takes_longer_by_its_fitted_factor():
+    """``prompt_cpu_scale`` lengthens the CPU lane of a hybrid prompt layer where the CPU computes a
+    share (a short chunk: each expert picked by a few tokens), and nothing where all travel or in
+    decode."""
+    inv = synth_inventory(4, 8, hidden=1024, expert_ffn=512, top_k=2)
+    base = h200_profile()
+    p = placement_n_cpu_moe(inv, 2)
+
+    def lanes(scale: float, tokens: int):
+        return CostModel(inv, dataclasses.replace(base, prompt_cpu_scale=scale)).predict(p, prompt_tokens=tokens)
+
+    a, b = lanes(1.0, 8), lanes(2.0, 8)
+    assert a.prefill_layers[0].cpu > 0
+    assert [y.cpu for y in b.prefill_layers] == pytest.approx([2 * x.cpu for x in a.prefill_layers])
+    assert b.decode_tps == a.decode_tps
+    assert [c.cpu for c in lanes(2.0, 512).prefill_layers] == [c.cpu for c in lanes(1.0, 512).prefill_layers]
+
+
 def test_a_prompts_experts_travel_in_batches_by_bytes_as_their_tensors():
     """Batches hold half of ``BUS_SLOTS`` bf16 experts' bytes: 8 bf16 experts, 15 Q8_0 ones (four tensors
     each: values and scales of both matrices), 28 Q4_K ones (two block arrays)."""
