@@ -65,3 +65,37 @@ def test_served_packets_equal_the_direct_kernel(fmt, threads, own_team):
         assert srv.errors() == 0 and srv.served() == 12
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("woken", [True, False])
+def test_an_idle_server_waits_on_its_condition_and_still_serves(woken):
+    """After ``idle_us`` without a packet the thread stops polling and waits on its condition (no
+    wake-ups every 50 µs while a prompt runs or the app idles); a packet is still served, at once
+    after ``wake`` and within its 1 ms wait without it; ``stop`` ends the thread while it waits."""
+    import time
+
+    w = stacks("bf16")
+    srv = cpu_kernel.server(2, spin_us=100, own_team=True, idle_us=2000)
+    packet, flag_in, out, flag_out = bufs = [torch.zeros(2 * K + H), torch.zeros(1, dtype=torch.int64),
+                                             torch.zeros(H), torch.zeros(1, dtype=torch.int64)]
+    srv.add_layer(0, w, 0, 0, FFN, K, *bufs, *cpu_kernel.act_args(("silu",)))
+    srv.start()
+    try:
+        time.sleep(0.05)  # well past idle_us: waiting on the condition, 1 ms at a time
+        waits = srv.idle_waits()
+        assert 5 <= waits <= 60  # ~48 timed waits in 48 ms, not ~1,000 polls
+        x = torch.ones(H)
+        packet[:K] = -1.0
+        packet[0], packet[K], packet[2 * K:] = 2.0, 0.5, x
+        if woken:
+            srv.wake()
+        flag_in.fill_(1)
+        t = time.perf_counter()
+        while int(flag_out[0]) != 1:
+            assert time.perf_counter() - t < 1.0, "the packet was not served"
+        assert torch.equal(out, cpu_kernel.moe_decode(x, w[0], w[1], [2], [0.5]))
+        assert srv.errors() == 0 and srv.served() == 1
+    finally:
+        t = time.perf_counter()
+        srv.stop()
+        assert time.perf_counter() - t < 0.5

@@ -182,6 +182,8 @@ class DecodeStep:
             return self._step(token, pos)  # rewrites the same KV position
 
     def _step(self, token: int, pos: int) -> torch.Tensor:
+        if self.server is not None:
+            self.server.wake()  # after a prompt or a pause it waits on a condition, not polling
         self.token.fill_(token)
         self.pos.fill_(pos)
         if self.schedule is not None:

@@ -205,6 +205,11 @@ class DecodeServer:
         """Start a step: the step number the layers' flags will carry."""
         self.step.add_(1)
 
+    def wake(self) -> None:
+        """A step is about to run (host side, before its graph): the native thread, waiting on its
+        condition after a long idle, spins again for the step's packets."""
+        self.native.wake()
+
     @_guarded
     def publish(self, lx: LayerExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
         """Send the CPU its share of the token ``x [1, H]`` with routing ``ids``/``w [1, k]``."""

@@ -1501,9 +1501,12 @@ at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13
 // it copies a step number into that layer's ``flag_in``. The thread polls every layer's flag_in;
 // a new value means a new packet: it computes the experts into ``out`` (float32 [H], page-locked,
 // zeroed first) and stores the same value into ``flag_out``, which the accelerator polls before it
-// adds ``out``. The thread spins while steps keep coming (``spin_us`` after the last packet) and
-// then polls every 50 us. Its two passes per packet run on its own ``SpinTeam`` (``own_team``), or
-// on torch's OpenMP pool.
+// adds ``out``. The thread spins while steps keep coming (``spin_us`` after the last packet), then
+// polls every 50 us, and after ``idle_us`` without a packet (a prompt running, the user reading)
+// waits on a condition for ``wake`` (the engine calls it as a decode step starts) or for 1 ms: an
+// idle engine no longer wakes a core 20,000 times a second, and a prompt's threads are not
+// preempted by it. Its two passes per packet run on its own ``SpinTeam`` (``own_team``), or on
+// torch's OpenMP pool.
 
 struct ServedLayer {
   int64_t kind = 0;  // 0 float stacks (w13, w2), 1 Q8_0 (q13, d13, q2, d2), 2 k-quants (b13, b2)
@@ -1518,8 +1521,9 @@ struct ServedLayer {
 
 class Server {
  public:
-  Server(int64_t threads, int64_t spin_us, bool own_team)
-      : threads_(std::max<int64_t>(1, threads)), spin_us_(spin_us), own_team_(own_team) {}
+  Server(int64_t threads, int64_t spin_us, bool own_team, int64_t idle_us)
+      : threads_(std::max<int64_t>(1, threads)), spin_us_(spin_us), idle_us_(std::max(spin_us, idle_us)),
+        own_team_(own_team) {}
   ~Server() { stop(); }
 
   int64_t add_layer(int64_t kind, std::vector<at::Tensor> w, int64_t f13, int64_t f2, int64_t I, int64_t k,
@@ -1572,10 +1576,21 @@ class Server {
 
   void stop() {
     stop_.store(true);
+    wake();
     if (thread_.joinable()) thread_.join();  // the thread never takes the GIL
   }
 
+  // A decode step starts: the thread spins again (it is waiting on the condition after idle_us).
+  void wake() {
+    {
+      std::lock_guard<std::mutex> lk(wake_m_);
+      ++wakes_;
+    }
+    wake_cv_.notify_one();
+  }
+
   int64_t served() const { return served_.load(); }
+  int64_t idle_waits() const { return idle_waits_.load(); }
   int64_t errors() const { return errors_.load(); }
   bool running() const { return thread_.joinable() && !stop_.load(); }
 
@@ -1589,7 +1604,8 @@ class Server {
     if (own_team_ && threads_ > 1) team = std::make_unique<SpinTeam>(threads_, spin_us_);
     tl_team = team.get();  // this thread's passes run on it (null: torch's OpenMP pool)
     auto last = std::chrono::steady_clock::now();
-    const auto spin = std::chrono::microseconds(spin_us_);
+    const auto spin = std::chrono::microseconds(spin_us_), idle = std::chrono::microseconds(idle_us_);
+    uint64_t woken = 0;
     while (!stop_.load(std::memory_order_relaxed)) {
       bool any = false;
       for (auto& L : layers_) {
@@ -1607,8 +1623,16 @@ class Server {
         last = now;
       } else if (now - last < spin) {
         cpu_relax();
-      } else {
+      } else if (now - last < idle) {
         std::this_thread::sleep_for(std::chrono::microseconds(50));
+      } else {  // long idle: until a step wakes it, or 1 ms (a step that does not call wake waits at most that)
+        std::unique_lock<std::mutex> lk(wake_m_);
+        wake_cv_.wait_for(lk, std::chrono::milliseconds(1), [&] { return wakes_ != woken; });
+        if (wakes_ != woken) {
+          woken = wakes_;
+          last = std::chrono::steady_clock::now();  // spin for the step's packets
+        }
+        idle_waits_.fetch_add(1, std::memory_order_relaxed);
       }
     }
     tl_team = nullptr;
@@ -1656,8 +1680,12 @@ class Server {
     return true;
   }
 
-  int64_t threads_, spin_us_;
+  int64_t threads_, spin_us_, idle_us_;
   bool own_team_;
+  std::mutex wake_m_;
+  std::condition_variable wake_cv_;
+  uint64_t wakes_ = 0;  // guarded by wake_m_
+  std::atomic<int64_t> idle_waits_{0};
   std::vector<ServedLayer> layers_;
   std::vector<int64_t> rows_;
   std::vector<float> wt_;
@@ -1703,7 +1731,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Wait for the run started with threads > 0; False if it failed (its output is then undefined)",
         py::call_guard<py::gil_scoped_release>());
   py::class_<Server>(m, "Server")
-      .def(py::init<int64_t, int64_t, bool>(), py::arg("threads"), py::arg("spin_us"), py::arg("own_team") = false)
+      .def(py::init<int64_t, int64_t, bool, int64_t>(), py::arg("threads"), py::arg("spin_us"),
+           py::arg("own_team") = false, py::arg("idle_us") = 20000)
       .def("add_layer", &Server::add_layer,
            "A hybrid layer's CPU stacks and page-locked packet, flags and out; biases and act as moe_decode's",
            py::arg("kind"), py::arg("w"), py::arg("f13"), py::arg("f2"), py::arg("I"), py::arg("k"), py::arg("packet"),
@@ -1712,6 +1741,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("start", &Server::start)
       .def("stop", &Server::stop, py::call_guard<py::gil_scoped_release>())
       .def("served", &Server::served)
+      .def("wake", &Server::wake, "A decode step starts: spin for its packets")
+      .def("idle_waits", &Server::idle_waits, "Times the thread waited on its condition (idle)")
       .def("errors", &Server::errors)
       .def("running", &Server::running);
   m.def("parallel_threads", &parallel_threads, "Tasks at::parallel_for runs a large range in (a build check)",
