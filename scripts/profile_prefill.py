@@ -79,21 +79,13 @@ def host_lane(engine: Engine, toks: torch.Tensor, repeats: int, inv, placement, 
         s = prefill_s(engine, toks, repeats)
     finally:
         engine.record_host(None)
-    recs = [r for r in clock.layers if not r.first]
     pred = CostModel(inv, profile).predict(placement, len(toks) + 8, prompt_tokens=len(toks))
-    hybrid = {r.layer for r in recs}
+    hybrid = {r.layer for r in clock.layers if not r.first}
     layers = [c for c in pred.prefill_layers if c.layer in hybrid]
-
-    def mean(values) -> float:
-        values = list(values)
-        return sum(values) / len(values) if values else 0.0
-
-    out = {"prefill_s": s, "layers": len(recs), "busy_ms": 1e3 * mean(r.busy_s for r in recs),
-           "wait_ms": 1e3 * mean(r.wait_s for r in recs), "cpu_wait_ms": 1e3 * mean(r.cpu_wait_s for r in recs),
-           "fetched": mean(r.fetched for r in recs), "batches": mean(r.batches for r in recs),
-           "copies": mean(r.copies for r in recs), "cpu_share": mean(r.cpu_share for r in recs),
-           "predicted_host_ms": 1e3 * mean(c.host for c in layers),
-           "predicted_other_ms": 1e3 * mean(c.pre + max(c.gpu, c.cpu, c.bus) + c.sync for c in layers),
+    n = max(1, len(layers))
+    out = {"prefill_s": s, **clock.summary(),
+           "predicted_host_ms": 1e3 * sum(c.host for c in layers) / n,
+           "predicted_other_ms": 1e3 * sum(c.pre + max(c.gpu, c.cpu, c.bus) + c.sync for c in layers) / n,
            "predicted_prefill_s": len(toks) / pred.prefill_tps}
     print("host clock per hybrid layer: " + ", ".join(f"{k} {v:.3g}" for k, v in out.items()))
     return out

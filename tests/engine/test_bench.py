@@ -50,6 +50,10 @@ def test_strategies_run_end_to_end_on_cpu(model):
         assert np.mean(r.coverage) == pytest.approx(0.5, abs=0.2)
     nmoe = runs[1]
     assert nmoe.label.startswith("n-cpu-moe ") and nmoe.roofline["cpu_bytes"] > 0
+    # the engine thread's records of the timed prompts' layers that need the host (on a CPU
+    # accelerator every MoE layer does), a forward's first left out
+    host = nmoe.prompt_host
+    assert host["layers"] > 0 and host["busy_ms"] > 0 and host["cpu_share"] > 0
     # the frequency plan saw the n-cpu-moe run's routing counts: it keeps hot experts off the CPU
     assert runs[2].roofline["cpu_bytes"] < nmoe.roofline["cpu_bytes"]
     # the first runs were planned before any routing was seen: predicted again with their own counts

@@ -160,6 +160,10 @@ class EngineRun:
     layer), for reading the figures."""
     coverage: list[float] = field(default_factory=list)
     load_s: float = 0.0
+    prompt_host: dict = field(default_factory=dict)
+    """The engine thread's records of the timed prompts' hybrid layers, means per layer
+    (``HostClock.summary``: busy, waiting for the routing and for the CPU, experts fetched,
+    batches, copies), beside the model's host lane for them (``predicted_host_ms``)."""
 
     @property
     def roofline_fraction(self) -> float | None:
@@ -223,7 +227,11 @@ def measure_engine(engine, *, prompt: int, gen: int, repeats: int, seed: int = 0
     """Prefill ``prompt`` random tokens, then decode ``gen`` random tokens one by one (like
     llama-bench: each step reads its logits back), ``repeats`` times after a warm-up (the whole
     prompt, then 4 steps).
-    Returns per-repeat prefill and decode tokens/s and time to first token (s)."""
+    Returns per-repeat prefill and decode tokens/s and time to first token (s), and under ``host``
+    the engine thread's records of the timed prompts' hybrid layers (``HostClock.summary``)."""
+    from .hostclock import HostClock
+
+    clock = HostClock()
     g = torch.Generator().manual_seed(seed)
     vocab, dev = engine.vocab_size, engine.device
     ids = torch.randint(0, vocab, (prompt,), generator=g)
@@ -235,9 +243,11 @@ def measure_engine(engine, *, prompt: int, gen: int, repeats: int, seed: int = 0
     out = {"prefill": [], "decode": [], "ttft": []}
     for _ in range(repeats):
         _sync(dev)
+        engine.record_host(clock)
         t0 = time.perf_counter()
         first = engine.forward(ids, 0, last_only=True)[-1].argmax().item()
         t1 = time.perf_counter()
+        engine.record_host(None)
         del first
         for i in range(gen):
             engine.forward(steps[i: i + 1], prompt + i)[-1].argmax().item()
@@ -246,6 +256,7 @@ def measure_engine(engine, *, prompt: int, gen: int, repeats: int, seed: int = 0
         out["ttft"].append(t1 - t0)
         out["prefill"].append(prompt / (t1 - t0))
         out["decode"].append(gen / (t2 - t1))
+    out["host"] = clock.summary()
     return out
 
 
@@ -277,6 +288,7 @@ def run_placement(inv, placement: Placement, label: str, strategy: str, *, devic
             counts = engine.routing_counts()
             run.engine_paths = engine_paths(engine, counts)
             run.prefill_samples, run.decode_samples, run.ttft_samples = m["prefill"], m["decode"], m["ttft"]
+            run.prompt_host = m["host"]
             run.prefill_tps = float(np.median(m["prefill"]))
             run.decode_tps = float(np.median(m["decode"]))
             run.ttft_s = float(np.median(m["ttft"]))
@@ -295,6 +307,12 @@ def run_placement(inv, placement: Placement, label: str, strategy: str, *, devic
     if counts.any():
         run.coverage = [float(c) for c in synth.coverage(counts)]
     return run, counts
+
+
+def predicted_host_ms(prediction) -> float:
+    """The model's host lane (ms) of a prompt chunk's hybrid layers, their mean (0 when none has one)."""
+    lanes = [c.host for c in prediction.prefill_layers if c.host > 0]
+    return 1e3 * sum(lanes) / len(lanes) if lanes else 0.0
 
 
 def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
@@ -387,6 +405,7 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
                                     pair_reads=pair_reads)
         run.predicted_decode_tps = plan.prediction.decode_tps
         run.predicted_prefill_tps = plan.prediction.prefill_tps
+        prediction = plan.prediction
         if read:
             run.host_read_gbs = read / 1e9
             run.at_read_decode_tps = CostModel(inv, profile.at_host_read(read), seen).predict(
@@ -399,6 +418,9 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
             again = cost.predict(plan.placement, prompt + gen, prompt_tokens=prompt)
             run.predicted_decode_tps, run.predicted_prefill_tps = again.decode_tps, again.prefill_tps
             run.predicted_from = "routing counts of this run (none before it)"
+            prediction = again
+        if run.prompt_host.get("layers"):
+            run.prompt_host["predicted_host_ms"] = predicted_host_ms(prediction)
         rf = roofline(cost, plan.placement, profile)
         run.roofline, run.roofline_decode_tps = rf, rf["tps"]
         runs.append(run)

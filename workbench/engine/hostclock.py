@@ -69,3 +69,19 @@ class HostClock:
 
     def clear(self) -> None:
         self.layers.clear()
+
+    def summary(self) -> dict:
+        """Means per recorded hybrid layer, a forward's first left out: ``{"layers": n, "busy_ms",
+        "wait_ms", "cpu_wait_ms", "fetched", "batches", "copies", "cpu_share"}`` (``cpu_share``: the
+        share of layers where the CPU computed some experts); ``{"layers": 0}`` without records."""
+        use = [r for r in self.layers if not r.first]
+        if not use:
+            return {"layers": 0}
+        n = len(use)
+
+        def mean(name: str, scale: float = 1.0) -> float:
+            return scale * sum(float(getattr(r, name)) for r in use) / n
+
+        return {"layers": n, "busy_ms": mean("busy_s", 1e3), "wait_ms": mean("wait_s", 1e3),
+                "cpu_wait_ms": mean("cpu_wait_s", 1e3), "fetched": mean("fetched"), "batches": mean("batches"),
+                "copies": mean("copies"), "cpu_share": mean("cpu_share")}
