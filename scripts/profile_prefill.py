@@ -38,6 +38,7 @@ from workbench.core.project import load_project  # noqa: E402
 from workbench.core.readers import open_model  # noqa: E402
 from workbench.engine import Engine  # noqa: E402
 from workbench.engine import experts as experts_mod  # noqa: E402
+from workbench.engine.bench import predicted_host_ms  # noqa: E402
 from workbench.engine.hostclock import HostClock  # noqa: E402
 
 PHASES: dict[str, float] = defaultdict(float)
@@ -84,7 +85,7 @@ def host_lane(engine: Engine, toks: torch.Tensor, repeats: int, inv, placement, 
     layers = [c for c in pred.prefill_layers if c.layer in hybrid]
     n = max(1, len(layers))
     out = {"prefill_s": s, **clock.summary(),
-           "predicted_host_ms": 1e3 * sum(c.host for c in layers) / n,
+           "predicted_host_ms": predicted_host_ms(pred),
            "predicted_other_ms": 1e3 * sum(c.pre + max(c.gpu, c.cpu, c.bus) + c.sync for c in layers) / n,
            "predicted_prefill_s": len(toks) / pred.prefill_tps}
     print("host clock per hybrid layer: " + ", ".join(f"{k} {v:.3g}" for k, v in out.items()))

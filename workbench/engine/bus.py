@@ -171,6 +171,13 @@ def slot_shapes(shape13: tuple[int, int], shape2: tuple[int, int], dtype: torch.
     return out + ([((shape13[0],), dtype), ((shape2[0],), dtype)] if bias else [])
 
 
+def slot_bytes(shape13: tuple[int, int], shape2: tuple[int, int], dtype: torch.dtype, kept: tuple | None = None,
+               bias: bool = False) -> int:
+    """Bytes of one slot of layout ``kept`` (one expert's tensors, ``slot_shapes``)."""
+    return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
+               for shape, dt in slot_shapes(shape13, shape2, dtype, kept, bias))
+
+
 @functools.lru_cache(maxsize=64)
 def slot_count(slots: int, shape13: tuple[int, int], shape2: tuple[int, int], dtype: torch.dtype,
                kept: tuple | None = None, bias: bool = False) -> int:
@@ -179,12 +186,8 @@ def slot_count(slots: int, shape13: tuple[int, int], shape2: tuple[int, int], dt
     16 bf16 ones, 56 Q4_K. A prompt's fetched experts travel half the slots at a time, and each batch
     costs the host about the same (two kernel launches, events), so smaller experts travel in
     bigger batches, not in more of them."""
-
-    def nbytes(shapes) -> int:
-        return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in shapes)
-
-    own = nbytes(slot_shapes(shape13, shape2, dtype, kept, bias))
-    return max(slots, slots * nbytes(slot_shapes(shape13, shape2, dtype, None, bias)) // max(1, own))
+    own = slot_bytes(shape13, shape2, dtype, kept, bias)
+    return max(slots, slots * slot_bytes(shape13, shape2, dtype, None, bias) // max(1, own))
 
 
 class BusShare:

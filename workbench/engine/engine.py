@@ -120,9 +120,8 @@ def _bus_bytes(inventory: Inventory, args: ModelArgs, placement: Placement, devi
     slots, total = bus.slots_from_env(), 0
     for f in layouts:
         kept = None if f is None else (f, None, args.hidden, args.expert_ffn)
-        per_slot = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size()
-                       for shape, dt in bus.slot_shapes(shape13, shape2, dtype, kept, args.expert_bias))
-        total += bus.slot_count(slots, shape13, shape2, dtype, kept, args.expert_bias) * per_slot
+        total += (bus.slot_count(slots, shape13, shape2, dtype, kept, args.expert_bias)
+                  * bus.slot_bytes(shape13, shape2, dtype, kept, args.expert_bias))
     return total
 
 

@@ -164,7 +164,7 @@ def takes_blocks(x: torch.Tensor, fmt: tuple[str, str], act: tuple, bias: bool) 
     return available() and gpu_kernels.usable(x) and act[0] in ACTS and all(f in _FMT for f in fmt)
 
 
-def swiglu_grouped(xs: torch.Tensor, tiles: np.ndarray, w13: torch.Tensor, w2: torch.Tensor,
+def swiglu_grouped(xs: torch.Tensor, tiles: np.ndarray | torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    d13: torch.Tensor | None = None, d2: torch.Tensor | None = None,
                    fmt: tuple[str, str] | None = None, b13: torch.Tensor | None = None,
                    b2: torch.Tensor | None = None, act: tuple = ("silu",)) -> torch.Tensor:
