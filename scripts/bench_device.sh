@@ -17,7 +17,9 @@
 # (BENCH_PREFILL_VARIANTS="new old slots16 torchcopies early2"; early2: two batches fetched before the CPU's setup); $OUT/prefill_ab.tar.gz), prompt_tests (bus share, grouped
 # kernels and CPU kernel prompt tests on CUDA; carry .whl_engine; BENCH_PROMPT_TESTS: other files), refit_prompt
 # (workbench calibrate --refit-prompt on $OUT/h200.json: a hybrid prompt layer's host time, the time more with a CPU share, the prompt's copy rate), profile_saved (scripts/profile_hybrid.py over the
-# placements stage engine ran, saved under /tmp/wb_placements), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
+# placements stage engine ran, saved under /tmp/wb_placements), keep / restore (the profile and llama-bench left in
+# /tmp/wb_keep for the next call while the machine stays warm, and taken back by it; BENCH_KEPT_FITS (q8_0,q4_k):
+# the kept formats whose GPU rate stage calibrate fits), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
 # 12 GiB, then scripts/profile_decode.py into $OUT/decode),
 # calibrate ($OUT/h200.json, then the profile of the stages after it), engine (`workbench bench
 # run`: llama.cpp -lm none at --n-cpu-moe 16 and all-GPU, then our n-cpu-moe, frequency, balanced
@@ -373,7 +375,19 @@ stage_calibrate() {  # the profile the later stages predict with ($OUT/h200.json
     if [ -n "$build_pid" ]; then log "calibrate waits for the llama-bench build (it takes every core)"; wait_build; fi
     local kq=q4_k; [ -n "${BENCH_HYBRID_WEIGHTS:-}" ] && [ "$BENCH_HYBRID_WEIGHTS" != q4_k ] && kq="q4_k,$BENCH_HYBRID_WEIGHTS"
     kq="${BENCH_CALIBRATE_KQUANTS:-$kq}"  # e.g. q4_k,mxfp4 before stage engine_gpt_oss
-    log "calibrate"; python3 -m workbench -v calibrate -o "$OUT/h200.json" --kquants "$kq" 2>>"$OUT/device.log" | tail -4 | tee -a "$OUT/device.log"
+    log "calibrate"; python3 -m workbench -v calibrate -o "$OUT/h200.json" --kquants "$kq" --kept-fits "${BENCH_KEPT_FITS:-q8_0,q4_k}" \
+        2>>"$OUT/device.log" | tail -4 | tee -a "$OUT/device.log"
+}
+stage_keep() {  # the profile and llama-bench kept in /tmp/wb_keep for the next call on this warm machine
+    mkdir -p /tmp/wb_keep/bin
+    [ -f "$OUT/h200.json" ] && cp "$OUT/h200.json" /tmp/wb_keep/ && log "kept the profile"
+    wait_build && cp .llamacpp/bin/llama-bench /tmp/wb_keep/bin/ && log "kept llama-bench"
+}
+stage_restore() {  # what stage keep left on this machine: the profile as $OUT/h200.json, llama-bench
+    [ -f /tmp/wb_keep/h200.json ] && cp /tmp/wb_keep/h200.json "$OUT/" && log "profile restored"
+    if [ ! -x .llamacpp/bin/llama-bench ] && [ -x /tmp/wb_keep/bin/llama-bench ]; then
+        mkdir -p .llamacpp/bin && cp /tmp/wb_keep/bin/llama-bench .llamacpp/bin/ && log "llama-bench restored"
+    fi
 }
 stage_engine() {  # S1 skewed: llama.cpp and ours, with all on the GPU too
     if [ -f "$models/s1.gguf" ]; then  # a stage before may have left it uniform

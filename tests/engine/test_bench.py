@@ -215,3 +215,32 @@ def test_planner_leaves_room_for_what_the_engine_dequantizes(tiny_gguf, monkeypa
     assert dequantized_extra_bytes(inv, torch.bfloat16, dense_kept=False) == others
     monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", "0")
     assert dequantized_extra_bytes(inv, torch.bfloat16, dense_kept=False) == others + experts
+
+
+def test_the_roofline_reads_each_layers_attention_before_its_experts(model):
+    """A token's layers come one after another, and a layer's experts wait for its attention: the
+    roofline adds the layers' reads up, with only a layer's expert reads on different devices at once."""
+    from workbench.core.costmodel import CostModel
+    from workbench.core.memory import placement_all_gpu, placement_n_cpu_moe
+
+    inv, prof = open_model(str(model)), preset("bench-h200")
+    cm = CostModel(inv, prof)
+    gpu_bw, cpu_bw = prof.gpus[0].mem_bandwidth, prof.host_read_bandwidth
+    all_gpu = bench.roofline(cm, placement_all_gpu(inv), prof)
+    assert all_gpu["cpu_bytes"] == 0 and all_gpu["bound"] == "gpu"
+    assert 1 / all_gpu["tps"] == pytest.approx(all_gpu["gpu_bytes"] / gpu_bw)  # one device: every byte in turn
+    # one layer's experts on the CPU: while the CPU reads them the GPU has nothing of that layer to read
+    hybrid = bench.roofline(cm, placement_n_cpu_moe(inv, 1), prof)
+    assert hybrid["cpu_bytes"] > 0 and hybrid["gpu_bytes"] + hybrid["cpu_bytes"] == pytest.approx(all_gpu["gpu_bytes"])
+    serial = hybrid["gpu_bytes"] / gpu_bw + hybrid["cpu_bytes"] / cpu_bw
+    assert 1 / hybrid["tps"] == pytest.approx(serial)
+    assert 1 / hybrid["tps"] > max(hybrid["seconds"].values())  # more than the devices side by side
+    assert hybrid["serial_s"] > 0 and hybrid["bound"] == "cpu"
+    # half of every layer's experts on the CPU: they and the GPU's half are read at once
+    grid_half = placement_all_gpu(inv)
+    for key in inv.expert_keys():
+        if key.expert % 2:
+            grid_half.set(key, CPU_COMPUTE)
+    half = bench.roofline(cm, grid_half, prof)
+    per_layer = half["cpu_bytes"] / cpu_bw  # the CPU's halves are the slower lane in every layer
+    assert 1 / half["tps"] == pytest.approx(half["serial_s"] + per_layer)

@@ -134,6 +134,8 @@ def test_cli_json_and_output_file(tmp_path, capsys):
     assert HardwareProfile.load(out).to_json() == printed
     assert main(["calibrate", "--hidden", "0"]) == 2
     assert "out of range" in capsys.readouterr().err
+    assert main(["calibrate", "--kept-fits", "q5_k", "--cpu-only"]) == 2
+    assert "--kept-fits takes q8_0, q4_k or none" in capsys.readouterr().err
 
 
 def test_cli_takes_the_expert_shape_from_a_model(tiny_model_dir, capsys):

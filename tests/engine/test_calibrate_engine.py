@@ -125,6 +125,9 @@ def test_kept_block_rates_are_fitted_to_the_resident_runs_in_their_format(monkey
     runs.clear()
     fitted, info = calibrate_engine.fit_kept_rates(base, narrow, device="cpu")
     assert set(info) == {"q8_0"} and fitted.gpus[0].expert_throughput["q4_k"] == rates["q4_k"]
+    runs.clear()  # only the formats asked for (``workbench calibrate --kept-fits``)
+    fitted, info = calibrate_engine.fit_kept_rates(base, shape, device="cpu", formats=("q8_0",))
+    assert set(info) == {"q8_0"} and len(runs) == n and fitted.gpus[0].expert_throughput["q4_k"] == rates["q4_k"]
 
 
 def test_a_quarter_of_the_calibration_experts_is_eight_times_the_l3(monkeypatch):

@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kquants", metavar="LIST", default="q4_k",
                         help="kept GGUF block formats whose CPU kernel is timed (q4_k; e.g. q4_k,q3_k,iq4_xs,mxfp4: "
                              "others are rated as q4_k)")
+    parser.add_argument("--kept-fits", metavar="LIST",
+                        help="kept GGUF block formats whose GPU rate is fitted to the engine's decode (default: "
+                             "q8_0,q4_k; 'none': each keeps its kernel's measured rate)")
     parser.add_argument("--cpu-only", action="store_true", help="do not measure GPUs even if CUDA is present")
     parser.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: torch's choice)")
     parser.add_argument("--refit-prompt", metavar="PROFILE",
@@ -138,8 +141,22 @@ def run(args: argparse.Namespace) -> int:
         formats=formats,
         use_cuda=False if args.cpu_only else None,
         kquants=tuple(f.strip().lower() for f in args.kquants.split(",") if f.strip()),
+        kept_fits=_kept_fits(args.kept_fits),
     )
     return _finish(args, prof)
+
+
+def _kept_fits(text: str | None) -> tuple[str, ...] | None:
+    """``--kept-fits``'s formats: None (the default set) when absent, () for ``none``."""
+    if text is None:
+        return None
+    names = tuple(f.strip().lower() for f in text.split(",") if f.strip())
+    if names == ("none",):
+        return ()
+    bad = sorted(set(names) - {"q8_0", "q4_k"})
+    if bad:
+        raise WorkbenchError(f"--kept-fits takes q8_0, q4_k or none, not {', '.join(bad)}")
+    return names
 
 
 def _finish(args: argparse.Namespace, prof: HardwareProfile) -> int:

@@ -193,29 +193,54 @@ class EngineRun:
         return d
 
 
+PRE_MOE_KINDS = ("attn", "router", "norm")
+"""Units a layer reads before its experts can start: attention, its norms and the router."""
+
+
 def roofline(cost: CostModel, placement: Placement, profile: HardwareProfile) -> dict:
     """Decode roofline of a placement: the bytes each device must read per token (routed experts
     weighted by the cost model's selection probabilities; the embedding's one row ignored) over its
-    bandwidth, devices working in parallel. Returns bytes and seconds per device and ``tps``."""
+    bandwidth, in the order a token needs them. Layer by layer, the units before the experts
+    (attention, norms, router: ``PRE_MOE_KINDS``) are read first, then the routed experts and the
+    shared expert or dense MLP on each device at once (GPU, the CPU's RAM, the bus), the layer
+    lasting as long as its slowest device; the lm_head and final norm after the last layer. A
+    layer's experts need its attention's output and the next layer's attention needs its experts'
+    sum, so no device can work ahead. Bandwidth alone: no launches, syncs or hand-offs.
+
+    Returns ``gpu_bytes``/``cpu_bytes``/``bus_bytes`` (per token), ``seconds`` (per device, each
+    alone), ``serial_s`` (the layers' pre-expert reads, s), ``tps`` (1 / the sum) and ``bound`` (the
+    device whose reads, where they are the slowest, take the most of that sum)."""
     inv = cost.inv
-    grid = expert_grid(placement, cost.n_layers, cost.n_experts)
-    per_tok = cost.p_sel * cost.expert_bytes  # expected bytes of each expert per token
-    gpu_b = float(per_tok[grid >= 0].sum())
-    cpu_b = float(per_tok[grid == TIER_CPU_COMPUTE].sum())
-    bus_b = float(per_tok[grid == TIER_CPU_STREAM].sum())  # upper bound: every pick fetched
+    L = cost.n_layers
+    grid = expert_grid(placement, L, cost.n_experts)
+    per_tok = cost.p_sel * cost.expert_bytes * cost.present  # expected bytes of each expert per token
+    g = profile.gpus[0]
+    rate = {"gpu": g.mem_bandwidth, "cpu": profile.host_read_bandwidth, "bus": profile.h2d_pinned}
+    moe = np.zeros((L, 3))  # per layer: gpu, cpu, bus bytes of the expert phase
+    moe[:, 0] = (per_tok * (grid >= 0)).sum(axis=1)
+    moe[:, 1] = (per_tok * (grid == TIER_CPU_COMPUTE)).sum(axis=1)
+    moe[:, 2] = (per_tok * (grid == TIER_CPU_STREAM)).sum(axis=1)  # upper bound: every pick fetched
+    serial = {"gpu": 0.0, "cpu": 0.0}  # bytes read with nothing beside them
     for key, unit in inv.units.items():
         if key.kind in ("expert", "embed"):
             continue
-        if is_gpu(placement.get(key).tier):
-            gpu_b += unit.nbytes
+        dev = "gpu" if is_gpu(placement.get(key).tier) else "cpu"
+        if key.layer is None or key.kind in PRE_MOE_KINDS or key.layer >= L:
+            serial[dev] += unit.nbytes
         else:
-            cpu_b += unit.nbytes
-    g = profile.gpus[0]
-    times = {"gpu": gpu_b / g.mem_bandwidth, "cpu": cpu_b / profile.host_read_bandwidth,
-             "bus": bus_b / profile.h2d_pinned}
-    t = max(times.values())
-    return {"gpu_bytes": gpu_b, "cpu_bytes": cpu_b, "bus_bytes": bus_b, "seconds": times,
-            "tps": 1.0 / t if t > 0 else None, "bound": max(times, key=times.get)}
+            moe[key.layer, 0 if dev == "gpu" else 1] += unit.nbytes
+    lanes = moe / np.array([rate["gpu"], rate["cpu"], rate["bus"]])
+    serial_s = serial["gpu"] / rate["gpu"] + serial["cpu"] / rate["cpu"]
+    t = serial_s + float(lanes.max(axis=1).sum())
+    names = ("gpu", "cpu", "bus")
+    totals = {n: float(moe[:, i].sum()) + serial.get(n, 0.0) for i, n in enumerate(names)}
+    times = {n: totals[n] / rate[n] for n in names}
+    setting = {n: float(lanes.max(axis=1)[lanes.argmax(axis=1) == i].sum()) for i, n in enumerate(names)}
+    setting["gpu"] += serial["gpu"] / rate["gpu"]
+    setting["cpu"] += serial["cpu"] / rate["cpu"]
+    bound = max(setting, key=setting.get)
+    return {"gpu_bytes": totals["gpu"], "cpu_bytes": totals["cpu"], "bus_bytes": totals["bus"], "seconds": times,
+            "serial_s": serial_s, "tps": 1.0 / t if t > 0 else None, "bound": bound}
 
 
 def _sync(device: torch.device) -> None:

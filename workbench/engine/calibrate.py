@@ -639,6 +639,7 @@ def calibrate(
     top_k: int = 8,
     fit_engine: bool = True,
     kquants: tuple[str, ...] = ("q4_k",),
+    kept_fits: tuple[str, ...] | None = None,
 ) -> HardwareProfile:
     """Measure this machine at the expert shape ``hidden`` x ``expert_ffn`` (gate_up ``[2I, H]``,
     down ``[H, I]``) and return its HardwareProfile.
@@ -652,7 +653,9 @@ def calibrate(
     only): fit the per-kernel and per-host-point costs to the engine's own decode steps
     (``calibrate_engine``; ~10 s more). ``kquants``: the kept block formats (``blocks.RAW``: the
     k-quants, IQ4_XS and gpt-oss's MXFP4) whose fused CPU kernel is timed with ``int4`` (the cost model rates the others as Q4_K:
-    ``costmodel.KQUANT_KIN``).
+    ``costmodel.KQUANT_KIN``). ``kept_fits``: the kept block formats whose GPU rate is fitted to the
+    engine's decode (``calibrate_engine.fit_kept_rates``; None: Q8_0 and Q4_K, ~30 s and ~140 s on a
+    fresh H100 host, most of it the Triton kernels' first compiles); the others keep their kernels' rates.
     """
     bad = sorted(set(kquants) - set(RAW))
     if bad:
@@ -786,7 +789,7 @@ def calibrate(
 
         run.check()
         try:
-            prof, fit = fit_engine_costs(prof, hidden, expert_ffn, top_k)
+            prof, fit = fit_engine_costs(prof, hidden, expert_ffn, top_k, kept=kept_fits)
             run.report(f"engine decode per 8-layer step: {fit['resident_s'] * 1e3:.2f} ms all resident, "
                        f"{fit['quarter_s'] * 1e3:.2f} / {fit['half_s'] * 1e3:.2f} / {fit['three_quarters_s'] * 1e3:.2f} "
                        f"ms a quarter / half / three quarters on the CPU, "

@@ -114,7 +114,7 @@ def _upper_on_cpu(inv, share: float) -> Placement:
 
 def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
                      n_heads: int = 32, n_kv_heads: int = 4, head_dim: int = 128,
-                     device: str = "cuda") -> tuple[HardwareProfile, dict]:
+                     device: str = "cuda", kept: tuple[str, ...] | None = None) -> tuple[HardwareProfile, dict]:
     """``prof`` fitted to the engine's decode: ``gpus[0].launch_s`` from the all-resident run, then
     ``sync_s`` (the host point of a hybrid layer) and the bf16 CPU expert rate together, by least
     squares, from three runs with a quarter, a half and three quarters of every layer's experts on
@@ -167,7 +167,7 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     info = {"resident_s": t_res, "quarter_s": t_hybrid[0], "half_s": t_hybrid[1], "three_quarters_s": t_hybrid[2],
             "cpu_s": t_cpu, "launch_s": launch, "sync_s": sync, "cpu_rate": rate,
             "cpu_predicted_s": seconds(fitted, cpu)}
-    fitted, info["kept"] = fit_kept_rates(fitted, shape, device)
+    fitted, info["kept"] = fit_kept_rates(fitted, shape, device, kept)
     log.info("engine decode per %d-layer step: %.2f ms all resident, %.2f / %.2f / %.2f ms a quarter / half / three "
              "quarters on the CPU, %.2f ms all on the CPU (%.2f predicted); fitted kernel %.2f us, host point %.0f us, "
              "CPU experts %.1f GB/s", LAYERS, t_res * 1e3, *(t * 1e3 for t in t_hybrid), t_cpu * 1e3,
@@ -175,18 +175,19 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     return fitted, info
 
 
-def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str = "cuda"
-                   ) -> tuple[HardwareProfile, dict[str, dict]]:
+def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str = "cuda",
+                   formats: tuple[str, ...] | None = None) -> tuple[HardwareProfile, dict[str, dict]]:
     """``prof`` with each kept block format's GPU rate (``gpus[0].expert_throughput``: Q8_0, Q4_K) fitted
     to the engine's decode of the calibration model written in that format, every weight resident:
     the one value at which the model, with the fitted ``launch_s``, predicts that run. The block
     kernels' own rate, measured alone, leaves out how the engine's step uses them (the kept q/k/v
     and o matvecs, their places in the graph). A format whose block does not divide the shape, or
     whose run has no positive solution, keeps its measured rate. Returns the profile and, per
-    format, ``{"resident_s", "measured_rate", "rate"}`` (seconds per step, B/s)."""
+    format, ``{"resident_s", "measured_rate", "rate"}`` (seconds per step, B/s). ``formats``: fit only
+    these (None: every format with a measured rate); the others keep their kernels' rates."""
     g0 = prof.gpus[0]
     rates, info = dict(g0.expert_throughput), {}
-    for fmt in list(rates):
+    for fmt in [f for f in rates if formats is None or f in formats]:
         block = 256 if fmt.endswith("_k") else 32
         if fmt not in synth.WEIGHT_TYPES or shape.hidden % block or shape.expert_ffn % block:
             continue
