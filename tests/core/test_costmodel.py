@@ -225,6 +225,20 @@ def test_a_prompt_layer_lasts_at_least_its_host_lane():
     assert b.decode_tps == a.decode_tps
 
 
+def test_a_resident_prompt_layer_lasts_at_least_its_fitted_time():
+    """``prompt_resident_layer_s`` bounds a prompt's MoE layers whose experts are all on the GPU, and
+    neither its hybrid layers nor decode."""
+    inv = synth_inventory(4, 32, hidden=1024, expert_ffn=512, top_k=2)
+    base = h200_profile()
+    p = placement_n_cpu_moe(inv, 2)  # layers 0 and 1 hybrid, 2 and 3 resident
+    a = CostModel(inv, base).predict(p, prompt_tokens=512)
+    b = CostModel(inv, dataclasses.replace(base, prompt_resident_layer_s=5e-3)).predict(p, prompt_tokens=512)
+    assert [c.host for c in b.prefill_layers] == [0, 0, 5e-3, 5e-3]
+    for x, y in zip(a.prefill_layers, b.prefill_layers):
+        assert y.total == pytest.approx(max(x.total, y.host))
+    assert b.prefill_layers[2].bound == "host" and b.prefill_tps < a.prefill_tps and b.decode_tps == a.decode_tps
+
+
 def test_a_prompts_cpu_share_takes_longer_by_its_fitted_factor():
     """``prompt_cpu_scale`` lengthens the CPU lane of a hybrid prompt layer where the CPU computes a
     share (a short chunk: each expert picked by a few tokens), and nothing where all travel or in

@@ -39,11 +39,11 @@ def test_fitted_costs_fit_the_measured_runs(monkeypatch):
 
     joint = info["cpu_rate"] != base.cpu_expert_throughput["bf16"]  # else only sync_s was fitted
     assert fitted.cpu_expert_throughput["bf16"] == info["cpu_rate"]
-    assert len(seen) == 5  # all resident; a quarter, half, three quarters on the CPU; all on the CPU
-    assert len(calls) == 1 + 4 * calibrate_engine.REPEATS  # the check run once, each fitted run kept at its fastest
+    assert len(seen) == 6  # all resident; a sixteenth, quarter, half, three quarters on the CPU; all on the CPU
+    assert len(calls) == 1 + 5 * calibrate_engine.REPEATS  # the check run once, each fitted run kept at its fastest
     (inv, res, t_res), *hybrid, (_, cpu, t_cpu) = seen.values()
-    assert (info["resident_s"], info["quarter_s"], info["half_s"], info["three_quarters_s"], info["cpu_s"]) == (
-        t_res, *(t for _, _, t in hybrid), t_cpu)
+    assert (info["resident_s"], info["sixteenth_s"], info["quarter_s"], info["half_s"], info["three_quarters_s"],
+            info["cpu_s"]) == (t_res, *(t for _, _, t in hybrid), t_cpu)
 
     def step_s(placement, prof=fitted):
         model = CostModel(inv, prof, engine=EngineShape(bus_share=0.0))
@@ -55,11 +55,11 @@ def test_fitted_costs_fit_the_measured_runs(monkeypatch):
         assert step_s(res) >= t_res * 0.999
     if not joint:  # the half run alone pins the host point
         if info["sync_s"] > 0:
-            assert step_s(hybrid[1][1]) == pytest.approx(hybrid[1][2], rel=0.02)
-    else:  # least squares: moving either fitted value makes the three runs' squared errors larger
+            assert step_s(hybrid[2][1]) == pytest.approx(hybrid[2][2], rel=0.02)
+    else:  # least squares: moving either fitted value makes the four runs' squared relative errors larger
         def sse(sync, rate):
             prof = replace(fitted, sync_s=sync, cpu_expert_throughput={**fitted.cpu_expert_throughput, "bf16": rate})
-            return sum((step_s(p, prof) - t) ** 2 for _, p, t in hybrid)
+            return sum((step_s(p, prof) / t - 1) ** 2 for _, p, t in hybrid)
 
         best = sse(info["sync_s"], info["cpu_rate"])
         for sync, rate in ((1.1, 1), (0.9, 1), (1, 1.1), (1, 0.9)):
@@ -167,14 +167,16 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
     layer_s, scale, rate = 700e-6, 1.6, 0.8 * base.h2d_pinned
     lane = dict(prompt_host_layer_s=100e-6, prompt_host_cpu_s=50e-6, prompt_host_batch_s=20e-6,
                 prompt_host_copy_s=2e-6)
-    truth = replace(base, prompt_sync_s=layer_s, prompt_cpu_scale=scale, prompt_h2d=rate, **lane)
+    resident_s = 4e-3  # longer than the tiny model's resident layers take on the GPU: it shows
+    truth = replace(base, prompt_sync_s=layer_s, prompt_cpu_scale=scale, prompt_h2d=rate,
+                    prompt_resident_layer_s=resident_s, **lane)
     real, seen = calibrate_engine._prompt_seconds, []
 
     def as_modelled(inv, placement, device, pair_reads, lengths, clock=None):  # a host the model predicts
-        if len(seen) < 2:  # the engine runs the bf16 ones all the same (Q8_0's kernels: Triton's interpreter here)
+        if len(seen) < 3:  # the engine runs the bf16 ones all the same (Q8_0's kernels: Triton's interpreter here)
             real(inv, placement, device, pair_reads, lengths)
         seen.append(lengths)
-        for i in range(4):  # what the engine thread would record, at the known costs
+        for i in range(4 if clock is not None else 0):  # what the engine thread would record, at the known costs
             batches, copies, share = i + len(seen), 2 * (i + len(seen)) + i % 3, bool(i % 2)
             busy = (lane["prompt_host_layer_s"] + lane["prompt_host_cpu_s"] * share
                     + lane["prompt_host_batch_s"] * batches + lane["prompt_host_copy_s"] * copies)
@@ -185,9 +187,11 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
     monkeypatch.setattr(calibrate_engine, "_prompt_seconds", as_modelled)
     fitted, info = calibrate_engine.fit_prompt_costs(base, 512, 256, 2, n_heads=8, n_kv_heads=2, head_dim=64,
                                                      device="cpu", experts=8)  # experts big enough for the bus
-    assert seen == [(128,), (128, 32)] * 2 and len(info["runs"]) == 6
+    assert seen == [(128,), (128, 32), (128,)] * 2 and len(info["runs"]) == 8
     assert [r["name"] for r in info["runs"]][3:] == ["an eighth on the CPU, Q8_0", "all on the CPU, Q8_0",
-                                                     "all on the CPU, short, Q8_0"]
+                                                     "all on the CPU, short, Q8_0", "all on the GPU",
+                                                     "all on the GPU, Q8_0"]
+    assert fitted.prompt_resident_layer_s == pytest.approx(resident_s, rel=0.02)
     for name, value in lane.items():
         assert getattr(fitted, name) == pytest.approx(value, rel=1e-6), name
     assert info["host_lane"] == pytest.approx(lane, rel=1e-6) and info["host_layers"] == 16
@@ -201,7 +205,7 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
     from workbench.core.hardware import HardwareProfile
 
     back = HardwareProfile.from_json(fitted.to_json())
-    names = ("prompt_sync_s", "prompt_cpu_scale", "prompt_h2d", *lane)
+    names = ("prompt_sync_s", "prompt_cpu_scale", "prompt_h2d", "prompt_resident_layer_s", *lane)
     assert [getattr(back, n) for n in names] == [getattr(fitted, n) for n in names]
 
 

@@ -82,7 +82,9 @@ def format_profile(p: HardwareProfile) -> str:
         f"{p.prompt_sync_s * 1e6:.0f} us"
         + (f", +{p.prompt_cpu_sync_s * 1e6:.0f} us with a CPU share" if p.prompt_cpu_sync_s else "")
         + (f", the CPU's share {p.prompt_cpu_scale:.2f}x its kernel's time" if p.prompt_cpu_scale != 1 else "")
-        + (f", its copies at {_rate(p.prompt_h2d)}" if p.prompt_h2d else "") + tag("prompt_sync_s"),
+        + (f", its copies at {_rate(p.prompt_h2d)}" if p.prompt_h2d else "")
+        + (f"; a resident prompt layer at least {p.prompt_resident_layer_s * 1e6:.0f} us"
+           if p.prompt_resident_layer_s else "") + tag("prompt_sync_s"),
         f"  host RAM {bytes2human(p.host_ram_bytes)}, read {_rate(p.host_read_bandwidth)}{tag('host_read_bandwidth')}",
         f"  CPU {p.cpu_cores} cores, bf16 GEMM {p.cpu_flops / 1e12:.2f} TFLOP/s{tag('cpu_flops')}",
         "  CPU experts (batch 1, bytes of weights/s):"

@@ -736,6 +736,7 @@ class CostModel:
         sync += np.where(hybrid, prof.sync_s + prof.prompt_sync_s, 0.0)
         sync += prof.prompt_cpu_sync_s * cpu_share
         host_lane += np.where(hybrid, prof.prompt_host_layer_s + prof.prompt_host_cpu_s * cpu_share, 0.0)
+        host_lane += np.where(self.moe_layer & ~hybrid, prof.prompt_resident_layer_s, 0.0)
         out = []
         for layer in range(L):
             gpu_t = max([v[layer] for v in lanes.values()] or [0.0])

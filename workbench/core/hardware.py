@@ -120,6 +120,11 @@ class HardwareProfile:
     """Host lane seconds per batch of fetched experts (its kernel launches and events)."""
     prompt_host_copy_s: float = 0.0
     """Host lane seconds per host-to-GPU copy queued for a fetched expert (a tensor's run of rows)."""
+    prompt_resident_layer_s: float = 0.0
+    """Seconds a MoE layer of a prompt chunk takes at least when all its experts are on the GPU: the
+    engine's own work for it (attention, routing, grouping the pairs, the grouped kernels' launches)
+    where that outlasts the GPU's reads and math (fitted to the calibration's all-resident prompts by
+    ``workbench calibrate``; 0: not measured)."""
     source: str = ""
     provenance: dict[str, str] = field(default_factory=dict)
     """Where each number came from, by field name: ``"measured"``, ``"preset:<name>"`` or ``"absent"``
@@ -173,7 +178,7 @@ class HardwareProfile:
         if not (self.prompt_h2d >= 0):
             out.append(f"prompt_h2d is {self.prompt_h2d!r} B/s: expected a rate, or 0 (not measured)")
         for name in ("prompt_sync_s", "prompt_cpu_sync_s", "prompt_host_layer_s", "prompt_host_cpu_s",
-                     "prompt_host_batch_s", "prompt_host_copy_s"):
+                     "prompt_host_batch_s", "prompt_host_copy_s", "prompt_resident_layer_s"):
             if not (0 <= getattr(self, name) < 1):
                 out.append(f"{name} is {getattr(self, name)!r} s: expected a cost between 0 and 1 second")
         for i, g in enumerate(self.gpus):

@@ -336,7 +336,7 @@ def run_placement(inv, placement: Placement, label: str, strategy: str, *, devic
 
 def predicted_host_ms(prediction) -> float:
     """The model's host lane (ms) of a prompt chunk's hybrid layers, their mean (0 when none has one)."""
-    lanes = [c.host for c in prediction.prefill_layers if c.host > 0]
+    lanes = [c.host for c in prediction.prefill_layers if c.host > 0 and (c.cpu > 0 or c.bus > 0)]  # resident: no
     return 1e3 * sum(lanes) / len(lanes) if lanes else 0.0
 
 

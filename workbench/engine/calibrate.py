@@ -791,8 +791,8 @@ def calibrate(
         try:
             prof, fit = fit_engine_costs(prof, hidden, expert_ffn, top_k, kept=kept_fits)
             run.report(f"engine decode per 8-layer step: {fit['resident_s'] * 1e3:.2f} ms all resident, "
-                       f"{fit['quarter_s'] * 1e3:.2f} / {fit['half_s'] * 1e3:.2f} / {fit['three_quarters_s'] * 1e3:.2f} "
-                       f"ms a quarter / half / three quarters on the CPU, "
+                       f"{fit['sixteenth_s'] * 1e3:.2f} / {fit['quarter_s'] * 1e3:.2f} / {fit['half_s'] * 1e3:.2f} / "
+                       f"{fit['three_quarters_s'] * 1e3:.2f} ms a sixteenth / quarter / half / three quarters on the CPU, "
                        f"{fit['cpu_s'] * 1e3:.2f} ms all on the CPU ({fit['cpu_predicted_s'] * 1e3:.2f} ms predicted); "
                        f"fitted kernel {fit['launch_s'] * 1e6:.2f} us, host point {fit['sync_s'] * 1e6:.0f} us, "
                        f"CPU experts {fit['cpu_rate'] / 1e9:.1f} GB/s"
@@ -813,8 +813,8 @@ _GPU_SIDE = ("gpus", "h2d_pinned", "h2d_pageable", "d2h_pinned", "sync_s")
 
 def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int = 8,
                  report: Callable[[str], None] | None = None, device: str = "cuda") -> HardwareProfile:
-    """``prof`` with the prompt's host lane (``prompt_host_*``), ``prompt_sync_s``, ``prompt_cpu_scale`` and
-    ``prompt_h2d`` fitted to the engine's prompts at this expert shape
+    """``prof`` with the prompt's host lane (``prompt_host_*``), ``prompt_sync_s``, ``prompt_cpu_scale``,
+    ``prompt_h2d`` and ``prompt_resident_layer_s`` fitted to the engine's prompts at this expert shape
     (``calibrate_engine.fit_prompt_costs``, ~60 s on CUDA); ``prof`` as it
     was, with the reason reported, when the engine cannot run them."""
     from .calibrate_engine import fit_prompt_costs
@@ -834,8 +834,9 @@ def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int
         f"{lane['prompt_host_batch_s'] * 1e6:.0f} us a fetched batch, {lane['prompt_host_copy_s'] * 1e6:.1f} us a copy "
         f"({fit['host_layers']} layers recorded); beyond the lanes {fit['prompt_sync_s'] * 1e6:.0f} us per hybrid "
         f"prompt layer; the CPU's share {fit['prompt_cpu_scale']:.2f}x its kernel's time; a prompt's copies at "
-        f"{fit['prompt_h2d'] / 1e9:.1f} GB/s")
-    names = ("prompt_sync_s", "prompt_cpu_sync_s", "prompt_cpu_scale", "prompt_h2d")
+        f"{fit['prompt_h2d'] / 1e9:.1f} GB/s; a resident prompt layer at least "
+        f"{fit['prompt_resident_layer_s'] * 1e6:.0f} us")
+    names = ("prompt_sync_s", "prompt_cpu_sync_s", "prompt_cpu_scale", "prompt_h2d", "prompt_resident_layer_s")
     names += tuple(lane) if fit["host_layers"] else ()
     fitted_by_engine = dict.fromkeys(names, "fitted to the engine")
     return replace(fitted, provenance=fitted.provenance | fitted_by_engine)

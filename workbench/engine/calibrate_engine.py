@@ -41,6 +41,8 @@ from .hostclock import HostClock, HostLayer
 log = logging.getLogger(__name__)
 
 LAYERS, EXPERTS, VOCAB, STEPS, REPEATS = 8, 32, 2048, 24, 2
+HYBRID_SHARES = (1 / 16, 0.25, 0.5, 0.75)
+"""The shares of every layer's experts on the CPU in the decode fit's hybrid runs."""
 PROMPT_TOKENS, PROMPT_EXPERTS = 512, 128
 """The prompt fit's prompt (one chunk) and experts per layer (at the Qwen3-30B-A3B shape a layer's
 prompt picks each about 32 times, as Qwen3-30B-A3B's own 128 experts are)."""
@@ -117,15 +119,19 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
                      device: str = "cuda", kept: tuple[str, ...] | None = None) -> tuple[HardwareProfile, dict]:
     """``prof`` fitted to the engine's decode: ``gpus[0].launch_s`` from the all-resident run, then
     ``sync_s`` (the host point of a hybrid layer) and the bf16 CPU expert rate together, by least
-    squares, from three runs with a quarter, a half and three quarters of every layer's experts on
-    the CPU: layers that mix resident and CPU experts, as planned placements' do (one fixed and one
-    per-byte cost per hybrid layer; with two runs 2 experts apart the host point swung from 44 to
-    227 µs between identical fits on the H200 host; without a physical solution the measured rate
-    stays and ``sync_s`` comes from the half run). The all-CPU run is a check, its prediction
-    returned next to it: on the H200 host it ran up to 40% slower than the model in some processes
-    and not in others, so nothing is fitted to it. Returns the profile and ``{"resident_s",
-    "quarter_s", "half_s", "three_quarters_s", "cpu_s", "launch_s", "sync_s", "cpu_rate",
-    "cpu_predicted_s"}`` (seconds per decode step, B/s; fitted values). ``device``: the engine's
+    squares of the relative errors, from four runs with a sixteenth, a quarter, a half and three
+    quarters of every layer's experts on the CPU (``HYBRID_SHARES``): layers that mix resident and
+    CPU experts, as planned placements' do (one fixed and one per-byte cost per hybrid layer; with
+    two runs 2 experts apart the host point swung from 44 to 227 µs between identical fits on the
+    H200 host; without a physical solution the measured rate stays and ``sync_s`` comes from the
+    half run). The sixteenth gives the CPU about half a selection per token and layer, as a
+    frequency placement's cold experts get: most of its CPU time is hand-offs, which the runs with
+    two to six selections a layer leave unpinned (on an H100 host they put the host point at 19 µs
+    while S1's frequency placements ran 16-35% slower than that predicted). The all-CPU run is a
+    check, its prediction returned next to it: on the H200 host it ran up to 40% slower than the
+    model in some processes and not in others, so nothing is fitted to it. Returns the profile and
+    ``{"resident_s", "sixteenth_s", "quarter_s", "half_s", "three_quarters_s", "cpu_s", "launch_s",
+    "sync_s", "cpu_rate", "cpu_predicted_s"}`` (seconds per decode step, B/s; fitted values). ``device``: the engine's
     accelerator (``cuda``; ``cpu`` only exercises the fit in tests)."""
     room = psutil.virtual_memory().available
     if device == "cuda" and torch.cuda.is_available():
@@ -141,13 +147,13 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
                  experts)
         inv = open_model(path)
         res, cpu = placement_all_gpu(inv), placement_cpu_moe(inv)
-        hybrid = [_upper_on_cpu(inv, share) for share in (0.25, 0.5, 0.75)]
+        hybrid = [_upper_on_cpu(inv, share) for share in HYBRID_SHARES]
         # each fitted hybrid placement twice, the faster kept: a neighbour's burst on a shared host
         # slows one run's every step, and the fit would carry it to every prediction
         t_res = min(_decode_seconds(inv, res, device) for _ in range(REPEATS))
         t_hybrid = [min(_decode_seconds(inv, p, device) for _ in range(REPEATS)) for p in hybrid]
         t_cpu = _decode_seconds(inv, cpu, device)
-    half, t_half = hybrid[1], t_hybrid[1]
+    half, t_half = hybrid[2], t_hybrid[2]
 
     rate0 = prof.cpu_expert_throughput.get("bf16") or 1e10
 
@@ -164,12 +170,13 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     if sync is None:
         sync, rate = _solve(lambda v: seconds(with_costs(launch, v), half), t_half, step=1e-5), rate0
     fitted = with_costs(launch, sync, rate)
-    info = {"resident_s": t_res, "quarter_s": t_hybrid[0], "half_s": t_hybrid[1], "three_quarters_s": t_hybrid[2],
+    info = {"resident_s": t_res, "sixteenth_s": t_hybrid[0], "quarter_s": t_hybrid[1], "half_s": t_hybrid[2],
+            "three_quarters_s": t_hybrid[3],
             "cpu_s": t_cpu, "launch_s": launch, "sync_s": sync, "cpu_rate": rate,
             "cpu_predicted_s": seconds(fitted, cpu)}
     fitted, info["kept"] = fit_kept_rates(fitted, shape, device, kept)
-    log.info("engine decode per %d-layer step: %.2f ms all resident, %.2f / %.2f / %.2f ms a quarter / half / three "
-             "quarters on the CPU, %.2f ms all on the CPU (%.2f predicted); fitted kernel %.2f us, host point %.0f us, "
+    log.info("engine decode per %d-layer step: %.2f ms all resident, %.2f / %.2f / %.2f / %.2f ms a sixteenth / quarter "
+             "/ half / three quarters on the CPU, %.2f ms all on the CPU (%.2f predicted); fitted kernel %.2f us, host point %.0f us, "
              "CPU experts %.1f GB/s", LAYERS, t_res * 1e3, *(t * 1e3 for t in t_hybrid), t_cpu * 1e3,
              info["cpu_predicted_s"] * 1e3, launch * 1e6, sync * 1e6, rate / 1e9)
     return fitted, info
@@ -278,7 +285,7 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     with an eighth of every layer's experts on the CPU (short lanes: the layer's host time shows)
     and with all of them there (each picked by about 32 tokens: all travel, the bus's rate shows),
     and ``SHORT_PROMPT_TOKENS`` with all of them there (about 8 tokens each: the bus and the CPU
-    split them, the CPU's share shows).
+    split them, the CPU's share shows); then ``PROMPT_TOKENS`` with all of them on the GPU.
 
     The host lane comes first, from what the engine's thread itself recorded in those prompts
     (``fit_host_lane``). With it in the model, the three other values are those at which the
@@ -287,10 +294,12 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     smooth in them): the host time of a hybrid layer beyond its lanes, how much longer the CPU's
     share takes than its kernel alone (its threads share the RAM with the copies and the cores with
     the engine's thread), and the rate the prompt's copies reach. ``prompt_cpu_sync_s`` is 0 (the
-    host lane holds what a CPU share adds to the thread's work). Returns the profile and
-    ``{"runs": [{"name", "tokens", "measured_s", "predicted_s"}], "prompt_sync_s",
-    "prompt_cpu_scale", "prompt_h2d", "host_lane": {name: s}, "host_layers": n}`` (seconds per
-    prompt, the predictions at the fitted values)."""
+    host lane holds what a CPU share adds to the thread's work). Last, ``prompt_resident_layer_s``:
+    the least time of a resident layer at which the all-resident prompts are predicted best (they
+    alone have resident layers). Returns the profile and ``{"runs": [{"name", "tokens",
+    "measured_s", "predicted_s"}], "prompt_sync_s", "prompt_cpu_scale", "prompt_h2d",
+    "prompt_resident_layer_s", "host_lane": {name: s}, "host_layers": n}`` (seconds per prompt, the
+    predictions at the fitted values)."""
     from workbench.core.costmodel import model_prompt_pair_reads
 
     room = psutil.virtual_memory().available
@@ -300,7 +309,7 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     n = experts or max(top_k, min(PROMPT_EXPERTS, int(room / 2 / (LAYERS * expert))))
     shape = synth.SynthShape("calibration", "qwen3moe", LAYERS, hidden, n_heads, n_kv_heads, head_dim,
                              n, min(top_k, n), ffn, VOCAB, qk_norm=True)
-    clock, runs = HostClock(), []
+    clock, runs, resident = HostClock(), [], []
     formats = [f for f in PROMPT_FORMATS if f == "bf16" or (hidden % 32 == 0 and ffn % 32 == 0)]
     for fmt in formats:
         with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
@@ -308,14 +317,16 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
             synth.write_gguf(path, shape, coverage_target=None, wtype=fmt)
             inv = open_model(path)
             pair_reads = model_prompt_pair_reads(inv, prof)
-            few, every = _upper_on_cpu(inv, 0.125), placement_cpu_moe(inv)
+            few, every, res = _upper_on_cpu(inv, 0.125), placement_cpu_moe(inv), placement_all_gpu(inv)
             (few_s,) = _prompt_seconds(inv, few, device, pair_reads, (PROMPT_TOKENS,), clock)
             every_s, short_s = _prompt_seconds(inv, every, device, pair_reads, (PROMPT_TOKENS, SHORT_PROMPT_TOKENS),
                                                clock)
+            (res_s,) = _prompt_seconds(inv, res, device, pair_reads, (PROMPT_TOKENS,))
         tag = "" if fmt == "bf16" else f", {fmt.upper()}"
         runs += [(f"an eighth on the CPU{tag}", inv, few, PROMPT_TOKENS, few_s),
                  (f"all on the CPU{tag}", inv, every, PROMPT_TOKENS, every_s),
                  (f"all on the CPU, short{tag}", inv, every, SHORT_PROMPT_TOKENS, short_s)]
+        resident += [(f"all on the GPU{tag}", inv, res, PROMPT_TOKENS, res_s)]
     lane = fit_host_lane(clock.layers)
     prof = replace(prof, prompt_cpu_sync_s=0.0, **lane)
     measured = np.array([r[4] for r in runs])
@@ -333,17 +344,28 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
                              ((0.0, 0.05), (1.0, 5.0), (0.2 * prof.h2d_pinned, 2.0 * prof.h2d_pinned)))
     sync, scale, rate = values
     fitted = replace(prof, prompt_sync_s=sync, prompt_cpu_scale=scale, prompt_h2d=rate)
+
+    def resident_seconds(layer_s: float, inv, placement, tokens: int) -> float:
+        p = replace(fitted, prompt_resident_layer_s=layer_s)
+        return tokens / CostModel(inv, p).predict(placement, tokens + 8, prompt_tokens=tokens).prefill_tps
+
+    def resident_misfit(values: tuple[float]) -> float:  # the hybrid prompts have no resident layer
+        return float(sum((resident_seconds(values[0], inv, pl, t) / m - 1.0) ** 2 for _, inv, pl, t, m in resident))
+
+    (layer_s,), _ = _least_point(resident_misfit, (0.0,), (1e-3,), ((0.0, 0.05),))
+    fitted = replace(fitted, prompt_resident_layer_s=layer_s)
     info = {"runs": [{"name": name, "tokens": tokens, "measured_s": m,
-                      "predicted_s": seconds(values, inv, placement, tokens)}
-                     for name, inv, placement, tokens, m in runs],
+                      "predicted_s": resident_seconds(layer_s, inv, placement, tokens)}
+                     for name, inv, placement, tokens, m in runs + resident],
             "prompt_sync_s": sync, "prompt_cpu_scale": scale, "prompt_h2d": rate,
-            "host_lane": lane, "host_layers": len(clock.layers)}
+            "prompt_resident_layer_s": layer_s, "host_lane": lane, "host_layers": len(clock.layers)}
     log.info("engine prompts of %d layers of %d experts: %s; host lane per hybrid prompt layer %.0f us, +%.0f us "
              "with a CPU share, %.0f us a batch, %.1f us a copy; beyond the lanes %.0f us per hybrid prompt layer; "
-             "the CPU's share %.2fx its kernel's time; a prompt's copies at %.1f GB/s", LAYERS, n,
+             "the CPU's share %.2fx its kernel's time; a prompt's copies at %.1f GB/s; a resident prompt layer at "
+             "least %.0f us", LAYERS, n,
              ", ".join(f"{r['name']} ({r['tokens']} tokens) {r['measured_s'] * 1e3:.1f} ms, predicted "
                        f"{r['predicted_s'] * 1e3:.1f}" for r in info["runs"]),
-             *(lane[k] * 1e6 for k in HOST_LANE), sync * 1e6, scale, rate / 1e9)
+             *(lane[k] * 1e6 for k in HOST_LANE), sync * 1e6, scale, rate / 1e9, layer_s * 1e6)
     return fitted, info
 
 
@@ -430,18 +452,19 @@ def _least_squares_at_least_zero(a: np.ndarray, b: np.ndarray) -> tuple[float, .
 
 
 def _fit_host(model, runs: list, u0: float) -> tuple[float | None, float]:
-    """Least squares for ``model(placement, sync, u) == measured`` over ``runs`` (``[(placement,
-    measured s)]``, two or more), the model being linear in ``sync`` (s) and ``u = 1 / CPU rate``
-    (s/B): ``(sync, rate)``, or ``(None, 0)`` when the runs do not pin both (one equation repeated)
-    or the best fit has ``sync < 0`` or no positive rate."""
+    """Least squares of the relative errors for ``model(placement, sync, u) == measured`` over ``runs``
+    (``[(placement, measured s)]``, two or more; a short run counts as much as a long one), the model
+    being linear in ``sync`` (s) and ``u = 1 / CPU rate`` (s/B): ``(sync, rate)``, or ``(None, 0)``
+    when the runs do not pin both (one equation repeated) or the best fit has ``sync < 0`` or no
+    positive rate."""
     ds, du = 1e-5, 0.1 * u0
     rows, rhs = [], []
     for placement, measured in runs:
         base = model(placement, 0.0, u0)
         b = (model(placement, ds, u0) - base) / ds
         c = (model(placement, 0.0, u0 + du) - base) / du
-        rows.append((b, c))
-        rhs.append(measured - (base - c * u0))
+        rows.append((b / measured, c / measured))
+        rhs.append((measured - (base - c * u0)) / measured)
     sol = _scaled_lstsq(np.array(rows, dtype=float), np.array(rhs, dtype=float))
     if sol is None:
         return None, 0.0
