@@ -38,15 +38,24 @@ def hybrid(inv, seed: int = 1) -> Placement:
     return p
 
 
-def run(inv, placement, mode: str, fraction: float | None = None, steps: int = N_NEW):
+def run(inv, placement, mode: str, fraction: float | None = None, steps: int = N_NEW,
+        forced: list[int] | None = None):
     """``(tokens, last decode logits, server)`` of greedy decoding with ``served_mode = mode``; a bus
-    share of ``fraction`` attached as the engine does on CUDA."""
+    share of ``fraction`` attached as the engine does on CUDA. ``forced``: decode these tokens instead
+    of the greedy ones (two runs in bf16 then compare logits of the same inputs: a near tie between a
+    tiny random model's logits can pick another token in either)."""
     engine = decode_step_engine(inv, placement)
     engine.served_mode = mode
     try:
         if fraction is not None:
             attach_bus_share(engine, fraction)
-        tokens = greedy_tokens(engine, PROMPT, steps)
+        if forced is None:
+            tokens = greedy_tokens(engine, PROMPT, steps)
+        else:
+            tokens = list(forced)
+            engine.forward(torch.tensor(PROMPT), 0)
+            for i, t in enumerate(tokens[:-1]):
+                engine.forward(torch.tensor([t]), len(PROMPT) + i)
         last = engine.forward(torch.tensor([tokens[-1]]), len(PROMPT) + steps - 1)
         server = engine._decoder.server if engine._decoder is not None else None
         counts = (server.served, server.bus_pairs) if server is not None else None
@@ -55,12 +64,18 @@ def run(inv, placement, mode: str, fraction: float | None = None, steps: int = N
         engine.close()
 
 
+def host_run(inv, placement, tokens: list[int], **kw):
+    """The host-driven run to set beside a served one's ``tokens``: greedy in float32 (the tokens must
+    agree), the served run's tokens decoded again in bf16 (its logits then compare on the same inputs)."""
+    return run(inv, placement, "off", forced=None if TEST_DTYPE == torch.float32 else tokens, **kw)
+
+
 @pytest.mark.parametrize("place", ["hybrid", "compute"])
 def test_served_steps_give_the_reference_tokens(place, tiny_model_dir, tiny_hf_model):
     inv = open_inventory(tiny_model_dir("qwen3_moe"))
     placement = hybrid(inv) if place == "hybrid" else placements(inv)["compute"]
     tokens, logits, (packets, _) = run(inv, placement, "on")
-    _, host_logits, none = run(inv, placement, "off")
+    _, host_logits, none = host_run(inv, placement, tokens)
     assert none is None
     layers = len(inv.spec.moe_layers)
     assert packets >= layers * (N_NEW - 1)  # every hybrid layer of every decode step went to the thread
@@ -76,7 +91,7 @@ def test_a_bus_share_reads_the_cpu_stacks_in_place(fraction, tiny_model_dir, tin
     inv = open_inventory(tiny_model_dir("qwen3_moe"))
     placement = placements(inv)["compute"]
     tokens, logits, (_, bus_pairs) = run(inv, placement, "on", fraction)
-    _, host_logits, _ = run(inv, placement, "off", 0.0)
+    _, host_logits, _ = host_run(inv, placement, tokens, fraction=0.0)
     assert bus_pairs > 0
     assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
     if TEST_DTYPE == torch.float32:
@@ -92,7 +107,7 @@ def test_kept_blocks_are_served_as_blocks(tensor_type, width, tiny_gguf, monkeyp
     monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", "1")
     placement = placements(inv)["compute"]  # (resident k-quant rows run slowly in Triton's interpreter)
     tokens, logits, (packets, _) = run(inv, placement, "on", steps=4)
-    host_tokens, host_logits, _ = run(inv, placement, "off", steps=4)
+    host_tokens, host_logits, _ = host_run(inv, placement, tokens, steps=4)
     assert packets > 0
     assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
     if TEST_DTYPE == torch.float32:
@@ -114,7 +129,7 @@ def test_gpt_oss_experts_are_served_with_their_biases(source, tiny_model_dir, ti
                          else tiny_gguf("gpt_oss", "MXFP4", **sizes))
     placement = hybrid(inv)
     tokens, logits, (packets, _) = run(inv, placement, "on", steps=6)
-    host_tokens, host_logits, _ = run(inv, placement, "off", steps=6)
+    host_tokens, host_logits, _ = host_run(inv, placement, tokens, steps=6)
     assert packets > 0
     assert biased and all(biased)
     assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
@@ -134,7 +149,7 @@ def test_gpt_oss_bus_pairs_read_their_biases_in_place(source, tiny_model_dir, ti
                          else tiny_gguf("gpt_oss", "MXFP4", **sizes))
     placement = placements(inv)["compute"]
     tokens, logits, (_, bus_pairs) = run(inv, placement, "on", 0.5, steps=6)
-    host_tokens, host_logits, _ = run(inv, placement, "off", steps=6)
+    host_tokens, host_logits, _ = host_run(inv, placement, tokens, steps=6)
     assert bus_pairs > 0
     assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
     if TEST_DTYPE == torch.float32:
