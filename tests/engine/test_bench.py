@@ -80,6 +80,7 @@ def test_cli_writes_json_and_table(model, tmp_path, capsys):
         (r0["predicted_prefill_tps"] - r0["prefill_tps"]) / r0["prefill_tps"])
     paths = d["runs"][0]["engine_paths"]
     assert paths["bus_experts"] == 0 and paths["kept"] == {}  # bf16 file, no GPU: neither
+    assert paths["cpu_huge_pages"] is not None and 0 <= paths["cpu_huge_pages"] <= 1  # the run has a CPU tier
     assert paths["dropped_candidates"] == []  # kernel candidates the run's checks found wrong: none here
     tiers = paths["tiers"]  # n-cpu-moe: whole layers' experts on the CPU, the others resident
     assert all(t[2] == 0 and 0 in t[:2] for t in tiers.values()) and any(t[1] for t in tiers.values())

@@ -53,3 +53,27 @@ def test_the_cpu_tiers_stacks_are_advised_the_resident_ones_not(kept):
     big = [t for t in cpu if t.numel() * t.element_size() >= hostmem.HUGE_PAGE]
     assert big and all(hostmem.owns(t) and hostmem.advised(t) for t in big)
     assert not any(hostmem.owns(t) for t in res)
+
+
+@needs_thp
+def test_the_bench_reports_the_cpu_tiers_share_on_huge_pages():
+    """``bench.huge_page_share``: the CPU tier's stack bytes the OS backs with huge pages, over all
+    of them (a run's ``engine_paths["cpu_huge_pages"]``); None without a CPU tier."""
+    from types import SimpleNamespace
+
+    from workbench.engine.bench import huge_page_share
+
+    lx = LayerExperts(0, 8, torch.device("cpu"), torch.bfloat16, None)
+    lx.alloc_tier(COMPUTE, 4, (1536, 1024), (1024, 768))  # 12 MiB and 6 MiB: mappings of their own
+    lx.alloc_tier(RESIDENT, 4, (1536, 1024), (1024, 768))
+    plain = LayerExperts(1, 8, torch.device("cpu"), torch.bfloat16, None)
+    plain.alloc_tier(RESIDENT, 8, (1536, 1024), (1024, 768))
+    assert huge_page_share(SimpleNamespace(experts={1: plain})) is None
+    untouched = huge_page_share(SimpleNamespace(experts={0: lx, 1: plain}))
+    for t in lx.cpu_stacks():
+        t.fill_(1.0)  # first touch: the kernel backs the advised mapping now
+    stacks = lx.cpu_stacks()
+    total = sum(t.numel() * t.element_size() for t in stacks)
+    share = huge_page_share(SimpleNamespace(experts={0: lx, 1: plain}))
+    assert untouched == 0.0 and 0.0 <= share <= 1.0
+    assert share == pytest.approx(sum(min(hostmem.huge_bytes(t), t.numel() * t.element_size()) for t in stacks) / total)

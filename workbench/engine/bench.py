@@ -347,8 +347,10 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
     (``{layer: "gate/up format+down format"}``), ``tiers`` (``{layer: [resident, compute, stream]}``
     expert counts), ``dropped_candidates`` (kernel candidates this process found computing wrong
     here: ``kernel_check.dropped``) and, given its routing ``counts [L, E]``, ``cpu_selected`` (``{layer: selections of
-    CPU-tier experts per token}``: the host work of each hybrid layer), and ``prompt_pair_reads`` (the
-    prompt split's cost of a further token per CPU expert, in reads; None: a read per token)."""
+    CPU-tier experts per token}``: the host work of each hybrid layer), ``prompt_pair_reads`` (the
+    prompt split's cost of a further token per CPU expert, in reads; None: a read per token) and
+    ``cpu_huge_pages`` (the share of the CPU tier's stack bytes the OS backs with huge pages now,
+    ``hostmem.huge_bytes``; None without a CPU tier)."""
     share = getattr(engine, "_bus", None)
     kept = {str(layer): "+".join(lx.kept) for layer, lx in engine.experts.items() if lx.kept is not None}
     tiers = {str(layer): [int(n) for n in lx.n_tier] for layer, lx in engine.experts.items()}
@@ -359,6 +361,7 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
     out["served_layers"] = sorted(server.layers) if server is not None else []
     out["served_bus_pairs"] = server.bus_pairs if server is not None else 0
     out["prompt_pair_reads"] = getattr(engine, "prompt_pair_reads", None)
+    out["cpu_huge_pages"] = huge_page_share(engine)
     if counts is not None and counts.any():
         k = max(1, engine.args.top_k)
         cpu = {}
@@ -368,6 +371,21 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
                 cpu[str(layer)] = round(float(c[lx.tier > RESIDENT].sum() / c.sum() * k), 3)
         out["cpu_selected"] = cpu
     return out
+
+
+def huge_page_share(engine) -> float | None:
+    """The share (0..1) of the CPU tier's stack bytes on huge pages now, over every layer's stacks
+    (``LayerExperts.cpu_stacks``); None when no layer has a CPU tier. A stack from ``hostmem.empty``
+    is a mapping of its own; a small one shares torch's, so each counts at most its own bytes."""
+    from . import hostmem
+
+    total = huge = 0
+    for lx in engine.experts.values():
+        for t in lx.cpu_stacks():
+            n = 0 if t is None else t.numel() * t.element_size()
+            total += n
+            huge += min(n, hostmem.huge_bytes(t)) if n else 0
+    return huge / total if total else None
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
