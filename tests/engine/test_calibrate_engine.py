@@ -209,6 +209,29 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
     assert [getattr(back, n) for n in names] == [getattr(fitted, n) for n in names]
 
 
+def test_a_gpu_too_small_for_the_resident_prompt_keeps_its_resident_layer_time(monkeypatch):
+    """The all-resident prompts run out of GPU memory: the other six still fit their values, and
+    ``prompt_resident_layer_s`` stays the profile's."""
+    import torch
+
+    from workbench.core.memory import placement_all_gpu
+
+    monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
+    monkeypatch.setattr(calibrate_engine, "LAYERS", 2)
+    base = replace(preset("bench-h200"), prompt_resident_layer_s=1e-3)
+
+    def timed(inv, placement, device, pair_reads, lengths, clock=None):
+        if placement.to_json() == placement_all_gpu(inv).to_json():
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return [t / CostModel(inv, base).predict(placement, t + 8, prompt_tokens=t).prefill_tps for t in lengths]
+
+    monkeypatch.setattr(calibrate_engine, "_prompt_seconds", timed)
+    fitted, info = calibrate_engine.fit_prompt_costs(base, 512, 256, 2, n_heads=8, n_kv_heads=2, head_dim=64,
+                                                     device="cpu", experts=8)
+    assert len(info["runs"]) == 6 and not any("GPU" in r["name"] for r in info["runs"])
+    assert fitted.prompt_resident_layer_s == info["prompt_resident_layer_s"] == 1e-3
+
+
 def test_the_host_lane_fit_keeps_its_costs_at_least_zero():
     """Records whose best fit has a negative cost per copy get that cost 0 and the others fitted
     without it; no records give no host lane."""
