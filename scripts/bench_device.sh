@@ -417,7 +417,7 @@ stage_engine_q4() {  # S1 as Q4_K for both engines (ours keeps the experts' Q4_K
 stage_engine_q8() {  # S1 as Q8_0 for both engines (ours keeps the experts' Q8_0 blocks)
     rm -f "$models"/s1.gguf
     log "writing S1 Q8_0"; wb write -o "$models/s1_q8.gguf" --shape s1 $layers --weights q8_0 | tee -a "$OUT/device.log"
-    LLAMA_N_CPU_MOE="${LLAMA_N_CPU_MOE:-8}" side_by_side "$models/s1_q8.gguf" "S1 Q8_0 skewed" engine_s1_q8.json "n-cpu-moe,frequency"
+    LLAMA_N_CPU_MOE="${LLAMA_N_CPU_MOE:-8}" side_by_side "$models/s1_q8.gguf" "S1 Q8_0 skewed" engine_s1_q8.json "n-cpu-moe,frequency,balanced"
     rm -f "$models"/s1_q8.gguf
 }
 
