@@ -214,33 +214,31 @@ def roofline(cost: CostModel, placement: Placement, profile: HardwareProfile) ->
     L = cost.n_layers
     grid = expert_grid(placement, L, cost.n_experts)
     per_tok = cost.p_sel * cost.expert_bytes * cost.present  # expected bytes of each expert per token
-    g = profile.gpus[0]
-    rate = {"gpu": g.mem_bandwidth, "cpu": profile.host_read_bandwidth, "bus": profile.h2d_pinned}
-    moe = np.zeros((L, 3))  # per layer: gpu, cpu, bus bytes of the expert phase
-    moe[:, 0] = (per_tok * (grid >= 0)).sum(axis=1)
-    moe[:, 1] = (per_tok * (grid == TIER_CPU_COMPUTE)).sum(axis=1)
-    moe[:, 2] = (per_tok * (grid == TIER_CPU_STREAM)).sum(axis=1)  # upper bound: every pick fetched
-    serial = {"gpu": 0.0, "cpu": 0.0}  # bytes read with nothing beside them
+    names = ("gpu", "cpu", "bus")
+    rates = np.array([profile.gpus[0].mem_bandwidth, profile.host_read_bandwidth, profile.h2d_pinned])
+    moe = np.stack([(per_tok * (grid >= 0)).sum(axis=1),  # per layer, the expert phase's bytes by device
+                    (per_tok * (grid == TIER_CPU_COMPUTE)).sum(axis=1),
+                    (per_tok * (grid == TIER_CPU_STREAM)).sum(axis=1)], axis=1)  # bus: every pick fetched
+    serial = np.zeros(2)  # gpu, cpu: bytes read with nothing beside them
     for key, unit in inv.units.items():
         if key.kind in ("expert", "embed"):
             continue
-        dev = "gpu" if is_gpu(placement.get(key).tier) else "cpu"
+        dev = 0 if is_gpu(placement.get(key).tier) else 1
         if key.layer is None or key.kind in PRE_MOE_KINDS or key.layer >= L:
             serial[dev] += unit.nbytes
         else:
-            moe[key.layer, 0 if dev == "gpu" else 1] += unit.nbytes
-    lanes = moe / np.array([rate["gpu"], rate["cpu"], rate["bus"]])
-    serial_s = serial["gpu"] / rate["gpu"] + serial["cpu"] / rate["cpu"]
-    t = serial_s + float(lanes.max(axis=1).sum())
-    names = ("gpu", "cpu", "bus")
-    totals = {n: float(moe[:, i].sum()) + serial.get(n, 0.0) for i, n in enumerate(names)}
-    times = {n: totals[n] / rate[n] for n in names}
-    setting = {n: float(lanes.max(axis=1)[lanes.argmax(axis=1) == i].sum()) for i, n in enumerate(names)}
-    setting["gpu"] += serial["gpu"] / rate["gpu"]
-    setting["cpu"] += serial["cpu"] / rate["cpu"]
-    bound = max(setting, key=setting.get)
-    return {"gpu_bytes": totals["gpu"], "cpu_bytes": totals["cpu"], "bus_bytes": totals["bus"], "seconds": times,
-            "serial_s": serial_s, "tps": 1.0 / t if t > 0 else None, "bound": bound}
+            moe[key.layer, dev] += unit.nbytes
+    lanes = moe / rates
+    slowest = lanes.max(axis=1)
+    serial_lanes = serial / rates[:2]
+    t = float(serial_lanes.sum() + slowest.sum())
+    totals = moe.sum(axis=0) + np.append(serial, 0.0)
+    setting = np.bincount(lanes.argmax(axis=1), weights=slowest, minlength=3)  # time each device sets
+    setting[:2] += serial_lanes
+    return {"gpu_bytes": float(totals[0]), "cpu_bytes": float(totals[1]), "bus_bytes": float(totals[2]),
+            "seconds": {n: float(totals[i] / rates[i]) for i, n in enumerate(names)},
+            "serial_s": float(serial_lanes.sum()), "tps": 1.0 / t if t > 0 else None,
+            "bound": names[int(np.argmax(setting))]}
 
 
 def _sync(device: torch.device) -> None:
@@ -379,13 +377,10 @@ def huge_page_share(engine) -> float | None:
     is a mapping of its own; a small one shares torch's, so each counts at most its own bytes."""
     from . import hostmem
 
-    total = huge = 0
-    for lx in engine.experts.values():
-        for t in lx.cpu_stacks():
-            n = 0 if t is None else t.numel() * t.element_size()
-            total += n
-            huge += min(n, hostmem.huge_bytes(t)) if n else 0
-    return huge / total if total else None
+    stacks = [t for lx in engine.experts.values() for t in lx.cpu_stacks() if t is not None and t.numel()]
+    sizes = [t.numel() * t.element_size() for t in stacks]
+    huge = sum(min(n, h) for n, h in zip(sizes, hostmem.huge_bytes_each(stacks)))
+    return huge / sum(sizes) if stacks else None
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:

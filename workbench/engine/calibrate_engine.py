@@ -154,7 +154,7 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
         t_res = min(_decode_seconds(inv, res, device) for _ in range(REPEATS))
         t_hybrid = [min(_decode_seconds(inv, p, device) for _ in range(REPEATS)) for p in hybrid]
         t_cpu = _decode_seconds(inv, cpu, device)
-    half, t_half = hybrid[2], t_hybrid[2]
+    half, t_half = hybrid[HYBRID_SHARES.index(0.5)], t_hybrid[HYBRID_SHARES.index(0.5)]
 
     rate0 = prof.cpu_expert_throughput.get("bf16") or 1e10
 
@@ -337,13 +337,13 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     prof = replace(prof, prompt_cpu_sync_s=0.0, **lane)
     measured = np.array([r[4] for r in runs])
 
-    def seconds(values: tuple[float, float, float], inv, placement, tokens: int) -> float:
-        sync, scale, rate = values
-        p = replace(prof, prompt_sync_s=sync, prompt_cpu_scale=scale, prompt_h2d=rate)
+    def seconds(p: HardwareProfile, inv, placement, tokens: int) -> float:
         return tokens / CostModel(inv, p).predict(placement, tokens + 8, prompt_tokens=tokens).prefill_tps
 
     def misfit(values: tuple[float, float, float]) -> float:
-        got = np.array([seconds(values, inv, placement, tokens) for _, inv, placement, tokens, _ in runs])
+        sync, scale, rate = values
+        p = replace(prof, prompt_sync_s=sync, prompt_cpu_scale=scale, prompt_h2d=rate)
+        got = np.array([seconds(p, inv, placement, tokens) for _, inv, placement, tokens, _ in runs])
         return float(np.sum((got / measured - 1.0) ** 2))
 
     values, _ = _least_point(misfit, (0.0, 1.0, prof.h2d_pinned), (1e-3, 0.5, 0.1 * prof.h2d_pinned),
@@ -351,19 +351,16 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     sync, scale, rate = values
     fitted = replace(prof, prompt_sync_s=sync, prompt_cpu_scale=scale, prompt_h2d=rate)
 
-    def resident_seconds(layer_s: float, inv, placement, tokens: int) -> float:
-        p = replace(fitted, prompt_resident_layer_s=layer_s)
-        return tokens / CostModel(inv, p).predict(placement, tokens + 8, prompt_tokens=tokens).prefill_tps
-
     def resident_misfit(values: tuple[float]) -> float:  # the hybrid prompts have no resident layer
-        return float(sum((resident_seconds(values[0], inv, pl, t) / m - 1.0) ** 2 for _, inv, pl, t, m in resident))
+        p = replace(fitted, prompt_resident_layer_s=values[0])
+        return float(sum((seconds(p, inv, pl, t) / m - 1.0) ** 2 for _, inv, pl, t, m in resident))
 
     layer_s = prof.prompt_resident_layer_s
     if resident:
         (layer_s,), _ = _least_point(resident_misfit, (0.0,), (1e-3,), ((0.0, 0.05),))
     fitted = replace(fitted, prompt_resident_layer_s=layer_s)
     info = {"runs": [{"name": name, "tokens": tokens, "measured_s": m,
-                      "predicted_s": resident_seconds(layer_s, inv, placement, tokens)}
+                      "predicted_s": seconds(fitted, inv, placement, tokens)}
                      for name, inv, placement, tokens, m in runs + resident],
             "prompt_sync_s": sync, "prompt_cpu_scale": scale, "prompt_h2d": rate,
             "prompt_resident_layer_s": layer_s, "host_lane": lane, "host_layers": len(clock.layers)}

@@ -74,11 +74,18 @@ def _address(m: mmap.mmap) -> int:
 def huge_bytes(t: torch.Tensor) -> int:
     """Bytes of the mapping holding ``t`` that the kernel backs with huge pages now
     (``AnonHugePages`` of its ``/proc/self/smaps`` entry); 0 where that file is missing."""
-    vma = _smaps_entry(t.data_ptr())
-    for line in vma:
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return huge_bytes_each([t])[0]
+
+
+def huge_bytes_each(tensors: list[torch.Tensor]) -> list[int]:
+    """``huge_bytes`` of each of ``tensors``, from one read of ``/proc/self/smaps`` (a process with a
+    CUDA context has thousands of mappings: one read per tensor would read them all each time)."""
+    entries = _smaps_entries([t.data_ptr() for t in tensors])
+    out = []
+    for entry in entries:
+        huge = [int(line.split()[1]) * 1024 for line in entry if line.startswith("AnonHugePages:")]
+        out.append(huge[0] if huge else 0)
+    return out
 
 
 def advised(t: torch.Tensor) -> bool:
@@ -87,20 +94,23 @@ def advised(t: torch.Tensor) -> bool:
 
 
 def _smaps_entry(address: int) -> list[str]:
+    return _smaps_entries([address])[0]
+
+
+def _smaps_entries(addresses: list[int]) -> list[list[str]]:
+    """The ``/proc/self/smaps`` lines of the mapping holding each address (empty: none, or no file)."""
     try:
         with open("/proc/self/smaps") as f:
             lines = f.read().splitlines()
     except OSError:
-        return []
-    entry: list[str] = []
-    inside = False
+        return [[] for _ in addresses]
+    out: list[list[str]] = [[] for _ in addresses]
+    inside: list[int] = []  # the addresses the current mapping holds
     for line in lines:
         head = line.split(" ", 1)[0]
         if "-" in head and all(c in "0123456789abcdef-" for c in head):
             lo, hi = (int(v, 16) for v in head.split("-"))
-            if inside:
-                break
-            inside = lo <= address < hi
-        if inside:
-            entry.append(line)
-    return entry
+            inside = [i for i, a in enumerate(addresses) if lo <= a < hi]
+        for i in inside:
+            out[i].append(line)
+    return out
