@@ -20,7 +20,8 @@
 # placements stage engine ran, saved under /tmp/wb_placements), keep / restore (the profile and llama-bench left in
 # /tmp/wb_keep for the next call while the machine stays warm, and taken back by it; BENCH_KEPT_FITS (q8_0,q4_k):
 # the kept formats whose GPU rate stage calibrate fits), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
-# 12 GiB, then scripts/profile_decode.py into $OUT/decode),
+# 12 GiB, then scripts/profile_decode.py into $OUT/decode), kernels (scripts/profile_decode.py all on the GPU
+# on a 4-layer cut of S1, bf16 and Q8_0 (KERNELS_WEIGHTS): each kernel's time and the gaps between them; $OUT/kernels.tar.gz),
 # calibrate ($OUT/h200.json, then the profile of the stages after it), engine (`workbench bench
 # run`: llama.cpp -lm none at --n-cpu-moe 16 and all-GPU, then our n-cpu-moe, frequency, balanced
 # and all-GPU (BENCH_ALL_GPU=0: not all-GPU), with the ratios), kernel_tests (the fused CPU kernel's
@@ -242,6 +243,14 @@ stage_profile() {  # host-time phases of hybrid layers (scripts/profile_hybrid.p
     log "profile_decode"; timeout 200 python3 scripts/profile_decode.py --model "$models/s1.gguf" --device cuda \
         --budget 12GiB --margin 512MiB --out "$p/decode" 2>>"$OUT/device.log" | tail -30 | tee -a "$OUT/device.log"
     tar -C "$p" -czf "$OUT/profile.tar.gz" .
+}
+stage_kernels() {  # one decode step's kernels all on the GPU: a 4-layer cut of S1 in bf16 and Q8_0 (scripts/profile_decode.py)
+    local p=/tmp/wb_kernels; rm -rf "$p"; mkdir -p "$p"
+    for w in ${KERNELS_WEIGHTS:-bf16 q8_0}; do
+        log "profile_decode all-gpu $w"; timeout 240 python3 scripts/profile_decode.py --shape s1 --layers 4 --weights "$w" \
+            --device cuda --strategies all-gpu --steps 32 --out "$p/$w" 2>>"$OUT/device.log" | tail -3 | tee -a "$OUT/device.log"
+    done
+    tar -C "$p" -czf "$OUT/kernels.tar.gz" .
 }
 stage_prefill() {  # a hybrid prompt's time under several bus/CPU splits (scripts/profile_prefill.py)
     stage_write

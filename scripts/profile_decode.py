@@ -192,14 +192,39 @@ def profile_placement(engine, label: str, *, prompt: int, steps: int, out: Path 
         if dev.type == "cuda":
             res["torch_profile_cuda"] = ka.table(sort_by="self_cuda_time_total", row_limit=25)
         if out is not None:
-            tp.export_chrome_trace(str(out / f"trace_{label}.json"))
+            trace = out / f"trace_{label}.json"
+            tp.export_chrome_trace(str(trace))
+            if dev.type == "cuda":
+                res["kernel_timeline"] = kernel_timeline(json.loads(trace.read_text()), n)
+                trace.unlink()  # large; the timeline's summary is what is read
     return res
+
+
+def kernel_timeline(trace: dict, steps: int) -> dict:
+    """The GPU's side of ``steps`` decode steps from a torch.profiler chrome trace: per step, the
+    kernels' count, their summed time (busy, µs), the idle time between one kernel's end and the
+    next one's start (gaps, µs, only those under 1 ms: a longer one is the host between steps), and
+    per kernel name its launches per step, mean and summed µs per step (busiest first)."""
+    ks = sorted((e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e),
+                key=lambda e: e["ts"])
+    busy = sum(e["dur"] for e in ks)
+    gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(ks, ks[1:])]
+    by: dict[str, list[float]] = {}
+    for e in ks:
+        by.setdefault(e["name"][:90], []).append(e["dur"])
+    rows = sorted(((name, len(d) / steps, statistics.mean(d), sum(d) / steps) for name, d in by.items()),
+                  key=lambda r: -r[3])
+    return {"kernels_per_step": len(ks) / steps, "busy_us_per_step": busy / steps,
+            "gap_us_per_step": sum(g for g in gaps if 0 <= g < 1000) / steps,
+            "by_name": [{"name": r[0], "per_step": r[1], "mean_us": r[2], "us_per_step": r[3]} for r in rows]}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="GGUF file (default: write the mid-size synthetic model)")
-    ap.add_argument("--layers", type=int, default=None, help="layers of the mid-size model (8)")
+    ap.add_argument("--shape", default="mid", help="synthetic shape without --model: mid or one of synth.SHAPES")
+    ap.add_argument("--layers", type=int, default=None, help="layers of the synthetic model (the shape's)")
+    ap.add_argument("--weights", default="bf16", choices=synth.WEIGHT_TYPES, help="synthetic weights' format")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "f32"))
     ap.add_argument("--budget", default=None, help="use the planner's placements under this VRAM budget")
@@ -227,12 +252,13 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     path = args.model
     if path is None:
-        s = replace(MID, n_layers=args.layers) if args.layers else MID
-        path = Path("/tmp/wb_profile") / f"{s.name}_{s.n_layers}.gguf"
+        s = MID if args.shape == "mid" else synth.SHAPES[args.shape]
+        s = replace(s, n_layers=args.layers) if args.layers else s
+        path = Path("/tmp/wb_profile") / f"{s.name}_{s.n_layers}_{args.weights}.gguf"
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
-            synth.write_gguf(path, s, coverage_target=0.5)
+            synth.write_gguf(path, s, coverage_target=0.5, wtype=args.weights)
             log.info("wrote %s in %.1f s", path, time.perf_counter() - t0)
     inv = open_model(str(path))
     dev = torch.device(args.device)
@@ -280,6 +306,14 @@ def main(argv: list[str] | None = None) -> int:
         md.append(f"sync-like calls per token: {json.dumps(r['sync_like_calls_per_token'])}\n")
         if "cuda_syncs_per_token" in r:
             md.append(f"CUDA syncs per token: {r['cuda_syncs_per_token']:.1f} at {json.dumps(r['cuda_sync_sites'])}\n")
+        tl_ = r.get("kernel_timeline")
+        if tl_:
+            md.append(f"### GPU timeline: {tl_['kernels_per_step']:.0f} kernels per step, busy "
+                      f"{tl_['busy_us_per_step']:.1f} µs, gaps {tl_['gap_us_per_step']:.1f} µs\n")
+            md.append("| kernel | per step | mean µs | µs per step |\n| --- | --- | --- | --- |")
+            md += [f"| `{k['name']}` | {k['per_step']:.1f} | {k['mean_us']:.2f} | {k['us_per_step']:.1f} |"
+                   for k in tl_["by_name"][:30]]
+            md.append("")
         for key in ("torch_profile_cpu", "torch_profile_cuda", "cprofile_top"):
             if key in r:
                 md.append(f"### {key}\n\n```\n{r[key]}\n```\n")
