@@ -22,6 +22,7 @@
 # the kept formats whose GPU rate stage calibrate fits), profile (scripts/profile_hybrid.py for n-cpu-moe and frequency at
 # 12 GiB, then scripts/profile_decode.py into $OUT/decode), kernels (scripts/profile_decode.py all on the GPU
 # on a 4-layer cut of S1, bf16 and Q8_0 (KERNELS_WEIGHTS): each kernel's time and the gaps between them; $OUT/kernels.tar.gz),
+# decode_kernels (scripts/time_decode_kernels.py: each form of the step's kernels at S1's shapes; $OUT/decode_kernels.json),
 # calibrate ($OUT/h200.json, then the profile of the stages after it), engine (`workbench bench
 # run`: llama.cpp -lm none at --n-cpu-moe 16 and all-GPU, then our n-cpu-moe, frequency, balanced
 # and all-GPU (BENCH_ALL_GPU=0: not all-GPU), with the ratios), kernel_tests (the fused CPU kernel's
@@ -243,6 +244,10 @@ stage_profile() {  # host-time phases of hybrid layers (scripts/profile_hybrid.p
     log "profile_decode"; timeout 200 python3 scripts/profile_decode.py --model "$models/s1.gguf" --device cuda \
         --budget 12GiB --margin 512MiB --out "$p/decode" 2>>"$OUT/device.log" | tail -30 | tee -a "$OUT/device.log"
     tar -C "$p" -czf "$OUT/profile.tar.gz" .
+}
+stage_decode_kernels() {  # each form of one decode step's kernels at S1's shapes (scripts/time_decode_kernels.py)
+    timeout 240 python3 scripts/time_decode_kernels.py --json "$OUT/decode_kernels.json" >"$OUT/decode_kernels.txt" 2>&1
+    log "decode_kernels rc $?"; tail -5 "$OUT/decode_kernels.txt" | tee -a "$OUT/device.log"
 }
 stage_kernels() {  # one decode step's kernels all on the GPU: a 4-layer cut of S1 in bf16 and Q8_0 (scripts/profile_decode.py)
     local p=/tmp/wb_kernels; rm -rf "$p"; mkdir -p "$p"

@@ -483,6 +483,35 @@ if triton is not None:
                                   stride_e, stride_n, BLOCK_N, BLOCK_K, FMT, TILE, BIAS, SWIGLU)
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
+    @triton.autotune(configs=_configs([(4, 256, 4, _TILE), (8, 256, 4, _TILE), (16, 256, 4, _TILE), (2, 256, 4, _TILE),
+                                       (8, 256, 4, _NO_TILE), (4, 256, 4, _NO_TILE), (16, 256, 4, _NO_TILE),
+                                       (32, 256, 4, _NO_TILE), (16, 256, 8, _NO_TILE)]),
+                     key=["N", "FFN", "K", "FMT"])
+    @triton.jit
+    def _down_split_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, b_ptr, part_ptr, cnt_ptr, N,
+                           FFN: tl.constexpr, stride_e, stride_n, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, FMT: tl.constexpr, TILE: tl.constexpr, BIAS: tl.constexpr = False,
+                           SWIGLU: tl.constexpr = True):
+        """``_down_sum_kernel``'s result with one program per pair and block of outputs, so that all
+        ``K`` pairs' rows are read at once: each program stores its pair's weighted part in
+        ``part [K, N]`` (float32) and counts itself in ``cnt[block]``; the block's last program sums
+        the parts in pair order (the same float32 sum as ``_down_sum_kernel``), stores the result in
+        out's dtype and sets the count back to 0 for the next call."""
+        blk = tl.program_id(0)
+        pair = tl.program_id(1)
+        offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = offs_n < N
+        part = _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, b_ptr, pair, offs_n, N, FFN,
+                          stride_e, stride_n, BLOCK_N, BLOCK_K, FMT, TILE, BIAS, SWIGLU)
+        tl.store(part_ptr + pair * N + offs_n, part, mask=nm)
+        tl.debug_barrier()  # every thread's part stored before the count says so
+        if tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel") == K - 1:
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for j in tl.static_range(K):
+                acc += tl.load(part_ptr + j * N + offs_n, mask=nm, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=nm)
+            tl.atomic_xchg(cnt_ptr + blk, 0)
+
     @triton.jit
     def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pm_ptr, pl_ptr, NKV, scale,
                             REP: tl.constexpr, REPP: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
@@ -549,22 +578,18 @@ if triton is not None:
         tl.store(out_ptr + h * HD + d, o.to(out_ptr.dtype.element_ty), mask=d < HD)
 
     @triton.jit
-    def _route_kernel(logits_ptr, ids_ptr, w_ptr, counts_ptr, E, scaling,
-                      K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr):
-        """Softmax over ``E`` logits, the ``K`` largest (descending), renormalised when ``NORM``,
-        times ``scaling``; counts each pick."""
-        offs = tl.arange(0, BLOCK_E)
-        valid = offs < E
-        x = tl.load(logits_ptr + offs, mask=valid, other=-float("inf")).to(tl.float32)
-        e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
-        p = e / tl.sum(e, axis=0)
+    def _pick_topk(p, offs, valid, ids_ptr, w_ptr, counts_ptr, scaling, K: tl.constexpr, KP: tl.constexpr,
+                   BLOCK_E: tl.constexpr, NORM: tl.constexpr):
+        """The ``K`` largest of the probabilities ``p [BLOCK_E]`` (descending, the lowest index among
+        equals), renormalised when ``NORM``, times ``scaling``: stored at ``ids_ptr`` / ``w_ptr``, and
+        each pick counted in ``counts``."""
         work = tl.where(valid, p, -1.0)
         slots = tl.arange(0, KP)
         top_v = tl.zeros((KP,), dtype=tl.float32)
         top_i = tl.zeros((KP,), dtype=tl.int64)
         for j in tl.static_range(K):
             best = tl.max(work, axis=0)
-            idx = tl.min(tl.where(work == best, offs, BLOCK_E), axis=0)  # lowest index among equals
+            idx = tl.min(tl.where(work == best, offs, BLOCK_E), axis=0)
             top_v = tl.where(slots == j, best, top_v)
             top_i = tl.where(slots == j, idx.to(tl.int64), top_i)
             work = tl.where(offs == idx, -1.0, work)
@@ -573,9 +598,50 @@ if triton is not None:
         top_v = top_v * scaling
         keep = slots < K
         tl.store(ids_ptr + slots, top_i, mask=keep)
-        tl.store(w_ptr + slots, top_v, mask=keep)
+        tl.store(w_ptr + slots, top_v.to(w_ptr.dtype.element_ty), mask=keep)
         tl.atomic_add(counts_ptr + top_i, tl.full((KP,), 1, tl.int64), mask=keep)
 
+    @triton.jit
+    def _router_route_kernel(x_ptr, r_ptr, b_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, counts_ptr, E, scaling,
+                             H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr,
+                             KP: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr):
+        """Router and softmax top-k of one token in one launch: program ``pid`` computes the logits of
+        experts ``pid * ROWS ..`` (``x [H] . r[e, :]`` in float32, plus ``b[e]`` with ``BIAS``, rounded
+        to x's dtype as a separate product would be) into ``logit_ptr [E]`` (float32); the last
+        program to finish (``cnt_ptr``, set back to 0) does ``_route_kernel``'s softmax and top-k."""
+        pid = tl.program_id(0)
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        rm = rows < E
+        acc = tl.zeros((ROWS,), dtype=tl.float32)
+        for h0 in tl.static_range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            hm = offs_h < H
+            x = tl.load(x_ptr + offs_h, mask=hm, other=0.0).to(tl.float32)
+            w = tl.load(r_ptr + rows[:, None] * H + offs_h[None, :], mask=rm[:, None] & hm[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if BIAS:
+            acc += tl.load(b_ptr + rows, mask=rm, other=0.0).to(tl.float32)
+        acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(logit_ptr + rows, acc, mask=rm)
+        tl.debug_barrier()  # every thread's logits stored before the count says so
+        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            offs = tl.arange(0, BLOCK_E)
+            valid = offs < E
+            lg = tl.load(logit_ptr + offs, mask=valid, other=-float("inf"), cache_modifier=".cg")
+            e = tl.where(valid, tl.exp(lg - tl.max(lg, axis=0)), 0.0)
+            _pick_topk(e / tl.sum(e, axis=0), offs, valid, ids_ptr, w_ptr, counts_ptr, scaling, K, KP, BLOCK_E, NORM)
+            tl.atomic_xchg(cnt_ptr, 0)
+
+    @triton.jit
+    def _route_kernel(logits_ptr, ids_ptr, w_ptr, counts_ptr, E, scaling,
+                      K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr):
+        """Softmax over ``E`` logits, the ``K`` largest (descending), renormalised when ``NORM``,
+        times ``scaling``; counts each pick."""
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < E
+        x = tl.load(logits_ptr + offs, mask=valid, other=-float("inf")).to(tl.float32)
+        e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
+        _pick_topk(e / tl.sum(e, axis=0), offs, valid, ids_ptr, w_ptr, counts_ptr, scaling, K, KP, BLOCK_E, NORM)
 
     @triton.jit
     def _qkv_rope_cache_kernel(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
@@ -698,9 +764,10 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
         if not swiglu:  # gpt-oss's clamped SwiGLU into h's first I columns, which the down kernel reads
             h[:, :i] = activate(h, act)
         out = torch.empty((1, H), dtype=x.dtype, device=x.device)
-        _down_sum_kernel[lambda meta: (triton.cdiv(H, meta["BLOCK_N"]),)](
-            h, w2, d2 if q8 else w2, ids, rowmap, scale, out, b2 if bias else h, H, i, w2.stride(0), w2.stride(1),
-            K=k, FMT=code2, BIAS=bias, SWIGLU=swiglu)
+        part, cnt = _down_workspace(w2, k, H)
+        _down_split_kernel[lambda meta: (triton.cdiv(H, meta["BLOCK_N"]), k)](
+            h, w2, d2 if q8 else w2, ids, rowmap, scale, out, b2 if bias else h, part, cnt, H, i, w2.stride(0),
+            w2.stride(1), K=k, FMT=code2, BIAS=bias, SWIGLU=swiglu)
         return out
 
     def probe():  # a random token on the rows this call reads (else the first): kernel_check's probe
@@ -720,7 +787,23 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     if w13.shape[0] == 0:  # no expert on this tier: every pair inactive
         return torch.zeros((1, H), dtype=x.dtype, device=x.device)
     key = ("experts", n13, H, i, code13, code2, k, x.dtype, w13.dtype, bias, act)
-    return run_checked([_gate_up_kernel, _down_sum_kernel], launch, key, probe)
+    return run_checked([_gate_up_kernel, _down_split_kernel], launch, key, probe)
+
+
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _down_workspace(w2: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_down_split_kernel``'s parts ``[k, n]`` float32 and block counts ``[n]`` int32 (zero between
+    calls) for the stack ``w2``: one pair per stack, made on its first call (eager, before any graph
+    capture), so calls on other stacks (tiers, layers, streams) never share one."""
+    key = (w2.data_ptr(), w2.device, k, n)
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = (torch.empty((k, n), dtype=torch.float32, device=w2.device),
+              torch.zeros(n, dtype=torch.int32, device=w2.device))
+        _workspaces[key] = ws
+    return ws
 
 
 def run_checked(kernels: list, launch, key, probe):
@@ -804,4 +887,29 @@ def route_softmax_topk(logits: torch.Tensor, k: int, norm: bool, scaling: float,
     weights = torch.empty((1, k), dtype=logits.dtype, device=logits.device)
     _route_kernel[(1,)](logits, ids, weights, counts, E, float(scaling), K=k, KP=triton.next_power_of_2(k),
                         BLOCK_E=triton.next_power_of_2(E), NORM=norm)
+    return ids, weights
+
+
+ROUTER_ROWS = 4
+"""Experts whose router logits one program of ``router_softmax_topk`` computes."""
+
+
+def router_softmax_topk(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, k: int, norm: bool,
+                        scaling: float, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route_softmax_topk(F.linear(x, router, bias), ...)`` in one kernel: ``x [1, H]``, ``router
+    [E, H]`` (x's dtype, contiguous), ``bias [E]`` or None -> ``ids [1, k]`` int64 and weights ``[1, k]``
+    (x's dtype); adds 1 to ``counts [E]`` per pick. No host sync; capturable in a CUDA graph once
+    made (its logits and count buffers are the router's, made on the first call)."""
+    E, H = router.shape
+    key = (router.data_ptr(), router.device, "router")
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = (torch.empty(E, dtype=torch.float32, device=x.device), torch.zeros(1, dtype=torch.int32, device=x.device))
+        _workspaces[key] = ws
+    ids = torch.empty((1, k), dtype=torch.int64, device=x.device)
+    weights = torch.empty((1, k), dtype=x.dtype, device=x.device)
+    _router_route_kernel[(triton.cdiv(E, ROUTER_ROWS),)](
+        x, router, bias if bias is not None else router, ws[0], ws[1], ids, weights, counts, E, float(scaling),
+        H=H, ROWS=ROUTER_ROWS, BLOCK_H=min(512, triton.next_power_of_2(H)), K=k, KP=triton.next_power_of_2(k),
+        BLOCK_E=triton.next_power_of_2(E), NORM=norm, BIAS=bias is not None)
     return ids, weights

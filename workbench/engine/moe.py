@@ -93,11 +93,16 @@ class MoeBlock:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router and selection for ``x [T, H]``: ``ids``, ``weights [T, k]``; counts the picks on the device."""
-        if self.args.family.startswith("deepseek"):  # DeepSeek routes in float32
+        a = self.args
+        one = x.shape[0] == 1 and a.router == "softmax_topk" and not a.group_limited
+        if (one and not a.family.startswith("deepseek") and gpu_kernels.usable(x) and self.router.dtype == x.dtype
+                and self.router.is_contiguous() and x.is_contiguous()):  # one token: router, softmax, top-k and counts in one kernel
+            return gpu_kernels.router_softmax_topk(x, self.router, self.router_bias, a.top_k, a.norm_topk_prob,
+                                                   a.routed_scaling, self.counts[self.layer])
+        if a.family.startswith("deepseek"):  # DeepSeek routes in float32
             logits = F.linear(x.float(), self.router.float())  # [T, E]
         else:
             logits = F.linear(x, self.router, self.router_bias)
-        a = self.args
         if (logits.shape[0] == 1 and a.router == "softmax_topk" and not a.group_limited
                 and gpu_kernels.usable(logits)):  # one token: softmax, top-k and counts in one kernel
             return gpu_kernels.route_softmax_topk(logits, a.top_k, a.norm_topk_prob, a.routed_scaling,
