@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.engine.test_blocks import _random_kquant  # noqa: E402
+from tests.engine.engine_helpers import random_kquant  # noqa: E402
 from workbench.engine import blocks, gpu_kernels, kernel_check, packed  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for a smoke run under TRITON_INTERPRET=1
@@ -54,9 +54,7 @@ _T, _NT = {"TILE": True}, {"TILE": False}
 EXPLORE = {  # (BLOCK_N, BLOCK_K, warps, constexprs) tried besides each kernel's own candidates
     "rows": [(2, 256, 4, _T), (4, 256, 4, _T), (2, 256, 2, _T), (8, 256, 2, _T), (8, 512, 4, _T),
              (16, 256, 8, _T), (4, 256, 4, _NT), (2, 256, 4, _NT)],
-    "down": [(2, 256, 4, {"UNROLL": True, **_T}), (2, 256, 4, {"UNROLL": False, **_T}),
-             (8, 256, 4, {"UNROLL": False, **_T}), (4, 256, 2, {"UNROLL": False, **_T}),
-             (4, 256, 8, {"UNROLL": False, **_T}), (2, 256, 4, {"UNROLL": True, **_NT})],
+    "down": [(2, 256, 4, _T), (4, 256, 2, _T), (4, 256, 8, _T), (2, 256, 4, _NT), (32, 128, 4, _NT)],
 }
 
 
@@ -87,7 +85,7 @@ def kept_parts(fmt: str, n: int, k: int, lead: tuple[int, ...] = ()) -> list[tor
         d = (torch.rand(rows, k // 32, generator=g) * 1e-3 + 1e-4).to(torch.float16)
         parts = [q, d]
     else:
-        parts = [torch.from_numpy(_random_kquant(fmt, rows, k))]
+        parts = [random_kquant(fmt, rows, k, g)[0]]
     return [p.reshape(*lead, n, -1).to(DEV).contiguous() for p in parts]
 
 
@@ -200,8 +198,8 @@ def experts() -> None:
             def run(p13=p13, p2=p2, fmt=fmt, fmt2=fmt2):
                 return gpu_kernels.experts_one_token(x, ids, scale, rowmap, p13[0], p2[0], fmt=(fmt, fmt2))
         nbytes = k * (blocks.nbytes([t[0] for t in p13]) + blocks.nbytes([t[0] for t in p2]))
-        for kern, part in ((gpu_kernels._gate_up_kernel, "gate/up"), (gpu_kernels._down_sum_kernel, "down")):
-            other = gpu_kernels._down_sum_kernel if kern is gpu_kernels._gate_up_kernel else gpu_kernels._gate_up_kernel
+        for kern, part in ((gpu_kernels._gate_up_kernel, "gate/up"), (gpu_kernels._down_split_kernel, "down")):
+            other = gpu_kernels._down_split_kernel if kern is gpu_kernels._gate_up_kernel else gpu_kernels._gate_up_kernel
             keep = list(other.configs)
             other.configs, other.cache = keep[:1], {}
             each_candidate(kern, run, ref, f"experts {fmt}+{fmt2} {part}", nbytes)
@@ -236,7 +234,7 @@ def prompt() -> None:
 if __name__ == "__main__":
     torch.backends.cuda.matmul.allow_tf32 = False
     explore(gpu_kernels._gate_up_kernel, "rows")
-    explore(gpu_kernels._down_sum_kernel, "down")
+    explore(gpu_kernels._down_split_kernel, "down")
     explore(packed._matvec_kernel, "rows")
     experts()
     if "--no-prompt" not in ARGS:

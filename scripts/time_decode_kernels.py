@@ -6,9 +6,10 @@ Every case runs ``--calls`` times in a row inside one CUDA graph, each call on i
 reads, as in a decode step; the graph is replayed ``--reps`` times and the time per call is the
 median replay over the calls. Cases (bf16 and Q8_0 experts):
 
-- ``gate_up``: ``_gate_up_kernel`` alone; ``down_sum`` / ``down_split``: the two forms of the down
-  projection alone; ``experts``: ``experts_one_token`` as the engine calls it.
-- ``qkv`` / ``o`` / ``router``: ``F.linear`` (cuBLAS) against ``packed._matvec_kernel`` on bf16 rows.
+- ``gate_up`` / ``down``: ``_gate_up_kernel`` / ``_down_split_kernel`` alone; ``experts``:
+  ``experts_one_token`` as the engine calls it.
+- ``qkv`` / ``o`` / ``router``: ``F.linear`` (cuBLAS) against ``packed.dense_matvec`` (the engine's
+  path for them) and ``packed._matvec_kernel`` (one pass over whole rows) on bf16 rows.
 - ``route``: router product plus ``route_softmax_topk`` against ``router_softmax_topk`` (one kernel).
 
     python scripts/time_decode_kernels.py --json out.json
@@ -88,11 +89,6 @@ def expert_cases(fmt: str, calls: int, reps: int, dev) -> dict:
             x, w13, d13 if d13 is not None else w13, ids[j], rowmap, scale, hs[j], hs[j], 2 * FFN, H, w13.stride(0),
             w13.stride(1), FMT=code, BIAS=False)
 
-    def down_sum(j):
-        gpu_kernels._down_sum_kernel[lambda m: (tri.cdiv(H, m["BLOCK_N"]),)](
-            hs[j], w2, d2 if d2 is not None else w2, ids[j], rowmap, scale, out, hs[j], H, FFN, w2.stride(0),
-            w2.stride(1), K=K, FMT=code, BIAS=False, SWIGLU=True)
-
     part, cnt = gpu_kernels._down_workspace(w2, K, H)
 
     def down_split(j):
@@ -105,13 +101,8 @@ def expert_cases(fmt: str, calls: int, reps: int, dev) -> dict:
 
     for j in range(calls):
         gate_up(j)
-    down_sum(0)
-    ref = out.clone()
-    down_split(0)
-    torch.cuda.synchronize()
-    res = {"split_equals_sum": bool(torch.equal(ref, out))}
-    for name, fn, share in (("gate_up", gate_up, 2 / 3), ("down_sum", down_sum, 1 / 3),
-                            ("down_split", down_split, 1 / 3), ("experts", experts, 1.0)):
+    res = {}
+    for name, fn, share in (("gate_up", gate_up, 2 / 3), ("down", down_split, 1 / 3), ("experts", experts, 1.0)):
         us = per_call_us([lambda j=j, fn=fn: fn(j) for j in range(calls)], reps)
         res[name] = {"us": us, "GB/s": nbytes * share / us / 1e3}
     return res
@@ -136,7 +127,8 @@ def dense_cases(calls: int, reps: int, dev) -> dict:
         torch.cuda.synchronize()
         err = (outs[0].float() - F.linear(x, ws[0]).float()).abs().max().item()
         r = {"matvec_max_abs_diff": err}
-        for form, fn in (("cublas", lambda j, x=x, ws=ws: F.linear(x, ws[j])), ("matvec", mv)):
+        for form, fn in (("cublas", lambda j, x=x, ws=ws: F.linear(x, ws[j])), ("matvec", mv),
+                         ("dense_matvec", lambda j, x=x, ws=ws: packed.dense_matvec(x, ws[j]))):
             us = per_call_us([lambda j=j, fn=fn: fn(j) for j in range(calls)], reps)
             r[form] = {"us": us, "GB/s": nbytes / us / 1e3}
         res[name] = r

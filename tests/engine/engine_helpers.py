@@ -151,15 +151,13 @@ def attach_bus_share(engine, fraction: float):
 
 def force_kernel_form(monkeypatch, form: str) -> None:
     """Make the autotuned one-token kernels run one form of their row loop (``"tile"``: rows decoded a
-    tile at a time into one accumulator, ``"blocks"``: a block or super-block at a time, pairs of the
-    down projection unrolled or not) whatever the autotuner would pick, so that tests check each."""
+    tile at a time into one accumulator, ``"blocks"``: a block or super-block at a time) whatever
+    the autotuner would pick, so that tests check each."""
     from triton import Config
 
     from workbench.engine import gpu_kernels, packed
 
     tile = form == "tile"
-    for kernel, extra in ((gpu_kernels._gate_up_kernel, {}), (packed._matvec_kernel, {}),
-                          (gpu_kernels._down_sum_kernel, {"UNROLL": not tile})):
-        monkeypatch.setattr(kernel, "configs", [Config({"BLOCK_N": 8, "BLOCK_K": 128, "TILE": tile, **extra},
-                                                       num_warps=4)])
+    for kernel in (gpu_kernels._gate_up_kernel, packed._matvec_kernel, gpu_kernels._down_split_kernel):
+        monkeypatch.setattr(kernel, "configs", [Config({"BLOCK_N": 8, "BLOCK_K": 128, "TILE": tile}, num_warps=4)])
         monkeypatch.setattr(kernel, "cache", {})

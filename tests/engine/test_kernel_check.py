@@ -82,8 +82,8 @@ def test_a_wrong_candidate_of_the_experts_down_kernel_is_dropped(fmt, monkeypatc
     from tests.engine.test_gpu_kernels import _token
 
     E, H, F_, k = 4, 256, 256, 2
-    picky = Picky(gpu_kernels._down_sum_kernel, 6, n_good=1, n_wrong=2)
-    monkeypatch.setattr(gpu_kernels, "_down_sum_kernel", picky)
+    picky = Picky(gpu_kernels._down_split_kernel, 6, n_good=1, n_wrong=2)
+    monkeypatch.setattr(gpu_kernels, "_down_split_kernel", picky)
     g = torch.Generator().manual_seed(7)
     x, ids, scale, rowmap = _token(H, E, k, g)
     f13, f2 = fmt or ("q8_0", "q8_0")
@@ -193,7 +193,7 @@ def test_an_engine_decodes_through_the_checks_and_computes_the_same(tensor_type,
         return out
 
     plain = run()
-    wrapped = [(gpu_kernels, "_gate_up_kernel", 6), (gpu_kernels, "_down_sum_kernel", 6), (packed, "_matvec_kernel", 3),
+    wrapped = [(gpu_kernels, "_gate_up_kernel", 6), (gpu_kernels, "_down_split_kernel", 6), (packed, "_matvec_kernel", 3),
                (prefill_kernels, "_grouped_kernel", 4)]
     pickies = {}
     for module, name, out_arg in wrapped:

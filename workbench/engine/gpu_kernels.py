@@ -450,39 +450,6 @@ if triton is not None:
             part += tl.load(b_ptr + row * N + offs_n, mask=rm, other=0.0).to(tl.float32)
         return tl.where(active, part * s, 0.0)
 
-    @triton.autotune(configs=_configs([(4, 256, 4, {"UNROLL": False, **_TILE}),
-                                       (8, 256, 4, {"UNROLL": True, **_TILE}),
-                                       (4, 256, 4, {"UNROLL": True, **_TILE}),
-                                       (16, 128, 4, {"UNROLL": False, **_TILE}),
-                                       (2, 256, 4, {"UNROLL": False, **_TILE}),
-                                       (8, 256, 4, {"UNROLL": False, **_NO_TILE}),
-                                       (4, 256, 4, {"UNROLL": False, **_NO_TILE}),
-                                       (16, 256, 4, {"UNROLL": False, **_NO_TILE}),
-                                       (8, 512, 4, {"UNROLL": False, **_NO_TILE}),
-                                       (4, 256, 4, {"UNROLL": True, **_NO_TILE})]),
-                     key=["N", "FFN", "K", "FMT"])
-    @triton.jit
-    def _down_sum_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, b_ptr, N, FFN: tl.constexpr,
-                         stride_e, stride_n, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         FMT: tl.constexpr, UNROLL: tl.constexpr, TILE: tl.constexpr, BIAS: tl.constexpr = False,
-                         SWIGLU: tl.constexpr = True):
-        """out[n] = sum_j scale[j] * (w[row_j, n, :] . (silu(h[j, :FFN]) * h[j, FFN:]) [+ b[row_j, n]]), in
-        out's dtype (``SWIGLU`` False: ``h[j, :FFN]`` as the inputs, an activation computed before):
-        the pairs are summed here, so no reduction or cast follows. ``UNROLL``: the loop over the
-        ``K`` pairs unrolled, so that every pair's loads can be in flight at once (the autotuner
-        keeps it where that is faster: few programs, ``N / BLOCK_N``, each read ``K`` rows)."""
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        if UNROLL:
-            for pair in tl.static_range(K):
-                acc += _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, b_ptr, pair, offs_n, N, FFN,
-                                  stride_e, stride_n, BLOCK_N, BLOCK_K, FMT, TILE, BIAS, SWIGLU)
-        else:
-            for pair in range(K):
-                acc += _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, b_ptr, pair, offs_n, N, FFN,
-                                  stride_e, stride_n, BLOCK_N, BLOCK_K, FMT, TILE, BIAS, SWIGLU)
-        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
-
     @triton.autotune(configs=_configs([(4, 256, 4, _TILE), (8, 256, 4, _TILE), (16, 256, 4, _TILE), (2, 256, 4, _TILE),
                                        (8, 256, 4, _NO_TILE), (4, 256, 4, _NO_TILE), (16, 256, 4, _NO_TILE),
                                        (32, 256, 4, _NO_TILE), (16, 256, 8, _NO_TILE)]),
@@ -492,11 +459,13 @@ if triton is not None:
                            FFN: tl.constexpr, stride_e, stride_n, K: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, FMT: tl.constexpr, TILE: tl.constexpr, BIAS: tl.constexpr = False,
                            SWIGLU: tl.constexpr = True):
-        """``_down_sum_kernel``'s result with one program per pair and block of outputs, so that all
-        ``K`` pairs' rows are read at once: each program stores its pair's weighted part in
-        ``part [K, N]`` (float32) and counts itself in ``cnt[block]``; the block's last program sums
-        the parts in pair order (the same float32 sum as ``_down_sum_kernel``), stores the result in
-        out's dtype and sets the count back to 0 for the next call."""
+        """out[n] = sum_j scale[j] * (w[row_j, n, :] . (silu(h[j, :FFN]) * h[j, FFN:]) [+ b[row_j, n]]), in
+        out's dtype (``SWIGLU`` False: ``h[j, :FFN]`` as the inputs, an activation computed before).
+        One program per pair and block of outputs, so that all ``K`` pairs' rows are read at once
+        (a program per block looping over the pairs read at ~1.2 TB/s on the H100 at S1's shapes
+        against ~2.1 here): each stores its pair's weighted part in ``part [K, N]`` (float32) and
+        counts itself in ``cnt[block]``; the block's last program sums the parts in pair order,
+        stores the result in out's dtype and sets the count back to 0 for the next call."""
         blk = tl.program_id(0)
         pair = tl.program_id(1)
         offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -578,33 +547,29 @@ if triton is not None:
         tl.store(out_ptr + h * HD + d, o.to(out_ptr.dtype.element_ty), mask=d < HD)
 
     @triton.jit
-    def _pick_topk(p, offs, valid, ids_ptr, w_ptr, counts_ptr, scaling, K: tl.constexpr, KP: tl.constexpr,
-                   BLOCK_E: tl.constexpr, NORM: tl.constexpr):
+    def _pick_topk(p, offs, valid, ids_ptr, w_ptr, counts_ptr, scaling, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                   NORM: tl.constexpr):
         """The ``K`` largest of the probabilities ``p [BLOCK_E]`` (descending, the lowest index among
-        equals), renormalised when ``NORM``, times ``scaling``: stored at ``ids_ptr`` / ``w_ptr``, and
-        each pick counted in ``counts``."""
+        equals first), renormalised when ``NORM``, times ``scaling``: stored at ``ids_ptr`` /
+        ``w_ptr``, and each pick counted in ``counts``. Each value's rank is counted against all the
+        others at once (one ``[BLOCK_E, BLOCK_E]`` comparison), not found by ``K`` rounds of max."""
         work = tl.where(valid, p, -1.0)
-        slots = tl.arange(0, KP)
-        top_v = tl.zeros((KP,), dtype=tl.float32)
-        top_i = tl.zeros((KP,), dtype=tl.int64)
-        for j in tl.static_range(K):
-            best = tl.max(work, axis=0)
-            idx = tl.min(tl.where(work == best, offs, BLOCK_E), axis=0)
-            top_v = tl.where(slots == j, best, top_v)
-            top_i = tl.where(slots == j, idx.to(tl.int64), top_i)
-            work = tl.where(offs == idx, -1.0, work)
+        wo = work[None, :]  # the others
+        ahead = (wo > work[:, None]) | ((wo == work[:, None]) & (offs[None, :] < offs[:, None]))
+        rank = tl.sum(ahead.to(tl.int32), axis=1)
+        pick = valid & (rank < K)
+        top = tl.where(pick, p, 0.0)
         if NORM:
-            top_v = top_v / tl.sum(tl.where(slots < K, top_v, 0.0), axis=0)
-        top_v = top_v * scaling
-        keep = slots < K
-        tl.store(ids_ptr + slots, top_i, mask=keep)
-        tl.store(w_ptr + slots, top_v.to(w_ptr.dtype.element_ty), mask=keep)
-        tl.atomic_add(counts_ptr + top_i, tl.full((KP,), 1, tl.int64), mask=keep)
+            top = top / tl.sum(top, axis=0)
+        top = top * scaling
+        tl.store(ids_ptr + rank, offs.to(tl.int64), mask=pick)
+        tl.store(w_ptr + rank, top.to(w_ptr.dtype.element_ty), mask=pick)
+        tl.atomic_add(counts_ptr + offs, tl.full((BLOCK_E,), 1, tl.int64), mask=pick)
 
     @triton.jit
     def _router_route_kernel(x_ptr, r_ptr, b_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, counts_ptr, E, scaling,
                              H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr,
-                             KP: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr):
+                             BLOCK_E: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr):
         """Router and softmax top-k of one token in one launch: program ``pid`` computes the logits of
         experts ``pid * ROWS ..`` (``x [H] . r[e, :]`` in float32, plus ``b[e]`` with ``BIAS``, rounded
         to x's dtype as a separate product would be) into ``logit_ptr [E]`` (float32); the last
@@ -629,19 +594,19 @@ if triton is not None:
             valid = offs < E
             lg = tl.load(logit_ptr + offs, mask=valid, other=-float("inf"), cache_modifier=".cg")
             e = tl.where(valid, tl.exp(lg - tl.max(lg, axis=0)), 0.0)
-            _pick_topk(e / tl.sum(e, axis=0), offs, valid, ids_ptr, w_ptr, counts_ptr, scaling, K, KP, BLOCK_E, NORM)
+            _pick_topk(e / tl.sum(e, axis=0), offs, valid, ids_ptr, w_ptr, counts_ptr, scaling, K, BLOCK_E, NORM)
             tl.atomic_xchg(cnt_ptr, 0)
 
     @triton.jit
     def _route_kernel(logits_ptr, ids_ptr, w_ptr, counts_ptr, E, scaling,
-                      K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr):
+                      K: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr):
         """Softmax over ``E`` logits, the ``K`` largest (descending), renormalised when ``NORM``,
         times ``scaling``; counts each pick."""
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
         x = tl.load(logits_ptr + offs, mask=valid, other=-float("inf")).to(tl.float32)
         e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
-        _pick_topk(e / tl.sum(e, axis=0), offs, valid, ids_ptr, w_ptr, counts_ptr, scaling, K, KP, BLOCK_E, NORM)
+        _pick_topk(e / tl.sum(e, axis=0), offs, valid, ids_ptr, w_ptr, counts_ptr, scaling, K, BLOCK_E, NORM)
 
     @triton.jit
     def _qkv_rope_cache_kernel(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
@@ -695,7 +660,7 @@ def qkv_rope_cache(qkv: torch.Tensor, norm: torch.Tensor | None, cos: torch.Tens
     return q
 
 
-_NEW_FORMS = ("TILE", "UNROLL")
+_NEW_FORMS = ("TILE",)
 """Autotuning constexprs of kernel forms not yet run on a GPU before (``run_dropping_new_forms``)."""
 
 
@@ -885,7 +850,7 @@ def route_softmax_topk(logits: torch.Tensor, k: int, norm: bool, scaling: float,
     E = logits.shape[-1]
     ids = torch.empty((1, k), dtype=torch.int64, device=logits.device)
     weights = torch.empty((1, k), dtype=logits.dtype, device=logits.device)
-    _route_kernel[(1,)](logits, ids, weights, counts, E, float(scaling), K=k, KP=triton.next_power_of_2(k),
+    _route_kernel[(1,)](logits, ids, weights, counts, E, float(scaling), K=k,
                         BLOCK_E=triton.next_power_of_2(E), NORM=norm)
     return ids, weights
 
@@ -910,6 +875,6 @@ def router_softmax_topk(x: torch.Tensor, router: torch.Tensor, bias: torch.Tenso
     weights = torch.empty((1, k), dtype=x.dtype, device=x.device)
     _router_route_kernel[(triton.cdiv(E, ROUTER_ROWS),)](
         x, router, bias if bias is not None else router, ws[0], ws[1], ids, weights, counts, E, float(scaling),
-        H=H, ROWS=ROUTER_ROWS, BLOCK_H=min(512, triton.next_power_of_2(H)), K=k, KP=triton.next_power_of_2(k),
+        H=H, ROWS=ROUTER_ROWS, BLOCK_H=min(512, triton.next_power_of_2(H)), K=k,
         BLOCK_E=triton.next_power_of_2(E), NORM=norm, BIAS=bias is not None)
     return ids, weights
