@@ -8,9 +8,9 @@ median replay over the calls. Cases (bf16 and Q8_0 experts):
 
 - ``gate_up`` / ``down``: ``_gate_up_kernel`` / ``_down_split_kernel`` alone; ``experts``:
   ``experts_one_token`` as the engine calls it.
-- ``qkv`` / ``o`` / ``router``: ``F.linear`` (cuBLAS) against ``packed.dense_matvec`` (the engine's
-  path for them) and ``packed._matvec_kernel`` (one pass over whole rows) on bf16 rows.
-- ``route``: router product plus ``route_softmax_topk`` against ``router_softmax_topk`` (one kernel).
+- ``qkv`` / ``o`` / ``router``: ``F.linear`` (cuBLAS) against ``packed._matvec_kernel`` (one pass
+  over whole rows; the engine's path for a router, ``packed.float_matvec``) on bf16 rows.
+- ``route``: the router's product (cuBLAS, or ``float_matvec``) then ``route_softmax_topk``.
 
     python scripts/time_decode_kernels.py --json out.json
 """
@@ -127,31 +127,19 @@ def dense_cases(calls: int, reps: int, dev) -> dict:
         torch.cuda.synchronize()
         err = (outs[0].float() - F.linear(x, ws[0]).float()).abs().max().item()
         r = {"matvec_max_abs_diff": err}
-        for form, fn in (("cublas", lambda j, x=x, ws=ws: F.linear(x, ws[j])), ("matvec", mv),
-                         ("dense_matvec", lambda j, x=x, ws=ws: packed.dense_matvec(x, ws[j]))):
+        for form, fn in (("cublas", lambda j, x=x, ws=ws: F.linear(x, ws[j])), ("matvec", mv)):
             us = per_call_us([lambda j=j, fn=fn: fn(j) for j in range(calls)], reps)
             r[form] = {"us": us, "GB/s": nbytes / us / 1e3}
         res[name] = r
-    # routing: the router's product then the route kernel, against the fused kernel
+    # routing: the router's product, then softmax and top-k
     x = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
     rs = [torch.randn(E, H, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(calls)]
     counts = torch.zeros(E, dtype=torch.int64, device=dev)
-
-    def two(j):
-        gpu_kernels.route_softmax_topk(F.linear(x, rs[j]), K, True, 1.0, counts)
-
-    def one(j):
-        gpu_kernels.router_softmax_topk(x, rs[j], None, K, True, 1.0, counts)
-
-    ia, wa = gpu_kernels.route_softmax_topk(F.linear(x, rs[0]), K, True, 1.0, counts)
-    ib, wb = gpu_kernels.router_softmax_topk(x, rs[0], None, K, True, 1.0, counts)
-    torch.cuda.synchronize()
-    r = {"same_ids": bool(torch.equal(ia, ib)), "weights_max_abs_diff": (wa.float() - wb.float()).abs().max().item()}
-    r["two_kernels_us"] = per_call_us([lambda j=j: two(j) for j in range(calls)], reps)
-    for rows in (2, 4, 8, 16):
-        gpu_kernels.ROUTER_ROWS = rows
-        r[f"fused_rows{rows}_us"] = per_call_us([lambda j=j: one(j) for j in range(calls)], reps)
-    gpu_kernels.ROUTER_ROWS = 4
+    r = {}
+    for form, product in (("cublas", lambda j: F.linear(x, rs[j])), ("matvec", lambda j: packed.float_matvec(x, rs[j]))):
+        r[f"{form}_then_route_us"] = per_call_us(
+            [lambda j=j, product=product: gpu_kernels.route_softmax_topk(product(j), K, True, 1.0, counts)
+             for j in range(calls)], reps)
     res["route"] = r
     return res
 

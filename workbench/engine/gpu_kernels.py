@@ -567,37 +567,6 @@ if triton is not None:
         tl.atomic_add(counts_ptr + offs, tl.full((BLOCK_E,), 1, tl.int64), mask=pick)
 
     @triton.jit
-    def _router_route_kernel(x_ptr, r_ptr, b_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, counts_ptr, E, scaling,
-                             H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr,
-                             BLOCK_E: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr):
-        """Router and softmax top-k of one token in one launch: program ``pid`` computes the logits of
-        experts ``pid * ROWS ..`` (``x [H] . r[e, :]`` in float32, plus ``b[e]`` with ``BIAS``, rounded
-        to x's dtype as a separate product would be) into ``logit_ptr [E]`` (float32); the last
-        program to finish (``cnt_ptr``, set back to 0) does ``_route_kernel``'s softmax and top-k."""
-        pid = tl.program_id(0)
-        rows = pid * ROWS + tl.arange(0, ROWS)
-        rm = rows < E
-        acc = tl.zeros((ROWS,), dtype=tl.float32)
-        for h0 in tl.static_range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            hm = offs_h < H
-            x = tl.load(x_ptr + offs_h, mask=hm, other=0.0).to(tl.float32)
-            w = tl.load(r_ptr + rows[:, None] * H + offs_h[None, :], mask=rm[:, None] & hm[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        if BIAS:
-            acc += tl.load(b_ptr + rows, mask=rm, other=0.0).to(tl.float32)
-        acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(logit_ptr + rows, acc, mask=rm)
-        tl.debug_barrier()  # every thread's logits stored before the count says so
-        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            offs = tl.arange(0, BLOCK_E)
-            valid = offs < E
-            lg = tl.load(logit_ptr + offs, mask=valid, other=-float("inf"), cache_modifier=".cg")
-            e = tl.where(valid, tl.exp(lg - tl.max(lg, axis=0)), 0.0)
-            _pick_topk(e / tl.sum(e, axis=0), offs, valid, ids_ptr, w_ptr, counts_ptr, scaling, K, BLOCK_E, NORM)
-            tl.atomic_xchg(cnt_ptr, 0)
-
-    @triton.jit
     def _route_kernel(logits_ptr, ids_ptr, w_ptr, counts_ptr, E, scaling,
                       K: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr):
         """Softmax over ``E`` logits, the ``K`` largest (descending), renormalised when ``NORM``,
@@ -852,29 +821,4 @@ def route_softmax_topk(logits: torch.Tensor, k: int, norm: bool, scaling: float,
     weights = torch.empty((1, k), dtype=logits.dtype, device=logits.device)
     _route_kernel[(1,)](logits, ids, weights, counts, E, float(scaling), K=k,
                         BLOCK_E=triton.next_power_of_2(E), NORM=norm)
-    return ids, weights
-
-
-ROUTER_ROWS = 4
-"""Experts whose router logits one program of ``router_softmax_topk`` computes."""
-
-
-def router_softmax_topk(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, k: int, norm: bool,
-                        scaling: float, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``route_softmax_topk(F.linear(x, router, bias), ...)`` in one kernel: ``x [1, H]``, ``router
-    [E, H]`` (x's dtype, contiguous), ``bias [E]`` or None -> ``ids [1, k]`` int64 and weights ``[1, k]``
-    (x's dtype); adds 1 to ``counts [E]`` per pick. No host sync; capturable in a CUDA graph once
-    made (its logits and count buffers are the router's, made on the first call)."""
-    E, H = router.shape
-    key = (router.data_ptr(), router.device, "router")
-    ws = _workspaces.get(key)
-    if ws is None:
-        ws = (torch.empty(E, dtype=torch.float32, device=x.device), torch.zeros(1, dtype=torch.int32, device=x.device))
-        _workspaces[key] = ws
-    ids = torch.empty((1, k), dtype=torch.int64, device=x.device)
-    weights = torch.empty((1, k), dtype=x.dtype, device=x.device)
-    _router_route_kernel[(triton.cdiv(E, ROUTER_ROWS),)](
-        x, router, bias if bias is not None else router, ws[0], ws[1], ids, weights, counts, E, float(scaling),
-        H=H, ROWS=ROUTER_ROWS, BLOCK_H=min(512, triton.next_power_of_2(H)), K=k,
-        BLOCK_E=triton.next_power_of_2(E), NORM=norm, BIAS=bias is not None)
     return ids, weights

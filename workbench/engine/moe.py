@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import gpu_kernels
+from . import gpu_kernels, packed
 from .experts import LayerExperts
 from .families import ModelArgs
 from .model import DenseMlp
@@ -94,13 +94,13 @@ class MoeBlock:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router and selection for ``x [T, H]``: ``ids``, ``weights [T, k]``; counts the picks on the device."""
         a = self.args
-        one = x.shape[0] == 1 and a.router == "softmax_topk" and not a.group_limited
-        if (one and not a.family.startswith("deepseek") and gpu_kernels.usable(x) and self.router.dtype == x.dtype
-                and self.router.is_contiguous() and x.is_contiguous()):  # one token: router, softmax, top-k and counts in one kernel
-            return gpu_kernels.router_softmax_topk(x, self.router, self.router_bias, a.top_k, a.norm_topk_prob,
-                                                   a.routed_scaling, self.counts[self.layer])
         if a.family.startswith("deepseek"):  # DeepSeek routes in float32
             logits = F.linear(x.float(), self.router.float())  # [T, E]
+        elif (x.shape[0] == 1 and gpu_kernels.usable(x) and self.router.dtype == x.dtype and x.is_contiguous()
+              and self.router.is_contiguous()):  # one token: the one-token kernel beats cuBLAS on a router
+            logits = packed.float_matvec(x, self.router)
+            if self.router_bias is not None:
+                logits = logits + self.router_bias
         else:
             logits = F.linear(x, self.router, self.router_bias)
         if (logits.shape[0] == 1 and a.router == "softmax_topk" and not a.group_limited

@@ -59,38 +59,6 @@ if triton is not None:
         acc = _row_dots(w_ptr + at, d_ptr + at // 32, x_ptr, K, rm, FMT, False, BLOCK_N, BLOCK_K, TILE)
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=rm)
 
-    @triton.autotune(configs=gpu_kernels._configs([(16, 256, 4, {"SPLIT": 2}), (16, 256, 4, {"SPLIT": 1}),
-                                                   (8, 256, 4, {"SPLIT": 2}), (16, 256, 4, {"SPLIT": 4}),
-                                                   (32, 256, 4, {"SPLIT": 2}), (8, 256, 4, {"SPLIT": 4}),
-                                                   (32, 128, 4, {"SPLIT": 4}), (8, 512, 4, {"SPLIT": 2})]),
-                     key=["N", "K"])
-    @triton.jit
-    def _dense_matvec_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, N, K: tl.constexpr, stride_n,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-        """``out[n] = w[n, :] . x`` of float rows, summed in float32, with the inputs cut in ``SPLIT``
-        parts (``pid(1)``) so that a matrix of few long rows still fills the GPU: each part's sums go
-        to ``part [SPLIT, N]``, and the block's last program (``cnt[block]``, set back to 0) adds
-        them in order and stores them in out's dtype."""
-        blk = tl.program_id(0)
-        s = tl.program_id(1)
-        KC: tl.constexpr = (K + SPLIT - 1) // SPLIT
-        offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = offs_n < N
-        at = offs_n.to(tl.int64) * stride_n + s * KC
-        acc = _row_dots(w_ptr + at, w_ptr, x_ptr + s * KC, tl.minimum(KC, K - s * KC), rm, 0, False, BLOCK_N, BLOCK_K,
-                        False)
-        if SPLIT == 1:
-            tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=rm)
-        else:
-            tl.store(part_ptr + s * N + offs_n, acc, mask=rm)
-            tl.debug_barrier()  # every thread's sums stored before the count says so
-            if tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel") == SPLIT - 1:
-                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for j in tl.static_range(SPLIT):
-                    total += tl.load(part_ptr + j * N + offs_n, mask=rm, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=rm)
-                tl.atomic_xchg(cnt_ptr + blk, 0)
-
     @triton.jit
     def _dequant_kernel(w_ptr, d_ptr, out_ptr, N, K: tl.constexpr, stride_n, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, FMT: tl.constexpr):
@@ -180,7 +148,7 @@ class Packed:
 
 
 _off: dict[str, str] = {}
-"""This module's kernels that failed to build or run here (``"matvec"``, ``"dequant"``, ``"dense"``) and why:
+"""This module's kernels that failed to build or run here (``"matvec"``, ``"dequant"``) and why:
 their PyTorch paths take over, the other Triton kernels stay on."""
 
 
@@ -249,18 +217,10 @@ def cat_rows(ws: list) -> tuple[object, list]:
     return fused, views
 
 
-DENSE_MATVEC_ROWS = 32768
-"""Float matrices of at most this many rows take ``dense_matvec`` for one token (the attention's
-projections); larger ones (the output head) stay with cuBLAS, which reads them at full speed."""
-
-
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` for ``x [T, K]`` and ``w`` a tensor, a ``Packed`` or a ``Group``:
     ``[T, N]`` in ``x``'s dtype."""
     if isinstance(w, torch.Tensor):
-        if x.shape[0] == 1 and _dense_takes(x, w):
-            out = dense_matvec(x, w)
-            return out if bias is None else out + bias
         return F.linear(x, w, bias)
     if isinstance(w, Group):
         out = torch.cat([linear(x, m) for m in w.members], dim=-1)
@@ -273,46 +233,33 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     return out if bias is None else out + bias
 
 
-def _dense_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
-            and w.shape[0] <= DENSE_MATVEC_ROWS and w.is_contiguous() and x.is_contiguous()
-            and gpu_kernels.usable(x) and x.device == w.device and "dense" not in _off)
-
-
-_dense_work: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def dense_matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [1, K] @ w.T`` for a float matrix ``w [N, K]`` (contiguous, x's dtype): ``[1, N]`` in x's
-    dtype, summed in float32 by ``_dense_matvec_kernel``. The first call per shape checks the
-    autotuning candidates against PyTorch (``kernel_check``, eager); later calls: no host sync,
-    capturable (the parts and counts buffers are ``w``'s, made on its first call). A kernel that
-    fails to build turns this path off (``_off["dense"]``) and cuBLAS goes on."""
+def float_matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [1, K] @ w.T`` for a small float matrix ``w [N, K]`` (contiguous, x's dtype) with the
+    one-token kernel: ``[1, N]`` in x's dtype, summed in float32. A MoE router's product at S1's shape
+    (128 x 2048 bf16) took 2.9 µs this way against 4.9 µs in cuBLAS on the H100; the attention's
+    larger projections gained nothing (``scripts/time_decode_kernels.py``), so they stay with cuBLAS.
+    The first call per shape checks the autotuning candidates (``kernel_check``, eager); later calls
+    capturable. A kernel that fails to build here gives ``F.linear``'s result from then on."""
     n, k = w.shape
-    key = (w.data_ptr(), w.device, n, k)
-    ws = _dense_work.get(key)
-    if ws is None:
-        ws = (torch.empty((4, n), dtype=torch.float32, device=w.device), torch.zeros(n, dtype=torch.int32, device=w.device))
-        _dense_work[key] = ws
+    if "matvec" in _off:
+        return F.linear(x, w)
 
-    def launch(x=x, w=w):
+    def launch(x=x):
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-        _dense_matvec_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](
-            x, w, out, ws[0], ws[1], n, k, w.stride(0))
+        _matvec_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, w, w, out, n, k, w.stride(0), FMT=0)
         return out
 
-    def probe():  # a random token on the first and last rows, against PyTorch
+    def probe():  # a random token, against PyTorch
         g = torch.Generator(device=x.device).manual_seed(0)
         xc = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
-        at = torch.cat([torch.arange(min(n, CHECK_ROWS)), torch.arange(max(0, n - 64), n)]).unique().to(x.device)
-        return (lambda: launch(xc)[:, at]), xc.float() @ w[at].float().T
+        return (lambda: launch(xc)), xc.float() @ w.float().T
 
     try:
-        return gpu_kernels.run_checked([_dense_matvec_kernel], launch, ("dense", n, k, x.dtype), probe)
-    except Exception as exc:  # a Triton build or launch failure: cuBLAS from now on
+        return gpu_kernels.run_checked([_matvec_kernel], launch, ("float_matvec", n, k, x.dtype), probe)
+    except Exception as exc:  # a Triton build or launch failure: PyTorch from now on
         if not gpu_kernels.failed_here(exc):
             raise
-        _turn_off("dense", exc)
+        _turn_off("matvec", exc)
         return F.linear(x, w)
 
 
