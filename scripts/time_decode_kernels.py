@@ -89,7 +89,7 @@ def expert_cases(fmt: str, calls: int, reps: int, dev) -> dict:
             x, w13, d13 if d13 is not None else w13, ids[j], rowmap, scale, hs[j], hs[j], 2 * FFN, H, w13.stride(0),
             w13.stride(1), FMT=code, BIAS=False)
 
-    part, cnt = gpu_kernels._down_workspace(w2, K, H)
+    part, cnt = gpu_kernels._down_workspace(w2, K, H, dev)
 
     def down_split(j):
         gpu_kernels._down_split_kernel[lambda m: (tri.cdiv(H, m["BLOCK_N"]), K)](

@@ -198,7 +198,7 @@ def main() -> int:
             print(f"{args.format} {team} picks {picks}: round trip {r['round_trip_s'] * 1e6:8.1f} us, kernel "
                   f"{r['kernel_s'] * 1e6:8.1f} us, hand-off {r['handoff_s'] * 1e6:7.1f} us per layer "
                   f"({threads} threads, {r['errors']} errors)", flush=True)
-        fit = per_pick_fit([r for r in rows if r["own_team"] == (team == "spin") and r["picks"] > 0])
+        fit = per_pick_fit([r for r in rows if r.get("own_team") == (team == "spin") and r.get("picks", 0) > 0])
         if fit is not None:
             rows.append({"format": args.format, "team": team, "fixed_s": fit[0], "per_pick_s": fit[1]})
             per = sum(t.numel() * t.element_size() for t in w) / args.experts  # bytes of one expert

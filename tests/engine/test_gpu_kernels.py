@@ -65,7 +65,7 @@ def test_the_split_down_projection_is_right_call_after_call():
     w13 = torch.randn(E, 2 * F_, H, device=DEV, generator=g) / H ** 0.5
     w2 = torch.randn(E, H, F_, device=DEV, generator=g) / F_ ** 0.5
     rowmap = torch.arange(E, device=DEV)
-    part, cnt = gpu_kernels._down_workspace(w2, k, H)
+    part, cnt = gpu_kernels._down_workspace(w2, k, H, DEV)
     for call in range(3):
         x = torch.randn(1, H, device=DEV, generator=g)
         ids = torch.randperm(E, device=DEV, generator=g)[:k]
@@ -75,6 +75,15 @@ def test_the_split_down_projection_is_right_call_after_call():
                   for e, s in zip(ids.tolist(), scale.tolist()))
         assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6), call
         assert not cnt.any()  # every block's count back to 0
+
+
+def test_the_down_projections_buffers_live_where_the_kernel_runs():
+    """The served bus runs the expert kernels on the GPU over stacks in page-locked host memory: the
+    split down projection's parts and counts must be on the kernel's device, not the stack's (on
+    CUDA a host buffer there fails the launch, and the bus falls back to host-driven layers)."""
+    w2 = torch.zeros(4, 8, 16)  # a host stack
+    part, cnt = gpu_kernels._down_workspace(w2, 2, 8, torch.device("meta"))
+    assert part.device.type == cnt.device.type == "meta" and part.shape == (2, 8) and cnt.shape == (8,)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -698,7 +698,7 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
         if not swiglu:  # gpt-oss's clamped SwiGLU into h's first I columns, which the down kernel reads
             h[:, :i] = activate(h, act)
         out = torch.empty((1, H), dtype=x.dtype, device=x.device)
-        part, cnt = _down_workspace(w2, k, H)
+        part, cnt = _down_workspace(w2, k, H, x.device)
         _down_split_kernel[lambda meta: (triton.cdiv(H, meta["BLOCK_N"]), k)](
             h, w2, d2 if q8 else w2, ids, rowmap, scale, out, b2 if bias else h, part, cnt, H, i, w2.stride(0),
             w2.stride(1), K=k, FMT=code2, BIAS=bias, SWIGLU=swiglu)
@@ -727,15 +727,15 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _down_workspace(w2: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _down_workspace(w2: torch.Tensor, k: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``_down_split_kernel``'s parts ``[k, n]`` float32 and block counts ``[n]`` int32 (zero between
-    calls) for the stack ``w2``: one pair per stack, made on its first call (eager, before any graph
-    capture), so calls on other stacks (tiers, layers, streams) never share one."""
-    key = (w2.data_ptr(), w2.device, k, n)
+    calls) on ``device``, where the kernel runs: the stack ``w2`` may lie elsewhere (the served bus
+    reads page-locked host stacks in place). One pair per stack and device, made on its first call
+    (eager, before any graph capture), so calls on other stacks (tiers, layers, streams) never share."""
+    key = (w2.data_ptr(), torch.device(device), k, n)
     ws = _workspaces.get(key)
     if ws is None:
-        ws = (torch.empty((k, n), dtype=torch.float32, device=w2.device),
-              torch.zeros(n, dtype=torch.int32, device=w2.device))
+        ws = (torch.empty((k, n), dtype=torch.float32, device=device), torch.zeros(n, dtype=torch.int32, device=device))
         _workspaces[key] = ws
     return ws
 
