@@ -103,6 +103,7 @@ def test_kept_block_rates_are_fitted_to_the_resident_runs_in_their_format(monkey
 
     monkeypatch.setattr(calibrate_engine, "_decode_seconds", record)
     monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
+    monkeypatch.setattr(calibrate_engine, "REPEATS", 1)  # Triton's interpreter runs the kept kernels here
     base = preset("bench-h200")
     rates = {"q8_0": 1.5e12, "q4_k": 6e11}
     base = replace(base, gpus=(replace(base.gpus[0], expert_throughput=rates),))

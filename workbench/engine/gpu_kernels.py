@@ -450,7 +450,7 @@ if triton is not None:
             part += tl.load(b_ptr + row * N + offs_n, mask=rm, other=0.0).to(tl.float32)
         return tl.where(active, part * s, 0.0)
 
-    @triton.autotune(configs=_configs([(4, 256, 4, _TILE), (8, 256, 4, _TILE), (16, 256, 4, _TILE), (2, 256, 4, _TILE),
+    @triton.autotune(configs=_configs([(16, 256, 4, _TILE), (8, 256, 4, _TILE), (4, 256, 4, _TILE), (2, 256, 4, _TILE),
                                        (8, 256, 4, _NO_TILE), (4, 256, 4, _NO_TILE), (16, 256, 4, _NO_TILE),
                                        (32, 256, 4, _NO_TILE), (16, 256, 8, _NO_TILE)]),
                      key=["N", "FFN", "K", "FMT"])
