@@ -169,9 +169,16 @@ def test_a_thread_that_does_not_answer_ends_the_server_not_the_step(tiny_model_d
         engine.forward(torch.tensor([out[-1]]), len(PROMPT))  # makes the decode step and its server
         server = engine._decoder.server
         assert server is not None
+        from workbench.engine.bench import EngineRun, engine_paths, path_warnings
+
+        assert engine_paths(engine)["decode_server_off"] is None
         server.native.stop()  # the thread is gone: nothing answers
         tokens = greedy_tokens(engine, PROMPT, N_NEW)
         assert engine._decoder.server is None  # the step went on host-driven
+        paths = engine_paths(engine)  # and a bench run says so beside its figures
+        assert paths["served_layers"] == [] and "did not answer" in paths["decode_server_off"]
+        run = EngineRun(label="frequency", strategy="frequency", engine_paths=paths)
+        assert path_warnings([run]) and "decode server went off" in path_warnings([run])[0]
     finally:
         engine.close()
     if TEST_DTYPE == torch.float32:

@@ -343,7 +343,8 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
     decode without the decode server), ``served_layers`` / ``served_bus_pairs`` (the decode server's
     hybrid layers and the (token, expert) pairs its bus kernels computed so far), ``kept``
     (``{layer: "gate/up format+down format"}``), ``tiers`` (``{layer: [resident, compute, stream]}``
-    expert counts), ``dropped_candidates`` (kernel candidates this process found computing wrong
+    expert counts), ``decode_server_off`` (why hybrid layers went back to host-driven steps, which
+    the cost model does not predict; None when they did not), ``dropped_candidates`` (kernel candidates this process found computing wrong
     here: ``kernel_check.dropped``) and, given its routing ``counts [L, E]``, ``cpu_selected`` (``{layer: selections of
     CPU-tier experts per token}``: the host work of each hybrid layer), ``prompt_pair_reads`` (the
     prompt split's cost of a further token per CPU expert, in reads; None: a read per token) and
@@ -357,6 +358,7 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
     decoder = getattr(engine, "_decoder", None)
     server = getattr(decoder, "server", None)
     out["served_layers"] = sorted(server.layers) if server is not None else []
+    out["decode_server_off"] = getattr(decoder, "unserved", None)
     out["served_bus_pairs"] = server.bus_pairs if server is not None else 0
     out["prompt_pair_reads"] = getattr(engine, "prompt_pair_reads", None)
     out["cpu_huge_pages"] = huge_page_share(engine)
@@ -369,6 +371,13 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
                 cpu[str(layer)] = round(float(c[lx.tier > RESIDENT].sum() / c.sum() * k), 3)
         out["cpu_selected"] = cpu
     return out
+
+
+def path_warnings(runs: list[EngineRun]) -> list[str]:
+    """Lines for the runs whose engine left its fast path (the decode server turned off): their
+    figures are the fallback's, not what the placement and the model stand for."""
+    return [f"WARNING {r.label}: the decode server went off ({r.engine_paths['decode_server_off']}); "
+            "its hybrid layers ran host-driven steps" for r in runs if r.engine_paths.get("decode_server_off")]
 
 
 def huge_page_share(engine) -> float | None:
@@ -581,6 +590,8 @@ def run_command(args) -> int:
                                      ("error", "error")]))
         print()
     print(markdown_table(rows, RUN_COLUMNS))
+    for line in path_warnings(runs):
+        print("\n" + line)
     if ratios:
         print("\n" + ", ".join(f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}" for k, v in ratios.items()))
     return 0 if all(r.ok for r in runs) else 1

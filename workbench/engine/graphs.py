@@ -49,6 +49,7 @@ class DecodeStep:
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.env: dict = {}
+        self.unserved: str | None = None  # why hybrid layers went without the decode server (None: they did not)
         self.server = self._server()
         self.pieces = self._pieces()
         self.schedule: list | None = None  # after capture: ("graph", g) / ("record", experts) / ("host", fn)
@@ -69,6 +70,7 @@ class DecodeStep:
             return served.DecodeServer(e.device, layers, e.args.top_k, e.args.hidden, served.server_threads())
         except Exception as exc:  # noqa: BLE001 - the host-driven steps still work
             log.warning("decode server unavailable, hybrid layers wait on the host: %s", exc)
+            self.unserved = f"{type(exc).__name__}: {exc}"
             return None
 
     def close(self) -> None:
@@ -80,6 +82,7 @@ class DecodeStep:
     def _unserve(self, why: str) -> None:
         """Go on without the decode server: host-driven hybrid layers, graphs captured again."""
         log.warning("decode steps go on without the decode server: %s", why)
+        self.unserved = why
         self.close()
         self.pieces = self._pieces()
         self.schedule = None

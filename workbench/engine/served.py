@@ -279,7 +279,7 @@ class DecodeServer:
         """Raise ``ServedError`` if a layer of the steps so far timed out or failed (reads the
         device's status: call after the step's result is needed anyway)."""
         if int(self.status[0]) or self.native.errors():
-            raise ServedError(f"the CPU experts' thread did not answer within {TIMEOUT_S:.0f} s or failed on a "
+            raise ServedError(f"the CPU experts' thread did not answer within {TIMEOUT_S:g} s or failed on a "
                               f"packet ({self.native.errors()} failed)")
 
     @property
