@@ -48,6 +48,9 @@
 # the side-by-side stages. Stage candidates: scripts/check_kernel_candidates.py (each autotuning
 # candidate of the one-token kernels against PyTorch at S1's shapes, and what the engine's check keeps;
 # $OUT/candidates.txt); stage explore: the same with more forms tried ($OUT/explore.txt).
+# After a change to the GPU kernels, run served_tests (and gpu_tests) before the side-by-side stages: the
+# served decode's bus runs the expert kernels over page-locked host stacks, a path only CUDA exercises, and
+# a failure there sends the hybrid layers back to host-driven steps (the bench prints a WARNING per run).
 # A session's run in one call (~560 s; carry .llamacpp/pack, or .llamacpp after
 # `scripts/build_llamacpp.sh fetch` (stage build then takes ~250 s in the background), and .llamacpp/whl):
 #   OUT=$OUT BENCH_ALL_GPU=0 BENCH_TIME_S=570 CANDIDATES_TIME_S=150 scripts/bench_device.sh build candidates \
