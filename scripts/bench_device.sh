@@ -179,7 +179,7 @@ stage_cap_tests() {  # the engine's VRAM cap on CUDA (carry .llamacpp/whl: gguf)
         tests/engine/test_memory_cap.py >"$OUT/cap_tests.txt" 2>&1; log "cap tests rc $?"; tail -3 "$OUT/cap_tests.txt" | tee -a "$OUT/device.log"
 }
 stage_handoff() {  # the decode server's hand-off per hybrid layer against the CPU experts' own time
-    for f in "bf16 0,1,2" "q8_0 0,1"; do set -- $f
+    for f in "bf16 0,1,2" "q8_0 0,1,2,3"; do set -- $f
         timeout 120 python3 scripts/time_served_handoff.py --format "$1" --picks "$2" 2>&1 | tee -a "$OUT/handoff.txt"
     done
     tail -8 "$OUT/handoff.txt" >>"$OUT/device.log"
