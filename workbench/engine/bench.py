@@ -344,9 +344,10 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
     hybrid layers and the (token, expert) pairs its bus kernels computed so far), ``kept``
     (``{layer: "gate/up format+down format"}``), ``tiers`` (``{layer: [resident, compute, stream]}``
     expert counts), ``decode_server_off`` (why hybrid layers went back to host-driven steps, which
-    the cost model does not predict; None when they did not), ``dropped_candidates`` (kernel candidates this process found computing wrong
-    here: ``kernel_check.dropped``) and, given its routing ``counts [L, E]``, ``cpu_selected`` (``{layer: selections of
-    CPU-tier experts per token}``: the host work of each hybrid layer), ``prompt_pair_reads`` (the
+    the cost model does not predict; None when they did not), ``dropped_candidates`` (kernel
+    candidates this process found computing wrong here: ``kernel_check.dropped``) and, given its
+    routing ``counts [L, E]``, ``cpu_selected`` (``{layer: selections of CPU-tier experts per
+    token}``: the host work of each hybrid layer), ``prompt_pair_reads`` (the
     prompt split's cost of a further token per CPU expert, in reads; None: a read per token) and
     ``cpu_huge_pages`` (the share of the CPU tier's stack bytes the OS backs with huge pages now,
     ``hostmem.huge_bytes``; None without a CPU tier)."""

@@ -547,12 +547,17 @@ if triton is not None:
         tl.store(out_ptr + h * HD + d, o.to(out_ptr.dtype.element_ty), mask=d < HD)
 
     @triton.jit
-    def _pick_topk(p, offs, valid, ids_ptr, w_ptr, counts_ptr, scaling, K: tl.constexpr, BLOCK_E: tl.constexpr,
-                   NORM: tl.constexpr):
-        """The ``K`` largest of the probabilities ``p [BLOCK_E]`` (descending, the lowest index among
-        equals first), renormalised when ``NORM``, times ``scaling``: stored at ``ids_ptr`` /
-        ``w_ptr``, and each pick counted in ``counts``. Each value's rank is counted against all the
-        others at once (one ``[BLOCK_E, BLOCK_E]`` comparison), not found by ``K`` rounds of max."""
+    def _route_kernel(logits_ptr, ids_ptr, w_ptr, counts_ptr, E, scaling,
+                      K: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr):
+        """Softmax over ``E`` logits, the ``K`` largest (descending, the lowest index among equals
+        first), renormalised when ``NORM``, times ``scaling``; counts each pick. Each probability's
+        rank is counted against all the others at once (one ``[BLOCK_E, BLOCK_E]`` comparison), not
+        found by ``K`` rounds of max."""
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < E
+        x = tl.load(logits_ptr + offs, mask=valid, other=-float("inf")).to(tl.float32)
+        e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
+        p = e / tl.sum(e, axis=0)
         work = tl.where(valid, p, -1.0)
         wo = work[None, :]  # the others
         ahead = (wo > work[:, None]) | ((wo == work[:, None]) & (offs[None, :] < offs[:, None]))
@@ -565,17 +570,6 @@ if triton is not None:
         tl.store(ids_ptr + rank, offs.to(tl.int64), mask=pick)
         tl.store(w_ptr + rank, top.to(w_ptr.dtype.element_ty), mask=pick)
         tl.atomic_add(counts_ptr + offs, tl.full((BLOCK_E,), 1, tl.int64), mask=pick)
-
-    @triton.jit
-    def _route_kernel(logits_ptr, ids_ptr, w_ptr, counts_ptr, E, scaling,
-                      K: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr):
-        """Softmax over ``E`` logits, the ``K`` largest (descending), renormalised when ``NORM``,
-        times ``scaling``; counts each pick."""
-        offs = tl.arange(0, BLOCK_E)
-        valid = offs < E
-        x = tl.load(logits_ptr + offs, mask=valid, other=-float("inf")).to(tl.float32)
-        e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
-        _pick_topk(e / tl.sum(e, axis=0), offs, valid, ids_ptr, w_ptr, counts_ptr, scaling, K, BLOCK_E, NORM)
 
     @triton.jit
     def _qkv_rope_cache_kernel(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
@@ -724,7 +718,7 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     return run_checked([_gate_up_kernel, _down_split_kernel], launch, key, probe)
 
 
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_down_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _down_workspace(w2: torch.Tensor, k: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -733,10 +727,10 @@ def _down_workspace(w2: torch.Tensor, k: int, n: int, device: torch.device) -> t
     reads page-locked host stacks in place). One pair per stack and device, made on its first call
     (eager, before any graph capture), so calls on other stacks (tiers, layers, streams) never share."""
     key = (w2.data_ptr(), torch.device(device), k, n)
-    ws = _workspaces.get(key)
+    ws = _down_workspaces.get(key)
     if ws is None:
         ws = (torch.empty((k, n), dtype=torch.float32, device=device), torch.zeros(n, dtype=torch.int32, device=device))
-        _workspaces[key] = ws
+        _down_workspaces[key] = ws
     return ws
 
 

@@ -131,10 +131,7 @@ class Packed:
         w = self.parts[0]
 
         def launch(x=x):
-            out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-            _matvec_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-                x.contiguous(), w, self.parts[-1], out, n, self.k, w.stride(0), FMT=_FMT[self.fmt])
-            return out
+            return _launch_matvec(x.contiguous(), w, self.parts[-1], self.k, _FMT[self.fmt])
 
         def probe():  # a random token; the first and last rows against PyTorch's decoding (kernel_check)
             g = torch.Generator(device=x.device).manual_seed(0)
@@ -225,7 +222,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     if isinstance(w, Group):
         out = torch.cat([linear(x, m) for m in w.members], dim=-1)
     elif x.shape[0] == 1 and x.dim() == 2 and gpu_kernels.usable(x) and x.device == w.device and "matvec" not in _off:
-        out = _matvec_or_none(x, w)
+        out = _matvec_or_none(lambda: w.matvec(x))
         if out is None:
             out = _dequantized_linear(x, w)
     else:
@@ -241,32 +238,35 @@ def float_matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     The first call per shape checks the autotuning candidates (``kernel_check``, eager); later calls
     capturable. A kernel that fails to build here gives ``F.linear``'s result from then on."""
     n, k = w.shape
-    if "matvec" in _off:
-        return F.linear(x, w)
 
     def launch(x=x):
-        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-        _matvec_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, w, w, out, n, k, w.stride(0), FMT=0)
-        return out
+        return _launch_matvec(x, w, w, k, 0)
 
     def probe():  # a random token, against PyTorch
         g = torch.Generator(device=x.device).manual_seed(0)
         xc = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
         return (lambda: launch(xc)), xc.float() @ w.float().T
 
-    try:
-        return gpu_kernels.run_checked([_matvec_kernel], launch, ("float_matvec", n, k, x.dtype), probe)
-    except Exception as exc:  # a Triton build or launch failure: PyTorch from now on
-        if not gpu_kernels.failed_here(exc):
-            raise
-        _turn_off("matvec", exc)
-        return F.linear(x, w)
+    out = None if "matvec" in _off else _matvec_or_none(
+        lambda: gpu_kernels.run_checked([_matvec_kernel], launch, ("float_matvec", n, k, x.dtype), probe))
+    return F.linear(x, w) if out is None else out
 
 
-def _matvec_or_none(x: torch.Tensor, w: Packed) -> torch.Tensor | None:
+def _launch_matvec(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, k: int, fmt: int) -> torch.Tensor:
+    """``_matvec_kernel`` over the rows of ``w [N, ...]`` (``d``: Q8_0's scales, else ``w``; ``fmt`` its
+    ``FMT``) for ``x [1, k]``: ``[1, N]`` in x's dtype."""
+    n = w.shape[0]
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _matvec_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, w, d, out, n, k, w.stride(0), FMT=fmt)
+    return out
+
+
+def _matvec_or_none(run) -> torch.Tensor | None:
+    """``run()`` (a one-token matvec); None, with the kernel off from now on (``_off["matvec"]``),
+    where it fails to build or launch here: the caller's PyTorch path takes over."""
     try:
-        return w.matvec(x)
-    except Exception as exc:  # a Triton build or launch failure: this kernel off, dequantized rows instead
+        return run()
+    except Exception as exc:  # a Triton build or launch failure: this kernel off
         if not gpu_kernels.failed_here(exc):
             raise
         _turn_off("matvec", exc)
