@@ -181,6 +181,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="server threads (default: as the engine's)")
     ap.add_argument("--team", default="spin,omp",
                     help="the server's passes on its own spinning threads (spin), on torch's OpenMP pool (omp), or both")
+    ap.add_argument("--cpu-only", action="store_true", help="skip the accelerator's side of the hand-off")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not cpu_kernel.available():
@@ -204,7 +205,7 @@ def main() -> int:
             per = sum(t.numel() * t.element_size() for t in w) / args.experts  # bytes of one expert
             print(f"{args.format} {team} round trips over picks: {fit[0] * 1e6:.1f} us fixed per packet, "
                   f"{fit[1] * 1e6:.1f} us per pick ({per / fit[1] / 1e9:.1f} GB/s)", flush=True)
-    if torch.cuda.is_available() and served.triton is not None:
+    if torch.cuda.is_available() and served.triton is not None and not args.cpu_only:
         r = measure_cuda(args.layers, args.hidden, args.ffn, args.top_k, args.steps, threads, w, args.format,
                          own_team=args.team.split(",")[0] == "spin")
         rows.append(r)

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 #include <cmath>
@@ -127,8 +128,16 @@ inline float half_bits_to_float(const uint8_t* p) {
 }
 
 // Reads ahead of the weights: a single core's hardware prefetchers left the integer dots waiting
-// on RAM (22 against 31 G weights/s from RAM, one core, prefetching 2 KiB ahead).
-constexpr int64_t PREFETCH_BYTES = 2048;
+// on RAM (22 against 31 G weights/s from RAM, one core, prefetching 2 KiB ahead). Bytes ahead:
+// WORKBENCH_CPU_PREFETCH_BYTES (0 to 65536, a multiple of 64; default 2048), read once at load, for
+// timing other distances on a host (scripts/time_served_handoff.py).
+inline int64_t prefetch_bytes_from_env() {
+  const char* v = std::getenv("WORKBENCH_CPU_PREFETCH_BYTES");
+  if (v == nullptr || *v == '\0') return 2048;
+  const long long b = std::atoll(v);
+  return b < 0 ? 0 : std::min<long long>(65536, b / 64 * 64);
+}
+inline const int64_t PREFETCH_BYTES = prefetch_bytes_from_env();
 
 INT8DOT_HOT inline void prefetch_block(const uint8_t* b, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH_BYTES + o), _MM_HINT_T0);
