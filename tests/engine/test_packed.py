@@ -156,3 +156,26 @@ def test_a_routers_one_token_product_matches_torch(dtype, n, k):
     assert out.dtype == dtype and out.shape == (1, n)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert torch.allclose(out.double(), ref, rtol=tol, atol=tol)
+
+
+def test_a_float_projection_of_one_token_runs_on_the_matvec_where_asked(monkeypatch):
+    """``WORKBENCH_DENSE_MATVEC=1``: ``linear`` gives a float matrix's one-token product (with its bias)
+    to the Triton matvec, which agrees with ``F.linear``; prompts, other dtypes and ``=0`` keep
+    ``F.linear``. On CUDA this runs with programmatic dependent launch where the GPU has it."""
+    if not gpu_kernels.usable(torch.empty(0, device=DEV)):
+        pytest.skip("needs Triton and CUDA (or TRITON_INTERPRET=1)")
+    g = torch.Generator(device=DEV).manual_seed(3)
+    w = (torch.randn(96, 512, device=DEV, generator=g) / 512 ** 0.5).to(torch.bfloat16)
+    b = torch.randn(96, device=DEV, generator=g).to(torch.bfloat16)
+    x = torch.randn(2, 512, device=DEV, generator=g).to(torch.bfloat16)
+    monkeypatch.setenv("WORKBENCH_DENSE_MATVEC", "1")
+    assert packed.dense_matvec(x[:1], w) and not packed.dense_matvec(x, w)
+    assert not packed.dense_matvec(x[:1], w.float())
+    calls, plain = [], packed.float_matvec
+    monkeypatch.setattr(packed, "float_matvec", lambda *a: calls.append(a) or plain(*a))
+    out = packed.linear(x[:1], w, b)
+    assert calls and out.shape == (1, 96) and out.dtype == torch.bfloat16
+    ref = x[:1].double() @ w.double().T + b.double()
+    assert torch.allclose(out.double(), ref, rtol=2e-2, atol=2e-2)
+    monkeypatch.setenv("WORKBENCH_DENSE_MATVEC", "0")
+    assert not packed.dense_matvec(x[:1], w)

@@ -84,7 +84,43 @@ def usable(t: torch.Tensor) -> bool:
     return available() and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+@functools.cache
+def pdl() -> bool:
+    """Whether the one-token kernels launch with programmatic dependent launch (Hopper and later,
+    a Triton with ``launch_pdl``; ``WORKBENCH_PDL=0`` turns it off). In a decode step's CUDA graph
+    each kernel then starts while the one before it finishes: it waits (``gdc_wait``) only before
+    it reads what earlier kernels wrote, and lets the next one start once its own programs have all
+    passed that wait, so the ~1 µs between dependent kernels and each kernel's ramp-up overlap the
+    previous kernel's tail. Off under Triton's interpreter."""
+    if triton is None or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("WORKBENCH_PDL", "1") == "0":
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda as tl_cuda
+
+        has = "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl_cuda, "gdc_wait")
+        return has and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    except Exception:  # noqa: BLE001 - an older Triton or no CUDA: plain launches
+        return False
+
+
+def pdl_args() -> dict:
+    """Launch arguments of a one-token kernel that takes ``PDL``: ``PDL`` and ``launch_pdl`` when
+    ``pdl()``, else none (the kernels' ``PDL`` defaults to False)."""
+    return {"PDL": True, "launch_pdl": True} if pdl() else {}
+
+
 if triton is not None:
+
+    @triton.jit
+    def _after_inputs(PDL: tl.constexpr):
+        """With ``PDL``: wait until the kernels before this one have finished and their writes are
+        visible, then let the next kernel's programs start (they wait likewise before reading what
+        this one writes). Every program of a kernel launched with ``launch_pdl`` calls this before
+        its first read of another kernel's output and before its first store."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _inputs(x_ptr, offs, K, m, SWIGLU: tl.constexpr):
@@ -376,18 +412,20 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _add_norm_kernel(a_ptr, b_ptr, w_ptr, sum_ptr, norm_ptr, H, eps, BLOCK: tl.constexpr):
+    def _add_norm_kernel(a_ptr, b_ptr, w_ptr, sum_ptr, norm_ptr, H, eps, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
         """One row: ``s = a + b`` (rounded to the output dtype, as a separate add would), and
         ``s``'s RMS norm times ``w``."""
         offs = tl.arange(0, BLOCK)
         m = offs < H
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)  # a weight: before the wait
+        _after_inputs(PDL)
         a = tl.load(a_ptr + offs, mask=m, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
         s = (a + b).to(sum_ptr.dtype.element_ty)  # PyTorch adds bfloat16 in float32 and rounds once
         tl.store(sum_ptr + offs, s, mask=m)
         sf = s.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / H + eps)
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(norm_ptr + offs, (sf * inv * w).to(norm_ptr.dtype.element_ty), mask=m)
 
     _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -413,13 +451,14 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, b_ptr, N, K: tl.constexpr,
                         stride_e, stride_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
-                        TILE: tl.constexpr, BIAS: tl.constexpr = False):
+                        TILE: tl.constexpr, BIAS: tl.constexpr = False, PDL: tl.constexpr = False):
         """out[j, n] = w[rowmap[ids[j]], n, :] . x  (float32; ``BIAS``: plus ``b[row, n]``, rows of ``N``),
         zero where the pair is inactive. ``FMT`` 1: ``w`` int8 and ``d_ptr`` its float16 scales, one
         per 32 values along K (GGUF Q8_0); 2: ``w`` the rows' raw GGUF Q4_K bytes (``stride_n`` bytes a
         row); 3 ... 8: raw GGUF Q6_K, Q5_K, Q2_K, Q3_K, IQ4_XS, MXFP4 bytes."""
         pair = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        _after_inputs(PDL)
         row = tl.load(rowmap_ptr + tl.load(ids_ptr + pair))
         active = (row >= 0) & (tl.load(scale_ptr + pair).to(tl.float32) != 0)
         row = tl.maximum(row, 0)
@@ -458,7 +497,7 @@ if triton is not None:
     def _down_split_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, b_ptr, part_ptr, cnt_ptr, N,
                            FFN: tl.constexpr, stride_e, stride_n, K: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, FMT: tl.constexpr, TILE: tl.constexpr, BIAS: tl.constexpr = False,
-                           SWIGLU: tl.constexpr = True):
+                           SWIGLU: tl.constexpr = True, PDL: tl.constexpr = False):
         """out[n] = sum_j scale[j] * (w[row_j, n, :] . (silu(h[j, :FFN]) * h[j, FFN:]) [+ b[row_j, n]]), in
         out's dtype (``SWIGLU`` False: ``h[j, :FFN]`` as the inputs, an activation computed before).
         One program per pair and block of outputs, so that all ``K`` pairs' rows are read at once
@@ -470,6 +509,7 @@ if triton is not None:
         pair = tl.program_id(1)
         offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = offs_n < N
+        _after_inputs(PDL)
         part = _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, b_ptr, pair, offs_n, N, FFN,
                           stride_e, stride_n, BLOCK_N, BLOCK_K, FMT, TILE, BIAS, SWIGLU)
         tl.store(part_ptr + pair * N + offs_n, part, mask=nm)
@@ -484,13 +524,15 @@ if triton is not None:
     @triton.jit
     def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pm_ptr, pl_ptr, NKV, scale,
                             REP: tl.constexpr, REPP: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
-                            SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, F32_DOT: tl.constexpr):
+                            SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, F32_DOT: tl.constexpr,
+                            PDL: tl.constexpr = False):
         """Flash-decoding, first pass: the ``REP`` query heads of key/value head ``program_id(0)``
         over keys ``0..pos`` split ``SPLIT`` ways (``program_id(1)``); writes each split's running
         max ``pm``, denominator ``pl`` ``[NKV, SPLIT, REPP]`` and unnormalised output ``po [.., HDP]``
         (``HDP``: the head dim padded to the 16 a tensor-core dot needs)."""
         g = tl.program_id(0)
         sp = tl.program_id(1)
+        _after_inputs(PDL)
         n = tl.load(pos_ptr) + 1
         chunk = tl.cdiv(n, SPLIT)
         lo = sp * chunk
@@ -531,9 +573,11 @@ if triton is not None:
 
     @triton.jit
     def _decode_attn_combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, REP: tl.constexpr, REPP: tl.constexpr,
-                                    HD: tl.constexpr, HDP: tl.constexpr, SPLIT: tl.constexpr):
+                                    HD: tl.constexpr, HDP: tl.constexpr, SPLIT: tl.constexpr,
+                                    PDL: tl.constexpr = False):
         """Flash-decoding, second pass: query head ``program_id(0)``'s splits merged into ``out [HD]``."""
         h = tl.program_id(0)
+        _after_inputs(PDL)
         g = h // REP
         r = h % REP
         sp = tl.arange(0, SPLIT)
@@ -548,13 +592,14 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(logits_ptr, ids_ptr, w_ptr, counts_ptr, E, scaling,
-                      K: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr):
+                      K: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
         """Softmax over ``E`` logits, the ``K`` largest (descending, the lowest index among equals
         first), renormalised when ``NORM``, times ``scaling``; counts each pick. Each probability's
         rank is counted against all the others at once (one ``[BLOCK_E, BLOCK_E]`` comparison), not
         found by ``K`` rounds of max."""
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
+        _after_inputs(PDL)
         x = tl.load(logits_ptr + offs, mask=valid, other=-float("inf")).to(tl.float32)
         e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
         p = e / tl.sum(e, axis=0)
@@ -574,11 +619,12 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_cache_kernel(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                                slot_pos_ptr, NH, NKV, SIZE, eps, HD: tl.constexpr, HAS_NORM: tl.constexpr,
-                               ROPE: tl.constexpr, RING: tl.constexpr):
+                               ROPE: tl.constexpr, RING: tl.constexpr, PDL: tl.constexpr = False):
         """One token's q/k/v heads: RMS head norm and RoPE for q and k; q to ``q_ptr [NH, HD]``, k and v
         into the KV cache at slot ``pos % SIZE`` (a ring also records the position in ``slot_pos``)."""
         h = tl.program_id(0)
         offs = tl.arange(0, HD)
+        _after_inputs(PDL)
         pos = tl.load(pos_ptr)
         slot = pos % SIZE
         x = tl.load(qkv_ptr + h * HD + offs).to(tl.float32)
@@ -619,7 +665,7 @@ def qkv_rope_cache(qkv: torch.Tensor, norm: torch.Tensor | None, cos: torch.Tens
         qkv, norm if norm is not None else dummy, cos if cos is not None else dummy,
         sin if sin is not None else dummy, pos, q, k_cache, v_cache, slot_pos if slot_pos is not None else dummy,
         n_heads, n_kv, k_cache.shape[0], float(eps), HD=hd, HAS_NORM=norm is not None, ROPE=cos is not None,
-        RING=slot_pos is not None)
+        RING=slot_pos is not None, **pdl_args())
     return q
 
 
@@ -688,14 +734,14 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
         h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
         _gate_up_kernel[lambda meta: (k, triton.cdiv(n13, meta["BLOCK_N"]))](
             x, w13, d13 if q8 else w13, ids, rowmap, scale, h, b13 if bias else h, n13, H, w13.stride(0),
-            w13.stride(1), FMT=code13, BIAS=bias)
+            w13.stride(1), FMT=code13, BIAS=bias, **pdl_args())
         if not swiglu:  # gpt-oss's clamped SwiGLU into h's first I columns, which the down kernel reads
             h[:, :i] = activate(h, act)
         out = torch.empty((1, H), dtype=x.dtype, device=x.device)
         part, cnt = _down_workspace(w2, k, H, x.device)
         _down_split_kernel[lambda meta: (triton.cdiv(H, meta["BLOCK_N"]), k)](
             h, w2, d2 if q8 else w2, ids, rowmap, scale, out, b2 if bias else h, part, cnt, H, i, w2.stride(0),
-            w2.stride(1), K=k, FMT=code2, BIAS=bias, SWIGLU=swiglu)
+            w2.stride(1), K=k, FMT=code2, BIAS=bias, SWIGLU=swiglu, **pdl_args())
         return out
 
     def probe():  # a random token on the rows this call reads (else the first): kernel_check's probe
@@ -775,7 +821,7 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
     H = a.shape[-1]
     s = torch.empty_like(a)
     n = torch.empty_like(a)
-    _add_norm_kernel[(1,)](a, b, weight, s, n, H, float(eps), BLOCK=triton.next_power_of_2(H))
+    _add_norm_kernel[(1,)](a, b, weight, s, n, H, float(eps), BLOCK=triton.next_power_of_2(H), **pdl_args())
     return s, n
 
 
@@ -799,9 +845,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pl = torch.empty((n_kv, split, repp), dtype=torch.float32, device=dev)
     _decode_attn_kernel[(n_kv, split)](q, k_cache, v_cache, pos, po, pm, pl, n_kv, float(scale), REP=rep, REPP=repp,
                                        HD=hd, HDP=hdp, SPLIT=split, BLOCK_S=64,
-                                       F32_DOT=k_cache.dtype == torch.float32 or not q.is_cuda)
+                                       F32_DOT=k_cache.dtype == torch.float32 or not q.is_cuda, **pdl_args())
     out = torch.empty((1, n_heads * hd), dtype=q.dtype, device=dev)
-    _decode_attn_combine_kernel[(n_heads,)](po, pm, pl, out, REP=rep, REPP=repp, HD=hd, HDP=hdp, SPLIT=split)
+    _decode_attn_combine_kernel[(n_heads,)](po, pm, pl, out, REP=rep, REPP=repp, HD=hd, HDP=hdp, SPLIT=split,
+                                            **pdl_args())
     return out
 
 
@@ -814,5 +861,5 @@ def route_softmax_topk(logits: torch.Tensor, k: int, norm: bool, scaling: float,
     ids = torch.empty((1, k), dtype=torch.int64, device=logits.device)
     weights = torch.empty((1, k), dtype=logits.dtype, device=logits.device)
     _route_kernel[(1,)](logits, ids, weights, counts, E, float(scaling), K=k,
-                        BLOCK_E=triton.next_power_of_2(E), NORM=norm)
+                        BLOCK_E=triton.next_power_of_2(E), NORM=norm, **pdl_args())
     return ids, weights

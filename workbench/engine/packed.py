@@ -18,6 +18,7 @@ A plain tensor goes straight to ``F.linear`` / ``F.embedding``.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ if triton is not None:
     import triton.language as tl
 
     _row_dots = gpu_kernels._row_dots
+    _after_inputs = gpu_kernels._after_inputs
     _block_tile = gpu_kernels._block_tile
 
     _T, _NT = {"TILE": True}, {"TILE": False}
@@ -49,14 +51,30 @@ if triton is not None:
                                                    (32, 128, 4, _NT), (32, 128, 4, _T)]), key=["N", "K", "FMT"])
     @triton.jit
     def _matvec_kernel(x_ptr, w_ptr, d_ptr, out_ptr, N, K: tl.constexpr, stride_n, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, FMT: tl.constexpr, TILE: tl.constexpr):
+                       BLOCK_K: tl.constexpr, FMT: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr = False):
         """``out[n] = w[n, :] . x`` for rows ``n`` of block ``pid(0)``, summed in float32 and stored in
         out's dtype. ``FMT`` 1: ``w`` int8 [N, K] with float16 scales at ``d_ptr`` [N, K/32]; 2 / 3:
-        raw Q4_K / Q6_K / Q5_K rows of ``stride_n`` bytes."""
+        raw Q4_K / Q6_K / Q5_K rows of ``stride_n`` bytes. With ``PDL`` float rows (``FMT`` 0) load
+        their first ``BLOCK_K`` values before the wait for ``x``, while the kernel before finishes."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = offs_n < N
         at = offs_n.to(tl.int64) * stride_n
-        acc = _row_dots(w_ptr + at, d_ptr + at // 32, x_ptr, K, rm, FMT, False, BLOCK_N, BLOCK_K, TILE)
+        if PDL and FMT == 0:
+            offs_k = tl.arange(0, BLOCK_K)
+            km = offs_k < K
+            w = tl.load(w_ptr + at[:, None] + offs_k[None, :], mask=rm[:, None] & km[None, :], other=0)
+            _after_inputs(PDL)
+            x = tl.load(x_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
+            acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                km = offs_k < K
+                x = tl.load(x_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + at[:, None] + offs_k[None, :], mask=rm[:, None] & km[None, :], other=0)
+                acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        else:
+            _after_inputs(PDL)
+            acc = _row_dots(w_ptr + at, d_ptr + at // 32, x_ptr, K, rm, FMT, False, BLOCK_N, BLOCK_K, TILE)
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=rm)
 
     @triton.jit
@@ -214,11 +232,33 @@ def cat_rows(ws: list) -> tuple[object, list]:
     return fused, views
 
 
+DENSE_MATVEC_MAX = 32 * 2**20
+"""Most values of a float matrix whose one-token product ``linear`` gives the Triton matvec
+(``dense_matvec``); larger ones (a vocabulary's head) stay with cuBLAS, which reads them at ~3 TB/s."""
+
+
+def dense_matvec(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``linear`` gives the one-token product with float matrix ``w`` to the Triton matvec
+    instead of cuBLAS: ``WORKBENCH_DENSE_MATVEC`` ``1`` always, ``0`` never, unset (``auto``) where
+    the kernels launch with programmatic dependent launch (``gpu_kernels.pdl``), which lets the
+    matvec read its first weights while the kernel before it finishes; cuBLAS's kernels wait for it.
+    Only contiguous matrices of at most ``DENSE_MATVEC_MAX`` values in ``x``'s dtype, on its device."""
+    mode = os.environ.get("WORKBENCH_DENSE_MATVEC", "auto")
+    if mode == "0" or (mode != "1" and not gpu_kernels.pdl()) or "matvec" in _off:
+        return False
+    return (x.dim() == 2 and x.shape[0] == 1 and w.dim() == 2 and w.dtype == x.dtype and w.device == x.device
+            and w.is_contiguous() and w.numel() <= DENSE_MATVEC_MAX and gpu_kernels.usable(x))
+
+
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` for ``x [T, K]`` and ``w`` a tensor, a ``Packed`` or a ``Group``:
-    ``[T, N]`` in ``x``'s dtype."""
+    ``[T, N]`` in ``x``'s dtype. One token's product with a float matrix runs on the Triton matvec
+    where ``dense_matvec`` says so."""
     if isinstance(w, torch.Tensor):
-        return F.linear(x, w, bias)
+        if not dense_matvec(x, w):
+            return F.linear(x, w, bias)
+        out = float_matvec(x, w)
+        return out if bias is None else out + bias
     if isinstance(w, Group):
         out = torch.cat([linear(x, m) for m in w.members], dim=-1)
     elif x.shape[0] == 1 and x.dim() == 2 and gpu_kernels.usable(x) and x.device == w.device and "matvec" not in _off:
@@ -257,7 +297,8 @@ def _launch_matvec(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, k: int, fm
     ``FMT``) for ``x [1, k]``: ``[1, N]`` in x's dtype."""
     n = w.shape[0]
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _matvec_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, w, d, out, n, k, w.stride(0), FMT=fmt)
+    _matvec_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, w, d, out, n, k, w.stride(0), FMT=fmt,
+                                                                     **gpu_kernels.pdl_args())
     return out
 
 
