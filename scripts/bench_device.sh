@@ -36,7 +36,7 @@
 # scripts/time_dense_kernels.py: kept Q8_0/Q4_K/Q6_K projections and head against bf16), placements (those the side-by-side stages ran,
 # as $OUT/placements.tar.gz), pack (llama-bench binary
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it),
-# handoff (scripts/time_served_handoff.py, both server teams), cpu_sweep (the same for Q8_0 by read-ahead distance and threads), engine_team (S1 bf16 and Q8_0 with the
+# handoff (scripts/time_served_handoff.py, both server teams), cpu_sweep (the same for Q8_0 by read-ahead hint, distance and threads), engine_team (S1 bf16 and Q8_0 with the
 # decode server's passes on torch's OpenMP pool), engine_alt (the same, ours only, under BENCH_ALT_ENV's settings), cpu_prompt (scripts/time_cpu_prompt.py: the fused kernel by tokens
 # per expert against torch's GEMMs; $OUT/cpu_prompt.json), cpu_vs_ggml (scripts/time_cpu_vs_ggml.py:
 # one token's CPU experts, ours against llama.cpp's ggml, built from .llamacpp/ggml-src.tar.xz (carry it:
@@ -185,12 +185,12 @@ stage_handoff() {  # the decode server's hand-off per hybrid layer against the C
     done
     tail -8 "$OUT/handoff.txt" >>"$OUT/device.log"
 }
-stage_cpu_sweep() {  # one token's Q8_0 CPU experts through the decode server by read-ahead distance (CPU_PREFETCH_SWEEP
-    # bytes; WORKBENCH_CPU_PREFETCH_BYTES) and server threads (CPU_THREADS_SWEEP): the fit over 1-4 picks splits fixed and per-expert cost
-    for pf in ${CPU_PREFETCH_SWEEP:-2048 0 1024 4096 8192}; do for th in ${CPU_THREADS_SWEEP:-15}; do
-        echo "prefetch $pf threads $th" >>"$OUT/cpu_sweep.txt"
-        WORKBENCH_CPU_PREFETCH_BYTES=$pf timeout 100 python3 scripts/time_served_handoff.py --format q8_0 --picks 1,2,4 \
-            --team spin --threads "$th" --cpu-only 2>&1 | grep -v "^ *$" >>"$OUT/cpu_sweep.txt"
+stage_cpu_sweep() {  # one token's Q8_0 CPU experts through the decode server by read-ahead (CPU_PREFETCH_SWEEP: hint:bytes,
+    # WORKBENCH_CPU_PREFETCH_HINT / _BYTES) and server threads (CPU_THREADS_SWEEP): the fit over 1, 2, 4 picks splits fixed and per-expert cost
+    for v in ${CPU_PREFETCH_SWEEP:-0:2048 0:0 0:4096 1:2048 1:4096 1:8192 2:4096}; do for th in ${CPU_THREADS_SWEEP:-15}; do
+        echo "prefetch hint ${v%%:*} bytes ${v##*:} threads $th" >>"$OUT/cpu_sweep.txt"
+        WORKBENCH_CPU_PREFETCH_HINT=${v%%:*} WORKBENCH_CPU_PREFETCH_BYTES=${v##*:} timeout 100 python3 scripts/time_served_handoff.py \
+            --format q8_0 --picks 1,2,4 --team spin --threads "$th" --cpu-only 2>&1 | grep -v "^ *$" >>"$OUT/cpu_sweep.txt"
     done; done
     grep -E "^prefetch|fixed per packet" "$OUT/cpu_sweep.txt" | tee -a "$OUT/device.log"
 }

@@ -139,8 +139,28 @@ inline int64_t prefetch_bytes_from_env() {
 }
 inline const int64_t PREFETCH_BYTES = prefetch_bytes_from_env();
 
+// Where the read-ahead lands: WORKBENCH_CPU_PREFETCH_HINT 0 (default) every cache level, 1 the L2
+// and beyond (PREFETCHT1), 2 PREFETCHT2, 3 non-temporal (PREFETCHNTA).
+inline int prefetch_hint_from_env() {
+  const char* v = std::getenv("WORKBENCH_CPU_PREFETCH_HINT");
+  const int h = v == nullptr ? 0 : std::atoi(v);
+  return h < 0 || h > 3 ? 0 : h;
+}
+inline const int PREFETCH_HINT = prefetch_hint_from_env();
+
+// The line PREFETCH_BYTES past p, at PREFETCH_HINT.
+INT8DOT_HOT inline void read_ahead(const void* p) {
+  const char* a = static_cast<const char*>(p) + PREFETCH_BYTES;
+  switch (PREFETCH_HINT) {
+    case 1: _mm_prefetch(a, _MM_HINT_T1); break;
+    case 2: _mm_prefetch(a, _MM_HINT_T2); break;
+    case 3: _mm_prefetch(a, _MM_HINT_NTA); break;
+    default: _mm_prefetch(a, _MM_HINT_T0);
+  }
+}
+
 INT8DOT_HOT inline void prefetch_block(const uint8_t* b, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH_BYTES + o), _MM_HINT_T0);
+  for (int64_t o = 0; o < bytes; o += 64) read_ahead(b + o);
 }
 
 INT8DOT_HOT inline float reduce256(__m256 v) {
@@ -507,7 +527,7 @@ inline void dot_q8(const int8_t* w, const uint16_t* d, const Input* xs, int64_t 
       scales = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + k / 32));
     }
     const __m512 s = _mm512_permutexvar_ps(_mm512_load_si512(kPick[m]), scales);
-    _mm_prefetch(reinterpret_cast<const char*>(w + k + PREFETCH_BYTES), _MM_HINT_T0);
+    read_ahead(w + k);
     const __m512i wv = _mm512_loadu_si512(reinterpret_cast<const void*>(w + k));
     const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, wv));
     for (int j = 0; j < N; ++j) {
@@ -741,7 +761,7 @@ inline void dot_q8(const int8_t* w, const uint16_t* d, const Input* xs, int64_t 
   __m256 acc[N];
   for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k + PREFETCH_BYTES), _MM_HINT_T0);
+    read_ahead(w + k);
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
     const __m256i u = _mm256_abs_epi8(wv);
     const __m256 ws = _mm256_set1_ps(_cvtsh_ss(d[k / 32]));
