@@ -128,12 +128,14 @@ inline float half_bits_to_float(const uint8_t* p) {
 }
 
 // Reads ahead of the weights: a single core's hardware prefetchers left the integer dots waiting
-// on RAM (22 against 31 G weights/s from RAM, one core, prefetching 2 KiB ahead). Bytes ahead:
-// WORKBENCH_CPU_PREFETCH_BYTES (0 to 65536, a multiple of 64; default 2048), read once at load, for
-// timing other distances on a host (scripts/time_served_handoff.py).
+// on RAM (22 against 31 G weights/s from RAM, one core, prefetching 2 KiB ahead). On the 16-core
+// H100 host one token's Q8_0 experts through the decode server on 15 threads took 40 us per expert
+// 4 KiB ahead against 61 us 2 KiB ahead and 59 us with none (scripts/time_served_handoff.py, stage
+// cpu_sweep; BENCHMARKS.md). Bytes ahead: WORKBENCH_CPU_PREFETCH_BYTES (0 to 65536, a multiple of
+// 64; default 4096), read once at load.
 inline int64_t prefetch_bytes_from_env() {
   const char* v = std::getenv("WORKBENCH_CPU_PREFETCH_BYTES");
-  if (v == nullptr || *v == '\0') return 2048;
+  if (v == nullptr || *v == '\0') return 4096;
   const long long b = std::atoll(v);
   return b < 0 ? 0 : std::min<long long>(65536, b / 64 * 64);
 }
