@@ -171,6 +171,7 @@ def test_a_float_projection_of_one_token_runs_on_the_matvec_where_asked(monkeypa
     monkeypatch.setenv("WORKBENCH_DENSE_MATVEC", "1")
     assert packed.dense_matvec(x[:1], w) and not packed.dense_matvec(x, w)
     assert not packed.dense_matvec(x[:1], w.float())
+    assert not packed.dense_matvec(torch.ones(1, 96, dtype=w.dtype, device=DEV), w.T.contiguous())  # more inputs than rows
     calls, plain = [], packed.float_matvec
     monkeypatch.setattr(packed, "float_matvec", lambda *a: calls.append(a) or plain(*a))
     out = packed.linear(x[:1], w, b)

@@ -242,12 +242,16 @@ def dense_matvec(x: torch.Tensor, w: torch.Tensor) -> bool:
     instead of cuBLAS: ``WORKBENCH_DENSE_MATVEC`` ``1`` always, ``0`` never, unset (``auto``) where
     the kernels launch with programmatic dependent launch (``gpu_kernels.pdl``), which lets the
     matvec read its first weights while the kernel before it finishes; cuBLAS's kernels wait for it.
-    Only contiguous matrices of at most ``DENSE_MATVEC_MAX`` values in ``x``'s dtype, on its device."""
+    Only contiguous matrices of at most ``DENSE_MATVEC_MAX`` values in ``x``'s dtype, on its device,
+    with at least as many rows as inputs: the matvec spreads rows, not inputs, over the SMs, and
+    S1's attention output (2048 x 4096) took 13.8 µs so against cuBLAS's split-K 11.0 µs on the
+    H100 (``scripts/time_decode_kernels.py``; its q/k/v, 5120 x 2048: 9.5 against 9.9 µs)."""
     mode = os.environ.get("WORKBENCH_DENSE_MATVEC", "auto")
     if mode == "0" or (mode != "1" and not gpu_kernels.pdl()) or "matvec" in _off:
         return False
     return (x.dim() == 2 and x.shape[0] == 1 and w.dim() == 2 and w.dtype == x.dtype and w.device == x.device
-            and w.is_contiguous() and w.numel() <= DENSE_MATVEC_MAX and gpu_kernels.usable(x))
+            and w.is_contiguous() and w.shape[0] >= w.shape[1] and w.numel() <= DENSE_MATVEC_MAX
+            and gpu_kernels.usable(x))
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
