@@ -165,17 +165,17 @@ def test_a_float_projection_of_one_token_runs_on_the_matvec_where_asked(monkeypa
     if not gpu_kernels.usable(torch.empty(0, device=DEV)):
         pytest.skip("needs Triton and CUDA (or TRITON_INTERPRET=1)")
     g = torch.Generator(device=DEV).manual_seed(3)
-    w = (torch.randn(96, 512, device=DEV, generator=g) / 512 ** 0.5).to(torch.bfloat16)
-    b = torch.randn(96, device=DEV, generator=g).to(torch.bfloat16)
-    x = torch.randn(2, 512, device=DEV, generator=g).to(torch.bfloat16)
+    w = (torch.randn(256, 128, device=DEV, generator=g) / 128 ** 0.5).to(torch.bfloat16)
+    b = torch.randn(256, device=DEV, generator=g).to(torch.bfloat16)
+    x = torch.randn(2, 128, device=DEV, generator=g).to(torch.bfloat16)
     monkeypatch.setenv("WORKBENCH_DENSE_MATVEC", "1")
     assert packed.dense_matvec(x[:1], w) and not packed.dense_matvec(x, w)
     assert not packed.dense_matvec(x[:1], w.float())
-    assert not packed.dense_matvec(torch.ones(1, 96, dtype=w.dtype, device=DEV), w.T.contiguous())  # more inputs than rows
+    assert not packed.dense_matvec(torch.ones(1, 256, dtype=w.dtype, device=DEV), w.T.contiguous())  # more inputs than rows
     calls, plain = [], packed.float_matvec
     monkeypatch.setattr(packed, "float_matvec", lambda *a: calls.append(a) or plain(*a))
     out = packed.linear(x[:1], w, b)
-    assert calls and out.shape == (1, 96) and out.dtype == torch.bfloat16
+    assert calls and out.shape == (1, 256) and out.dtype == torch.bfloat16
     ref = x[:1].double() @ w.double().T + b.double()
     assert torch.allclose(out.double(), ref, rtol=2e-2, atol=2e-2)
     monkeypatch.setenv("WORKBENCH_DENSE_MATVEC", "0")
