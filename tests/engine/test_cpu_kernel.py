@@ -478,3 +478,25 @@ def test_the_avx2_build_passes_the_block_formats_tests(kernel, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "the int8 dots need" not in proc.stdout  # the int8 dots ran
     assert list(tmp_path.iterdir()), "built in the fresh directory"
+
+
+def test_the_read_ahead_settings_change_no_result(kernel):
+    """``WORKBENCH_CPU_PREFETCH_BYTES`` / ``_HINT`` (read once at load) move only where the integer
+    dots' prefetches land: Q8_0 and Q4_K experts give the same bits under each setting."""
+    code = ("import hashlib, torch\n"
+            "from workbench.engine import cpu_kernel\n"
+            "from workbench.engine.calibrate import random_stacks, run_fused\n"
+            "assert cpu_kernel.available(), cpu_kernel.unavailable_reason()\n"
+            "x = torch.randn(256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)\n"
+            "for f in ('q8_0', 'q4_k'):\n"
+            "    y = run_fused(f, random_stacks(f, 6, 256, 256), x, torch.tensor([4, 0, 5]), torch.tensor([0.5, 0.3, 0.2]))\n"
+            "    assert y.abs().sum() > 0\n"
+            "    print(f, hashlib.sha256(y.numpy().tobytes()).hexdigest())\n")
+    outs = []
+    for env in ({}, {"WORKBENCH_CPU_PREFETCH_BYTES": "0"},
+                {"WORKBENCH_CPU_PREFETCH_BYTES": "8192", "WORKBENCH_CPU_PREFETCH_HINT": "1"},
+                {"WORKBENCH_CPU_PREFETCH_BYTES": "100", "WORKBENCH_CPU_PREFETCH_HINT": "3"}):
+        proc = _fresh_python(code, **env)
+        assert proc.returncode == 0, proc.stderr
+        outs.append(proc.stdout)
+    assert outs[0].count("\n") == 2 and all(o == outs[0] for o in outs)
