@@ -158,6 +158,23 @@ def test_a_routers_one_token_product_matches_torch(dtype, n, k):
     assert torch.allclose(out.double(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("n,k", [(64, 300), (40, 1024), (16, 96)])
+def test_the_matvec_that_reads_its_first_weights_early_is_right(n, k):
+    """``_matvec_kernel``'s ``PRELOAD`` form (float rows: the first ``BLOCK_K`` values loaded before
+    the input, as it runs with programmatic dependent launch) against PyTorch, with the rest of a
+    row in further blocks, a single partial block, and rows past ``N`` masked."""
+    if not gpu_kernels.usable(torch.empty(0, device=DEV)):
+        pytest.skip("needs Triton and CUDA (or TRITON_INTERPRET=1)")
+    g = torch.Generator(device=DEV).manual_seed(n + k)
+    w = (torch.randn(n, k, device=DEV, generator=g) / k ** 0.5).to(torch.bfloat16)
+    x = torch.randn(1, k, device=DEV, generator=g).to(torch.bfloat16)
+    out = torch.full((1, n), 7.0, dtype=torch.bfloat16, device=DEV)
+    packed._matvec_kernel.fn[((n + 15) // 16,)](x, w, w, out, n, k, w.stride(0), BLOCK_N=16, BLOCK_K=256, FMT=0,
+                                                TILE=False, PRELOAD=True)
+    ref = x.double() @ w.double().T
+    assert torch.allclose(out.double(), ref, rtol=1e-2, atol=1e-2)
+
+
 def test_a_float_projection_of_one_token_runs_on_the_matvec_where_asked(monkeypatch):
     """``WORKBENCH_DENSE_MATVEC=1``: ``linear`` gives a float matrix's one-token product (with its bias)
     to the Triton matvec, which agrees with ``F.linear``; prompts, other dtypes and ``=0`` keep

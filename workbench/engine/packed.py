@@ -51,15 +51,17 @@ if triton is not None:
                                                    (32, 128, 4, _NT), (32, 128, 4, _T)]), key=["N", "K", "FMT"])
     @triton.jit
     def _matvec_kernel(x_ptr, w_ptr, d_ptr, out_ptr, N, K: tl.constexpr, stride_n, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, FMT: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_K: tl.constexpr, FMT: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr = False,
+                       PRELOAD: tl.constexpr = False):
         """``out[n] = w[n, :] . x`` for rows ``n`` of block ``pid(0)``, summed in float32 and stored in
         out's dtype. ``FMT`` 1: ``w`` int8 [N, K] with float16 scales at ``d_ptr`` [N, K/32]; 2 / 3:
-        raw Q4_K / Q6_K / Q5_K rows of ``stride_n`` bytes. With ``PDL`` float rows (``FMT`` 0) load
-        their first ``BLOCK_K`` values before the wait for ``x``, while the kernel before finishes."""
+        raw Q4_K / Q6_K / Q5_K rows of ``stride_n`` bytes. ``PRELOAD`` (float rows, ``FMT`` 0): the
+        rows' first ``BLOCK_K`` values are loaded before ``x``, so that with ``PDL`` they are read
+        while the kernel before finishes."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = offs_n < N
         at = offs_n.to(tl.int64) * stride_n
-        if PDL and FMT == 0:
+        if PRELOAD and FMT == 0:
             offs_k = tl.arange(0, BLOCK_K)
             km = offs_k < K
             w = tl.load(w_ptr + at[:, None] + offs_k[None, :], mask=rm[:, None] & km[None, :], other=0)
@@ -240,8 +242,9 @@ DENSE_MATVEC_MAX = 32 * 2**20
 def dense_matvec(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``linear`` gives the one-token product with float matrix ``w`` to the Triton matvec
     instead of cuBLAS: ``WORKBENCH_DENSE_MATVEC`` ``1`` always, ``0`` never, unset (``auto``) where
-    the kernels launch with programmatic dependent launch (``gpu_kernels.pdl``), which lets the
-    matvec read its first weights while the kernel before it finishes; cuBLAS's kernels wait for it.
+    the kernels launch with programmatic dependent launch (``gpu_kernels.pdl``, off unless asked
+    for), which lets the matvec read its first weights while the kernel before it finishes;
+    cuBLAS's kernels wait for it.
     Only contiguous matrices of at most ``DENSE_MATVEC_MAX`` values in ``x``'s dtype, on its device,
     with at least as many rows as inputs: the matvec spreads rows, not inputs, over the SMs, and
     S1's attention output (2048 x 4096) took 13.8 µs so against cuBLAS's split-K 11.0 µs on the
@@ -301,8 +304,9 @@ def _launch_matvec(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, k: int, fm
     ``FMT``) for ``x [1, k]``: ``[1, N]`` in x's dtype."""
     n = w.shape[0]
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    pdl = gpu_kernels.pdl_args()
     _matvec_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, w, d, out, n, k, w.stride(0), FMT=fmt,
-                                                                     **gpu_kernels.pdl_args())
+                                                                     PRELOAD=bool(pdl), **pdl)
     return out
 
 
