@@ -253,3 +253,42 @@ def test_the_profile_text_shows_the_prompt_rates_when_measured():
     text = format_profile(dataclasses.replace(base, cpu_prompt_flops={"bf16": 2.5e11, "q8_0": 1.2e11},
                                               provenance={**base.provenance, "cpu_prompt_flops": "measured"}))
     assert "in a prompt (each further token per expert, FLOP/s): bf16 250 G; q8_0 120 G;  [measured]" in text
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_k"])
+def test_the_stack_server_computes_what_the_fused_kernel_computes(fmt):
+    """``served.StackServer`` (calibration's way onto the decode server's team) gives one token's
+    experts as the fused kernel called here does, for fewer selections than its packet holds too."""
+    from workbench.engine.calibrate import random_stacks, run_fused
+    from workbench.engine.served import StackServer
+
+    if not cpu_kernel.available():
+        pytest.skip("no fused CPU kernel here")
+    stacks = random_stacks(fmt, 6, 256, 256)
+    x = torch.randn(256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with StackServer(fmt, stacks, 256, 256, k=4, threads=2) as srv:
+        for rows, weights in (([4, 0, 5, 1], [0.4, 0.3, 0.2, 0.1]), ([3], [1.0])):
+            got = srv(x, rows, weights).clone()
+            want = run_fused(fmt, stacks, x, torch.tensor(rows), torch.tensor(weights))
+            assert got.abs().sum() > 0
+            torch.testing.assert_close(got, want.reshape(-1).float(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_decode_rate_is_timed_on_the_decode_servers_team_when_asked(monkeypatch):
+    """With ``served`` (calibration on a GPU machine) a fused kernel's decode rate comes from packets
+    through ``served.StackServer``; the prompt's rate still from the kernel called here."""
+    from workbench.engine import served
+    from workbench.engine.calibrate import _cpu_fused_q8, _Run
+
+    if not cpu_kernel.available():
+        pytest.skip("no fused CPU kernel here")
+    packets = []
+    real_call = served.StackServer.__call__
+    monkeypatch.setattr(served.StackServer, "__call__", lambda self, *a: packets.append(a[1]) or real_call(self, *a))
+    run = _Run(4.0, None, None, [("cpu:int8", 1.0)])
+    rate, flops = _cpu_fused_q8(run, "cpu:int8", 256, 256, 4, 4 << 20, served=True)
+    assert packets and all(len(list(r)) == 4 for r in packets)
+    assert rate > 1e6 and flops > 1e6
+    packets.clear()
+    rate, flops = _cpu_fused_q8(run, "cpu:int8", 256, 256, 4, 4 << 20, served=False)
+    assert not packets and rate > 1e6

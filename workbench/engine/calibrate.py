@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import math
+import os
 import platform
 import statistics
 import threading
@@ -264,12 +265,15 @@ PROMPT_TOKENS = 16
 """Tokens per expert in the calibration's prompt pass over the fused kernels (``cpu_prompt_flops``)."""
 
 
-def _time_fused(run: _Run, step: str, n: int, top_k: int, per_expert: int, call: _FusedCall) -> tuple[float, float]:
+def _time_fused(run: _Run, step: str, n: int, top_k: int, per_expert: int, call: _FusedCall,
+                served: Callable | None = None) -> tuple[float, float]:
     """``(bytes/s, prompt FLOP/s)`` of a fused kernel over a pool of ``n`` experts of ``per_expert``
     bytes: ``call(x, rows, weights, tokens)`` with ``top_k`` distinct experts per call as in a decode
     step, each pass reading the whole pool; then the same with ``PROMPT_TOKENS`` tokens per expert
     as in a prompt, whose time beyond the decode pass's is the further tokens' FLOP/s
-    (``HardwareProfile.cpu_prompt_flops``; 2 FLOP per weight and token)."""
+    (``HardwareProfile.cpu_prompt_flops``; 2 FLOP per weight and token). ``served(x, rows,
+    weights)``: where the engine's decode runs the same experts (``served.StackServer``), the
+    decode rate is that pass's (the prompt's still counts from ``call``'s own decode pass)."""
     k = min(top_k, n)
     weights = torch.full((k,), 1.0 / k)
     starts = list(range(0, n - k + 1, k)) or [0]
@@ -281,6 +285,13 @@ def _time_fused(run: _Run, step: str, n: int, top_k: int, per_expert: int, call:
     one_pass()
     t = _repeat(run, one_pass, 0.2 * run.share[step])
     rate = per_expert * k * len(starts) / t
+    if served is not None:
+        def served_pass() -> None:
+            for s in starts:
+                served(call.x[0], range(s, s + k), weights)
+
+        served_pass()
+        rate = per_expert * k * len(starts) / _repeat(run, served_pass, 0.2 * run.share[step])
     if n * per_expert >= 8 * l3_bytes():  # read from RAM, not from the caches
         run.ram_reads.append(rate)
 
@@ -359,8 +370,20 @@ class _FusedCall:
         return self.kernel(self.x[:x_tokens], rows, weights, tokens=tokens)
 
 
+def _timed_on_stacks(run: _Run, step: str, fmt: str, stacks: list[torch.Tensor], n: int, hidden: int, ffn: int,
+                     top_k: int, per_expert: int, call: _FusedCall, served: bool) -> tuple[float, float]:
+    """``_time_fused`` over ``stacks`` (``fmt``, ``n`` experts), its decode rate through the decode
+    server's team (``served.StackServer``) when ``served``."""
+    if not served:
+        return _time_fused(run, step, n, top_k, per_expert, call)
+    from .served import StackServer
+
+    with StackServer(fmt, stacks, hidden, ffn, min(top_k, n)) as srv:
+        return _time_fused(run, step, n, top_k, per_expert, call, srv)
+
+
 def _cpu_fused(run: _Run, step: str, experts: list, hidden: int, ffn: int, top_k: int,
-               weight_bytes: int) -> tuple[float, float]:
+               weight_bytes: int, served: bool = False) -> tuple[float, float]:
     """``_time_fused`` of the fused decode kernel (``cpu_kernel.moe_decode``) over a ``_pool_experts``
     pool stacked as ``[E, 2I, H]`` / ``[E, H, I]`` (copies of the first packed expert)."""
     p1, p2 = experts[0]  # bf16/f32 formats keep the plain weight in ``data``
@@ -369,28 +392,30 @@ def _cpu_fused(run: _Run, step: str, experts: list, hidden: int, ffn: int, top_k
     w2 = p2.data.expand(n, *p2.data.shape).clone()
     per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()  # gate, up and down
     call = _FusedCall(lambda x, r, w, **kw: cpu_kernel.moe_decode(x, w13, w2, r, w, **kw), hidden, ffn, w13.dtype)
-    return _time_fused(run, step, n, top_k, per_expert, call)
+    fmt = "f32" if w13.dtype == torch.float32 else "bf16"
+    return _timed_on_stacks(run, step, fmt, [w13, w2], n, hidden, ffn, top_k, per_expert, call, served)
 
 
-def _cpu_fused_q8(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weight_bytes: int) -> tuple[float, float]:
+def _cpu_fused_q8(run: _Run, step: str, hidden: int, ffn: int, top_k: int, weight_bytes: int,
+                  served: bool = False) -> tuple[float, float]:
     """``_time_fused`` of the fused Q8_0 kernel (``cpu_kernel.moe_decode_q8``) over a ``_pool_experts``
     pool of Q8_0 blocks (int8 values and float16 scales)."""
     per_expert = 3 * hidden * ffn * 34 // 32
     n = _pool_experts(per_expert, top_k, weight_bytes)
     w = random_stacks("q8_0", n, hidden, ffn)
     call = _FusedCall(lambda x, r, wt, **kw: run_fused("q8_0", w, x, r, wt, **kw), hidden, ffn, torch.bfloat16)
-    return _time_fused(run, step, n, top_k, per_expert, call)
+    return _timed_on_stacks(run, step, "q8_0", w, n, hidden, ffn, top_k, per_expert, call, served)
 
 
 def _cpu_fused_kquant(run: _Run, step: str, fmt: str, hidden: int, ffn: int, top_k: int,
-                      weight_bytes: int) -> tuple[float, float]:
+                      weight_bytes: int, served: bool = False) -> tuple[float, float]:
     """``_time_fused`` of the fused k-quant kernel (``cpu_kernel.moe_decode_q4k``) over a
     ``_pool_experts`` pool of ``fmt`` blocks (``q4_k``, or another of ``blocks.RAW``)."""
     per_expert = 2 * ffn * row_bytes(fmt, hidden) + hidden * row_bytes(fmt, ffn)
     n = _pool_experts(per_expert, top_k, weight_bytes)
     w = random_stacks(fmt, n, hidden, ffn)
     call = _FusedCall(lambda x, r, wt, **kw: run_fused(fmt, w, x, r, wt, **kw), hidden, ffn, torch.bfloat16)
-    return _time_fused(run, step, n, top_k, per_expert, call)
+    return _timed_on_stacks(run, step, fmt, w, n, hidden, ffn, top_k, per_expert, call, served)
 
 
 # -- GPU ---------------------------------------------------------------------------------------
@@ -656,6 +681,9 @@ def calibrate(
     ``costmodel.KQUANT_KIN``). ``kept_fits``: the kept block formats whose GPU rate is fitted to the
     engine's decode (``calibrate_engine.fit_kept_rates``; None: Q8_0 and Q4_K, ~30 s and ~140 s on a
     fresh H100 host, most of it the Triton kernels' first compiles); the others keep their kernels' rates.
+    With CUDA the fused CPU kernels' decode rates are timed through the decode server's team
+    (``served.StackServer``), where the engine's one-token steps run them (``WORKBENCH_CALIBRATE_SERVED=0``:
+    on torch's pool, as prompts run them).
     """
     bad = sorted(set(kquants) - set(RAW))
     if bad:
@@ -684,6 +712,10 @@ def calibrate(
 
     throughput: dict[str, float] = {}
     prompt_flops: dict[str, float] = {}  # fused kernels' further tokens per expert in a prompt
+    # with a GPU the engine's decode runs the CPU experts on the decode server's team: time them there
+    served = cuda and cpu_kernel.available() and os.environ.get("WORKBENCH_CALIBRATE_SERVED", "1") != "0"
+    if served:
+        run.report("CPU experts' decode rates timed on the decode server's team, as the engine runs them")
     bf16_experts = None
     for name in names:
         step = f"cpu:{name}"
@@ -704,18 +736,18 @@ def calibrate(
             run.finish(step, f"CPU {name}: skipped ({e})")
             continue
         if name in ("bf16", "f32") and cpu_kernel.available():  # what the engine's decode runs
-            bps, prompt_flops[name] = _cpu_fused(run, step, experts, hidden, expert_ffn, top_k, weight_bytes)
+            bps, prompt_flops[name] = _cpu_fused(run, step, experts, hidden, expert_ffn, top_k, weight_bytes, served)
             run.report(f"CPU {name} (fused) prompt: {prompt_flops[name] / 1e9:.0f} GFLOP/s per further token")
         if name == "int8" and cpu_kernel.available() and hidden % 32 == 0 and expert_ffn % 32 == 0:
             # GGUF Q8_0 experts: the engine keeps the blocks and runs the fused Q8_0 kernel
             throughput["q8_0"], prompt_flops["q8_0"] = _cpu_fused_q8(run, step, hidden, expert_ffn, top_k,
-                                                                     weight_bytes)
+                                                                     weight_bytes, served)
             run.report(f"CPU q8_0 (fused): {throughput['q8_0'] / 1e9:.1f} GB/s of weights, prompt "
                        f"{prompt_flops['q8_0'] / 1e9:.0f} GFLOP/s per further token")
         if name == "int4" and cpu_kernel.available() and hidden % 256 == 0 and expert_ffn % 256 == 0:
             for kq in kquants:  # GGUF k-quant experts: kept as blocks, the fused kernel
                 throughput[kq], prompt_flops[kq] = _cpu_fused_kquant(run, step, kq, hidden, expert_ffn, top_k,
-                                                                     weight_bytes)
+                                                                     weight_bytes, served)
                 run.report(f"CPU {kq} (fused): {throughput[kq] / 1e9:.1f} GB/s of weights, prompt "
                            f"{prompt_flops[kq] / 1e9:.0f} GFLOP/s per further token")
         throughput[name] = bps

@@ -145,6 +145,53 @@ def server_team() -> bool:
     return os.environ.get("WORKBENCH_SERVER_TEAM", "spin").strip().lower() != "omp"
 
 
+class StackServer:
+    """One layer of the native decode server over plain expert stacks, driven from this thread:
+    calibration times the CPU experts of one-token steps where the engine's decode runs them (its
+    own spinning team on a GPU machine: on the H100 host one Q8_0 expert took 40 µs there against
+    ~60 µs on torch's pool, where the bf16 kernel took the same on both; BENCHMARKS.md, sixth stop).
+    ``fmt``: ``"bf16"`` / ``"f32"`` (stacks ``[w13, w2]``), ``"q8_0"`` (``[q13, d13, q2, d2]``) or a
+    k-quant (``[b13, b2]``), as ``calibrate.random_stacks`` lays them out; ``k`` selections a packet.
+    Use it as a context manager (the server's threads stop on exit)."""
+
+    def __init__(self, fmt: str, stacks: list[torch.Tensor], hidden: int, ffn: int, k: int,
+                 threads: int | None = None, timeout_s: float = 10.0):
+        kind, f13 = (0, 0) if fmt in ("bf16", "f32") else (1, 0) if fmt == "q8_0" else (2, cpu_kernel.KQUANT_CODES[fmt])
+        self.k, self.hidden, self.timeout_s, self.step = k, hidden, timeout_s, 0
+        self.packet = torch.zeros(2 * k + hidden, dtype=torch.float32)
+        self.flag_in, self.flag_out = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        self.out = torch.zeros(hidden, dtype=torch.float32)
+        self.native = cpu_kernel.server(threads or server_threads(), own_team=server_team())
+        self.native.add_layer(kind, list(stacks), f13, f13, ffn, k, self.packet, self.flag_in, self.out,
+                              self.flag_out, *cpu_kernel.act_args(("silu",)))
+        self.native.start()
+
+    def __enter__(self) -> StackServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.native.stop()
+
+    def __call__(self, x: torch.Tensor, rows, weights) -> torch.Tensor:
+        """One token ``x [hidden]``'s experts ``rows`` (at most ``k``) weighted by ``weights``, as the
+        server computes a packet: ``[hidden]`` float32 (its own buffer, overwritten by the next call).
+        Raises RuntimeError when the server reports an error or gives no result in ``timeout_s``."""
+        p, k = self.packet.numpy(), self.k
+        rows, weights = np.asarray(rows, dtype=np.float32), np.asarray(weights, dtype=np.float32)
+        p[:k], p[k:2 * k] = -1.0, 0.0
+        p[:rows.size], p[k:k + weights.size] = rows, weights
+        p[2 * k:] = x.detach().reshape(-1).float().numpy()
+        self.step += 1
+        flag_out, deadline = self.flag_out.numpy(), time.monotonic() + self.timeout_s
+        self.flag_in.numpy()[0] = self.step
+        while flag_out[0] != self.step:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the decode server gave no result in {self.timeout_s:.0f} s")
+        if self.native.errors():
+            raise RuntimeError("the decode server failed on a calibration packet")
+        return self.out
+
+
 def supports(lx: LayerExperts) -> bool:
     """Whether ``lx``'s one-token steps can be served: a hybrid layer whose CPU tier runs through the
     fused kernel (float stacks or kept Q8_0 / k-quant / MXFP4 blocks; gpt-oss's biased, clamped
