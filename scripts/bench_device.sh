@@ -24,6 +24,7 @@
 # on a 4-layer cut of S1, bf16 and Q8_0 (KERNELS_WEIGHTS): each kernel's time and the gaps between them; $OUT/kernels.tar.gz),
 # decode_kernels (scripts/time_decode_kernels.py: each form of the step's kernels at S1's shapes; $OUT/decode_kernels.json),
 # pdl_ab (S1 all on the GPU with and without programmatic dependent launch (WORKBENCH_PDL=1, off by default) and the Triton dense matvec),
+# pdl_tests (tests/engine/test_decode_in_place.py on CUDA under those settings),
 # calibrate ($OUT/h200.json, then the profile of the stages after it), engine (`workbench bench
 # run`: llama.cpp -lm none at --n-cpu-moe 16 and all-GPU, then our n-cpu-moe, frequency, balanced
 # and all-GPU (BENCH_ALL_GPU=0: not all-GPU), with the ratios), kernel_tests (the fused CPU kernel's
@@ -424,6 +425,14 @@ stage_engine() {  # S1 skewed: llama.cpp and ours, with all on the GPU too
     fi
     local all=(); [ "${BENCH_ALL_GPU:-1}" = 1 ] && all=(--all-gpu)
     side_by_side "$models/s1.gguf" "S1 bf16 skewed" engine_s1_skew.json n-cpu-moe,frequency,balanced "${all[@]}"
+}
+stage_pdl_tests() {  # test_decode_in_place on CUDA under each of PDL_AB's settings PDL:DENSE; full output in $OUT/pdl_tests.txt
+    for v in ${PDL_AB:-0:0 0:1 1:0 1:auto}; do
+        echo "=== WORKBENCH_PDL=${v%%:*} WORKBENCH_DENSE_MATVEC=${v##*:}" >>"$OUT/pdl_tests.txt"
+        WORKBENCH_PDL=${v%%:*} WORKBENCH_DENSE_MATVEC=${v##*:} WORKBENCH_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q \
+            -p no:cacheprovider tests/engine/test_decode_in_place.py >>"$OUT/pdl_tests.txt" 2>&1
+        log "decode_in_place PDL ${v%%:*} dense ${v##*:}: rc $? $(tail -1 "$OUT/pdl_tests.txt")"
+    done
 }
 stage_pdl_ab() {  # S1 bf16 skewed all on the GPU (and PDL_STRATEGIES at the budget) under each of PDL_AB's
     # settings PDL:DENSE (WORKBENCH_PDL, WORKBENCH_DENSE_MATVEC): kernels launched plainly, then with programmatic dependent launch
