@@ -271,3 +271,28 @@ def test_a_newer_kernel_form_that_does_not_build_is_dropped_and_the_others_go_on
     assert gpu_kernels.failed_here(info.value)
     with pytest.raises(ZeroDivisionError):  # not a kernel's failure: up at once, nothing dropped
         gpu_kernels.run_dropping_new_forms([Kernel], lambda: 1 / 0)
+
+
+@pytest.mark.parametrize("env,capability,want", [(None, (9, 0), False), ("1", (9, 0), True), ("1", (8, 0), False),
+                                                 ("0", (9, 0), False)])
+def test_programmatic_dependent_launch_only_when_asked_on_hopper(monkeypatch, env, capability, want):
+    """``gpu_kernels.pdl``: off unless ``WORKBENCH_PDL=1``, then only on compute capability 9 or later
+    with a Triton that has ``launch_pdl``; ``pdl_args`` adds the launch arguments only then."""
+    if gpu_kernels.triton is None:
+        pytest.skip("needs Triton")
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    if env is None:
+        monkeypatch.delenv("WORKBENCH_PDL", raising=False)
+    else:
+        monkeypatch.setenv("WORKBENCH_PDL", env)
+    gpu_kernels.pdl.cache_clear()
+    try:
+        want = want and "launch_pdl" in CUDAOptions.__dataclass_fields__
+        assert gpu_kernels.pdl() is want
+        assert gpu_kernels.pdl_args() == ({"PDL": True, "launch_pdl": True} if want else {})
+    finally:
+        gpu_kernels.pdl.cache_clear()
