@@ -292,3 +292,23 @@ def test_the_decode_rate_is_timed_on_the_decode_servers_team_when_asked(monkeypa
     packets.clear()
     rate, flops = _cpu_fused_q8(run, "cpu:int8", 256, 256, 4, 4 << 20, served=False)
     assert not packets and rate > 1e6
+
+
+def test_a_decode_server_that_fails_leaves_the_pools_timing(monkeypatch, caplog):
+    """Calibration goes on when the decode server's team cannot time a kernel: one warning, the
+    rate from torch's pool."""
+    from workbench.engine import served
+    from workbench.engine.calibrate import _cpu_fused_q8, _Run
+
+    if not cpu_kernel.available():
+        pytest.skip("no fused CPU kernel here")
+
+    def broken(self, *a):
+        raise RuntimeError("the decode server gave no result in 10 s")
+
+    monkeypatch.setattr(served.StackServer, "__call__", broken)
+    run = _Run(2.0, None, None, [("cpu:int8", 1.0)])
+    with caplog.at_level("WARNING"):
+        rate, flops = _cpu_fused_q8(run, "cpu:int8", 256, 256, 4, 4 << 20, served=True)
+    assert rate > 1e6 and flops > 1e6
+    assert sum("gave no timing" in r.message for r in caplog.records) == 1
