@@ -67,13 +67,9 @@ if triton is not None:
             w = tl.load(w_ptr + at[:, None] + offs_k[None, :], mask=rm[:, None] & km[None, :], other=0)
             _after_inputs(PDL)
             x = tl.load(x_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
-            acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                km = offs_k < K
-                x = tl.load(x_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + at[:, None] + offs_k[None, :], mask=rm[:, None] & km[None, :], other=0)
-                acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)  # the rest of each row as _row_dots reads it
+            acc += _row_dots(w_ptr + at + BLOCK_K, d_ptr, x_ptr + BLOCK_K, K - BLOCK_K, rm, FMT, False, BLOCK_N,
+                             BLOCK_K, TILE)
         else:
             _after_inputs(PDL)
             acc = _row_dots(w_ptr + at, d_ptr + at // 32, x_ptr, K, rm, FMT, False, BLOCK_N, BLOCK_K, TILE)

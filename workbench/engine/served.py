@@ -156,13 +156,13 @@ class StackServer:
 
     def __init__(self, fmt: str, stacks: list[torch.Tensor], hidden: int, ffn: int, k: int,
                  threads: int | None = None, timeout_s: float = 10.0):
-        kind, f13 = (0, 0) if fmt in ("bf16", "f32") else (1, 0) if fmt == "q8_0" else (2, cpu_kernel.KQUANT_CODES[fmt])
+        kind, f13, f2 = _native_kind(None if fmt in ("bf16", "f32") else (fmt, fmt))
         self.k, self.hidden, self.timeout_s, self.step = k, hidden, timeout_s, 0
         self.packet = torch.zeros(2 * k + hidden, dtype=torch.float32)
         self.flag_in, self.flag_out = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
         self.out = torch.zeros(hidden, dtype=torch.float32)
         self.native = cpu_kernel.server(threads or server_threads(), own_team=server_team())
-        self.native.add_layer(kind, list(stacks), f13, f13, ffn, k, self.packet, self.flag_in, self.out,
+        self.native.add_layer(kind, list(stacks), f13, f2, ffn, k, self.packet, self.flag_in, self.out,
                               self.flag_out, *cpu_kernel.act_args(("silu",)))
         self.native.start()
 
@@ -357,15 +357,21 @@ def _ffn(lx: LayerExperts) -> int:
     return lx.w2[COMPUTE].shape[2]
 
 
+def _native_kind(kept: tuple[str, str] | None) -> tuple[int, int, int]:
+    """``(kind, f13, f2)`` of the native server's ``add_layer`` for CPU experts kept in the block formats
+    ``kept`` (gate/up, down), or float stacks (None)."""
+    if kept is None:
+        return 0, 0, 0
+    if kept[0] == "q8_0":
+        return 1, 0, 0
+    codes = cpu_kernel.KQUANT_CODES
+    return 2, codes[kept[0]], codes[kept[1]]
+
+
 def _native_stacks(lx: LayerExperts) -> tuple[int, list[torch.Tensor], int, int]:
     """``(kind, stacks, f13, f2)`` of the native server's ``add_layer`` for ``lx``'s CPU tier."""
-    stacks = lx.cpu_stacks()
-    if lx.kept_cpu is None:
-        return 0, stacks, 0, 0
-    if lx.kept[0] == "q8_0":
-        return 1, stacks, 0, 0
-    codes = cpu_kernel.KQUANT_CODES
-    return 2, stacks, codes[lx.kept[0]], codes[lx.kept[1]]
+    kind, f13, f2 = _native_kind(None if lx.kept_cpu is None else lx.kept)
+    return kind, lx.cpu_stacks(), f13, f2
 
 
 def _publish_torch(ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor, lx: LayerExperts, s: _Layer, frac: float,
