@@ -24,7 +24,7 @@
 # on a 4-layer cut of S1, bf16 and Q8_0 (KERNELS_WEIGHTS): each kernel's time and the gaps between them; $OUT/kernels.tar.gz),
 # decode_kernels (scripts/time_decode_kernels.py: each form of the step's kernels at S1's shapes; $OUT/decode_kernels.json),
 # pdl_ab (S1 all on the GPU with and without programmatic dependent launch (WORKBENCH_PDL=1, off by default) and the Triton dense matvec),
-# pdl_tests (tests/engine/test_decode_in_place.py on CUDA under those settings),
+# pdl_tests (tests/engine/test_decode_in_place.py on CUDA under those settings), env_ab (S1 all on the GPU under each of ENV_AB's environments),
 # calibrate ($OUT/h200.json, then the profile of the stages after it), engine (`workbench bench
 # run`: llama.cpp -lm none at --n-cpu-moe 16 and all-GPU, then our n-cpu-moe, frequency, balanced
 # and all-GPU (BENCH_ALL_GPU=0: not all-GPU), with the ratios), kernel_tests (the fused CPU kernel's
@@ -443,6 +443,19 @@ stage_pdl_ab() {  # S1 bf16 skewed all on the GPU (and PDL_STRATEGIES at the bud
         WORKBENCH_PDL=${v%%:*} WORKBENCH_DENSE_MATVEC=${v##*:} wb run --model "$models/s1.gguf" --budget "${BENCH_BUDGET:-12GiB}" \
             --margin "${BENCH_MARGIN:-512MiB}" --profile "$prof" --strategies "${PDL_STRATEGIES:-}" --all-gpu -p 512 \
             -n "${BENCH_ENGINE_GEN:-64}" -r "${BENCH_ENGINE_REPEATS:-3}" --json "$OUT/pdl_ab_${v/:/_}.json" | tee -a "$OUT/device.log"
+    done
+}
+stage_env_ab() {  # S1 bf16 skewed all on the GPU under each of ENV_AB's settings (space-separated; each
+    # VAR=VALUE[,VAR=VALUE...], e.g. "WORKBENCH_PDL=1 WORKBENCH_PDL=1,WORKBENCH_OUT_NORM=0"): $OUT/ab_<n>.json
+    [ -f "$models/s1.gguf" ] || { log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; }
+    local prof=bench-h200 n=0; [ -f "$OUT/h200.json" ] && prof="$OUT/h200.json"
+    for v in ${ENV_AB:-WORKBENCH_PDL=0 WORKBENCH_PDL=1}; do n=$((n + 1))
+        [ "$(left)" -gt 40 ] || { log "env_ab: no time left for $v"; break; }
+        log "env_ab $n: $v"
+        env ${v//,/ } python3 -m workbench bench run --model "$models/s1.gguf" --budget "${BENCH_BUDGET:-12GiB}" \
+            --margin "${BENCH_MARGIN:-512MiB}" --profile "$prof" --strategies "" --all-gpu -p 512 \
+            -n "${BENCH_ENGINE_GEN:-64}" -r "${BENCH_ENGINE_REPEATS:-3}" --json "$OUT/ab_$n.json" 2>>"$OUT/device.log" \
+            | grep -E "^\| all-gpu|tok/s" | tee -a "$OUT/device.log"
     done
 }
 stage_kernel_tests() {  # the fused CPU kernel's tests on this machine's CPU (no transformers needed)

@@ -10,7 +10,8 @@ median replay over the calls. Cases (bf16 and Q8_0 experts):
   ``experts_one_token`` as the engine calls it.
 - ``qkv`` / ``o`` / ``router``: ``F.linear`` (cuBLAS) against ``packed._matvec_kernel`` (one pass
   over whole rows; the engine's path for a router, ``packed.float_matvec``) on bf16 rows.
-- ``route``: the router's product (cuBLAS, or ``float_matvec``) then ``route_softmax_topk``.
+- ``route``: the router's product (cuBLAS, or ``float_matvec``) then ``route_softmax_topk``, against
+  both in one kernel (``router_route``, the engine's path).
 
     python scripts/time_decode_kernels.py --json out.json
 """
@@ -140,6 +141,10 @@ def dense_cases(calls: int, reps: int, dev) -> dict:
         r[f"{form}_then_route_us"] = per_call_us(
             [lambda j=j, product=product: gpu_kernels.route_softmax_topk(product(j), K, True, 1.0, counts)
              for j in range(calls)], reps)
+    for j in range(calls):  # each router's first call checks the candidates (eager, outside the graph)
+        gpu_kernels.router_route(x, rs[j], K, True, 1.0, counts)
+    r["fused_us"] = per_call_us([lambda j=j: gpu_kernels.router_route(x, rs[j], K, True, 1.0, counts)
+                                 for j in range(calls)], reps)
     res["route"] = r
     return res
 

@@ -20,7 +20,7 @@ from tests.engine.engine_helpers import (
     placements,
     reference_tokens,
 )
-from workbench.engine import gpu_kernels, model
+from workbench.engine import gpu_kernels, model, out_norm
 
 pytestmark = pytest.mark.skipif(not gpu_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
 
@@ -31,10 +31,11 @@ def test_static_decode_with_one_kernel_attention_inputs(family, tiny_model_dir, 
     calls = []
     real = gpu_kernels.qkv_rope_cache
     monkeypatch.setattr(gpu_kernels, "qkv_rope_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
-    attn_calls, norm_calls = [], []
-    real_attn, real_norm = gpu_kernels.decode_attention, gpu_kernels.add_rms_norm
+    attn_calls, norm_calls, out_calls = [], [], []
+    real_attn, real_norm, real_out = gpu_kernels.decode_attention, gpu_kernels.add_rms_norm, out_norm.out_add_norm
     monkeypatch.setattr(gpu_kernels, "decode_attention", lambda *a, **k: attn_calls.append(1) or real_attn(*a, **k))
     monkeypatch.setattr(gpu_kernels, "add_rms_norm", lambda *a, **k: norm_calls.append(1) or real_norm(*a, **k))
+    monkeypatch.setattr(out_norm, "out_add_norm", lambda *a, **k: out_calls.append(1) or real_out(*a, **k))
     inv = open_inventory(tiny_model_dir(family))
     engine = decode_step_engine(inv, placements(inv)["mixed"])
     try:
@@ -45,17 +46,21 @@ def test_static_decode_with_one_kernel_attention_inputs(family, tiny_model_dir, 
     assert norm_calls  # residual adds fused with the next norm
     if family == "qwen3_moe":  # full attention: the flash-decoding kernels too (gpt-oss's sinks and windows: not)
         assert attn_calls
+        assert out_calls  # and the output projection, residual add and norm in one kernel
     if TEST_DTYPE == torch.float32:
         assert tokens == reference_tokens(tiny_hf_model(family), PROMPT, N_NEW)
 
 
-@pytest.mark.parametrize("kernel", ["_route_kernel", "_add_norm_kernel"])
+@pytest.mark.parametrize("kernel", ["_router_route_kernel", "_add_norm_kernel"])
 def test_a_kernel_that_fails_turns_the_kernels_off_and_the_step_still_runs(kernel, tiny_model_dir, tiny_hf_model,
                                                                             monkeypatch):
     """A Triton kernel that does not build on some GPU must not cost the user the decode step."""
     monkeypatch.setattr(gpu_kernels, "_disabled", [])
 
     class Broken:
+        configs: list = []  # an autotuned kernel's candidates, as kernel_check reads them
+        cache: dict = {}
+
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 raise RuntimeError("PassManager::run failed")

@@ -57,6 +57,30 @@ def test_route_softmax_topk_matches_torch_and_counts(E, k, norm, scaling):
     assert torch.equal(counts, expect)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("E,H,k,norm,scaling", [(128, 256, 8, True, 1.0), (60, 200, 4, False, 2.5), (8, 64, 2, True, 1.0)])
+def test_the_router_and_its_routing_in_one_kernel_match_torch_call_after_call(dtype, E, H, k, norm, scaling):
+    """``router_route``: the logits as ``F.linear`` rounds them, then softmax top-k as
+    ``route_softmax_topk``; the program count it keeps per router goes back to 0, so each call
+    (other tokens) is right and counted once."""
+    g = torch.Generator(device=DEV).manual_seed(E + H)
+    router = (torch.randn(E, H, device=DEV, generator=g) / H ** 0.5).to(dtype)
+    counts = torch.zeros(E, dtype=torch.int64, device=DEV)
+    expect = torch.zeros(E, dtype=torch.int64, device=DEV)
+    for call in range(3):
+        x = torch.randn(1, H, device=DEV, generator=g).to(dtype)
+        ids, w = gpu_kernels.router_route(x, router, k, norm, scaling, counts)
+        p = F.softmax(F.linear(x.float(), router.float()).to(dtype).float(), dim=-1)[0]
+        ref_ids = torch.tensor([sorted(range(E), key=lambda e: (-float(p[e]), e))[:k]], device=DEV)  # equals: lowest first
+        top = p[ref_ids]
+        if norm:
+            top = top / top.sum(-1, keepdim=True)
+        assert torch.equal(ids, ref_ids), call
+        assert w.dtype == dtype and torch.allclose(w.float(), top * scaling, rtol=3e-2 if dtype == torch.bfloat16 else 1e-5)  # a logit 1 bf16 ulp off: ~1%
+        expect[ref_ids[0]] += 1
+        assert torch.equal(counts, expect), call
+
+
 def test_the_split_down_projection_is_right_call_after_call():
     """``_down_split_kernel`` counts its programs per block of outputs in a buffer it sets back to 0:
     a call after another (other experts and inputs) is as right as the first."""

@@ -71,8 +71,17 @@ def calibration_experts(hidden: int, ffn: int, top_k: int, dtype_bytes: int = 2,
     return int(max(EXPERTS, top_k, n))
 
 
+WARM_S = 0.3
+"""Seconds of untimed decode steps before the timed ones. The engine's load leaves the GPU idle for
+seconds; the all-resident step of the same 8 layers measured 0.66 to 0.96 ms per step on H100
+hosts from call to call (the fitted kernel cost 2.2 to 4.5 µs), while S1 all on the GPU, timed
+after its 512-token prompt, held 454-457 tok/s, and the higher fits predicted it 26% slow
+(BENCHMARKS.md, seventh stop). A GPU (and a CPU) that idled runs its first steps at lower clocks."""
+
+
 def _decode_seconds(inv, placement, device: str, steps: int = STEPS) -> float:
-    """Median seconds per decode step of the engine under ``placement`` (after a 16-token prompt)."""
+    """Median seconds per decode step of the engine under ``placement`` (after a 16-token prompt,
+    the graphs' capture and ``WARM_S`` of steps)."""
     from .engine import Engine
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -85,12 +94,18 @@ def _decode_seconds(inv, placement, device: str, steps: int = STEPS) -> float:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, VOCAB, (16 + 2 * steps,), generator=g)
         engine.forward(ids[:16], 0, last_only=True)
+        for i in range(steps):  # the first steps capture the graphs
+            engine.forward(ids[16 + i:17 + i], 16 + i)[-1].argmax().item()
+        warm, i = time.perf_counter(), 0
+        while time.perf_counter() - warm < WARM_S:  # the same positions again, until the devices are busy
+            engine.forward(ids[16 + i % steps:17 + i % steps], 16 + i % steps)[-1].argmax().item()
+            i += 1
         times = []
-        for i in range(2 * steps):  # the first steps capture the graphs
+        for i in range(steps, 2 * steps):
             t = time.perf_counter()
             engine.forward(ids[16 + i:17 + i], 16 + i)[-1].argmax().item()
             times.append(time.perf_counter() - t)
-        return statistics.median(times[steps:])
+        return statistics.median(times)
     finally:
         engine.close()
 

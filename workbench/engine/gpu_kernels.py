@@ -594,16 +594,13 @@ if triton is not None:
         tl.store(out_ptr + h * HD + d, o.to(out_ptr.dtype.element_ty), mask=d < HD)
 
     @triton.jit
-    def _route_kernel(logits_ptr, ids_ptr, w_ptr, counts_ptr, E, scaling,
-                      K: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
-        """Softmax over ``E`` logits, the ``K`` largest (descending, the lowest index among equals
-        first), renormalised when ``NORM``, times ``scaling``; counts each pick. Each probability's
-        rank is counted against all the others at once (one ``[BLOCK_E, BLOCK_E]`` comparison), not
-        found by ``K`` rounds of max."""
-        offs = tl.arange(0, BLOCK_E)
-        valid = offs < E
-        _after_inputs(PDL)
-        x = tl.load(logits_ptr + offs, mask=valid, other=-float("inf")).to(tl.float32)
+    def _route_picks(x, offs, valid, ids_ptr, w_ptr, counts_ptr, scaling, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                     NORM: tl.constexpr):
+        """Softmax over the float32 logits ``x [BLOCK_E]`` (``-inf`` where not ``valid``), the ``K``
+        largest (descending, the lowest index among equals first), renormalised when ``NORM``, times
+        ``scaling``: their indices to ``ids_ptr``, weights to ``w_ptr``, 1 added to ``counts`` per pick.
+        Each probability's rank is counted against all the others at once (one ``[BLOCK_E, BLOCK_E]``
+        comparison), not found by ``K`` rounds of max."""
         e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
         p = e / tl.sum(e, axis=0)
         work = tl.where(valid, p, -1.0)
@@ -618,6 +615,42 @@ if triton is not None:
         tl.store(ids_ptr + rank, offs.to(tl.int64), mask=pick)
         tl.store(w_ptr + rank, top.to(w_ptr.dtype.element_ty), mask=pick)
         tl.atomic_add(counts_ptr + offs, tl.full((BLOCK_E,), 1, tl.int64), mask=pick)
+
+    @triton.jit
+    def _route_kernel(logits_ptr, ids_ptr, w_ptr, counts_ptr, E, scaling,
+                      K: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+        """Routing of one token from its ``E`` logits (``_route_picks``)."""
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < E
+        _after_inputs(PDL)
+        x = tl.load(logits_ptr + offs, mask=valid, other=-float("inf")).to(tl.float32)
+        _route_picks(x, offs, valid, ids_ptr, w_ptr, counts_ptr, scaling, K, BLOCK_E, NORM)
+
+    @triton.autotune(configs=_configs([(2, 1024, 4), (4, 512, 4), (2, 512, 2), (4, 256, 4), (8, 256, 4),
+                                       (1, 2048, 4)]),
+                     key=["E", "H"], restore_value=["counts_ptr"])
+    @triton.jit
+    def _router_route_kernel(x_ptr, r_ptr, logits_ptr, cnt_ptr, ids_ptr, w_ptr, counts_ptr, E, H: tl.constexpr,
+                             scaling, K: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+        """A MoE router's product and the routing of one token in one kernel: each program computes
+        ``BLOCK_N`` logits ``r[e, :] . x`` (float32 sums, stored to ``logits`` in its dtype, as the
+        separate product rounds them), then counts itself in ``cnt`` (int32, 0 between calls); the
+        last program reads all ``E`` logits back and routes (``_route_picks``), and sets the count
+        back to 0. One kernel and one hand-off less per layer than the product and ``_route_kernel``."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = offs_n < E
+        at = offs_n.to(tl.int64) * H
+        _after_inputs(PDL)
+        acc = _row_dots(r_ptr + at, r_ptr, x_ptr, H, rm, 0, False, BLOCK_N, BLOCK_K, False)
+        tl.store(logits_ptr + offs_n, acc.to(logits_ptr.dtype.element_ty), mask=rm)
+        tl.debug_barrier()  # every thread's logits stored before the count says so
+        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            offs = tl.arange(0, BLOCK_E)
+            valid = offs < E
+            x = tl.load(logits_ptr + offs, mask=valid, other=-float("inf"), cache_modifier=".cg").to(tl.float32)
+            _route_picks(x, offs, valid, ids_ptr, w_ptr, counts_ptr, scaling, K, BLOCK_E, NORM)
+            tl.atomic_xchg(cnt_ptr, 0)
 
     @triton.jit
     def _qkv_rope_cache_kernel(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
@@ -865,4 +898,47 @@ def route_softmax_topk(logits: torch.Tensor, k: int, norm: bool, scaling: float,
     weights = torch.empty((1, k), dtype=logits.dtype, device=logits.device)
     _route_kernel[(1,)](logits, ids, weights, counts, E, float(scaling), K=k,
                         BLOCK_E=triton.next_power_of_2(E), NORM=norm, **pdl_args())
+    return ids, weights
+
+
+_route_counts: dict[tuple, torch.Tensor] = {}
+
+
+def fused_routing() -> bool:
+    """Whether one token's router product and routing run as one kernel (``router_route``): yes
+    unless ``WORKBENCH_FUSED_ROUTING=0`` (the product on the one-pass matvec, then
+    ``route_softmax_topk``, to compare)."""
+    return os.environ.get("WORKBENCH_FUSED_ROUTING", "1") != "0"
+
+
+def router_route(x: torch.Tensor, router: torch.Tensor, k: int, norm: bool, scaling: float, counts: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's router product and softmax top-k routing in one kernel (``_router_route_kernel``):
+    ``x [1, H]``, ``router [E, H]`` (contiguous, x's dtype) -> ``ids [1, k]`` int64 and weights
+    ``[1, k]`` (x's dtype), as ``route_softmax_topk`` of the logits ``x @ router.T`` rounded to x's
+    dtype; adds 1 to ``counts [E]`` (int64) per pick. The first call per shape checks the kernel's
+    autotuning candidates' logits against PyTorch (``kernel_check``; eager); later calls capturable.
+    Each router has its own program count, made at its first call, so routers on other streams
+    never share one."""
+    E, H = router.shape
+    key = (router.data_ptr(), x.device)
+    cnt = _route_counts.get(key)
+    if cnt is None:
+        cnt = _route_counts[key] = torch.zeros(1, dtype=torch.int32, device=x.device)
+
+    def launch(x=x, counts=counts):
+        logits = torch.empty((1, E), dtype=x.dtype, device=x.device)
+        ids = torch.empty((1, k), dtype=torch.int64, device=x.device)
+        weights = torch.empty((1, k), dtype=x.dtype, device=x.device)
+        _router_route_kernel[lambda meta: (triton.cdiv(E, meta["BLOCK_N"]),)](
+            x, router, logits, cnt, ids, weights, counts, E, H, float(scaling), K=k,
+            BLOCK_E=triton.next_power_of_2(E), NORM=norm, **pdl_args())
+        return ids, weights, logits
+
+    def probe():  # a random token's logits against PyTorch; its picks counted elsewhere
+        g = torch.Generator(device=x.device).manual_seed(0)
+        xc = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
+        return (lambda: launch(xc, torch.zeros_like(counts))[2]), xc.float() @ router.float().T
+
+    ids, weights, _ = run_checked([_router_route_kernel], launch, ("router_route", E, H, k, x.dtype), probe)
     return ids, weights

@@ -107,6 +107,11 @@ class DecodeStep:
             s = a + b
             return s, rms_norm(s, w, eps)
 
+        def attend(layer):  # the attention half: (residual stream, its norm for the MoE block)
+            then = (env["x"], layer.ffn_norm, layer.eps) if fused and gpu_kernels.available() else None
+            a = layer.attn(env["xn"], self.pos, None, e.rope, then)
+            return a if isinstance(a, tuple) else add_norm(env["x"], a, layer.ffn_norm, layer.eps)
+
         pieces: list[tuple[str, object]] = []
 
         srv = self.server
@@ -123,8 +128,7 @@ class DecodeStep:
             after = norms[i]  # the norm of what follows this layer
             if not (isinstance(ffn, MoeBlock) and ffn.experts.needs_host):
                 def whole(layer=layer, after=after):
-                    a = layer.attn(env["xn"], self.pos, None, e.rope)
-                    h, hn = add_norm(env["x"], a, layer.ffn_norm, layer.eps)
+                    h, hn = attend(layer)
                     env["x"], env["xn"] = add_norm(h, layer.ffn(hn), *after)
 
                 pieces.append(("dev", whole))
@@ -132,8 +136,7 @@ class DecodeStep:
             lx = ffn.experts
             if srv is not None and lx.layer in srv.layers and not ffn.scale_input:
                 def served_layer(layer=layer, ffn=ffn, lx=lx, after=after):
-                    a = layer.attn(env["xn"], self.pos, None, e.rope)
-                    h, hn = add_norm(env["x"], a, layer.ffn_norm, layer.eps)
+                    h, hn = attend(layer)
                     ids, w = ffn.route(hn)
                     srv.publish(lx, hn, ids, w)
                     bus_y = srv.start_bus(lx, hn, w)
@@ -146,8 +149,7 @@ class DecodeStep:
                 continue
 
             def route(layer=layer, ffn=ffn, i=i):
-                a = layer.attn(env["xn"], self.pos, None, e.rope)
-                h, hn = add_norm(env["x"], a, layer.ffn_norm, layer.eps)
+                h, hn = attend(layer)
                 ids, w = ffn.route(hn)
                 env[i] = {"h": h, "hn": hn, "ids": ids, "w": w, "host": ffn.experts.stage(hn, ids, w, record=False)}
 

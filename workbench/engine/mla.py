@@ -53,7 +53,10 @@ class MlaAttention:
         self.scale = m["scale"]
         self.window = self.chunk = None
 
-    def __call__(self, x: torch.Tensor, pos: torch.Tensor, start: int | None, rope: Rope) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, start: int | None, rope: Rope,
+                 then: tuple | None = None) -> torch.Tensor:
+        """The attention's output ``[T, H]`` (``then``, as ``model.Attention`` takes it: no fused
+        output kernel here, so the output alone)."""
         a, w = self.a, self.w
         T, nH = x.shape[0], a.n_heads
         if "q" in w:

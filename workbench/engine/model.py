@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import gpu_kernels
+from . import gpu_kernels, out_norm
 from .families import ModelArgs, RopeArgs
 from .packed import cat_rows, linear
 
@@ -307,12 +307,16 @@ class Attention:
             qk = rope.apply(qk, pos)
         return qk[:, :nh], qk[:, nh:], v
 
-    def __call__(self, x: torch.Tensor, pos: torch.Tensor, start: int, rope: Rope) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, start: int, rope: Rope, then: tuple | None = None):
+        """The attention's output ``[T, H]``. ``then=(residual, norm weight, eps)`` (a static decode
+        step): where the output projection, the residual add and that RMS norm can run as one kernel
+        (``out_norm``), ``(residual + output, its norm)`` instead; otherwise the output alone, as
+        without ``then``."""
         a, w = self.a, self.w
         T = x.shape[0]
         if self.fused is not None:
             if start is None and T == 1 and self._one_kernel(rope) and gpu_kernels.usable(x):
-                return self._decode_in_place(x, pos, rope)
+                return self._decode_in_place(x, pos, rope, then)
             q, k, v = self._fused_qkv(x, pos, rope)
             return self._attend(q, k, v, pos, start)
         q = linear(x, w["q"], w.get("q_bias"))  # [T, nH*hd]
@@ -342,9 +346,10 @@ class Attention:
         hd = self.a.head_dim
         return (hd & (hd - 1)) == 0 and not (self.use_rope and (rope.interleaved or rope.halves_out))
 
-    def _decode_in_place(self, x: torch.Tensor, pos: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def _decode_in_place(self, x: torch.Tensor, pos: torch.Tensor, rope: Rope, then: tuple | None = None):
         """Static one-token step: projection, one kernel for head norm + RoPE + KV cache write, and
-        (full attention) two for the attention."""
+        (full attention) two for the attention; with ``then`` (``__call__``) the output projection,
+        residual add and norm in one where ``out_norm`` takes them."""
         a = self.a
         qkv_w, bias, norm = self.fused
         c = self.cache
@@ -354,6 +359,9 @@ class Attention:
         if c.slot_pos is None and "sinks" not in self.w and (self.window or c.size) >= c.size and (
                 self.chunk or c.size) >= c.size:  # every cached key up to pos: no mask, two kernels
             out = gpu_kernels.decode_attention(q, c.k, c.v, pos, self.scale)
+            if then is not None and "o_bias" not in self.w and out_norm.wanted() and out_norm.usable(
+                    out, self.w["o"], then[0], then[1]):
+                return out_norm.out_add_norm(out, self.w["o"], *then)
             return linear(out, self.w["o"], self.w.get("o_bias"))
         return self._attend_all(q, c.k, c.v, c.slot_pos, pos)
 

@@ -94,10 +94,15 @@ class MoeBlock:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router and selection for ``x [T, H]``: ``ids``, ``weights [T, k]``; counts the picks on the device."""
         a = self.args
+        one = (x.shape[0] == 1 and gpu_kernels.usable(x) and self.router.dtype == x.dtype and x.is_contiguous()
+               and self.router.is_contiguous())
+        if (one and self.router_bias is None and a.router == "softmax_topk" and not a.group_limited
+                and not a.family.startswith("deepseek") and gpu_kernels.fused_routing()):  # one kernel
+            return gpu_kernels.router_route(x, self.router, a.top_k, a.norm_topk_prob, a.routed_scaling,
+                                            self.counts[self.layer])
         if a.family.startswith("deepseek"):  # DeepSeek routes in float32
             logits = F.linear(x.float(), self.router.float())  # [T, E]
-        elif (x.shape[0] == 1 and gpu_kernels.usable(x) and self.router.dtype == x.dtype and x.is_contiguous()
-              and self.router.is_contiguous()):  # one token: the one-token kernel beats cuBLAS on a router
+        elif one:  # one token: the one-token kernel beats cuBLAS on a router
             logits = packed.float_matvec(x, self.router)
             if self.router_bias is not None:
                 logits = logits + self.router_bias
