@@ -23,7 +23,7 @@
 # 12 GiB, then scripts/profile_decode.py into $OUT/decode), kernels (scripts/profile_decode.py all on the GPU
 # on a 4-layer cut of S1, bf16 and Q8_0 (KERNELS_WEIGHTS): each kernel's time and the gaps between them; $OUT/kernels.tar.gz),
 # decode_kernels (scripts/time_decode_kernels.py: each form of the step's kernels at S1's shapes; $OUT/decode_kernels.json),
-# pdl_ab (S1 all on the GPU with and without programmatic dependent launch (WORKBENCH_PDL=1, off by default) and the Triton dense matvec),
+# pdl_ab (S1 all on the GPU with and without programmatic dependent launch (WORKBENCH_PDL=0 turns it off) and the Triton dense matvec),
 # pdl_tests (tests/engine/test_decode_in_place.py on CUDA under those settings), env_ab (S1 all on the GPU under each of ENV_AB's environments),
 # calibrate ($OUT/h200.json, then the profile of the stages after it), engine (`workbench bench
 # run`: llama.cpp -lm none at --n-cpu-moe 16 and all-GPU, then our n-cpu-moe, frequency, balanced
@@ -438,7 +438,7 @@ stage_pdl_ab() {  # S1 bf16 skewed all on the GPU (and PDL_STRATEGIES at the bud
     # settings PDL:DENSE (WORKBENCH_PDL, WORKBENCH_DENSE_MATVEC): kernels launched plainly, then with programmatic dependent launch
     [ -f "$models/s1.gguf" ] || { log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; }
     local prof=bench-h200; [ -f "$OUT/h200.json" ] && prof="$OUT/h200.json"
-    for v in ${PDL_AB:-0:auto 1:0 1:auto}; do  # PDL is off unless WORKBENCH_PDL=1
+    for v in ${PDL_AB:-0:auto 1:0 1:auto}; do  # PDL is on where the GPU has it unless WORKBENCH_PDL=0
         log "PDL ${v%%:*} dense matvec ${v##*:}"
         WORKBENCH_PDL=${v%%:*} WORKBENCH_DENSE_MATVEC=${v##*:} wb run --model "$models/s1.gguf" --budget "${BENCH_BUDGET:-12GiB}" \
             --margin "${BENCH_MARGIN:-512MiB}" --profile "$prof" --strategies "${PDL_STRATEGIES:-}" --all-gpu -p 512 \
@@ -446,7 +446,7 @@ stage_pdl_ab() {  # S1 bf16 skewed all on the GPU (and PDL_STRATEGIES at the bud
     done
 }
 stage_env_ab() {  # S1 bf16 skewed all on the GPU under each of ENV_AB's settings (space-separated; each
-    # VAR=VALUE[,VAR=VALUE...], e.g. "WORKBENCH_PDL=1 WORKBENCH_PDL=1,WORKBENCH_OUT_NORM=0"): $OUT/ab_<n>.json
+    # VAR=VALUE[,VAR=VALUE...], e.g. "WORKBENCH_PDL=0 WORKBENCH_OUT_NORM=1,WORKBENCH_FUSED_ROUTING=1"): $OUT/ab_<n>.json
     [ -f "$models/s1.gguf" ] || { log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; }
     local prof=bench-h200 n=0; [ -f "$OUT/h200.json" ] && prof="$OUT/h200.json"
     for v in ${ENV_AB:-WORKBENCH_PDL=0 WORKBENCH_PDL=1}; do n=$((n + 1))

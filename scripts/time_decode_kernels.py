@@ -7,11 +7,14 @@ reads, as in a decode step; the graph is replayed ``--reps`` times and the time 
 median replay over the calls. Cases (bf16 and Q8_0 experts):
 
 - ``gate_up`` / ``down``: ``_gate_up_kernel`` / ``_down_split_kernel`` alone; ``experts``:
-  ``experts_one_token`` as the engine calls it.
+  ``experts_one_token`` as the engine calls it; ``experts_then_add_norm`` / ``experts_add_norm``:
+  with the residual add and next norm after it, as a separate kernel / in the down kernel.
 - ``qkv`` / ``o`` / ``router``: ``F.linear`` (cuBLAS) against ``packed._matvec_kernel`` (one pass
   over whole rows; the engine's path for a router, ``packed.float_matvec``) on bf16 rows.
+- ``o_add_norm``: the attention's output projection (cuBLAS) then ``add_rms_norm``, against all
+  three in one kernel (``out_norm.out_add_norm``).
 - ``route``: the router's product (cuBLAS, or ``float_matvec``) then ``route_softmax_topk``, against
-  both in one kernel (``router_route``, the engine's path).
+  both in one kernel (``router_route``, with ``WORKBENCH_FUSED_ROUTING=1``).
 
     python scripts/time_decode_kernels.py --json out.json
 """
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workbench.engine import gpu_kernels, packed  # noqa: E402
+from workbench.engine import gpu_kernels, out_norm, packed  # noqa: E402
 
 H, FFN, E, K, Q, KV, HD = 2048, 768, 128, 8, 32, 4, 128
 
@@ -100,10 +103,21 @@ def expert_cases(fmt: str, calls: int, reps: int, dev) -> dict:
     def experts(j):
         gpu_kernels.experts_one_token(x, ids[j], scale, rowmap, w13, w2, d13, d2)
 
+    resid, nw = torch.randn(1, H, device=dev, dtype=torch.bfloat16), torch.ones(H, device=dev, dtype=torch.bfloat16)
+
+    def experts_then_add_norm(j):  # the step's separate residual add and norm after the experts
+        gpu_kernels.add_rms_norm(resid, gpu_kernels.experts_one_token(x, ids[j], scale, rowmap, w13, w2, d13, d2),
+                                 nw, 1e-6)
+
+    def experts_add_norm(j):  # both in the down kernel (WORKBENCH_MOE_NORM=1)
+        gpu_kernels.experts_one_token(x, ids[j], scale, rowmap, w13, w2, d13, d2, then=(resid, nw, 1e-6))
+
     for j in range(calls):
         gate_up(j)
     res = {}
-    for name, fn, share in (("gate_up", gate_up, 2 / 3), ("down", down_split, 1 / 3), ("experts", experts, 1.0)):
+    for name, fn, share in (("gate_up", gate_up, 2 / 3), ("down", down_split, 1 / 3), ("experts", experts, 1.0),
+                            ("experts_then_add_norm", experts_then_add_norm, 1.0),
+                            ("experts_add_norm", experts_add_norm, 1.0)):
         us = per_call_us([lambda j=j, fn=fn: fn(j) for j in range(calls)], reps)
         res[name] = {"us": us, "GB/s": nbytes * share / us / 1e3}
     return res
@@ -146,6 +160,18 @@ def dense_cases(calls: int, reps: int, dev) -> dict:
     r["fused_us"] = per_call_us([lambda j=j: gpu_kernels.router_route(x, rs[j], K, True, 1.0, counts)
                                  for j in range(calls)], reps)
     res["route"] = r
+    # the attention's output projection, then the residual add and the MoE block's norm
+    x = torch.randn(1, Q * HD, device=dev, dtype=torch.bfloat16)
+    os_ = [torch.randn(H, Q * HD, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(calls)]
+    resid = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
+    nw = torch.ones(H, device=dev, dtype=torch.bfloat16)
+    r = {"cublas_then_add_norm_us": per_call_us(
+        [lambda j=j: gpu_kernels.add_rms_norm(resid, F.linear(x, os_[j]), nw, 1e-6) for j in range(calls)], reps)}
+    for j in range(calls):  # each matrix's first call checks the candidates (eager, outside the graph)
+        out_norm.out_add_norm(x, os_[j], resid, nw, 1e-6)
+    r["fused_us"] = per_call_us([lambda j=j: out_norm.out_add_norm(x, os_[j], resid, nw, 1e-6)
+                                 for j in range(calls)], reps)
+    res["o_add_norm"] = r
     return res
 
 

@@ -13,6 +13,7 @@ import torch
 from tests.engine.engine_helpers import (
     N_NEW,
     PROMPT,
+    TEST_DEVICE,
     TEST_DTYPE,
     decode_step_engine,
     greedy_tokens,
@@ -28,6 +29,8 @@ pytestmark = pytest.mark.skipif(not gpu_kernels.available(), reason="needs Trito
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
 def test_static_decode_with_one_kernel_attention_inputs(family, tiny_model_dir, tiny_hf_model, monkeypatch):
     monkeypatch.setattr(model, "FUSE_QKV", True)
+    monkeypatch.setenv("WORKBENCH_OUT_NORM", "1")  # opt-in until timed on a GPU
+    monkeypatch.setenv("WORKBENCH_FUSED_ROUTING", "1")
     calls = []
     real = gpu_kernels.qkv_rope_cache
     monkeypatch.setattr(gpu_kernels, "qkv_rope_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -51,11 +54,12 @@ def test_static_decode_with_one_kernel_attention_inputs(family, tiny_model_dir, 
         assert tokens == reference_tokens(tiny_hf_model(family), PROMPT, N_NEW)
 
 
-@pytest.mark.parametrize("kernel", ["_router_route_kernel", "_add_norm_kernel"])
+@pytest.mark.parametrize("kernel", ["_route_kernel", "_router_route_kernel", "_add_norm_kernel"])
 def test_a_kernel_that_fails_turns_the_kernels_off_and_the_step_still_runs(kernel, tiny_model_dir, tiny_hf_model,
                                                                             monkeypatch):
     """A Triton kernel that does not build on some GPU must not cost the user the decode step."""
     monkeypatch.setattr(gpu_kernels, "_disabled", [])
+    monkeypatch.setenv("WORKBENCH_FUSED_ROUTING", "1" if kernel == "_router_route_kernel" else "0")
 
     class Broken:
         configs: list = []  # an autotuned kernel's candidates, as kernel_check reads them
@@ -76,3 +80,30 @@ def test_a_kernel_that_fails_turns_the_kernels_off_and_the_step_still_runs(kerne
     assert not gpu_kernels.available() and "PassManager" in gpu_kernels._disabled[0]
     if TEST_DTYPE == torch.float32:
         assert tokens == reference_tokens(tiny_hf_model("qwen3_moe"), PROMPT, N_NEW)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_the_trial_fusions_decode_as_transformers(family, tiny_model_dir, tiny_hf_model, monkeypatch):
+    """The fusions in trial (off unless asked for, until timed on a GPU): the output projection with
+    the add and norm after it, the router with its routing, the down projection with the next
+    layer's add and norm. Every expert resident, so that on CUDA every MoE layer's down kernel norms."""
+    for var in ("WORKBENCH_OUT_NORM", "WORKBENCH_FUSED_ROUTING", "WORKBENCH_MOE_NORM"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setattr(model, "FUSE_QKV", True)
+    then_calls, route_calls = [], []
+    real, real_route = gpu_kernels.experts_one_token, gpu_kernels.router_route
+    monkeypatch.setattr(gpu_kernels, "experts_one_token",
+                        lambda *a, **k: (k.get("then") is not None and then_calls.append(1)) or real(*a, **k))
+    monkeypatch.setattr(gpu_kernels, "router_route", lambda *a, **k: route_calls.append(1) or real_route(*a, **k))
+    inv = open_inventory(tiny_model_dir(family))
+    engine = decode_step_engine(inv, placements(inv)["resident"])
+    try:
+        tokens = greedy_tokens(engine, PROMPT, N_NEW)
+    finally:
+        engine.close()
+    if TEST_DEVICE == "cuda":  # on the CPU every layer takes the host's path (LayerExperts.needs_host)
+        assert then_calls  # the down kernels added and normed
+    if family != "gpt_oss":  # its router has a bias: the separate kernels
+        assert route_calls
+    if TEST_DTYPE == torch.float32:
+        assert tokens == reference_tokens(tiny_hf_model(family), PROMPT, N_NEW)

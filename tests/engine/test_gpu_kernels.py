@@ -81,9 +81,11 @@ def test_the_router_and_its_routing_in_one_kernel_match_torch_call_after_call(dt
         assert torch.equal(counts, expect), call
 
 
-def test_the_split_down_projection_is_right_call_after_call():
-    """``_down_split_kernel`` counts its programs per block of outputs in a buffer it sets back to 0:
-    a call after another (other experts and inputs) is as right as the first."""
+@pytest.mark.parametrize("add_norm", [False, True])
+def test_the_split_down_projection_is_right_call_after_call(add_norm):
+    """``_down_split_kernel`` counts its programs per block of outputs, then (with the residual add
+    and norm of ``then``) the blocks, in a buffer it sets back to 0: a call after another (other
+    experts and inputs) is as right as the first."""
     H, F_, E, k = 96, 64, 6, 3
     g = torch.Generator(device=DEV).manual_seed(7)
     w13 = torch.randn(E, 2 * F_, H, device=DEV, generator=g) / H ** 0.5
@@ -94,11 +96,19 @@ def test_the_split_down_projection_is_right_call_after_call():
         x = torch.randn(1, H, device=DEV, generator=g)
         ids = torch.randperm(E, device=DEV, generator=g)[:k]
         scale = torch.rand(k, device=DEV, generator=g) + 0.1
-        out = gpu_kernels.experts_one_token(x, ids, scale, rowmap, w13, w2)
         ref = sum(s * gpu_kernels.expert_f32(x, int(e), (None, None), w13, w2)
                   for e, s in zip(ids.tolist(), scale.tolist()))
-        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6), call
-        assert not cnt.any()  # every block's count back to 0
+        if add_norm:
+            resid, nw = torch.randn(1, H, device=DEV, generator=g), torch.rand(H, device=DEV, generator=g) + 0.5
+            h, hn = gpu_kernels.experts_one_token(x, ids, scale, rowmap, w13, w2, then=(resid, nw, 1e-6))
+            ref = resid + ref
+            assert torch.allclose(h, ref, rtol=1e-5, atol=1e-5), call
+            ref_hn = ref * torch.rsqrt(ref.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
+            assert torch.allclose(hn, ref_hn, rtol=1e-5, atol=1e-5), call
+        else:
+            out = gpu_kernels.experts_one_token(x, ids, scale, rowmap, w13, w2)
+            assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6), call
+        assert not cnt.any()  # every block's count (and the blocks' count) back to 0
 
 
 def test_the_down_projections_buffers_live_where_the_kernel_runs():
@@ -107,7 +117,7 @@ def test_the_down_projections_buffers_live_where_the_kernel_runs():
     CUDA a host buffer there fails the launch, and the bus falls back to host-driven layers)."""
     w2 = torch.zeros(4, 8, 16)  # a host stack
     part, cnt = gpu_kernels._down_workspace(w2, 2, 8, torch.device("meta"))
-    assert part.device.type == cnt.device.type == "meta" and part.shape == (2, 8) and cnt.shape == (8,)
+    assert part.device.type == cnt.device.type == "meta" and part.shape == (2, 8) and cnt.shape == (9,)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -297,11 +307,11 @@ def test_a_newer_kernel_form_that_does_not_build_is_dropped_and_the_others_go_on
         gpu_kernels.run_dropping_new_forms([Kernel], lambda: 1 / 0)
 
 
-@pytest.mark.parametrize("env,capability,want", [(None, (9, 0), False), ("1", (9, 0), True), ("1", (8, 0), False),
+@pytest.mark.parametrize("env,capability,want", [(None, (9, 0), True), ("1", (9, 0), True), (None, (8, 0), False),
                                                  ("0", (9, 0), False)])
-def test_programmatic_dependent_launch_only_when_asked_on_hopper(monkeypatch, env, capability, want):
-    """``gpu_kernels.pdl``: off unless ``WORKBENCH_PDL=1``, then only on compute capability 9 or later
-    with a Triton that has ``launch_pdl``; ``pdl_args`` adds the launch arguments only then."""
+def test_programmatic_dependent_launch_on_hopper_unless_turned_off(monkeypatch, env, capability, want):
+    """``gpu_kernels.pdl``: on compute capability 9 or later with a Triton that has ``launch_pdl``,
+    unless ``WORKBENCH_PDL=0``; ``pdl_args`` adds the launch arguments only then."""
     if gpu_kernels.triton is None:
         pytest.skip("needs Triton")
     from triton.backends.nvidia.compiler import CUDAOptions

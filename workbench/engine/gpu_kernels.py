@@ -86,16 +86,16 @@ def usable(t: torch.Tensor) -> bool:
 
 @functools.cache
 def pdl() -> bool:
-    """Whether the one-token kernels launch with programmatic dependent launch: only when asked
-    (``WORKBENCH_PDL=1``), on Hopper or later, with a Triton that has ``launch_pdl``. In a decode
-    step's CUDA graph each kernel then starts while the one before it finishes: it waits
-    (``gdc_wait``) only before it reads what earlier kernels wrote, and lets the next one start once
-    its own programs have all passed that wait, so the ~1 µs between dependent kernels and each
-    kernel's ramp-up overlap the previous kernel's tail. Off by default: on the H100 (Triton 3.6)
-    ``tests/engine/test_decode_in_place.py`` failed with it on (qwen3_moe, mixed placement), for a
-    reason not yet found, and its speed is not yet measured (BENCHMARKS.md, sixth stop). Off under
-    Triton's interpreter."""
-    if triton is None or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("WORKBENCH_PDL", "0") != "1":
+    """Whether the one-token kernels launch with programmatic dependent launch: on Hopper or later,
+    with a Triton that has ``launch_pdl``, unless ``WORKBENCH_PDL=0``. In a decode step's CUDA graph
+    each kernel then starts while the one before it finishes: it waits (``gdc_wait``) only before it
+    reads what earlier kernels wrote or stores anything, and lets the next one start once its own
+    programs have all passed that wait, so the ~1 µs between dependent kernels and each kernel's
+    ramp-up overlap the previous kernel's tail. On an H100 (Triton 3.6) S1 all on the GPU decoded
+    483.5 tok/s with it against 456.8 without, 499.8 with the dense matvec too (``packed.dense_matvec``),
+    and ``tests/engine/test_decode_in_place.py`` passed on CUDA with it on, with and without the
+    dense matvec (BENCHMARKS.md, seventh stop). Off under Triton's interpreter."""
+    if triton is None or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("WORKBENCH_PDL", "1") == "0":
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
@@ -415,6 +415,22 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _add_norm_row(a_ptr, o_ptr, nw_ptr, sum_ptr, norm_ptr, N, eps, BLOCK_H: tl.constexpr):
+        """The last program of a one-token product: ``s = a + o`` over the row's ``N`` values (``o``
+        read from L2, as other programs of the kernel stored it; ``s`` rounded to the sum's dtype as
+        a separate add would round it), then ``rms_norm(s) * nw``."""
+        offs = tl.arange(0, BLOCK_H)
+        m = offs < N
+        a = tl.load(a_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(o_ptr + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        s = (a + b).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + offs, s, mask=m)
+        sf = s.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
+        w = tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(norm_ptr + offs, (sf * inv * w).to(norm_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
     def _add_norm_kernel(a_ptr, b_ptr, w_ptr, sum_ptr, norm_ptr, H, eps, BLOCK: tl.constexpr,
                          PDL: tl.constexpr = False):
         """One row: ``s = a + b`` (rounded to the output dtype, as a separate add would), and
@@ -500,14 +516,18 @@ if triton is not None:
     def _down_split_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, b_ptr, part_ptr, cnt_ptr, N,
                            FFN: tl.constexpr, stride_e, stride_n, K: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, FMT: tl.constexpr, TILE: tl.constexpr, BIAS: tl.constexpr = False,
-                           SWIGLU: tl.constexpr = True, PDL: tl.constexpr = False):
+                           SWIGLU: tl.constexpr = True, PDL: tl.constexpr = False, a_ptr=None, nw_ptr=None,
+                           sum_ptr=None, norm_ptr=None, eps=0.0, ADD_NORM: tl.constexpr = False,
+                           BLOCK_H: tl.constexpr = 16):
         """out[n] = sum_j scale[j] * (w[row_j, n, :] . (silu(h[j, :FFN]) * h[j, FFN:]) [+ b[row_j, n]]), in
         out's dtype (``SWIGLU`` False: ``h[j, :FFN]`` as the inputs, an activation computed before).
         One program per pair and block of outputs, so that all ``K`` pairs' rows are read at once
         (a program per block looping over the pairs read at ~1.2 TB/s on the H100 at S1's shapes
         against ~2.1 here): each stores its pair's weighted part in ``part [K, N]`` (float32) and
         counts itself in ``cnt[block]``; the block's last program sums the parts in pair order,
-        stores the result in out's dtype and sets the count back to 0 for the next call."""
+        stores the result in out's dtype and sets the count back to 0 for the next call. ``ADD_NORM``:
+        then the last block to finish (``cnt[blocks]``) adds the residual ``a`` and norms the row with
+        ``nw`` into ``sum`` and ``norm`` (``_add_norm_row``): the next layer's norm in this kernel."""
         blk = tl.program_id(0)
         pair = tl.program_id(1)
         offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -523,6 +543,12 @@ if triton is not None:
                 acc += tl.load(part_ptr + j * N + offs_n, mask=nm, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=nm)
             tl.atomic_xchg(cnt_ptr + blk, 0)
+            if ADD_NORM:
+                tl.debug_barrier()  # the block's outputs stored before the blocks' count says so
+                blocks = tl.num_programs(0)
+                if tl.atomic_add(cnt_ptr + blocks, 1, sem="acq_rel") == blocks - 1:
+                    _add_norm_row(a_ptr, out_ptr, nw_ptr, sum_ptr, norm_ptr, N, eps, BLOCK_H)
+                    tl.atomic_xchg(cnt_ptr + blocks, 0)
 
     @triton.jit
     def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pm_ptr, pl_ptr, NKV, scale,
@@ -735,8 +761,10 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
                       w13: torch.Tensor, w2: torch.Tensor, d13: torch.Tensor | None = None,
                       d2: torch.Tensor | None = None, fmt: tuple[str, str] | None = None,
                       b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                      act: tuple = ("silu",)) -> torch.Tensor:
-    """SwiGLU experts of one token, weighted and summed: ``[1, H]`` in ``x.dtype``.
+                      act: tuple = ("silu",), then: tuple | None = None):
+    """SwiGLU experts of one token, weighted and summed: ``[1, H]`` in ``x.dtype``; with
+    ``then=(residual [1, H], norm weight [H], eps)`` (x's dtype) ``(residual + that sum, its RMS
+    norm)`` instead, the add and norm done by the down kernel's last block.
 
     ``x [1, H]``; ``ids``/``scale [k]``: the selected experts and their routing weights;
     ``rowmap [E]`` int64: each expert's row in ``w13 [R, 2I, H]`` (gate rows first) and
@@ -766,7 +794,7 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     bias = b13 is not None
     swiglu = act[0] == "silu"
 
-    def launch(x=x, ids=ids, scale=scale, rowmap=rowmap):
+    def launch(x=x, ids=ids, scale=scale, rowmap=rowmap, then=then):
         h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
         _gate_up_kernel[lambda meta: (k, triton.cdiv(n13, meta["BLOCK_N"]))](
             x, w13, d13 if q8 else w13, ids, rowmap, scale, h, b13 if bias else h, n13, H, w13.stride(0),
@@ -775,10 +803,15 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
             h[:, :i] = activate(h, act)
         out = torch.empty((1, H), dtype=x.dtype, device=x.device)
         part, cnt = _down_workspace(w2, k, H, x.device)
+        norm = {}
+        if then is not None:
+            hs, hn = torch.empty_like(then[0]), torch.empty_like(then[0])
+            norm = dict(a_ptr=then[0], nw_ptr=then[1], sum_ptr=hs, norm_ptr=hn, eps=float(then[2]), ADD_NORM=True,
+                        BLOCK_H=triton.next_power_of_2(H))
         _down_split_kernel[lambda meta: (triton.cdiv(H, meta["BLOCK_N"]), k)](
             h, w2, d2 if q8 else w2, ids, rowmap, scale, out, b2 if bias else h, part, cnt, H, i, w2.stride(0),
-            w2.stride(1), K=k, FMT=code2, BIAS=bias, SWIGLU=swiglu, **pdl_args())
-        return out
+            w2.stride(1), K=k, FMT=code2, BIAS=bias, SWIGLU=swiglu, **norm, **pdl_args())
+        return out if then is None else (hs, hn)
 
     def probe():  # a random token on the rows this call reads (else the first): kernel_check's probe
         g = torch.Generator(device=x.device).manual_seed(0)
@@ -792,7 +825,7 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
         f = fmt or (("q8_0", "q8_0") if q8 else (None, None))
         ref = sum(s * expert_f32(xc, r, f, w13, w2, d13, d2, b13, b2, act)
                   for r, s in zip(rows.tolist(), sc.float().tolist()))
-        return (lambda: launch(xc, idc, sc, mapc)), ref
+        return (lambda: launch(xc, idc, sc, mapc, None)), ref  # the add and norm: the same in every candidate
 
     if w13.shape[0] == 0:  # no expert on this tier: every pair inactive
         return torch.zeros((1, H), dtype=x.dtype, device=x.device)
@@ -804,14 +837,14 @@ _down_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _down_workspace(w2: torch.Tensor, k: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_down_split_kernel``'s parts ``[k, n]`` float32 and block counts ``[n]`` int32 (zero between
-    calls) on ``device``, where the kernel runs: the stack ``w2`` may lie elsewhere (the served bus
+    """``_down_split_kernel``'s parts ``[k, n]`` float32 and counts ``[n + 1]`` int32 (per block of
+    outputs, then of blocks; zero between calls) on ``device``, where the kernel runs: the stack ``w2`` may lie elsewhere (the served bus
     reads page-locked host stacks in place). One pair per stack and device, made on its first call
     (eager, before any graph capture), so calls on other stacks (tiers, layers, streams) never share."""
     key = (w2.data_ptr(), torch.device(device), k, n)
     ws = _down_workspaces.get(key)
     if ws is None:
-        ws = (torch.empty((k, n), dtype=torch.float32, device=device), torch.zeros(n, dtype=torch.int32, device=device))
+        ws = (torch.empty((k, n), dtype=torch.float32, device=device), torch.zeros(n + 1, dtype=torch.int32, device=device))
         _down_workspaces[key] = ws
     return ws
 
@@ -904,11 +937,19 @@ def route_softmax_topk(logits: torch.Tensor, k: int, norm: bool, scaling: float,
 _route_counts: dict[tuple, torch.Tensor] = {}
 
 
+def fused_moe_norm() -> bool:
+    """Whether a decode step's all-resident MoE layers add the residual and norm the sum for the next
+    layer in their down kernel (``experts_one_token``'s ``then``): only with ``WORKBENCH_MOE_NORM=1``
+    until timed in the engine's graph on a GPU (one ``add_rms_norm`` kernel a layer less)."""
+    return os.environ.get("WORKBENCH_MOE_NORM", "0") == "1"
+
+
 def fused_routing() -> bool:
-    """Whether one token's router product and routing run as one kernel (``router_route``): yes
-    unless ``WORKBENCH_FUSED_ROUTING=0`` (the product on the one-pass matvec, then
-    ``route_softmax_topk``, to compare)."""
-    return os.environ.get("WORKBENCH_FUSED_ROUTING", "1") != "0"
+    """Whether one token's router product and routing run as one kernel (``router_route``): only
+    with ``WORKBENCH_FUSED_ROUTING=1`` until it is timed inside the engine's graph on a GPU (an earlier
+    form with fixed blocks took 9.5-10.7 µs there on the H100, against 2.9 + 4.0 µs for the product
+    on the one-pass matvec and ``route_softmax_topk``: BENCHMARKS.md, fifth stop)."""
+    return os.environ.get("WORKBENCH_FUSED_ROUTING", "0") == "1"
 
 
 def router_route(x: torch.Tensor, router: torch.Tensor, k: int, norm: bool, scaling: float, counts: torch.Tensor

@@ -79,9 +79,13 @@ class MoeBlock:
         self.shared_router = shared_router
         self.counts = counts
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, then: tuple | None = None):
+        """The block's output ``[T, H]`` for ``x [T, H]`` (normed). ``then=(residual, norm weight,
+        eps)`` (a static decode step): where the experts' kernels can add the residual and norm the
+        sum (``LayerExperts.__call__``), ``(residual + output, its norm)`` instead."""
         ids, weights = self.route(x)
-        return self.experts(x, ids, weights, scale_input=self.scale_input, extra=self.extra(x))
+        return self.experts(x, ids, weights, scale_input=self.scale_input, extra=self.extra(x),
+                            then=then if self.shared is None else None)
 
     @property
     def scale_input(self) -> bool:

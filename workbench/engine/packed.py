@@ -238,8 +238,8 @@ DENSE_MATVEC_MAX = 32 * 2**20
 def dense_matvec(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``linear`` gives the one-token product with float matrix ``w`` to the Triton matvec
     instead of cuBLAS: ``WORKBENCH_DENSE_MATVEC`` ``1`` always, ``0`` never, unset (``auto``) where
-    the kernels launch with programmatic dependent launch (``gpu_kernels.pdl``, off unless asked
-    for), which lets the matvec read its first weights while the kernel before it finishes;
+    the kernels launch with programmatic dependent launch (``gpu_kernels.pdl``: Hopper and later),
+    which lets the matvec read its first weights while the kernel before it finishes;
     cuBLAS's kernels wait for it.
     Only contiguous matrices of at most ``DENSE_MATVEC_MAX`` values in ``x``'s dtype, on its device,
     with at least as many rows as inputs: the matvec spreads rows, not inputs, over the SMs, and
