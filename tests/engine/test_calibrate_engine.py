@@ -270,3 +270,20 @@ def test_the_prompt_fit_keeps_its_costs_at_least_zero():
     assert cpu == 0 and layer == pytest.approx((8e-3 * 8 * 2 + 4e-3 * 8) / (3 * 64))
     assert calibrate_engine._least_squares_at_least_zero(np.array([[8.0, 0.0], [8.0, 0.0]]),
                                                          np.array([-1e-3, -2e-3])) == (0.0, 0.0)
+
+
+def test_the_sm_clock_is_read_through_nvml_on_cuda_only(monkeypatch):
+    """Each timed decode run logs the GPU's SM clock (a GPU still at idle clocks runs slow steps)."""
+    class Stub:
+        available = True
+
+        def query(self, fn, *args, default=None):
+            return {"nvmlDeviceGetHandleByIndex": "h", "nvmlDeviceGetClockInfo": 1980}[fn] if fn else default
+
+    monkeypatch.setattr(calibrate_engine, "_nvml", lambda: Stub())
+    assert calibrate_engine._sm_clock_mhz("cpu") is None
+    monkeypatch.setattr(calibrate_engine.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(calibrate_engine.torch.cuda, "current_device", lambda: 0)
+    assert calibrate_engine._sm_clock_mhz("cuda") == 1980
+    Stub.available = False
+    assert calibrate_engine._sm_clock_mhz("cuda") is None

@@ -17,6 +17,7 @@ reads them from RAM, as a real model's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import statistics
@@ -94,20 +95,46 @@ def _decode_seconds(inv, placement, device: str, steps: int = STEPS) -> float:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, VOCAB, (16 + 2 * steps,), generator=g)
         engine.forward(ids[:16], 0, last_only=True)
+        _sm_clock_mhz(device)  # NVML's first use, before the steps rather than between them
         for i in range(steps):  # the first steps capture the graphs
             engine.forward(ids[16 + i:17 + i], 16 + i)[-1].argmax().item()
         warm, i = time.perf_counter(), 0
         while time.perf_counter() - warm < WARM_S:  # the same positions again, until the devices are busy
             engine.forward(ids[16 + i % steps:17 + i % steps], 16 + i % steps)[-1].argmax().item()
             i += 1
+        before = _sm_clock_mhz(device)
         times = []
         for i in range(steps, 2 * steps):
             t = time.perf_counter()
             engine.forward(ids[16 + i:17 + i], 16 + i)[-1].argmax().item()
             times.append(time.perf_counter() - t)
+        if before is not None:
+            log.info("calibration decode: %.3f ms a step, SM clock %s MHz before the timed steps, %s after",
+                     statistics.median(times) * 1e3, before, _sm_clock_mhz(device))
         return statistics.median(times)
     finally:
         engine.close()
+
+
+@functools.cache
+def _nvml():
+    """One NVML session for the calibration's clock readings (its first use initialises NVML)."""
+    from workbench.telemetry.nvml import Nvml
+
+    return Nvml()
+
+
+def _sm_clock_mhz(device: str) -> int | None:
+    """The current GPU's SM clock (MHz) as NVML reports it, or None (no CUDA, no NVML): logged with
+    each timed decode run, to tell a GPU still at low clocks from a slow step."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return None
+    nvml = _nvml()
+    if not nvml.available:
+        return None
+    handle = nvml.query("nvmlDeviceGetHandleByIndex", torch.cuda.current_device(), default=None)
+    mhz = nvml.query("nvmlDeviceGetClockInfo", handle, 1, default=None)  # 1: NVML_CLOCK_SM
+    return int(mhz) if isinstance(mhz, (int, float)) else None
 
 
 def _solve(cost_at, measured: float, lo: float = 0.0, step: float = 1e-5) -> float:
