@@ -91,7 +91,7 @@ def usable(x: torch.Tensor, w, residual: torch.Tensor, norm_w: torch.Tensor | No
 def _workspace(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Parts ``[MAX_SPLIT, N]`` float32, counts ``[N + 1]`` int32 (0 between calls) and the product
     ``[N]`` (w's dtype), one set per matrix, made at its first call (eager, before any graph capture)."""
-    key = (w.data_ptr(), w.device)
+    key = (w.data_ptr(), w.device, w.shape[0], w.dtype)  # a later matrix at a freed one's address: its own
     ws = _workspaces.get(key)
     if ws is None:
         n = w.shape[0]
