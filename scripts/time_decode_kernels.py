@@ -11,6 +11,8 @@ median replay over the calls. Cases (bf16 and Q8_0 experts):
   with the residual add and next norm after it, as a separate kernel / in the down kernel.
 - ``qkv`` / ``o`` / ``router``: ``F.linear`` (cuBLAS) against ``packed._matvec_kernel`` (one pass
   over whole rows; the engine's path for a router, ``packed.float_matvec``) on bf16 rows.
+- ``attention``: ``qkv_rope_cache`` then ``decode_attention``, against the inputs' work in the
+  attention's first kernel (``decode_attention``'s ``inputs``, ``WORKBENCH_ATTN_INPUTS=1``).
 - ``o_add_norm``: the attention's output projection (cuBLAS) then ``add_rms_norm``, against all
   three in one kernel (``out_norm.out_add_norm``).
 - ``route``: the router's product (cuBLAS, or ``float_matvec``) then ``route_softmax_topk``, against
@@ -172,6 +174,24 @@ def dense_cases(calls: int, reps: int, dev) -> dict:
     r["fused_us"] = per_call_us([lambda j=j: out_norm.out_add_norm(x, os_[j], resid, nw, 1e-6)
                                  for j in range(calls)], reps)
     res["o_add_norm"] = r
+    # the attention's inputs (head norm, RoPE, cache write) and the attention, at position 600 of 1024
+    S, at = 1024, 600
+    qkvs = [torch.randn(1, (Q + 2 * KV) * HD, device=dev, dtype=torch.bfloat16) for _ in range(calls)]
+    hw = torch.ones(Q + KV, HD, device=dev, dtype=torch.bfloat16)
+    ang = torch.rand(S, HD // 2, device=dev) * 6
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([-ang.sin(), ang.sin()], -1)
+    kc, vc = (torch.randn(S, KV, HD, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    p = torch.tensor([at], device=dev)
+
+    def two(j):
+        q = gpu_kernels.qkv_rope_cache(qkvs[j], hw, cos, sin, p, Q, KV, kc, vc, None, 1e-6)
+        gpu_kernels.decode_attention(q, kc, vc, p, HD ** -0.5)
+
+    def one(j):
+        gpu_kernels.decode_attention(qkvs[j], kc, vc, p, HD ** -0.5, inputs=(hw, cos, sin, Q, 1e-6))
+
+    res["attention"] = {"inputs_then_attention_us": per_call_us([lambda j=j: two(j) for j in range(calls)], reps),
+                        "fused_us": per_call_us([lambda j=j: one(j) for j in range(calls)], reps)}
     return res
 
 

@@ -84,14 +84,16 @@ def test_a_kernel_that_fails_turns_the_kernels_off_and_the_step_still_runs(kerne
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_the_trial_fusions_decode_as_transformers(family, tiny_model_dir, tiny_hf_model, monkeypatch):
-    """The fusions in trial (off unless asked for, until timed on a GPU): the output projection with
-    the add and norm after it, the router with its routing, the down projection with the next
-    layer's add and norm. Every expert resident, so that on CUDA every MoE layer's down kernel norms."""
-    for var in ("WORKBENCH_OUT_NORM", "WORKBENCH_FUSED_ROUTING", "WORKBENCH_MOE_NORM"):
+    """The fusions in trial (off unless asked for, until timed on a GPU): the attention's inputs in its
+    first kernel, the output projection with the add and norm after it, the router with its routing,
+    the down projection with the next layer's add and norm. Every expert resident, so that on CUDA every MoE layer's down kernel norms."""
+    for var in ("WORKBENCH_OUT_NORM", "WORKBENCH_FUSED_ROUTING", "WORKBENCH_MOE_NORM", "WORKBENCH_ATTN_INPUTS"):
         monkeypatch.setenv(var, "1")
     monkeypatch.setattr(model, "FUSE_QKV", True)
-    then_calls, route_calls = [], []
-    real, real_route = gpu_kernels.experts_one_token, gpu_kernels.router_route
+    then_calls, route_calls, inputs_calls = [], [], []
+    real, real_route, real_attn = gpu_kernels.experts_one_token, gpu_kernels.router_route, gpu_kernels.decode_attention
+    monkeypatch.setattr(gpu_kernels, "decode_attention",
+                        lambda *a, **k: (k.get("inputs") is not None and inputs_calls.append(1)) or real_attn(*a, **k))
     monkeypatch.setattr(gpu_kernels, "experts_one_token",
                         lambda *a, **k: (k.get("then") is not None and then_calls.append(1)) or real(*a, **k))
     monkeypatch.setattr(gpu_kernels, "router_route", lambda *a, **k: route_calls.append(1) or real_route(*a, **k))
@@ -105,5 +107,7 @@ def test_the_trial_fusions_decode_as_transformers(family, tiny_model_dir, tiny_h
         assert then_calls  # the down kernels added and normed
     if family != "gpt_oss":  # its router has a bias: the separate kernels
         assert route_calls
+    if family == "qwen3_moe":  # full attention, where the flash-decoding kernels run (as above)
+        assert inputs_calls
     if TEST_DTYPE == torch.float32:
         assert tokens == reference_tokens(tiny_hf_model(family), PROMPT, N_NEW)

@@ -146,6 +146,34 @@ def test_decode_attention_matches_float64(dtype, n_heads, n_kv, hd, S, pos):
     assert err < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_heads,n_kv,hd,S,pos,norm,rope", [(8, 2, 64, 300, 200, True, True),
+                                                             (4, 4, 32, 40, 0, False, True),
+                                                             (6, 2, 32, 130, 129, True, False)])
+def test_the_attention_that_takes_its_inputs_from_qkv_matches_the_two_kernels(dtype, n_heads, n_kv, hd, S, pos,
+                                                                              norm, rope):
+    """``decode_attention(qkv, ..., inputs=...)``: the head norm, RoPE and cache write done in the
+    attention's first kernel give the same output and the same key and value at ``pos`` as
+    ``qkv_rope_cache`` followed by ``decode_attention`` (other slots untouched)."""
+    g = torch.Generator(device=DEV).manual_seed(S + pos + hd)
+    qkv = torch.randn(1, (n_heads + 2 * n_kv) * hd, device=DEV, generator=g).to(dtype)
+    w = (torch.rand(n_heads + n_kv, hd, device=DEV, generator=g) + 0.5).to(dtype) if norm else None
+    ang = torch.rand(S, hd // 2, device=DEV, generator=g) * 6
+    cos = torch.cat([ang.cos(), ang.cos()], -1) if rope else None
+    sin = torch.cat([-ang.sin(), ang.sin()], -1) if rope else None
+    k = torch.randn(S, n_kv, hd, device=DEV, generator=g).to(dtype)
+    v = torch.randn(S, n_kv, hd, device=DEV, generator=g).to(dtype)
+    p = torch.tensor([pos], device=DEV)
+    k2, v2 = k.clone(), v.clone()
+    q = gpu_kernels.qkv_rope_cache(qkv, w, cos, sin, p, n_heads, n_kv, k, v, None, 1e-6)
+    ref = gpu_kernels.decode_attention(q, k, v, p, hd ** -0.5)
+    out = gpu_kernels.decode_attention(qkv, k2, v2, p, hd ** -0.5, inputs=(w, cos, sin, n_heads, 1e-6))
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert torch.equal(k2, k) and torch.equal(v2, v)  # the key and value written at pos alike, nothing else
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert float((out.float() - ref.float()).abs().max()) <= tol * float(ref.float().abs().max())
+
+
 def _token(H: int, E: int, k: int, g: torch.Generator):
     """One bfloat16 token, ``k`` distinct experts of ``E`` with weights, rows stored in reverse and the
     first selected expert on another tier (rowmap -1)."""

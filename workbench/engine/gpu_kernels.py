@@ -551,26 +551,67 @@ if triton is not None:
                     tl.atomic_xchg(cnt_ptr + blocks, 0)
 
     @triton.jit
+    def _heads_in(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos, h, hm, d, dm, HD: tl.constexpr, eps,
+                  HAS_NORM: tl.constexpr, ROPE: tl.constexpr):
+        """Rows ``h [R]`` (where ``hm``) of one token's ``qkv`` heads, float32 ``[R, len(d)]``: RMS head
+        norm with ``norm [heads, HD]`` and RoPE at ``pos`` from the tables ``cos``/``sin [S, HD]``
+        (``sin`` with rotate_half's sign), as ``_qkv_rope_cache_kernel`` computes them."""
+        m2 = hm[:, None] & dm[None, :]
+        at = h[:, None] * HD + d[None, :]
+        rat = h[:, None] * HD + ((d + HD // 2) % HD)[None, :]
+        x = tl.load(qkv_ptr + at, mask=m2, other=0.0).to(tl.float32)
+        xr = tl.load(qkv_ptr + rat, mask=m2, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HD + eps)
+            x = x * inv[:, None] * tl.load(norm_ptr + at, mask=m2, other=0.0).to(tl.float32)
+            xr = xr * inv[:, None] * tl.load(norm_ptr + rat, mask=m2, other=0.0).to(tl.float32)
+        if ROPE:
+            c = tl.load(cos_ptr + pos * HD + d, mask=dm, other=0.0)
+            sn = tl.load(sin_ptr + pos * HD + d, mask=dm, other=0.0)
+            x = x * c[None, :] + xr * sn[None, :]
+        return x
+
+    @triton.jit
     def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pm_ptr, pl_ptr, NKV, scale,
                             REP: tl.constexpr, REPP: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
                             SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, F32_DOT: tl.constexpr,
-                            PDL: tl.constexpr = False):
+                            PDL: tl.constexpr = False, norm_ptr=None, cos_ptr=None, sin_ptr=None, NH=0, eps=0.0,
+                            FROM_QKV: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
+                            ROPE: tl.constexpr = False):
         """Flash-decoding, first pass: the ``REP`` query heads of key/value head ``program_id(0)``
         over keys ``0..pos`` split ``SPLIT`` ways (``program_id(1)``); writes each split's running
         max ``pm``, denominator ``pl`` ``[NKV, SPLIT, REPP]`` and unnormalised output ``po [.., HDP]``
-        (``HDP``: the head dim padded to the 16 a tensor-core dot needs)."""
+        (``HDP``: the head dim padded to the 16 a tensor-core dot needs). ``FROM_QKV``: ``q_ptr`` is
+        the token's ``qkv`` (``NH`` query heads, then the key and value heads); each program takes its
+        query heads through ``_heads_in``, and the one whose keys hold ``pos`` first writes its key
+        and value head there (``_qkv_rope_cache_kernel``'s work, in this kernel)."""
         g = tl.program_id(0)
         sp = tl.program_id(1)
         _after_inputs(PDL)
-        n = tl.load(pos_ptr) + 1
+        pos = tl.load(pos_ptr)
+        n = pos + 1
         chunk = tl.cdiv(n, SPLIT)
         lo = sp * chunk
         hi = tl.minimum(n, lo + chunk)
         r = tl.arange(0, REPP)
         d = tl.arange(0, HDP)
         dm = d < HD
-        q = tl.load(q_ptr + (g * REP + r[:, None]) * HD + d[None, :], mask=(r < REP)[:, None] & dm[None, :],
-                    other=0.0)
+        if FROM_QKV:
+            q = _heads_in(q_ptr, norm_ptr, cos_ptr, sin_ptr, pos, g * REP + r, r < REP, d, dm, HD, eps, HAS_NORM,
+                          ROPE).to(k_ptr.dtype.element_ty)
+            if (lo <= pos) & (pos < hi):  # the new key and value, before this program reads them
+                one = r < 1
+                kn = _heads_in(q_ptr, norm_ptr, cos_ptr, sin_ptr, pos, NH + g + r * 0, one, d, dm, HD, eps,
+                               HAS_NORM, ROPE)
+                at = (pos * NKV + g) * HD + d[None, :] + r[:, None] * 0
+                tl.store(k_ptr + at, kn.to(k_ptr.dtype.element_ty), mask=one[:, None] & dm[None, :])
+                vn = tl.load(q_ptr + (NH + NKV + g) * HD + d[None, :] + r[:, None] * 0, mask=one[:, None] & dm[None, :],
+                             other=0.0)
+                tl.store(v_ptr + at, vn.to(v_ptr.dtype.element_ty), mask=one[:, None] & dm[None, :])
+                tl.debug_barrier()  # the stores seen by every thread's loads below
+        else:
+            q = tl.load(q_ptr + (g * REP + r[:, None]) * HD + d[None, :], mask=(r < REP)[:, None] & dm[None, :],
+                        other=0.0)
         m = tl.full((REPP,), -float("inf"), dtype=tl.float32)
         den = tl.zeros((REPP,), dtype=tl.float32)
         acc = tl.zeros((REPP, HDP), dtype=tl.float32)
@@ -895,15 +936,27 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, inputs: tuple | None = None) -> torch.Tensor:
     """One token's attention over cache positions ``0..pos`` (no mask beyond that):
     ``q [nH, hd]`` (or ``[1, nH, hd]``), ``k_cache``/``v_cache [S, nKV, hd]`` contiguous, ``pos [1]``
     int64 on the device -> ``[1, nH * hd]`` in ``q``'s dtype. Grouped-query heads share their key and
     value reads; the keys are split into ``S / 128`` parts (a power of two, 1..64) merged by a second
-    kernel. ``hd`` must be a power of two. No host sync; capturable in a CUDA graph."""
+    kernel. ``hd`` must be a power of two. No host sync; capturable in a CUDA graph.
+
+    ``inputs=(norm, cos, sin, n_heads, eps)``: ``q`` is the token's projection ``qkv [1, (nH + 2 nKV)
+    hd]`` as ``qkv_rope_cache`` takes it (with its head norm and RoPE tables, None for none), and
+    the attention's first kernel does that kernel's work too, key and value written into the cache at
+    ``pos`` (not a ring): one kernel a layer less (``fused_attention_inputs``)."""
     S, n_kv, hd = k_cache.shape
-    q = q.reshape(-1, hd)
-    n_heads = q.shape[0]
+    extra = {}
+    if inputs is not None:
+        norm, cos, sin, n_heads, eps = inputs
+        extra = dict(norm_ptr=norm, cos_ptr=cos, sin_ptr=sin, NH=n_heads, eps=float(eps), FROM_QKV=True,
+                     HAS_NORM=norm is not None, ROPE=cos is not None)
+        q = q.reshape(-1)
+    else:
+        q = q.reshape(-1, hd)
+        n_heads = q.shape[0]
     rep = n_heads // n_kv
     repp = max(16, triton.next_power_of_2(rep))
     split = min(64, triton.next_power_of_2(max(1, S // 128)))
@@ -914,7 +967,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pl = torch.empty((n_kv, split, repp), dtype=torch.float32, device=dev)
     _decode_attn_kernel[(n_kv, split)](q, k_cache, v_cache, pos, po, pm, pl, n_kv, float(scale), REP=rep, REPP=repp,
                                        HD=hd, HDP=hdp, SPLIT=split, BLOCK_S=64,
-                                       F32_DOT=k_cache.dtype == torch.float32 or not q.is_cuda, **pdl_args())
+                                       F32_DOT=k_cache.dtype == torch.float32 or not q.is_cuda, **extra,
+                                       **pdl_args())
     out = torch.empty((1, n_heads * hd), dtype=q.dtype, device=dev)
     _decode_attn_combine_kernel[(n_heads,)](po, pm, pl, out, REP=rep, REPP=repp, HD=hd, HDP=hdp, SPLIT=split,
                                             **pdl_args())
@@ -935,6 +989,14 @@ def route_softmax_topk(logits: torch.Tensor, k: int, norm: bool, scaling: float,
 
 
 _route_counts: dict[tuple, torch.Tensor] = {}
+
+
+def fused_attention_inputs() -> bool:
+    """Whether a decode step's full-attention layers take the head norm, RoPE and KV cache write into
+    the attention's first kernel (``decode_attention``'s ``inputs``): only with
+    ``WORKBENCH_ATTN_INPUTS=1`` until timed in the engine's graph on a GPU (``qkv_rope_cache``, 2.1 µs
+    a layer on the H100, and its hand-off less)."""
+    return os.environ.get("WORKBENCH_ATTN_INPUTS", "0") == "1"
 
 
 def fused_moe_norm() -> bool:
