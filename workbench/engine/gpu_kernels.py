@@ -431,6 +431,29 @@ if triton is not None:
         tl.store(norm_ptr + offs, (sf * inv * w).to(norm_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
+    def _part_done(part, j, blk, offs_n, nm, N, part_ptr, cnt_ptr, out_ptr, PARTS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, ADD_NORM: tl.constexpr, a_ptr, nw_ptr, sum_ptr, norm_ptr, eps,
+                   BLOCK_H: tl.constexpr):
+        """A program's part ``j`` ``[BLOCK_N]`` (float32) of outputs ``offs_n`` of block ``blk``, stored
+        in ``part [PARTS, N]`` and counted in ``cnt[blk]``; the block's last program sums its parts in
+        part order into ``out`` (its dtype) and sets the count back to 0. ``ADD_NORM``: then the last
+        block to finish (``cnt[blocks]``) adds the residual and norms the row (``_add_norm_row``)."""
+        tl.store(part_ptr + j * N + offs_n, part, mask=nm)
+        tl.debug_barrier()  # every thread's part stored before the count says so
+        if tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel") == PARTS - 1:
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for p in tl.static_range(PARTS):
+                acc += tl.load(part_ptr + p * N + offs_n, mask=nm, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=nm)
+            tl.atomic_xchg(cnt_ptr + blk, 0)
+            if ADD_NORM:
+                tl.debug_barrier()  # the block's outputs stored before the blocks' count says so
+                blocks = tl.num_programs(0)
+                if tl.atomic_add(cnt_ptr + blocks, 1, sem="acq_rel") == blocks - 1:
+                    _add_norm_row(a_ptr, out_ptr, nw_ptr, sum_ptr, norm_ptr, N, eps, BLOCK_H)
+                    tl.atomic_xchg(cnt_ptr + blocks, 0)
+
+    @triton.jit
     def _add_norm_kernel(a_ptr, b_ptr, w_ptr, sum_ptr, norm_ptr, H, eps, BLOCK: tl.constexpr,
                          PDL: tl.constexpr = False):
         """One row: ``s = a + b`` (rounded to the output dtype, as a separate add would), and
@@ -535,20 +558,8 @@ if triton is not None:
         _after_inputs(PDL)
         part = _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, b_ptr, pair, offs_n, N, FFN,
                           stride_e, stride_n, BLOCK_N, BLOCK_K, FMT, TILE, BIAS, SWIGLU)
-        tl.store(part_ptr + pair * N + offs_n, part, mask=nm)
-        tl.debug_barrier()  # every thread's part stored before the count says so
-        if tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel") == K - 1:
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for j in tl.static_range(K):
-                acc += tl.load(part_ptr + j * N + offs_n, mask=nm, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=nm)
-            tl.atomic_xchg(cnt_ptr + blk, 0)
-            if ADD_NORM:
-                tl.debug_barrier()  # the block's outputs stored before the blocks' count says so
-                blocks = tl.num_programs(0)
-                if tl.atomic_add(cnt_ptr + blocks, 1, sem="acq_rel") == blocks - 1:
-                    _add_norm_row(a_ptr, out_ptr, nw_ptr, sum_ptr, norm_ptr, N, eps, BLOCK_H)
-                    tl.atomic_xchg(cnt_ptr + blocks, 0)
+        _part_done(part, pair, blk, offs_n, nm, N, part_ptr, cnt_ptr, out_ptr, K, BLOCK_N, ADD_NORM, a_ptr, nw_ptr,
+                   sum_ptr, norm_ptr, eps, BLOCK_H)
 
     @triton.jit
     def _heads_in(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos, h, hm, d, dm, HD: tl.constexpr, eps,

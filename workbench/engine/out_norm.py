@@ -23,7 +23,7 @@ if triton is not None:
 
     _row_dots = gpu_kernels._row_dots
     _after_inputs = gpu_kernels._after_inputs
-    _add_norm_row = gpu_kernels._add_norm_row
+    _part_done = gpu_kernels._part_done
 
     def _split(n: int) -> dict:
         return {"SPLIT": n}
@@ -50,19 +50,8 @@ if triton is not None:
         _after_inputs(PDL)
         acc = _row_dots(w_ptr + offs_n.to(tl.int64) * K + k0, w_ptr, x_ptr + k0, tl.minimum(KS, K - k0), nm, 0,
                         False, BLOCK_N, BLOCK_K, False)
-        tl.store(part_ptr + j * N + offs_n, acc, mask=nm)
-        tl.debug_barrier()  # every thread's part stored before the count says so
-        if tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel") == SPLIT - 1:
-            o = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for p in tl.static_range(SPLIT):
-                o += tl.load(part_ptr + p * N + offs_n, mask=nm, other=0.0, cache_modifier=".cg")
-            tl.store(o_ptr + offs_n, o.to(o_ptr.dtype.element_ty), mask=nm)
-            tl.atomic_xchg(cnt_ptr + blk, 0)
-            tl.debug_barrier()  # the block's outputs stored before the blocks' count says so
-            blocks = tl.num_programs(0)
-            if tl.atomic_add(cnt_ptr + blocks, 1, sem="acq_rel") == blocks - 1:
-                _add_norm_row(a_ptr, o_ptr, nw_ptr, sum_ptr, norm_ptr, N, eps, BLOCK_H)
-                tl.atomic_xchg(cnt_ptr + blocks, 0)
+        _part_done(acc, j, blk, offs_n, nm, N, part_ptr, cnt_ptr, o_ptr, SPLIT, BLOCK_N, True, a_ptr, nw_ptr, sum_ptr,
+                   norm_ptr, eps, BLOCK_H)
 
 
 def wanted() -> bool:
