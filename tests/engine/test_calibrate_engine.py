@@ -14,6 +14,13 @@ from workbench.core.hardware import preset
 from workbench.engine import calibrate_engine
 
 
+@pytest.fixture(autouse=True)
+def short_warm_up(monkeypatch):
+    """A few untimed steps before each timed run, not 0.3 s of them (Triton's interpreter runs the
+    kept kernels' steps here at seconds each)."""
+    monkeypatch.setattr(calibrate_engine, "WARM_S", 0.02)
+
+
 def test_fitted_costs_fit_the_measured_runs(monkeypatch):
     seen, calls = {}, []
     real = calibrate_engine._decode_seconds

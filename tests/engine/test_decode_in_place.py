@@ -86,7 +86,10 @@ def test_a_kernel_that_fails_turns_the_kernels_off_and_the_step_still_runs(kerne
 def test_the_trial_fusions_decode_as_transformers(family, tiny_model_dir, tiny_hf_model, monkeypatch):
     """The fusions in trial (off unless asked for, until timed on a GPU): the attention's inputs in its
     first kernel, the output projection with the add and norm after it, the router with its routing,
-    the down projection with the next layer's add and norm. Every expert resident, so that on CUDA every MoE layer's down kernel norms."""
+    the down projection with the next layer's add and norm. Every expert resident, so that on CUDA
+    every MoE layer's down kernel norms."""
+    if family == "gpt_oss" and TEST_DEVICE != "cuda":
+        pytest.skip("none of these runs for gpt-oss on the CPU: its router has a bias, its attention sinks")
     for var in ("WORKBENCH_OUT_NORM", "WORKBENCH_FUSED_ROUTING", "WORKBENCH_MOE_NORM", "WORKBENCH_ATTN_INPUTS"):
         monkeypatch.setenv(var, "1")
     monkeypatch.setattr(model, "FUSE_QKV", True)
