@@ -26,25 +26,40 @@ from workbench.engine import gpu_kernels, model, out_norm
 pytestmark = pytest.mark.skipif(not gpu_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
 
 
+def spy(monkeypatch, module, name: str, when=lambda args, kwargs: True) -> list:
+    """The calls of ``module.name`` from now on for which ``when(args, kwargs)`` holds (each still
+    made): one entry per call."""
+    calls, real = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        if when(args, kwargs):
+            calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def decoded(tiny_model_dir, family: str, placement: str) -> list[int]:
+    """Greedy tokens of the family's tiny model decoded by static steps under one of ``placements``."""
+    inv = open_inventory(tiny_model_dir(family))
+    engine = decode_step_engine(inv, placements(inv)[placement])
+    try:
+        return greedy_tokens(engine, PROMPT, N_NEW)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
 def test_static_decode_with_one_kernel_attention_inputs(family, tiny_model_dir, tiny_hf_model, monkeypatch):
     monkeypatch.setattr(model, "FUSE_QKV", True)
     monkeypatch.setenv("WORKBENCH_OUT_NORM", "1")  # opt-in until timed on a GPU
     monkeypatch.setenv("WORKBENCH_FUSED_ROUTING", "1")
-    calls = []
-    real = gpu_kernels.qkv_rope_cache
-    monkeypatch.setattr(gpu_kernels, "qkv_rope_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
-    attn_calls, norm_calls, out_calls = [], [], []
-    real_attn, real_norm, real_out = gpu_kernels.decode_attention, gpu_kernels.add_rms_norm, out_norm.out_add_norm
-    monkeypatch.setattr(gpu_kernels, "decode_attention", lambda *a, **k: attn_calls.append(1) or real_attn(*a, **k))
-    monkeypatch.setattr(gpu_kernels, "add_rms_norm", lambda *a, **k: norm_calls.append(1) or real_norm(*a, **k))
-    monkeypatch.setattr(out_norm, "out_add_norm", lambda *a, **k: out_calls.append(1) or real_out(*a, **k))
-    inv = open_inventory(tiny_model_dir(family))
-    engine = decode_step_engine(inv, placements(inv)["mixed"])
-    try:
-        tokens = greedy_tokens(engine, PROMPT, N_NEW)
-    finally:
-        engine.close()
+    calls = spy(monkeypatch, gpu_kernels, "qkv_rope_cache")
+    attn_calls = spy(monkeypatch, gpu_kernels, "decode_attention")
+    norm_calls = spy(monkeypatch, gpu_kernels, "add_rms_norm")
+    out_calls = spy(monkeypatch, out_norm, "out_add_norm")
+    tokens = decoded(tiny_model_dir, family, "mixed")
     assert calls  # the kernel ran
     assert norm_calls  # residual adds fused with the next norm
     if family == "qwen3_moe":  # full attention: the flash-decoding kernels too (gpt-oss's sinks and windows: not)
@@ -71,12 +86,7 @@ def test_a_kernel_that_fails_turns_the_kernels_off_and_the_step_still_runs(kerne
             return launch
 
     monkeypatch.setattr(gpu_kernels, kernel, Broken())
-    inv = open_inventory(tiny_model_dir("qwen3_moe"))
-    engine = decode_step_engine(inv, placements(inv)["mixed"])
-    try:
-        tokens = greedy_tokens(engine, PROMPT, N_NEW)
-    finally:
-        engine.close()
+    tokens = decoded(tiny_model_dir, "qwen3_moe", "mixed")
     assert not gpu_kernels.available() and "PassManager" in gpu_kernels._disabled[0]
     if TEST_DTYPE == torch.float32:
         assert tokens == reference_tokens(tiny_hf_model("qwen3_moe"), PROMPT, N_NEW)
@@ -93,19 +103,10 @@ def test_the_trial_fusions_decode_as_transformers(family, tiny_model_dir, tiny_h
     for var in ("WORKBENCH_OUT_NORM", "WORKBENCH_FUSED_ROUTING", "WORKBENCH_MOE_NORM", "WORKBENCH_ATTN_INPUTS"):
         monkeypatch.setenv(var, "1")
     monkeypatch.setattr(model, "FUSE_QKV", True)
-    then_calls, route_calls, inputs_calls = [], [], []
-    real, real_route, real_attn = gpu_kernels.experts_one_token, gpu_kernels.router_route, gpu_kernels.decode_attention
-    monkeypatch.setattr(gpu_kernels, "decode_attention",
-                        lambda *a, **k: (k.get("inputs") is not None and inputs_calls.append(1)) or real_attn(*a, **k))
-    monkeypatch.setattr(gpu_kernels, "experts_one_token",
-                        lambda *a, **k: (k.get("then") is not None and then_calls.append(1)) or real(*a, **k))
-    monkeypatch.setattr(gpu_kernels, "router_route", lambda *a, **k: route_calls.append(1) or real_route(*a, **k))
-    inv = open_inventory(tiny_model_dir(family))
-    engine = decode_step_engine(inv, placements(inv)["resident"])
-    try:
-        tokens = greedy_tokens(engine, PROMPT, N_NEW)
-    finally:
-        engine.close()
+    inputs_calls = spy(monkeypatch, gpu_kernels, "decode_attention", lambda a, k: k.get("inputs") is not None)
+    then_calls = spy(monkeypatch, gpu_kernels, "experts_one_token", lambda a, k: k.get("then") is not None)
+    route_calls = spy(monkeypatch, gpu_kernels, "router_route")
+    tokens = decoded(tiny_model_dir, family, "resident")
     if TEST_DEVICE == "cuda":  # on the CPU every layer takes the host's path (LayerExperts.needs_host)
         assert then_calls  # the down kernels added and normed
     if family != "gpt_oss":  # its router has a bias: the separate kernels

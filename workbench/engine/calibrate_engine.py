@@ -95,18 +95,21 @@ def _decode_seconds(inv, placement, device: str, steps: int = STEPS) -> float:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, VOCAB, (16 + 2 * steps,), generator=g)
         engine.forward(ids[:16], 0, last_only=True)
+        def step(i: int) -> None:  # token i after the prompt, at its position
+            engine.forward(ids[16 + i:17 + i], 16 + i)[-1].argmax().item()
+
         _sm_clock_mhz(device)  # NVML's first use, before the steps rather than between them
         for i in range(steps):  # the first steps capture the graphs
-            engine.forward(ids[16 + i:17 + i], 16 + i)[-1].argmax().item()
+            step(i)
         warm, i = time.perf_counter(), 0
         while time.perf_counter() - warm < WARM_S:  # the same positions again, until the devices are busy
-            engine.forward(ids[16 + i % steps:17 + i % steps], 16 + i % steps)[-1].argmax().item()
+            step(i % steps)
             i += 1
         before = _sm_clock_mhz(device)
         times = []
         for i in range(steps, 2 * steps):
             t = time.perf_counter()
-            engine.forward(ids[16 + i:17 + i], 16 + i)[-1].argmax().item()
+            step(i)
             times.append(time.perf_counter() - t)
         if before is not None:
             log.info("calibration decode: %.3f ms a step, SM clock %s MHz before the timed steps, %s after",

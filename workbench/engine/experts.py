@@ -407,7 +407,7 @@ class LayerExperts:
         buffer without waiting.
         """
         host = self.stage(x, ids, weights)
-        out = self.device_part(x, ids, weights, scale_input, extra, then=then if host is None else None)
+        out = self.device_part(x, ids, weights, scale_input, extra, then=then)
         if host is not None and self.clock is not None and x.shape[0] > 1:
             self._timed_host_part(x, ids, weights, host, out, scale_input)
         elif host is not None:

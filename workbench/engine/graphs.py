@@ -101,19 +101,22 @@ class DecodeStep:
             _plain_norm(w, like) for layer in layers for w in (layer.attn_norm, layer.ffn_norm)) and \
             _plain_norm(e.norm, like)
 
+        def kernels() -> bool:  # off once a kernel failed here (``_eager``)
+            return fused and gpu_kernels.available()
+
         def add_norm(a, b, w, eps):
-            if fused and gpu_kernels.available():  # off once a kernel failed here (``_eager``)
+            if kernels():
                 return gpu_kernels.add_rms_norm(a, b, w, eps)
             s = a + b
             return s, rms_norm(s, w, eps)
 
         def attend(layer):  # the attention half: (residual stream, its norm for the MoE block)
-            then = (env["x"], layer.ffn_norm, layer.eps) if fused and gpu_kernels.available() else None
+            then = (env["x"], layer.ffn_norm, layer.eps) if kernels() else None
             a = layer.attn(env["xn"], self.pos, None, e.rope, then)
             return a if isinstance(a, tuple) else add_norm(env["x"], a, layer.ffn_norm, layer.eps)
 
         def ffn_half(layer, h, hn, after):  # the FFN half: (residual stream, its norm for what follows)
-            if fused and gpu_kernels.available() and gpu_kernels.fused_moe_norm() and isinstance(layer.ffn, MoeBlock):
+            if kernels() and gpu_kernels.fused_moe_norm() and isinstance(layer.ffn, MoeBlock):
                 y = layer.ffn(hn, then=(h, *after))
                 if isinstance(y, tuple):
                     return y

@@ -84,8 +84,7 @@ class MoeBlock:
         eps)`` (a static decode step): where the experts' kernels can add the residual and norm the
         sum (``LayerExperts.__call__``), ``(residual + output, its norm)`` instead."""
         ids, weights = self.route(x)
-        return self.experts(x, ids, weights, scale_input=self.scale_input, extra=self.extra(x),
-                            then=then if self.shared is None else None)
+        return self.experts(x, ids, weights, scale_input=self.scale_input, extra=self.extra(x), then=then)
 
     @property
     def scale_input(self) -> bool:
