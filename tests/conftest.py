@@ -90,6 +90,17 @@ def tiny_gguf(_tiny_cache, tiny_model_dir):
 
 
 @pytest.fixture
+def one_torch_thread():
+    """PyTorch on one thread during one test (the engine's own worker threads beside it), restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def exact_cpu_dots():
     """The fused CPU kernel's exact float dots for k-quant experts during one test (the int8 dots,
     the default where the CPU has AVX512-VNNI, round the inputs: ``cpu_kernel.int8_dots``)."""

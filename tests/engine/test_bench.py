@@ -33,8 +33,8 @@ def model(tmp_path_factory):
     return path
 
 
-def test_strategies_run_end_to_end_on_cpu(model):
-    torch.set_num_threads(1)
+def test_strategies_run_end_to_end_on_cpu(model, one_torch_thread, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the engine's PyTorch paths, not its kernels interpreted
     runs = bench.run_strategies(str(model), ["n-cpu-moe", "frequency"], budget_bytes=BUDGET_MIB * 2**20,
                                 profile=preset("bench-h200"), device="cpu", dtype=torch.float32,
                                 prompt=16, gen=4, repeats=2, all_gpu=True)

@@ -205,7 +205,8 @@ def test_kept_blocks_travel_as_blocks_and_compute_as_their_dequantization(tensor
             share = attach_bus_share(engine, 1.0 if keep == "1" else 0.0)
             share.fetch_tokens = 1 if keep == "1" else 10**9
             logits = engine.forward(torch.tensor(PROMPT), 0)
-            runs.append((logits, greedy_tokens(engine, PROMPT, 4)))  # 4: Triton's interpreter is slow on K-quants
+            # few tokens on the CPU: Triton's interpreter takes ~10 s a K-quant step here
+            runs.append((logits, greedy_tokens(engine, PROMPT, 2 if TEST_DEVICE == "cpu" else 4)))
             if keep == "1":
                 assert share.copied > 0 and all(lx.kept_cpu is not None for lx in engine.experts.values())
         finally:

@@ -15,9 +15,11 @@ from workbench.engine import calibrate_engine
 
 
 @pytest.fixture(autouse=True)
-def short_warm_up(monkeypatch):
-    """A few untimed steps before each timed run, not 0.3 s of them (Triton's interpreter runs the
-    kept kernels' steps here at seconds each)."""
+def torch_paths_and_short_warm_up(monkeypatch):
+    """The engine's PyTorch paths, not its Triton kernels in the interpreter (seconds a step; these
+    tests check the fits, which take whatever the runs measure), and a few untimed steps before each
+    timed run, not 0.3 s of them."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(calibrate_engine, "WARM_S", 0.02)
 
 
@@ -110,7 +112,7 @@ def test_kept_block_rates_are_fitted_to_the_resident_runs_in_their_format(monkey
 
     monkeypatch.setattr(calibrate_engine, "_decode_seconds", record)
     monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
-    monkeypatch.setattr(calibrate_engine, "REPEATS", 1)  # Triton's interpreter runs the kept kernels here
+    monkeypatch.setattr(calibrate_engine, "REPEATS", 1)
     base = preset("bench-h200")
     rates = {"q8_0": 1.5e12, "q4_k": 6e11}
     base = replace(base, gpus=(replace(base.gpus[0], expert_throughput=rates),))

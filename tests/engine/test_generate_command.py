@@ -20,6 +20,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     folder = tmp_path_factory.mktemp("generate_cli")
     hf = build_tiny_chat_model(folder)
@@ -27,7 +28,8 @@ def model(tmp_path_factory):
     # The GGUF writer copies the template from tokenizer_config.json into tokenizer.chat_template.
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
     (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20, "top_p": 0.9}))
-    return hf, folder, load_tokenizer(folder)
+    yield hf, folder, load_tokenizer(folder)
+    torch.set_num_threads(threads)
 
 
 def run_json(capsys, *argv) -> dict:
