@@ -7,14 +7,11 @@ reads, as in a decode step; the graph is replayed ``--reps`` times and the time 
 median replay over the calls. Cases (bf16 and Q8_0 experts):
 
 - ``gate_up`` / ``down``: ``_gate_up_kernel`` / ``_down_split_kernel`` alone; ``experts``:
-  ``experts_one_token`` as the engine calls it; ``experts_then_add_norm`` / ``experts_add_norm``:
-  with the residual add and next norm after it, as a separate kernel / in the down kernel.
+  ``experts_one_token`` as the engine calls it.
 - ``qkv`` / ``o`` / ``router``: ``F.linear`` (cuBLAS) against ``packed._matvec_kernel`` (one pass
   over whole rows; the engine's path for a router, ``packed.float_matvec``) on bf16 rows.
-- ``attention``: ``qkv_rope_cache`` then ``decode_attention``, against the inputs' work in the
-  attention's first kernel (``decode_attention``'s ``inputs``, ``WORKBENCH_ATTN_INPUTS=1``).
 - ``o_add_norm``: the attention's output projection (cuBLAS) then ``add_rms_norm``, against all
-  three in one kernel (``out_norm.out_add_norm``).
+  three in one kernel (``out_norm.out_add_norm``, with ``WORKBENCH_OUT_NORM=1``).
 - ``route``: the router's product (cuBLAS, or ``float_matvec``) then ``route_softmax_topk``, against
   both in one kernel (``router_route``, with ``WORKBENCH_FUSED_ROUTING=1``).
 
@@ -105,21 +102,10 @@ def expert_cases(fmt: str, calls: int, reps: int, dev) -> dict:
     def experts(j):
         gpu_kernels.experts_one_token(x, ids[j], scale, rowmap, w13, w2, d13, d2)
 
-    resid, nw = torch.randn(1, H, device=dev, dtype=torch.bfloat16), torch.ones(H, device=dev, dtype=torch.bfloat16)
-
-    def experts_then_add_norm(j):  # the step's separate residual add and norm after the experts
-        gpu_kernels.add_rms_norm(resid, gpu_kernels.experts_one_token(x, ids[j], scale, rowmap, w13, w2, d13, d2),
-                                 nw, 1e-6)
-
-    def experts_add_norm(j):  # both in the down kernel (WORKBENCH_MOE_NORM=1)
-        gpu_kernels.experts_one_token(x, ids[j], scale, rowmap, w13, w2, d13, d2, then=(resid, nw, 1e-6))
-
     for j in range(calls):
         gate_up(j)
     res = {}
-    for name, fn, share in (("gate_up", gate_up, 2 / 3), ("down", down_split, 1 / 3), ("experts", experts, 1.0),
-                            ("experts_then_add_norm", experts_then_add_norm, 1.0),
-                            ("experts_add_norm", experts_add_norm, 1.0)):
+    for name, fn, share in (("gate_up", gate_up, 2 / 3), ("down", down_split, 1 / 3), ("experts", experts, 1.0)):
         us = per_call_us([lambda j=j, fn=fn: fn(j) for j in range(calls)], reps)
         res[name] = {"us": us, "GB/s": nbytes * share / us / 1e3}
     return res
@@ -174,24 +160,6 @@ def dense_cases(calls: int, reps: int, dev) -> dict:
     r["fused_us"] = per_call_us([lambda j=j: out_norm.out_add_norm(x, os_[j], resid, nw, 1e-6)
                                  for j in range(calls)], reps)
     res["o_add_norm"] = r
-    # the attention's inputs (head norm, RoPE, cache write) and the attention, at position 600 of 1024
-    S, at = 1024, 600
-    qkvs = [torch.randn(1, (Q + 2 * KV) * HD, device=dev, dtype=torch.bfloat16) for _ in range(calls)]
-    hw = torch.ones(Q + KV, HD, device=dev, dtype=torch.bfloat16)
-    ang = torch.rand(S, HD // 2, device=dev) * 6
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([-ang.sin(), ang.sin()], -1)
-    kc, vc = (torch.randn(S, KV, HD, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    p = torch.tensor([at], device=dev)
-
-    def two(j):
-        q = gpu_kernels.qkv_rope_cache(qkvs[j], hw, cos, sin, p, Q, KV, kc, vc, None, 1e-6)
-        gpu_kernels.decode_attention(q, kc, vc, p, HD ** -0.5)
-
-    def one(j):
-        gpu_kernels.decode_attention(qkvs[j], kc, vc, p, HD ** -0.5, inputs=(hw, cos, sin, Q, 1e-6))
-
-    res["attention"] = {"inputs_then_attention_us": per_call_us([lambda j=j: two(j) for j in range(calls)], reps),
-                        "fused_us": per_call_us([lambda j=j: one(j) for j in range(calls)], reps)}
     return res
 
 

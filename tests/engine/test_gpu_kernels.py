@@ -81,11 +81,9 @@ def test_the_router_and_its_routing_in_one_kernel_match_torch_call_after_call(dt
         assert torch.equal(counts, expect), call
 
 
-@pytest.mark.parametrize("add_norm", [False, True])
-def test_the_split_down_projection_is_right_call_after_call(add_norm):
-    """``_down_split_kernel`` counts its programs per block of outputs, then (with the residual add
-    and norm of ``then``) the blocks, in a buffer it sets back to 0: a call after another (other
-    experts and inputs) is as right as the first."""
+def test_the_split_down_projection_is_right_call_after_call():
+    """``_down_split_kernel`` counts its programs per block of outputs in a buffer it sets back to 0:
+    a call after another (other experts and inputs) is as right as the first."""
     H, F_, E, k = 96, 64, 6, 3
     g = torch.Generator(device=DEV).manual_seed(7)
     w13 = torch.randn(E, 2 * F_, H, device=DEV, generator=g) / H ** 0.5
@@ -96,19 +94,11 @@ def test_the_split_down_projection_is_right_call_after_call(add_norm):
         x = torch.randn(1, H, device=DEV, generator=g)
         ids = torch.randperm(E, device=DEV, generator=g)[:k]
         scale = torch.rand(k, device=DEV, generator=g) + 0.1
+        out = gpu_kernels.experts_one_token(x, ids, scale, rowmap, w13, w2)
         ref = sum(s * gpu_kernels.expert_f32(x, int(e), (None, None), w13, w2)
                   for e, s in zip(ids.tolist(), scale.tolist()))
-        if add_norm:
-            resid, nw = torch.randn(1, H, device=DEV, generator=g), torch.rand(H, device=DEV, generator=g) + 0.5
-            h, hn = gpu_kernels.experts_one_token(x, ids, scale, rowmap, w13, w2, then=(resid, nw, 1e-6))
-            ref = resid + ref
-            assert torch.allclose(h, ref, rtol=1e-5, atol=1e-5), call
-            ref_hn = ref * torch.rsqrt(ref.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
-            assert torch.allclose(hn, ref_hn, rtol=1e-5, atol=1e-5), call
-        else:
-            out = gpu_kernels.experts_one_token(x, ids, scale, rowmap, w13, w2)
-            assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6), call
-        assert not cnt.any()  # every block's count (and the blocks' count) back to 0
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6), call
+        assert not cnt.any()  # every block's count back to 0
 
 
 def test_the_down_projections_buffers_live_where_the_kernel_runs():
@@ -117,7 +107,7 @@ def test_the_down_projections_buffers_live_where_the_kernel_runs():
     CUDA a host buffer there fails the launch, and the bus falls back to host-driven layers)."""
     w2 = torch.zeros(4, 8, 16)  # a host stack
     part, cnt = gpu_kernels._down_workspace(w2, 2, 8, torch.device("meta"))
-    assert part.device.type == cnt.device.type == "meta" and part.shape == (2, 8) and cnt.shape == (9,)
+    assert part.device.type == cnt.device.type == "meta" and part.shape == (2, 8) and cnt.shape == (8,)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -144,34 +134,6 @@ def test_decode_attention_matches_float64(dtype, n_heads, n_kv, hd, S, pos):
     assert out.dtype == dtype and out.shape == (1, n_heads * hd)
     err = float((out.double() - ref).abs().max() / ref.abs().max())
     assert err < (1e-5 if dtype == torch.float32 else 2e-2)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_heads,n_kv,hd,S,pos,norm,rope", [(8, 2, 64, 300, 200, True, True),
-                                                             (4, 4, 32, 40, 0, False, True),
-                                                             (6, 2, 32, 130, 129, True, False)])
-def test_the_attention_that_takes_its_inputs_from_qkv_matches_the_two_kernels(dtype, n_heads, n_kv, hd, S, pos,
-                                                                              norm, rope):
-    """``decode_attention(qkv, ..., inputs=...)``: the head norm, RoPE and cache write done in the
-    attention's first kernel give the same output and the same key and value at ``pos`` as
-    ``qkv_rope_cache`` followed by ``decode_attention`` (other slots untouched)."""
-    g = torch.Generator(device=DEV).manual_seed(S + pos + hd)
-    qkv = torch.randn(1, (n_heads + 2 * n_kv) * hd, device=DEV, generator=g).to(dtype)
-    w = (torch.rand(n_heads + n_kv, hd, device=DEV, generator=g) + 0.5).to(dtype) if norm else None
-    ang = torch.rand(S, hd // 2, device=DEV, generator=g) * 6
-    cos = torch.cat([ang.cos(), ang.cos()], -1) if rope else None
-    sin = torch.cat([-ang.sin(), ang.sin()], -1) if rope else None
-    k = torch.randn(S, n_kv, hd, device=DEV, generator=g).to(dtype)
-    v = torch.randn(S, n_kv, hd, device=DEV, generator=g).to(dtype)
-    p = torch.tensor([pos], device=DEV)
-    k2, v2 = k.clone(), v.clone()
-    q = gpu_kernels.qkv_rope_cache(qkv, w, cos, sin, p, n_heads, n_kv, k, v, None, 1e-6)
-    ref = gpu_kernels.decode_attention(q, k, v, p, hd ** -0.5)
-    out = gpu_kernels.decode_attention(qkv, k2, v2, p, hd ** -0.5, inputs=(w, cos, sin, n_heads, 1e-6))
-    assert out.dtype == dtype and out.shape == ref.shape
-    assert torch.equal(k2, k) and torch.equal(v2, v)  # the key and value written at pos alike, nothing else
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert float((out.float() - ref.float()).abs().max()) <= tol * float(ref.float().abs().max())
 
 
 def _token(H: int, E: int, k: int, g: torch.Generator):

@@ -162,13 +162,13 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
 
 def one_token_on(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, rowmap: torch.Tensor,
                  stacks: list[torch.Tensor], fmt: tuple[str, str] | None, b13: torch.Tensor | None = None,
-                 b2: torch.Tensor | None = None, act: tuple = ("silu",), then: tuple | None = None):
+                 b2: torch.Tensor | None = None, act: tuple = ("silu",)) -> torch.Tensor:
     """``gpu_kernels.experts_one_token`` over a tier's stacks as ``LayerExperts`` holds them: float
     ``[w13, w2]`` (``fmt`` None) or kept blocks in ``fmt`` (Q8_0 ``[q13, d13, q2, d2]``, k-quants and
     MXFP4 ``[b13, b2]``), with gpt-oss's biases and activation. ``x [1, H]``, ``ids``/``scale [k]``,
-    ``rowmap [E]`` -> ``[1, H]`` (with ``then``: the residual add and norm after it, a pair)."""
+    ``rowmap [E]`` -> ``[1, H]``."""
     return gpu_kernels.experts_one_token(x, ids, scale, rowmap, *blocks.kernel_args(fmt, stacks), fmt=fmt,
-                                         b13=b13, b2=b2, act=act, then=then)
+                                         b13=b13, b2=b2, act=act)
 
 
 class LayerExperts:
@@ -389,14 +389,11 @@ class LayerExperts:
     # -- running -----------------------------------------------------------------------------
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scale_input: bool,
-                 extra=None, then: tuple | None = None):
+                 extra=None) -> torch.Tensor:
         """``x [T, H]``, ``ids``/``weights [T, k]`` -> weighted sum of the selected experts ``[T, H]``.
 
         ``extra``: optional ``() -> [T, H]`` accelerator work (the shared expert) launched while the
         host waits for the routing and computes the CPU experts; its result is added.
-        ``then=(residual, norm weight, eps)``: where one token's experts are all resident and read in
-        place with nothing ``extra``, ``(residual + sum, its RMS norm)`` from the down kernel's last
-        block (``gpu_kernels.experts_one_token``); otherwise ignored.
 
         Order of work in a layer with experts off the accelerator: (1) queue the copies of the
         routing (and of ``x`` when the CPU computes experts) into pinned buffers and record an event,
@@ -407,7 +404,7 @@ class LayerExperts:
         buffer without waiting.
         """
         host = self.stage(x, ids, weights)
-        out = self.device_part(x, ids, weights, scale_input, extra, then=then)
+        out = self.device_part(x, ids, weights, scale_input, extra)
         if host is not None and self.clock is not None and x.shape[0] > 1:
             self._timed_host_part(x, ids, weights, host, out, scale_input)
         elif host is not None:
@@ -452,11 +449,10 @@ class LayerExperts:
         return T * k <= GATHER_MAX_ROWS and self.staging.cuda  # a CPU accelerator groups on the host
 
     def device_part(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scale_input: bool,
-                    extra=None, masked: bool = False, then: tuple | None = None):
+                    extra=None, masked: bool = False) -> torch.Tensor:
         """Step 2: the accelerator's share without host data ``[T, H]``: every expert when all are
         resident, else (few pairs) the resident ones by a masked gather; plus ``extra()``.
-        ``masked``: the masked gather also on a CPU accelerator (a served step has no host part).
-        ``then``: as ``__call__`` takes it (one token, every expert resident, no ``extra``)."""
+        ``masked``: the masked gather also on a CPU accelerator (a served step has no host part)."""
         T, k = ids.shape
         flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
         small = self._small(T, k) or (masked and T * k <= GATHER_MAX_ROWS)
@@ -464,13 +460,12 @@ class LayerExperts:
                 and (small or not self.needs_host)):
             # one token on CUDA: the selected resident rows read in place (Triton), others skipped
             rowmap = self.res_map_dev if self.needs_host else self.local_dev
-            then = then if extra is None and not self.needs_host else None
             if self.kept_res is not None:  # blocks in place
                 out = one_token_on(x, flat_ids, flat_w, rowmap, self.kept_res, self.kept, self.b13[0], self.b2[0],
-                                   self.act, then)
+                                   self.act)
             else:
                 out = one_token_on(x, flat_ids, flat_w, rowmap, [self.w13[0], self.w2[0]], None, self.b13[0],
-                                   self.b2[0], self.act, then)
+                                   self.b2[0], self.act)
             return out if extra is None else out + extra()
         if self.needs_host and not (small and self.n_tier[RESIDENT]):  # host_part computes every pair
             out = torch.zeros_like(x)

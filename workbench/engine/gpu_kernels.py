@@ -432,12 +432,13 @@ if triton is not None:
 
     @triton.jit
     def _part_done(part, j, blk, offs_n, nm, N, part_ptr, cnt_ptr, out_ptr, PARTS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, ADD_NORM: tl.constexpr, a_ptr, nw_ptr, sum_ptr, norm_ptr, eps,
-                   BLOCK_H: tl.constexpr):
+                   BLOCK_N: tl.constexpr, ADD_NORM: tl.constexpr = False, a_ptr=None, nw_ptr=None, sum_ptr=None,
+                   norm_ptr=None, eps=0.0, BLOCK_H: tl.constexpr = 16):
         """A program's part ``j`` ``[BLOCK_N]`` (float32) of outputs ``offs_n`` of block ``blk``, stored
         in ``part [PARTS, N]`` and counted in ``cnt[blk]``; the block's last program sums its parts in
-        part order into ``out`` (its dtype) and sets the count back to 0. ``ADD_NORM``: then the last
-        block to finish (``cnt[blocks]``) adds the residual and norms the row (``_add_norm_row``)."""
+        part order into ``out`` (its dtype) and sets the count back to 0. ``ADD_NORM`` (``out_norm``'s
+        kernel): then the last block to finish (``cnt[blocks]``) adds the residual and norms the row
+        (``_add_norm_row``)."""
         tl.store(part_ptr + j * N + offs_n, part, mask=nm)
         tl.debug_barrier()  # every thread's part stored before the count says so
         if tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel") == PARTS - 1:
@@ -539,18 +540,14 @@ if triton is not None:
     def _down_split_kernel(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, b_ptr, part_ptr, cnt_ptr, N,
                            FFN: tl.constexpr, stride_e, stride_n, K: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, FMT: tl.constexpr, TILE: tl.constexpr, BIAS: tl.constexpr = False,
-                           SWIGLU: tl.constexpr = True, PDL: tl.constexpr = False, a_ptr=None, nw_ptr=None,
-                           sum_ptr=None, norm_ptr=None, eps=0.0, ADD_NORM: tl.constexpr = False,
-                           BLOCK_H: tl.constexpr = 16):
+                           SWIGLU: tl.constexpr = True, PDL: tl.constexpr = False):
         """out[n] = sum_j scale[j] * (w[row_j, n, :] . (silu(h[j, :FFN]) * h[j, FFN:]) [+ b[row_j, n]]), in
         out's dtype (``SWIGLU`` False: ``h[j, :FFN]`` as the inputs, an activation computed before).
         One program per pair and block of outputs, so that all ``K`` pairs' rows are read at once
         (a program per block looping over the pairs read at ~1.2 TB/s on the H100 at S1's shapes
         against ~2.1 here): each stores its pair's weighted part in ``part [K, N]`` (float32) and
         counts itself in ``cnt[block]``; the block's last program sums the parts in pair order,
-        stores the result in out's dtype and sets the count back to 0 for the next call. ``ADD_NORM``:
-        then the last block to finish (``cnt[blocks]``) adds the residual ``a`` and norms the row with
-        ``nw`` into ``sum`` and ``norm`` (``_add_norm_row``): the next layer's norm in this kernel."""
+        stores the result in out's dtype and sets the count back to 0 for the next call (``_part_done``)."""
         blk = tl.program_id(0)
         pair = tl.program_id(1)
         offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -558,71 +555,29 @@ if triton is not None:
         _after_inputs(PDL)
         part = _down_pair(h_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, b_ptr, pair, offs_n, N, FFN,
                           stride_e, stride_n, BLOCK_N, BLOCK_K, FMT, TILE, BIAS, SWIGLU)
-        _part_done(part, pair, blk, offs_n, nm, N, part_ptr, cnt_ptr, out_ptr, K, BLOCK_N, ADD_NORM, a_ptr, nw_ptr,
-                   sum_ptr, norm_ptr, eps, BLOCK_H)
-
-    @triton.jit
-    def _heads_in(qkv_ptr, norm_ptr, cos_ptr, sin_ptr, pos, h, hm, d, dm, HD: tl.constexpr, eps,
-                  HAS_NORM: tl.constexpr, ROPE: tl.constexpr):
-        """Rows ``h [R]`` (where ``hm``) of one token's ``qkv`` heads, float32 ``[R, len(d)]``: RMS head
-        norm with ``norm [heads, HD]`` and RoPE at ``pos`` from the tables ``cos``/``sin [S, HD]``
-        (``sin`` with rotate_half's sign), as ``_qkv_rope_cache_kernel`` computes them."""
-        m2 = hm[:, None] & dm[None, :]
-        at = h[:, None] * HD + d[None, :]
-        rat = h[:, None] * HD + ((d + HD // 2) % HD)[None, :]
-        x = tl.load(qkv_ptr + at, mask=m2, other=0.0).to(tl.float32)
-        xr = tl.load(qkv_ptr + rat, mask=m2, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HD + eps)
-            x = x * inv[:, None] * tl.load(norm_ptr + at, mask=m2, other=0.0).to(tl.float32)
-            xr = xr * inv[:, None] * tl.load(norm_ptr + rat, mask=m2, other=0.0).to(tl.float32)
-        if ROPE:
-            c = tl.load(cos_ptr + pos * HD + d, mask=dm, other=0.0)
-            sn = tl.load(sin_ptr + pos * HD + d, mask=dm, other=0.0)
-            x = x * c[None, :] + xr * sn[None, :]
-        return x
+        _part_done(part, pair, blk, offs_n, nm, N, part_ptr, cnt_ptr, out_ptr, K, BLOCK_N)
 
     @triton.jit
     def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pm_ptr, pl_ptr, NKV, scale,
                             REP: tl.constexpr, REPP: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
                             SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, F32_DOT: tl.constexpr,
-                            PDL: tl.constexpr = False, norm_ptr=None, cos_ptr=None, sin_ptr=None, NH=0, eps=0.0,
-                            FROM_QKV: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
-                            ROPE: tl.constexpr = False):
+                            PDL: tl.constexpr = False):
         """Flash-decoding, first pass: the ``REP`` query heads of key/value head ``program_id(0)``
         over keys ``0..pos`` split ``SPLIT`` ways (``program_id(1)``); writes each split's running
         max ``pm``, denominator ``pl`` ``[NKV, SPLIT, REPP]`` and unnormalised output ``po [.., HDP]``
-        (``HDP``: the head dim padded to the 16 a tensor-core dot needs). ``FROM_QKV``: ``q_ptr`` is
-        the token's ``qkv`` (``NH`` query heads, then the key and value heads); each program takes its
-        query heads through ``_heads_in``, and the one whose keys hold ``pos`` first writes its key
-        and value head there (``_qkv_rope_cache_kernel``'s work, in this kernel)."""
+        (``HDP``: the head dim padded to the 16 a tensor-core dot needs)."""
         g = tl.program_id(0)
         sp = tl.program_id(1)
         _after_inputs(PDL)
-        pos = tl.load(pos_ptr)
-        n = pos + 1
+        n = tl.load(pos_ptr) + 1
         chunk = tl.cdiv(n, SPLIT)
         lo = sp * chunk
         hi = tl.minimum(n, lo + chunk)
         r = tl.arange(0, REPP)
         d = tl.arange(0, HDP)
         dm = d < HD
-        if FROM_QKV:
-            q = _heads_in(q_ptr, norm_ptr, cos_ptr, sin_ptr, pos, g * REP + r, r < REP, d, dm, HD, eps, HAS_NORM,
-                          ROPE).to(k_ptr.dtype.element_ty)
-            if (lo <= pos) & (pos < hi):  # the new key and value, before this program reads them
-                one = r < 1
-                kn = _heads_in(q_ptr, norm_ptr, cos_ptr, sin_ptr, pos, NH + g + r * 0, one, d, dm, HD, eps,
-                               HAS_NORM, ROPE)
-                at = (pos * NKV + g) * HD + d[None, :] + r[:, None] * 0
-                tl.store(k_ptr + at, kn.to(k_ptr.dtype.element_ty), mask=one[:, None] & dm[None, :])
-                vn = tl.load(q_ptr + (NH + NKV + g) * HD + d[None, :] + r[:, None] * 0, mask=one[:, None] & dm[None, :],
-                             other=0.0)
-                tl.store(v_ptr + at, vn.to(v_ptr.dtype.element_ty), mask=one[:, None] & dm[None, :])
-                tl.debug_barrier()  # the stores seen by every thread's loads below
-        else:
-            q = tl.load(q_ptr + (g * REP + r[:, None]) * HD + d[None, :], mask=(r < REP)[:, None] & dm[None, :],
-                        other=0.0)
+        q = tl.load(q_ptr + (g * REP + r[:, None]) * HD + d[None, :], mask=(r < REP)[:, None] & dm[None, :],
+                    other=0.0)
         m = tl.full((REPP,), -float("inf"), dtype=tl.float32)
         den = tl.zeros((REPP,), dtype=tl.float32)
         acc = tl.zeros((REPP, HDP), dtype=tl.float32)
@@ -813,10 +768,8 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
                       w13: torch.Tensor, w2: torch.Tensor, d13: torch.Tensor | None = None,
                       d2: torch.Tensor | None = None, fmt: tuple[str, str] | None = None,
                       b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                      act: tuple = ("silu",), then: tuple | None = None):
-    """SwiGLU experts of one token, weighted and summed: ``[1, H]`` in ``x.dtype``; with
-    ``then=(residual [1, H], norm weight [H], eps)`` (x's dtype) ``(residual + that sum, its RMS
-    norm)`` instead, the add and norm done by the down kernel's last block.
+                      act: tuple = ("silu",)) -> torch.Tensor:
+    """SwiGLU experts of one token, weighted and summed: ``[1, H]`` in ``x.dtype``.
 
     ``x [1, H]``; ``ids``/``scale [k]``: the selected experts and their routing weights;
     ``rowmap [E]`` int64: each expert's row in ``w13 [R, 2I, H]`` (gate rows first) and
@@ -846,7 +799,7 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     bias = b13 is not None
     swiglu = act[0] == "silu"
 
-    def launch(x=x, ids=ids, scale=scale, rowmap=rowmap, then=then):
+    def launch(x=x, ids=ids, scale=scale, rowmap=rowmap):
         h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
         _gate_up_kernel[lambda meta: (k, triton.cdiv(n13, meta["BLOCK_N"]))](
             x, w13, d13 if q8 else w13, ids, rowmap, scale, h, b13 if bias else h, n13, H, w13.stride(0),
@@ -855,15 +808,10 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
             h[:, :i] = activate(h, act)
         out = torch.empty((1, H), dtype=x.dtype, device=x.device)
         part, cnt = _down_workspace(w2, k, H, x.device)
-        norm = {}
-        if then is not None:
-            hs, hn = torch.empty_like(then[0]), torch.empty_like(then[0])
-            norm = dict(a_ptr=then[0], nw_ptr=then[1], sum_ptr=hs, norm_ptr=hn, eps=float(then[2]), ADD_NORM=True,
-                        BLOCK_H=triton.next_power_of_2(H))
         _down_split_kernel[lambda meta: (triton.cdiv(H, meta["BLOCK_N"]), k)](
             h, w2, d2 if q8 else w2, ids, rowmap, scale, out, b2 if bias else h, part, cnt, H, i, w2.stride(0),
-            w2.stride(1), K=k, FMT=code2, BIAS=bias, SWIGLU=swiglu, **norm, **pdl_args())
-        return out if then is None else (hs, hn)
+            w2.stride(1), K=k, FMT=code2, BIAS=bias, SWIGLU=swiglu, **pdl_args())
+        return out
 
     def probe():  # a random token on the rows this call reads (else the first): kernel_check's probe
         g = torch.Generator(device=x.device).manual_seed(0)
@@ -877,7 +825,7 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
         f = fmt or (("q8_0", "q8_0") if q8 else (None, None))
         ref = sum(s * expert_f32(xc, r, f, w13, w2, d13, d2, b13, b2, act)
                   for r, s in zip(rows.tolist(), sc.float().tolist()))
-        return (lambda: launch(xc, idc, sc, mapc, None)), ref  # the add and norm: the same in every candidate
+        return (lambda: launch(xc, idc, sc, mapc)), ref
 
     if w13.shape[0] == 0:  # no expert on this tier: every pair inactive
         return torch.zeros((1, H), dtype=x.dtype, device=x.device)
@@ -889,14 +837,14 @@ _down_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _down_workspace(w2: torch.Tensor, k: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_down_split_kernel``'s parts ``[k, n]`` float32 and counts ``[n + 1]`` int32 (per block of
-    outputs, then of blocks; zero between calls) on ``device``, where the kernel runs: the stack ``w2`` may lie elsewhere (the served bus
+    """``_down_split_kernel``'s parts ``[k, n]`` float32 and block counts ``[n]`` int32 (zero between
+    calls) on ``device``, where the kernel runs: the stack ``w2`` may lie elsewhere (the served bus
     reads page-locked host stacks in place). One pair per stack and device, made on its first call
     (eager, before any graph capture), so calls on other stacks (tiers, layers, streams) never share."""
     key = (w2.data_ptr(), torch.device(device), k, n)
     ws = _down_workspaces.get(key)
     if ws is None:
-        ws = (torch.empty((k, n), dtype=torch.float32, device=device), torch.zeros(n + 1, dtype=torch.int32, device=device))
+        ws = (torch.empty((k, n), dtype=torch.float32, device=device), torch.zeros(n, dtype=torch.int32, device=device))
         _down_workspaces[key] = ws
     return ws
 
@@ -947,27 +895,15 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     scale: float, inputs: tuple | None = None) -> torch.Tensor:
+                     scale: float) -> torch.Tensor:
     """One token's attention over cache positions ``0..pos`` (no mask beyond that):
     ``q [nH, hd]`` (or ``[1, nH, hd]``), ``k_cache``/``v_cache [S, nKV, hd]`` contiguous, ``pos [1]``
     int64 on the device -> ``[1, nH * hd]`` in ``q``'s dtype. Grouped-query heads share their key and
     value reads; the keys are split into ``S / 128`` parts (a power of two, 1..64) merged by a second
-    kernel. ``hd`` must be a power of two. No host sync; capturable in a CUDA graph.
-
-    ``inputs=(norm, cos, sin, n_heads, eps)``: ``q`` is the token's projection ``qkv [1, (nH + 2 nKV)
-    hd]`` as ``qkv_rope_cache`` takes it (with its head norm and RoPE tables, None for none), and
-    the attention's first kernel does that kernel's work too, key and value written into the cache at
-    ``pos`` (not a ring): one kernel a layer less (``fused_attention_inputs``)."""
+    kernel. ``hd`` must be a power of two. No host sync; capturable in a CUDA graph."""
     S, n_kv, hd = k_cache.shape
-    extra = {}
-    if inputs is not None:
-        norm, cos, sin, n_heads, eps = inputs
-        extra = dict(norm_ptr=norm, cos_ptr=cos, sin_ptr=sin, NH=n_heads, eps=float(eps), FROM_QKV=True,
-                     HAS_NORM=norm is not None, ROPE=cos is not None)
-        q = q.reshape(-1)
-    else:
-        q = q.reshape(-1, hd)
-        n_heads = q.shape[0]
+    q = q.reshape(-1, hd)
+    n_heads = q.shape[0]
     rep = n_heads // n_kv
     repp = max(16, triton.next_power_of_2(rep))
     split = min(64, triton.next_power_of_2(max(1, S // 128)))
@@ -978,8 +914,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pl = torch.empty((n_kv, split, repp), dtype=torch.float32, device=dev)
     _decode_attn_kernel[(n_kv, split)](q, k_cache, v_cache, pos, po, pm, pl, n_kv, float(scale), REP=rep, REPP=repp,
                                        HD=hd, HDP=hdp, SPLIT=split, BLOCK_S=64,
-                                       F32_DOT=k_cache.dtype == torch.float32 or not q.is_cuda, **extra,
-                                       **pdl_args())
+                                       F32_DOT=k_cache.dtype == torch.float32 or not q.is_cuda, **pdl_args())
     out = torch.empty((1, n_heads * hd), dtype=q.dtype, device=dev)
     _decode_attn_combine_kernel[(n_heads,)](po, pm, pl, out, REP=rep, REPP=repp, HD=hd, HDP=hdp, SPLIT=split,
                                             **pdl_args())
@@ -1002,26 +937,12 @@ def route_softmax_topk(logits: torch.Tensor, k: int, norm: bool, scaling: float,
 _route_counts: dict[tuple, torch.Tensor] = {}
 
 
-def fused_attention_inputs() -> bool:
-    """Whether a decode step's full-attention layers take the head norm, RoPE and KV cache write into
-    the attention's first kernel (``decode_attention``'s ``inputs``): only with
-    ``WORKBENCH_ATTN_INPUTS=1`` until timed in the engine's graph on a GPU (``qkv_rope_cache``, 2.1 µs
-    a layer on the H100, and its hand-off less)."""
-    return os.environ.get("WORKBENCH_ATTN_INPUTS", "0") == "1"
-
-
-def fused_moe_norm() -> bool:
-    """Whether a decode step's all-resident MoE layers add the residual and norm the sum for the next
-    layer in their down kernel (``experts_one_token``'s ``then``): only with ``WORKBENCH_MOE_NORM=1``
-    until timed in the engine's graph on a GPU (one ``add_rms_norm`` kernel a layer less)."""
-    return os.environ.get("WORKBENCH_MOE_NORM", "0") == "1"
-
-
 def fused_routing() -> bool:
     """Whether one token's router product and routing run as one kernel (``router_route``): only
-    with ``WORKBENCH_FUSED_ROUTING=1`` until it is timed inside the engine's graph on a GPU (an earlier
-    form with fixed blocks took 9.5-10.7 µs there on the H100, against 2.9 + 4.0 µs for the product
-    on the one-pass matvec and ``route_softmax_topk``: BENCHMARKS.md, fifth stop)."""
+    with ``WORKBENCH_FUSED_ROUTING=1`` (an earlier form with fixed blocks took 9.5-10.7 µs in the
+    engine's graph on the H100, against 2.9 + 4.0 µs for the product on the one-pass matvec and
+    ``route_softmax_topk``: BENCHMARKS.md, fifth stop). In the graph on an H100, S1 all on the GPU
+    decoded 497.4 tok/s with this form against 490.2 without (one sample): no clear gain."""
     return os.environ.get("WORKBENCH_FUSED_ROUTING", "0") == "1"
 
 

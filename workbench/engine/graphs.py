@@ -115,15 +115,6 @@ class DecodeStep:
             a = layer.attn(env["xn"], self.pos, None, e.rope, then)
             return a if isinstance(a, tuple) else add_norm(env["x"], a, layer.ffn_norm, layer.eps)
 
-        def ffn_half(layer, h, hn, after):  # the FFN half: (residual stream, its norm for what follows)
-            if kernels() and gpu_kernels.fused_moe_norm() and isinstance(layer.ffn, MoeBlock):
-                y = layer.ffn(hn, then=(h, *after))
-                if isinstance(y, tuple):
-                    return y
-            else:
-                y = layer.ffn(hn)
-            return add_norm(h, y, *after)
-
         pieces: list[tuple[str, object]] = []
 
         srv = self.server
@@ -141,7 +132,7 @@ class DecodeStep:
             if not (isinstance(ffn, MoeBlock) and ffn.experts.needs_host):
                 def whole(layer=layer, after=after):
                     h, hn = attend(layer)
-                    env["x"], env["xn"] = ffn_half(layer, h, hn, after)
+                    env["x"], env["xn"] = add_norm(h, layer.ffn(hn), *after)
 
                 pieces.append(("dev", whole))
                 continue

@@ -348,29 +348,22 @@ class Attention:
 
     def _decode_in_place(self, x: torch.Tensor, pos: torch.Tensor, rope: Rope, then: tuple | None = None):
         """Static one-token step: projection, one kernel for head norm + RoPE + KV cache write, and
-        (full attention) two for the attention, the first of which also does the inputs' work where
-        ``gpu_kernels.fused_attention_inputs``; with ``then`` (``__call__``) the output projection,
+        (full attention) two for the attention; with ``then`` (``__call__``) the output projection,
         residual add and norm in one where ``out_norm`` takes them."""
         a = self.a
         qkv_w, bias, norm = self.fused
         c = self.cache
-        qkv = linear(x, qkv_w, bias)
-        cos, sin = (rope.cos, rope.sin_signed) if self.use_rope else (None, None)
-        full = c.slot_pos is None and "sinks" not in self.w and (self.window or c.size) >= c.size and (
-            self.chunk or c.size) >= c.size  # every cached key up to pos: no mask, two kernels
-        if full and gpu_kernels.fused_attention_inputs():  # the inputs' kernel folded into the attention's
-            out = gpu_kernels.decode_attention(qkv, c.k, c.v, pos, self.scale, inputs=(norm, cos, sin, a.n_heads,
-                                                                                        a.rms_eps))
-        else:
-            q = gpu_kernels.qkv_rope_cache(qkv, norm, cos, sin, pos, a.n_heads, a.n_kv_heads, c.k, c.v, c.slot_pos,
-                                           a.rms_eps)
-            if not full:
-                return self._attend_all(q, c.k, c.v, c.slot_pos, pos)
+        q = gpu_kernels.qkv_rope_cache(
+            linear(x, qkv_w, bias), norm, rope.cos if self.use_rope else None,
+            rope.sin_signed if self.use_rope else None, pos, a.n_heads, a.n_kv_heads, c.k, c.v, c.slot_pos, a.rms_eps)
+        if c.slot_pos is None and "sinks" not in self.w and (self.window or c.size) >= c.size and (
+                self.chunk or c.size) >= c.size:  # every cached key up to pos: no mask, two kernels
             out = gpu_kernels.decode_attention(q, c.k, c.v, pos, self.scale)
-        if then is not None and "o_bias" not in self.w and out_norm.wanted() and out_norm.usable(
-                out, self.w["o"], then[0], then[1]):
-            return out_norm.out_add_norm(out, self.w["o"], *then)
-        return linear(out, self.w["o"], self.w.get("o_bias"))
+            if then is not None and "o_bias" not in self.w and out_norm.wanted() and out_norm.usable(
+                    out, self.w["o"], then[0], then[1]):
+                return out_norm.out_add_norm(out, self.w["o"], *then)
+            return linear(out, self.w["o"], self.w.get("o_bias"))
+        return self._attend_all(q, c.k, c.v, c.slot_pos, pos)
 
     def _attend_all(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_pos: torch.Tensor | None,
                     pos: torch.Tensor) -> torch.Tensor:

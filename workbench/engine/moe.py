@@ -79,12 +79,9 @@ class MoeBlock:
         self.shared_router = shared_router
         self.counts = counts
 
-    def __call__(self, x: torch.Tensor, then: tuple | None = None):
-        """The block's output ``[T, H]`` for ``x [T, H]`` (normed). ``then=(residual, norm weight,
-        eps)`` (a static decode step): where the experts' kernels can add the residual and norm the
-        sum (``LayerExperts.__call__``), ``(residual + output, its norm)`` instead."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
-        return self.experts(x, ids, weights, scale_input=self.scale_input, extra=self.extra(x), then=then)
+        return self.experts(x, ids, weights, scale_input=self.scale_input, extra=self.extra(x))
 
     @property
     def scale_input(self) -> bool:
