@@ -50,6 +50,8 @@
 # the side-by-side stages. Stage candidates: scripts/check_kernel_candidates.py (each autotuning
 # candidate of the one-token kernels against PyTorch at S1's shapes, and what the engine's check keeps;
 # $OUT/candidates.txt); stage explore: the same with more forms tried ($OUT/explore.txt).
+# Before a call after a change to the GPU kernels, scripts/check_kernels_compile.py compiles them here for sm_90
+# (with the GPU machine's Triton on PYTHONPATH): a kernel that does not build would cost the call.
 # After a change to the GPU kernels, run served_tests (and gpu_tests) before the side-by-side stages: the
 # served decode's bus runs the expert kernels over page-locked host stacks, a path only CUDA exercises, and
 # a failure there sends the hybrid layers back to host-driven steps (the bench prints a WARNING per run).
