@@ -942,7 +942,7 @@ def fused_routing() -> bool:
     with ``WORKBENCH_FUSED_ROUTING=1`` (an earlier form with fixed blocks took 9.5-10.7 µs in the
     engine's graph on the H100, against 2.9 + 4.0 µs for the product on the one-pass matvec and
     ``route_softmax_topk``: BENCHMARKS.md, fifth stop). In the graph on an H100, S1 all on the GPU
-    decoded 497.4 tok/s with this form against 490.2 without (one sample): no clear gain."""
+    decoded 497.4 tok/s with this form against 490.2 without (one run of two repeats each): no clear gain."""
     return os.environ.get("WORKBENCH_FUSED_ROUTING", "0") == "1"
 
 

@@ -58,7 +58,8 @@ def wanted() -> bool:
     """Whether decode steps fuse the output projection with the add and norm after it: only with
     ``WORKBENCH_OUT_NORM=1`` (against cuBLAS's split-K product and ``gpu_kernels.add_rms_norm``,
     8.3 + 1.7 + 1.95 µs per S1 layer on the H100, fifth stop). In the engine's graph on an H100,
-    S1 all on the GPU decoded 490.5 tok/s with it against 490.2 without (one sample): no clear gain."""
+    S1 all on the GPU decoded 490.5 tok/s with it against 490.2 without (one run of two repeats each): no
+    clear gain."""
     return os.environ.get("WORKBENCH_OUT_NORM", "0") == "1"
 
 
