@@ -239,6 +239,18 @@ def test_a_resident_prompt_layer_lasts_at_least_its_fitted_time():
     assert b.prefill_layers[2].bound == "host" and b.prefill_tps < a.prefill_tps and b.decode_tps == a.decode_tps
 
 
+def test_a_resident_prompt_layer_takes_the_floor_of_its_experts_format():
+    """``prompt_resident_layer_by_format`` bounds a resident prompt layer by its experts' format
+    (kept Q8_0 blocks: longer than bf16), and ``prompt_resident_layer_s`` bounds formats it lacks."""
+    inv = synth_inventory(4, 32, hidden=1024, expert_ffn=512, top_k=2)
+    base = dataclasses.replace(h200_profile(), prompt_resident_layer_s=5e-3)
+    p = placement_n_cpu_moe(inv, 2)
+    own = CostModel(inv, dataclasses.replace(base, prompt_resident_layer_by_format={"BF16": 7e-3, "q8_0": 9e-3}))
+    assert [c.host for c in own.predict(p, prompt_tokens=512).prefill_layers][2:] == [7e-3, 7e-3]
+    other = CostModel(inv, dataclasses.replace(base, prompt_resident_layer_by_format={"q8_0": 9e-3}))
+    assert [c.host for c in other.predict(p, prompt_tokens=512).prefill_layers][2:] == [5e-3, 5e-3]
+
+
 def test_a_prompts_cpu_share_takes_longer_by_its_fitted_factor():
     """``prompt_cpu_scale`` lengthens the CPU lane of a hybrid prompt layer where the CPU computes a
     share (a short chunk: each expert picked by a few tokens), and nothing where all travel or in

@@ -54,6 +54,12 @@ def test_strategies_run_end_to_end_on_cpu(model, one_torch_thread, monkeypatch):
     # accelerator every MoE layer does), a forward's first left out
     host = nmoe.prompt_host
     assert host["layers"] > 0 and host["busy_ms"] > 0 and host["cpu_share"] > 0
+    assert host["cpu_run_ms"] >= host["cpu_wait_ms"] >= 0
+    # beside them, the model's lanes of the same layers: hybrid ones (CPU-tier experts) and the others
+    lanes = host["predicted_lanes_ms"]
+    assert lanes["hybrid"]["layers"] + lanes["resident"]["layers"] == len(nmoe.engine_paths["tiers"])
+    assert lanes["hybrid"]["layers"] > 0 and lanes["hybrid"]["cpu"] > 0
+    assert lanes["hybrid"]["total"] >= max(lanes["hybrid"][k] for k in ("cpu", "bus", "gpu", "host"))
     # the frequency plan saw the n-cpu-moe run's routing counts: it keeps hot experts off the CPU
     assert runs[2].roofline["cpu_bytes"] < nmoe.roofline["cpu_bytes"]
     # the first runs were planned before any routing was seen: predicted again with their own counts

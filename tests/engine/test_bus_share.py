@@ -427,6 +427,7 @@ def test_the_host_clock_tells_each_hybrid_prompt_layer_what_it_fetched(tiny_mode
         assert sum(r.fetched for r in clock.layers) == share.copied > 0
         for r in clock.layers:
             assert r.busy_s > 0 and r.wait_s >= 0 and r.cpu_wait_s >= 0
+            assert r.cpu_run_s >= r.cpu_wait_s and (r.cpu_share or r.cpu_run_s == 0)  # a run only with a share
             assert r.batches == -(-r.fetched // share.half_slots())
             assert r.copies >= 2 * r.batches  # float experts: w13 and w2
         assert any(r.cpu_share for r in clock.layers)

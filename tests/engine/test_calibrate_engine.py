@@ -179,9 +179,9 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
     layer_s, scale, rate = 700e-6, 1.6, 0.8 * base.h2d_pinned
     lane = dict(prompt_host_layer_s=100e-6, prompt_host_cpu_s=50e-6, prompt_host_batch_s=20e-6,
                 prompt_host_copy_s=2e-6)
-    resident_s = 4e-3  # longer than the tiny model's resident layers take on the GPU: it shows
+    resident = {"bf16": 4e-3, "q8_0": 6e-3}  # longer than the tiny model's resident layers take on the GPU: they show
     truth = replace(base, prompt_sync_s=layer_s, prompt_cpu_scale=scale, prompt_h2d=rate,
-                    prompt_resident_layer_s=resident_s, **lane)
+                    prompt_resident_layer_s=1e-3, prompt_resident_layer_by_format=resident, **lane)
     real, seen = calibrate_engine._prompt_seconds, []
 
     def as_modelled(inv, placement, device, pair_reads, lengths, clock=None):  # a host the model predicts
@@ -203,7 +203,9 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
     assert [r["name"] for r in info["runs"]][3:] == ["an eighth on the CPU, Q8_0", "all on the CPU, Q8_0",
                                                      "all on the CPU, short, Q8_0", "all on the GPU",
                                                      "all on the GPU, Q8_0"]
-    assert fitted.prompt_resident_layer_s == pytest.approx(resident_s, rel=0.02)
+    assert fitted.prompt_resident_layer_by_format == pytest.approx(resident, rel=0.02)
+    assert resident["bf16"] < fitted.prompt_resident_layer_s < resident["q8_0"]  # both at once: for other formats
+    assert info["prompt_resident_layer_by_format"] == fitted.prompt_resident_layer_by_format
     for name, value in lane.items():
         assert getattr(fitted, name) == pytest.approx(value, rel=1e-6), name
     assert info["host_lane"] == pytest.approx(lane, rel=1e-6) and info["host_layers"] == 16
@@ -217,7 +219,8 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
     from workbench.core.hardware import HardwareProfile
 
     back = HardwareProfile.from_json(fitted.to_json())
-    names = ("prompt_sync_s", "prompt_cpu_scale", "prompt_h2d", "prompt_resident_layer_s", *lane)
+    names = ("prompt_sync_s", "prompt_cpu_scale", "prompt_h2d", "prompt_resident_layer_s",
+             "prompt_resident_layer_by_format", *lane)
     assert [getattr(back, n) for n in names] == [getattr(fitted, n) for n in names]
 
 
@@ -242,6 +245,7 @@ def test_a_gpu_too_small_for_the_resident_prompt_keeps_its_resident_layer_time(m
                                                      device="cpu", experts=8)
     assert len(info["runs"]) == 6 and not any("GPU" in r["name"] for r in info["runs"])
     assert fitted.prompt_resident_layer_s == info["prompt_resident_layer_s"] == 1e-3
+    assert fitted.prompt_resident_layer_by_format == info["prompt_resident_layer_by_format"] == {}
 
 
 def test_the_host_lane_fit_keeps_its_costs_at_least_zero():

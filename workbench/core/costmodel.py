@@ -736,13 +736,22 @@ class CostModel:
         sync += np.where(hybrid, prof.sync_s + prof.prompt_sync_s, 0.0)
         sync += prof.prompt_cpu_sync_s * cpu_share
         host_lane += np.where(hybrid, prof.prompt_host_layer_s + prof.prompt_host_cpu_s * cpu_share, 0.0)
-        host_lane += np.where(self.moe_layer & ~hybrid, prof.prompt_resident_layer_s, 0.0)
+        host_lane += np.where(self.moe_layer & ~hybrid, self._resident_floor(), 0.0)
         out = []
         for layer in range(L):
             gpu_t = max([v[layer] for v in lanes.values()] or [0.0])
             out.append(LayerCost(layer, float(pre[layer]), float(gpu_t), float(cpu[layer]), float(bus[layer]),
                                  float(sync[layer]), host=float(host_lane[layer])))
         return out
+
+    def _resident_floor(self) -> np.ndarray:
+        """Per layer, the least seconds of a prompt chunk's MoE layer with all its experts on the GPU
+        (``prompt_resident_layer_by_format`` for its first expert's format, else
+        ``prompt_resident_layer_s``)."""
+        prof = self.profile
+        by = {k.lower(): v for k, v in prof.prompt_resident_layer_by_format.items()}
+        return np.array([by.get(str(self.expert_format[layer, 0]), prof.prompt_resident_layer_s)
+                         for layer in range(self.n_layers)])
 
     def _prompt_batch(self, layer: int, col: int) -> tuple[int, int]:
         """How the engine fetches a prompt's CPU-tier expert ``col`` of ``layer``: ``(experts per batch,

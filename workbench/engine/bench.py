@@ -163,7 +163,8 @@ class EngineRun:
     prompt_host: dict = field(default_factory=dict)
     """The engine thread's records of the timed prompts' hybrid layers, means per layer
     (``HostClock.summary``: busy, waiting for the routing and for the CPU, experts fetched,
-    batches, copies), beside the model's host lane for them (``predicted_host_ms``)."""
+    batches, copies), beside the model's host lane for them (``predicted_host_ms``) and its lanes
+    (``predicted_lanes_ms``: ``predicted_prompt_lanes``)."""
 
     @property
     def roofline_fraction(self) -> float | None:
@@ -332,6 +333,21 @@ def run_placement(inv, placement: Placement, label: str, strategy: str, *, devic
     return run, counts
 
 
+def predicted_prompt_lanes(prediction) -> dict:
+    """The model's lanes of a prompt chunk (ms), means over its hybrid layers (``"hybrid"``: ``pre``,
+    ``gpu``, ``cpu``, ``bus``, ``sync``, ``host``, ``total``, and ``"layers"``) and over its other
+    layers (``"resident"``: ``total`` and ``"layers"``), to set beside the engine's records."""
+    hybrid = [c for c in prediction.prefill_layers if c.cpu > 0 or c.bus > 0]
+    other = [c for c in prediction.prefill_layers if not (c.cpu > 0 or c.bus > 0)]
+
+    def mean(cs, name: str) -> float:
+        return 1e3 * sum(getattr(c, name) for c in cs) / len(cs) if cs else 0.0
+
+    return {"hybrid": {"layers": len(hybrid), **{k: mean(hybrid, k) for k in
+                                                 ("pre", "gpu", "cpu", "bus", "sync", "host", "total")}},
+            "resident": {"layers": len(other), "total": mean(other, "total")}}
+
+
 def predicted_host_ms(prediction) -> float:
     """The model's host lane (ms) of a prompt chunk's hybrid layers, their mean (0 when none has one)."""
     lanes = [c.host for c in prediction.prefill_layers if c.host > 0 and (c.cpu > 0 or c.bus > 0)]  # resident: no
@@ -469,6 +485,7 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
             prediction = again
         if run.prompt_host.get("layers"):
             run.prompt_host["predicted_host_ms"] = predicted_host_ms(prediction)
+            run.prompt_host["predicted_lanes_ms"] = predicted_prompt_lanes(prediction)
         rf = roofline(cost, plan.placement, profile)
         run.roofline, run.roofline_decode_tps = rf, rf["tps"]
         runs.append(run)

@@ -849,7 +849,7 @@ _GPU_SIDE = ("gpus", "h2d_pinned", "h2d_pageable", "d2h_pinned", "sync_s")
 def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int = 8,
                  report: Callable[[str], None] | None = None, device: str = "cuda") -> HardwareProfile:
     """``prof`` with the prompt's host lane (``prompt_host_*``), ``prompt_sync_s``, ``prompt_cpu_scale``,
-    ``prompt_h2d`` and ``prompt_resident_layer_s`` fitted to the engine's prompts at this expert shape
+    ``prompt_h2d`` and ``prompt_resident_layer_s`` (and per format) fitted to the engine's prompts at this expert shape
     (``calibrate_engine.fit_prompt_costs``, ~60 s on CUDA); ``prof`` as it
     was, with the reason reported, when the engine cannot run them."""
     from .calibrate_engine import fit_prompt_costs
@@ -870,8 +870,10 @@ def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int
         f"({fit['host_layers']} layers recorded); beyond the lanes {fit['prompt_sync_s'] * 1e6:.0f} us per hybrid "
         f"prompt layer; the CPU's share {fit['prompt_cpu_scale']:.2f}x its kernel's time; a prompt's copies at "
         f"{fit['prompt_h2d'] / 1e9:.1f} GB/s; a resident prompt layer at least "
-        f"{fit['prompt_resident_layer_s'] * 1e6:.0f} us")
+        f"{fit['prompt_resident_layer_s'] * 1e6:.0f} us"
+        + "".join(f", {f.upper()} {v * 1e6:.0f} us" for f, v in fit["prompt_resident_layer_by_format"].items()))
     names = ("prompt_sync_s", "prompt_cpu_sync_s", "prompt_cpu_scale", "prompt_h2d", "prompt_resident_layer_s")
+    names += ("prompt_resident_layer_by_format",) if fit["prompt_resident_layer_by_format"] else ()
     names += tuple(lane) if fit["host_layers"] else ()
     fitted_by_engine = dict.fromkeys(names, "fitted to the engine")
     return replace(fitted, provenance=fitted.provenance | fitted_by_engine)

@@ -377,7 +377,7 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
         runs += [(f"an eighth on the CPU{tag}", inv, few, PROMPT_TOKENS, few_s),
                  (f"all on the CPU{tag}", inv, every, PROMPT_TOKENS, every_s),
                  (f"all on the CPU, short{tag}", inv, every, SHORT_PROMPT_TOKENS, short_s)]
-        resident += [(f"all on the GPU{tag}", inv, res, PROMPT_TOKENS, res_s)] if res_s is not None else []
+        resident += [(f"all on the GPU{tag}", inv, res, PROMPT_TOKENS, res_s, fmt)] if res_s is not None else []
     lane = fit_host_lane(clock.layers)
     prof = replace(prof, prompt_cpu_sync_s=0.0, **lane)
     measured = np.array([r[4] for r in runs])
@@ -396,27 +396,46 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     sync, scale, rate = values
     fitted = replace(prof, prompt_sync_s=sync, prompt_cpu_scale=scale, prompt_h2d=rate)
 
-    def resident_misfit(values: tuple[float]) -> float:  # the hybrid prompts have no resident layer
-        p = replace(fitted, prompt_resident_layer_s=values[0])
-        return float(sum((seconds(p, inv, pl, t) / m - 1.0) ** 2 for _, inv, pl, t, m in resident))
+    def resident_misfit(value: float, among: list) -> float:  # the hybrid prompts have no resident layer
+        p = replace(fitted, prompt_resident_layer_s=value, prompt_resident_layer_by_format={})
+        return float(sum((seconds(p, inv, pl, t) / m - 1.0) ** 2 for _, inv, pl, t, m, _ in among))
 
-    layer_s = prof.prompt_resident_layer_s
-    if resident:
-        (layer_s,), _ = _least_point(resident_misfit, (0.0,), (1e-3,), ((0.0, 0.05),))
-    fitted = replace(fitted, prompt_resident_layer_s=layer_s)
-    info = {"runs": [{"name": name, "tokens": tokens, "measured_s": m,
-                      "predicted_s": seconds(fitted, inv, placement, tokens)}
-                     for name, inv, placement, tokens, m in runs + resident],
+    layer_s, by_format = prof.prompt_resident_layer_s, dict(prof.prompt_resident_layer_by_format)
+    if resident:  # one floor per format, then one for every format (formats not calibrated take it)
+        for entry in resident:
+            by_format[entry[5]] = _least_on_line(functools.partial(resident_misfit, among=[entry]), 0.0, 0.05)
+        layer_s = _least_on_line(functools.partial(resident_misfit, among=resident), min(by_format.values()),
+                                 max(by_format.values()))
+    fitted = replace(fitted, prompt_resident_layer_s=layer_s, prompt_resident_layer_by_format=by_format)
+    info = {"runs": [{"name": r[0], "tokens": r[3], "measured_s": r[4], "predicted_s": seconds(fitted, r[1], r[2], r[3])}
+                     for r in runs + resident],
             "prompt_sync_s": sync, "prompt_cpu_scale": scale, "prompt_h2d": rate,
-            "prompt_resident_layer_s": layer_s, "host_lane": lane, "host_layers": len(clock.layers)}
+            "prompt_resident_layer_s": layer_s, "prompt_resident_layer_by_format": by_format,
+            "host_lane": lane, "host_layers": len(clock.layers)}
     log.info("engine prompts of %d layers of %d experts: %s; host lane per hybrid prompt layer %.0f us, +%.0f us "
              "with a CPU share, %.0f us a batch, %.1f us a copy; beyond the lanes %.0f us per hybrid prompt layer; "
              "the CPU's share %.2fx its kernel's time; a prompt's copies at %.1f GB/s; a resident prompt layer at "
-             "least %.0f us", LAYERS, n,
+             "least %.0f us (%s)", LAYERS, n,
              ", ".join(f"{r['name']} ({r['tokens']} tokens) {r['measured_s'] * 1e3:.1f} ms, predicted "
                        f"{r['predicted_s'] * 1e3:.1f}" for r in info["runs"]),
-             *(lane[k] * 1e6 for k in HOST_LANE), sync * 1e6, scale, rate / 1e9, layer_s * 1e6)
+             *(lane[k] * 1e6 for k in HOST_LANE), sync * 1e6, scale, rate / 1e9, layer_s * 1e6,
+             ", ".join(f"{f.upper()} {v * 1e6:.0f} us" for f, v in by_format.items()) or "no format of its own")
     return fitted, info
+
+
+def _least_on_line(f, low: float, high: float, points: int = 21, rounds: int = 4) -> float:
+    """The value in ``[low, high]`` where ``f`` is least, by scanning ``points`` evenly spaced values
+    and again around the best one, ``rounds`` times (the lowest among equals: a floor that binds
+    nothing is 0). For a time floor that is flat until it binds and then rises: the simplex of
+    ``_least_point`` can stop on the flat part."""
+    for _ in range(rounds):
+        grid = np.linspace(low, high, points)
+        vals = [f(float(v)) for v in grid]
+        i = int(np.argmin(vals))  # the first of equal values: the lowest
+        step = (high - low) / (points - 1)
+        low, high = max(grid[0], grid[i] - step), min(grid[-1], grid[i] + step)
+        best = float(grid[i])
+    return best
 
 
 def _least_point(f, start: tuple[float, ...], step: tuple[float, ...], bounds: tuple[tuple[float, float], ...],

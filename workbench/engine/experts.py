@@ -203,7 +203,7 @@ class LayerExperts:
         self.bus = None  # bus.BusShare: decode sends some CPU-selected experts over the bus (set by the engine)
         self.prompt_pair_reads: float | None = None  # Engine.set_prompt_pair_reads
         self.clock = None  # hostclock.HostClock: prompts tell it their host time (Engine.record_host)
-        self._cpu_wait_s, self._cpu_share = 0.0, False  # this prompt layer's, for the clock
+        self._cpu_wait_s, self._cpu_run_s, self._cpu_share = 0.0, 0.0, False  # this prompt layer's, for the clock
         self.fast_gpu = os.environ.get("WORKBENCH_GPU_KERNELS", "1") != "0"  # one-token resident experts in Triton
         self.cache_expert: list[int] = []
         self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> cache slot, oldest first
@@ -420,11 +420,11 @@ class LayerExperts:
         t = time.perf_counter()
         self.staging.wait()
         wait_s = time.perf_counter() - t
-        self._cpu_wait_s, self._cpu_share = 0.0, False
+        self._cpu_wait_s, self._cpu_run_s, self._cpu_share = 0.0, 0.0, False
         self.host_part(x, ids, weights, host, out, scale_input)
         after = (bus.copied, bus.batches, bus.copy_calls) if bus is not None else (0, 0, 0)
         self.clock.layer(self.layer, wait_s, self._cpu_wait_s, *(b - a for a, b in zip(before, after)),
-                         self._cpu_share)
+                         self._cpu_share, self._cpu_run_s)
 
     @property
     def needs_host(self) -> bool:
@@ -628,6 +628,7 @@ class LayerExperts:
             if gemm_sum:  # made above
                 res.add_(out)
             return lambda: res
+        started = time.perf_counter()
         fused(weights, _background_threads(), res)
 
         def finish():
@@ -637,7 +638,9 @@ class LayerExperts:
             finally:
                 t = time.perf_counter()
                 cpu_kernel.wait()
-                self._cpu_wait_s += time.perf_counter() - t
+                done = time.perf_counter()
+                self._cpu_wait_s += done - t
+                self._cpu_run_s += done - started
             if gemm_sum:
                 res.add_(out)
             return res

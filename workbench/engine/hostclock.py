@@ -39,6 +39,9 @@ class HostLayer:
     """Whether the CPU computed some of the layer's experts."""
     first: bool
     """The forward's first hybrid layer (its busy time includes what comes before it: embedding)."""
+    cpu_run_s: float = 0.0
+    """From the start of the CPU's background run to the end of the wait for it (0: none): its run's
+    time where ``cpu_wait_s`` > 0, an upper bound otherwise."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -59,12 +62,12 @@ class HostClock:
         self._first = True
 
     def layer(self, layer: int, wait_s: float, cpu_wait_s: float, fetched: int, batches: int, copies: int,
-              cpu_share: bool) -> None:
+              cpu_share: bool, cpu_run_s: float = 0.0) -> None:
         """A hybrid prompt layer's host work ends now (see ``HostLayer`` for the fields)."""
         now = time.perf_counter()
         if self._last is not None:
             self.layers.append(HostLayer(layer, now - self._last - wait_s - cpu_wait_s, wait_s, cpu_wait_s, fetched,
-                                         batches, copies, cpu_share, self._first))
+                                         batches, copies, cpu_share, self._first, cpu_run_s))
         self._last, self._first = now, False
 
     def clear(self) -> None:
@@ -72,7 +75,7 @@ class HostClock:
 
     def summary(self) -> dict:
         """Means per recorded hybrid layer, a forward's first left out: ``{"layers": n, "busy_ms",
-        "wait_ms", "cpu_wait_ms", "fetched", "batches", "copies", "cpu_share"}`` (``cpu_share``: the
+        "wait_ms", "cpu_wait_ms", "cpu_run_ms", "fetched", "batches", "copies", "cpu_share"}`` (``cpu_share``: the
         share of layers where the CPU computed some experts); ``{"layers": 0}`` without records."""
         use = [r for r in self.layers if not r.first]
         if not use:
@@ -83,5 +86,5 @@ class HostClock:
             return scale * sum(float(getattr(r, name)) for r in use) / n
 
         return {"layers": n, "busy_ms": mean("busy_s", 1e3), "wait_ms": mean("wait_s", 1e3),
-                "cpu_wait_ms": mean("cpu_wait_s", 1e3), "fetched": mean("fetched"), "batches": mean("batches"),
+                "cpu_wait_ms": mean("cpu_wait_s", 1e3), "cpu_run_ms": mean("cpu_run_s", 1e3), "fetched": mean("fetched"), "batches": mean("batches"),
                 "copies": mean("copies"), "cpu_share": mean("cpu_share")}
