@@ -11,7 +11,8 @@ statistics come from the saved projects):
     python scripts/check_predictions.py --model /tmp/s1.gguf --profile h200.json \\
         --bench engine_s1_skew.json --placements placements/engine_s1_skew [--ctx 576 --prompt 512]
 
-Prints a markdown table: placement, measured, predicted then and now, error now.
+Prints markdown tables: placement, measured decode and prefill, predicted then and now, error now;
+then each run's hybrid prompt layers as the engine recorded them beside the model's lanes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from workbench.core.costmodel import CostModel  # noqa: E402
 from workbench.core.hardware import HardwareProfile  # noqa: E402
 from workbench.core.project import load_project  # noqa: E402
 from workbench.core.readers import open_model  # noqa: E402
+from workbench.engine.bench import predicted_prompt_lanes  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,22 +44,40 @@ def main(argv: list[str] | None = None) -> int:
     inv = open_model(args.model)
     prof = HardwareProfile.load(args.profile)
     runs = json.loads(Path(args.bench).read_text())["runs"]
-    print("| placement | measured decode tok/s | predicted in the run | predicted now | error now |")
-    print("| --- | --- | --- | --- | --- |")
-    worst = 0.0
+    print("| placement | measured decode tok/s | predicted in the run | predicted now | error now "
+          "| measured prefill tok/s | predicted in the run | predicted now | error now |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    worst = worst_prompt = 0.0
+    lanes = []
     for run in runs:
         path = Path(args.placements) / f"{run['strategy']}.json"
         if not run.get("decode_tps") or not path.exists():
             continue
         project = load_project(path)
         cost = CostModel(inv, prof, project.stats)
-        now = cost.predict(project.placement, args.ctx, prompt_tokens=args.prompt).decode_tps
-        err = (now - run["decode_tps"]) / run["decode_tps"]
-        worst = max(worst, abs(err))
-        then = run.get("predicted_decode_tps")
-        print(f"| {run['label']} | {run['decode_tps']:.1f} | {then:.1f} | {now:.1f} | {100 * err:+.1f}% |"
-              if then else f"| {run['label']} | {run['decode_tps']:.1f} | | {now:.1f} | {100 * err:+.1f}% |")
-    print(f"\nlargest error now: {100 * worst:.1f}%")
+        pred = cost.predict(project.placement, args.ctx, prompt_tokens=args.prompt)
+        err = (pred.decode_tps - run["decode_tps"]) / run["decode_tps"]
+        perr = (pred.prefill_tps - run["prefill_tps"]) / run["prefill_tps"]
+        worst, worst_prompt = max(worst, abs(err)), max(worst_prompt, abs(perr))
+
+        def cell(v) -> str:
+            return f"{v:.1f}" if v else ""
+
+        print(f"| {run['label']} | {run['decode_tps']:.1f} | {cell(run.get('predicted_decode_tps'))} "
+              f"| {pred.decode_tps:.1f} | {100 * err:+.1f}% | {run['prefill_tps']:.1f} "
+              f"| {cell(run.get('predicted_prefill_tps'))} | {pred.prefill_tps:.1f} | {100 * perr:+.1f}% |")
+        lanes.append((run, predicted_prompt_lanes(pred)))
+    print("\nA prompt's hybrid layers, ms each: the engine's records (busy, waiting for the CPU, the CPU's run) "
+          "against the model's lanes now")
+    print("| placement | layers | busy | CPU wait | CPU run | model host | model cpu | model bus | model gpu "
+          "| model total | resident layers, model total |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for run, lane in lanes:
+        h, m, r = run.get("prompt_host") or {}, lane["hybrid"], lane["resident"]
+        print(f"| {run['label']} | {m['layers']} | {h.get('busy_ms', 0):.2f} | {h.get('cpu_wait_ms', 0):.2f} "
+              f"| {h.get('cpu_run_ms', 0):.2f} | {m['host']:.2f} | {m['cpu']:.2f} | {m['bus']:.2f} | {m['gpu']:.2f} "
+              f"| {m['total']:.2f} | {r['layers']} × {r['total']:.2f} |")
+    print(f"\nlargest error now: decode {100 * worst:.1f}%, prompt {100 * worst_prompt:.1f}%")
     return 0
 
 

@@ -42,6 +42,7 @@ def test_strategies_run_end_to_end_on_cpu(model, one_torch_thread, monkeypatch):
     for r in runs:
         assert r.ok, r.error
         assert len(r.decode_samples) == 2 and r.decode_tps > 0 and r.prefill_tps > 0 and 0 < r.ttft_s
+        assert len(r.prefill_samples) == len(r.ttft_samples) == bench.PROMPT_SAMPLES  # prompts alone after the repeats
         assert r.predicted_decode_tps > 0 and r.roofline_decode_tps > 0 and r.roofline_fraction > 0
         assert r.peak_host_bytes > 0
         # the RAM speed read just before the run, and a second prediction at it
