@@ -259,8 +259,9 @@ def test_a_prompts_cpu_share_takes_longer_by_its_fitted_factor():
     base = h200_profile()
     p = placement_n_cpu_moe(inv, 2)
 
-    def lanes(scale: float, tokens: int):
-        return CostModel(inv, dataclasses.replace(base, prompt_cpu_scale=scale)).predict(p, prompt_tokens=tokens)
+    def lanes(scale: float, tokens: int):  # at the fixed bus share this case was built for (no lane on the RAM floor)
+        return CostModel(inv, dataclasses.replace(base, prompt_cpu_scale=scale),
+                         engine=EngineShape()).predict(p, prompt_tokens=tokens)
 
     a, b = lanes(1.0, 8), lanes(2.0, 8)
     assert a.prefill_layers[0].cpu > 0
@@ -560,3 +561,32 @@ def test_k_quants_calibration_does_not_time_take_q4_ks_rates():
                                                                        "q5_k": 40e9}), "Q5_K") == 40e9
     base, kept, extra = _all_gpu_at(inv, hw, rated, 0.2e12)
     assert kept.decode_layers[0].gpu == pytest.approx(base.decode_layers[0].gpu + extra, rel=0.01)
+
+
+def test_decodes_bus_share_balances_the_bus_and_the_cpu_reads():
+    """The bus share sends the CPU-selected experts over the bus in the ratio of the two read rates
+    (the calibrated in-place rate when measured, else a share of the pinned copy rate), so a host
+    with a fast CPU sends fewer; the cost model predicts with that share, and its bus lane runs at
+    the measured rate."""
+    from workbench.core.costmodel import BUS_READ, BUS_SHARE, balanced_bus_share, bus_rate, model_bus_share
+
+    base = h200_profile()
+    assert bus_rate(base) == pytest.approx(BUS_READ * base.h2d_pinned)
+    cpu = cpu_rate(base, "BF16")
+    assert balanced_bus_share(base, "BF16") == pytest.approx(bus_rate(base) / (bus_rate(base) + cpu))
+    fast_cpu = dataclasses.replace(base, cpu_expert_throughput={**base.cpu_expert_throughput, "bf16": 130e9})
+    measured = dataclasses.replace(base, bus_read_rate=30e9)
+    assert bus_rate(measured) == 30e9
+    assert balanced_bus_share(fast_cpu, "BF16") < balanced_bus_share(base, "BF16")
+    assert balanced_bus_share(measured, "BF16") == pytest.approx(30e9 / (30e9 + cpu))
+    no_bus = dataclasses.replace(base, h2d_pinned=float("nan"))
+    assert bus_rate(no_bus) == 0 and balanced_bus_share(no_bus) == BUS_SHARE
+    inv = synth_inventory(4, 32, hidden=1024, expert_ffn=512, top_k=8)
+    assert CostModel(inv, measured).engine.bus_share == model_bus_share(inv, measured) == pytest.approx(
+        balanced_bus_share(measured, "BF16"))
+    p = placement_n_cpu_moe(inv, 2)
+    same_share = EngineShape(bus_share=0.45)  # the same split: only the bus lane's rate differs
+    slow = CostModel(inv, measured, engine=same_share).predict(p, prompt_tokens=16)
+    fast = CostModel(inv, dataclasses.replace(base, bus_read_rate=60e9), engine=same_share).predict(p, prompt_tokens=16)
+    assert 1.8 * fast.decode_layers[0].bus < slow.decode_layers[0].bus < 2 * fast.decode_layers[0].bus  # + launches
+    assert slow.decode_tps < fast.decode_tps

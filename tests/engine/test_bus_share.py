@@ -436,3 +436,22 @@ def test_the_host_clock_tells_each_hybrid_prompt_layer_what_it_fetched(tiny_mode
         assert len(clock.layers) == len(hybrid)
     finally:
         engine.close()
+
+
+def test_the_engines_bus_share_comes_from_the_profile_unless_asked_for(monkeypatch, tiny_model_dir):
+    """``bus.fraction_for``: the share that balances the profile's bus and CPU read rates (what the
+    cost model predicts with); ``WORKBENCH_BUS_SHARE`` wins when set; without a profile or a GPU in
+    it, the default."""
+    import dataclasses
+
+    from workbench.core.costmodel import BUS_SHARE, model_bus_share
+    from workbench.core.hardware import preset
+
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    prof = dataclasses.replace(preset("bench-h200"), bus_read_rate=20e9)
+    monkeypatch.delenv("WORKBENCH_BUS_SHARE", raising=False)
+    assert bus.fraction_for(inv, prof) == model_bus_share(inv, prof) != BUS_SHARE
+    assert bus.fraction_for(inv, None) == BUS_SHARE
+    assert bus.fraction_for(inv, dataclasses.replace(prof, gpus=())) == BUS_SHARE
+    monkeypatch.setenv("WORKBENCH_BUS_SHARE", "0.2")
+    assert bus.fraction_for(inv, prof) == 0.2

@@ -312,3 +312,19 @@ def test_a_decode_server_that_fails_leaves_the_pools_timing(monkeypatch, caplog)
         rate, flops = _cpu_fused_q8(run, "cpu:int8", 256, 256, 4, 4 << 20, served=True)
     assert rate > 1e6 and flops > 1e6
     assert sum("gave no timing" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bus's in-place reads need CUDA")
+def test_the_bus_reads_experts_in_place_at_most_at_the_copy_rate():
+    """The bus share's kernels read page-locked host experts in place at a rate of PCIe's order:
+    positive, below the GPU's own memory and at most a little above the pinned copy rate."""
+    from workbench.engine import calibrate as cal
+    from workbench.engine import gpu_kernels
+
+    if not gpu_kernels.available():
+        pytest.skip("no Triton kernels")
+    run = cal._Run(2.0, None, None, [("gpu0", 1.0)])
+    dev = torch.device("cuda", 0)
+    rate = cal._gpu_bus_read(run, dev, 2048, 768, 256 << 20, 0.2)
+    h2d, _, _ = cal._gpu_copies(run, dev, 64 << 20, 0.2)
+    assert 0.2 * h2d < rate < 1.5 * h2d

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from workbench.core.costmodel import CostModel
+from workbench.core.costmodel import BUS_SHARE, CostModel, model_bus_share
 from workbench.core.hardware import preset
 from workbench.engine import calibrate_engine
 
@@ -184,7 +184,8 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
                     prompt_resident_layer_s=1e-3, prompt_resident_layer_by_format=resident, **lane)
     real, seen = calibrate_engine._prompt_seconds, []
 
-    def as_modelled(inv, placement, device, pair_reads, lengths, clock=None):  # a host the model predicts
+    def as_modelled(inv, placement, device, pair_reads, lengths, clock=None, bus_share=None):  # a host the model predicts
+        assert bus_share == model_bus_share(inv, base) != BUS_SHARE  # the engine's, balanced for this profile
         if len(seen) < 3:  # the engine runs the bf16 ones all the same (Q8_0's kernels: Triton's interpreter here)
             real(inv, placement, device, pair_reads, lengths)
         seen.append(lengths)
@@ -235,7 +236,7 @@ def test_a_gpu_too_small_for_the_resident_prompt_keeps_its_resident_layer_time(m
     monkeypatch.setattr(calibrate_engine, "LAYERS", 2)
     base = replace(preset("bench-h200"), prompt_resident_layer_s=1e-3)
 
-    def timed(inv, placement, device, pair_reads, lengths, clock=None):
+    def timed(inv, placement, device, pair_reads, lengths, clock=None, bus_share=None):
         if placement.to_json() == placement_all_gpu(inv).to_json():
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
         return [t / CostModel(inv, base).predict(placement, t + 8, prompt_tokens=t).prefill_tps for t in lengths]

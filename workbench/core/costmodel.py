@@ -55,8 +55,9 @@ from .stats import ExpertStats
 from .units import UnitKey
 
 BUS_SHARE = 0.45
-"""Default share of a token's CPU-selected experts sent over the bus in decode (about bus / (bus + CPU
-kernel) read rates on the H200 machine: 55 and 67 GB/s)."""
+"""Share of a token's CPU-selected experts sent over the bus in decode where the profile gives no bus
+rate to balance it by (``balanced_bus_share``; about bus / (bus + CPU kernel) read rates on the H200
+machine: 48 and 62 GB/s)."""
 BUS_SLOTS = 16
 """Device slots for them (decode sends at most ``round(top_k * BUS_SHARE)`` per layer and token; a
 prompt's fetched experts travel half the slots at a time). 16 rather than 8: a prompt's batch of
@@ -142,6 +143,45 @@ def model_prompt_pair_reads(inventory: Inventory, profile: HardwareProfile) -> f
     return prompt_pair_reads(profile, expert_dtype(unit), unit.n_params, unit.nbytes)
 
 
+BUS_READ = 0.87
+"""Share of the pinned host-to-device copy rate that kernels reading page-locked host memory in
+place reach where calibration did not measure it (``HardwareProfile.bus_read_rate``; H200 machine:
+48 of 55 GB/s, ``scripts/bench_device.sh bus_sweep``)."""
+
+
+def bus_rate(profile: HardwareProfile, bus_read: float = BUS_READ) -> float:
+    """Bytes/s at which the GPU's expert kernels read CPU-tier experts in place from page-locked host
+    memory (decode's bus share): ``bus_read_rate`` as calibration measured it, else ``bus_read``
+    of the pinned copy rate; 0 without either."""
+    if profile.bus_read_rate > 0:
+        return float(profile.bus_read_rate)
+    h2d = profile.h2d_pinned
+    return float(h2d * bus_read) if h2d and math.isfinite(h2d) and h2d > 0 else 0.0
+
+
+def balanced_bus_share(profile: HardwareProfile, dtype: str = "bf16") -> float:
+    """The share of a token's CPU-selected experts that decode sends over the bus so that the bus
+    and the CPU take equally long: ``bus / (bus + cpu)`` of their read rates for experts stored as
+    ``dtype`` (``bus_rate``, ``cpu_rate``). A host whose CPU reads experts at 130 GB/s and whose bus
+    reads them at 48 GB/s sends about a quarter; one at 65 and 48 GB/s, about 0.4 (``BUS_SHARE``,
+    the fixed share before, balanced the H200 machine's). ``BUS_SHARE`` without a bus rate."""
+    bus = bus_rate(profile)
+    if bus <= 0:
+        return BUS_SHARE
+    cpu = cpu_rate(profile, dtype)
+    return bus / (bus + cpu) if cpu > 0 else BUS_SHARE
+
+
+def model_bus_share(inventory: Inventory, profile: HardwareProfile) -> float:
+    """``balanced_bus_share`` for the routed experts of ``inventory`` (their first expert's format as
+    the CPU holds it: bfloat16 unless the engine keeps the file's blocks); ``BUS_SHARE`` without
+    experts."""
+    unit = next((u for k, u in sorted(inventory.units.items()) if k.kind == "expert"), None)
+    if unit is None or not unit.tensors:
+        return BUS_SHARE
+    return balanced_bus_share(profile, expert_dtype(unit) if experts_as_stored(inventory) else "BF16")
+
+
 def prefill_fetch(counts: np.ndarray, fetch_tokens: float, bus_share: float,
                   pair_reads: float | None = None, gemm: bool = True) -> np.ndarray:
     """Which of one layer's CPU-tier experts a prompt chunk sends over the bus: a boolean mask like
@@ -204,9 +244,9 @@ class EngineShape:
     CUDA): ``sync_s`` is then its hand-off per layer, and the bus's experts are computed by kernels
     reading the CPU stacks in place (no copy, no separate compute) at ``bus_read`` of the pinned copy
     rate. False: the host-driven layer (copies into slots, then their compute)."""
-    bus_read: float = 0.87
+    bus_read: float = BUS_READ
     """Share of the pinned host-to-device copy rate that kernels reading page-locked host memory in
-    place reach (H200 machine: 48 of 55 GB/s, ``scripts/bench_device.sh bus_sweep``)."""
+    place reach, where the profile has no ``bus_read_rate`` (``bus_rate``)."""
     shared_read: float = 1.0
     """Share of the host's read bandwidth (calibration's read of a buffer many times the L3) that the
     CPU's and the bus's reads of the CPU tier reach together (H200 machine: 89 GB/s with both busy
@@ -286,7 +326,7 @@ class CostModel:
             raise ValueError("the hardware profile has no GPU")
         self.inv = inventory
         self.profile = profile
-        self.engine = engine or EngineShape()
+        self.engine = engine or EngineShape(bus_share=model_bus_share(inventory, profile))
         spec = inventory.spec
         self.n_layers = spec.n_layers
         self.n_experts = max(1, spec.n_experts)
@@ -587,7 +627,7 @@ class CostModel:
         launches = p_any * eng.launches_bus * self._gpu(0).launch_s
         if eng.served:  # kernels read the rows in place: the bus lane is their reads
             cpu = np.maximum(cpu_t * (1.0 - sent), cpu_bytes / (prof.host_read_bandwidth * eng.shared_read))
-            return cpu, bus_bytes / (prof.h2d_pinned * eng.bus_read) + launches, zero
+            return cpu, bus_bytes / bus_rate(prof, eng.bus_read) + launches, zero
         gpu = bus_bytes / self.expert_bandwidth(0)
         cpu = np.maximum(cpu_t * (1.0 - sent), cpu_bytes / prof.host_read_bandwidth)
         return cpu, bus_bytes / prof.h2d_pinned + gpu + launches, gpu

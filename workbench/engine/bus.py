@@ -13,7 +13,8 @@ The copies need page-locked host memory: ``register`` pins the CPU tier's existi
 stacks are freed.
 
 ``WORKBENCH_BUS_SHARE``: the fraction of a layer's CPU-selected experts sent over the bus (default
-``costmodel.BUS_SHARE``, which the cost model predicts with); 0 turns the bus share off.
+``costmodel.BUS_SHARE``; with a hardware profile, ``fraction_for``: the share that balances the bus's
+and the CPU's read rates, which the cost model predicts with); 0 turns the bus share off.
 
 Prefill chunks use the same slots differently: a CPU-tier expert that travels is copied to the GPU
 once and computed there for all of its tokens (two halves of the slots alternate, so a batch travels
@@ -68,6 +69,18 @@ def fraction_from_env() -> float:
     except ValueError:
         log.warning("WORKBENCH_BUS_SHARE=%r is not a number; using %.2f", raw, DEFAULT_FRACTION)
         return DEFAULT_FRACTION
+
+
+def fraction_for(inventory, profile) -> float:
+    """The bus share a loaded ``inventory`` decodes with on the machine ``profile`` describes:
+    ``WORKBENCH_BUS_SHARE`` when set (for measuring), else the share that balances the bus's and the
+    CPU's reads (``costmodel.model_bus_share``, which the cost model predicts with); the default
+    without a profile."""
+    from workbench.core.costmodel import model_bus_share
+
+    if os.environ.get("WORKBENCH_BUS_SHARE", "").strip() or profile is None or not profile.gpus:
+        return fraction_from_env()
+    return model_bus_share(inventory, profile)
 
 
 def _whole_from_env(name: str, default: int, least: int) -> int:

@@ -546,6 +546,58 @@ def _gpu_kept_experts(run: _Run, dev: torch.device, hidden: int, ffn: int, nbyte
     return out
 
 
+BUS_READ_EXPERTS = 4
+"""Experts per call in the bus's read rate (``_gpu_bus_read``): what decode's bus share sends of a
+token's CPU-selected experts in a layer where the CPU tier holds all of them."""
+
+
+def _gpu_bus_read(run: _Run, dev: torch.device, hidden: int, ffn: int, nbytes: int, share: float) -> float:
+    """Bytes/s of bf16 expert weights that the engine's one-token expert kernels read in place from
+    page-locked host memory, as decode's bus share runs them (``served``: the selected rows cross
+    PCIe, nothing is copied first): a pool of ``nbytes`` of experts in host memory the way the CPU
+    tier holds it (``hostmem``), page-locked in place (``bus.register``), ``BUS_READ_EXPERTS``
+    distinct experts a call, calls replayed from a CUDA graph; 0 without the Triton kernels or where
+    the memory cannot be page-locked."""
+    from . import bus, gpu_kernels
+
+    if not gpu_kernels.available():
+        return 0.0
+    per = 3 * ffn * hidden * 2
+    k = BUS_READ_EXPERTS
+    n_exp = max(k, min(256, nbytes // per) // k * k)
+    w13 = hostmem.empty((n_exp, 2 * ffn, hidden), torch.bfloat16)
+    w2 = hostmem.empty((n_exp, hidden, ffn), torch.bfloat16)
+    w13.fill_(0.01)
+    w2.fill_(0.01)
+    if not bus.register(w13):
+        return 0.0
+    try:
+        if not bus.register(w2):
+            return 0.0
+        try:
+            x = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16)
+            scale = torch.full((k,), 1.0 / k, device=dev, dtype=torch.bfloat16)
+            rowmap = torch.arange(n_exp, device=dev)
+            rows = [torch.arange(c * k, (c + 1) * k, device=dev) for c in range(n_exp // k)]
+
+            def experts() -> None:
+                for r in rows:
+                    gpu_kernels.experts_one_token(x, r, scale, rowmap, w13, w2)
+
+            experts()
+            torch.cuda.synchronize(dev)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                experts()
+            return per * n_exp / _repeat(run, lambda: _cuda_time(g.replay), share)
+        finally:
+            torch.cuda.synchronize(dev)
+            bus.unregister(w2)
+    finally:
+        torch.cuda.synchronize(dev)
+        bus.unregister(w13)
+
+
 def _gpu_launch_sync(
     run: _Run, dev: torch.device, n_router: int, top_k: int, share: float
 ) -> tuple[float, float]:
@@ -625,6 +677,12 @@ def _gpu(run: _Run, index: int, hidden: int, ffn: int, n_router: int, top_k: int
     except Exception as exc:  # noqa: BLE001 - calibration goes on without them
         log.warning("GPU %d: expert block kernels not measured: %s", index, exc)
         kept = {}
+    try:  # the bus share's in-place reads: a failure leaves them at a share of the pinned copy rate
+        bus_read = _gpu_bus_read(run, dev, hidden, ffn, int(min(1 << 30, psutil.virtual_memory().available // 8)),
+                                 share)
+    except Exception as exc:  # noqa: BLE001 - calibration goes on without it
+        log.warning("GPU %d: the bus's in-place reads not measured: %s", index, exc)
+        bus_read = 0.0
     launch, sync = _gpu_launch_sync(run, dev, n_router, top_k, share)
     torch.cuda.empty_cache()
     gen, width = _pcie_link(str(getattr(props, "uuid", "") or ""))
@@ -644,9 +702,11 @@ def _gpu(run: _Run, index: int, hidden: int, ffn: int, n_router: int, top_k: int
         f"GPU {index} {props.name}: memory {mem_bw / 1e12:.2f} TB/s, bf16 {flops / 1e12:.0f} TFLOP/s, "
         f"experts {expert_bw / 1e9:.0f} GB/s"
         + "".join(f", {fmt} blocks {rate / 1e9:.0f} GB/s" for fmt, rate in kept.items())
-        + f", launch {launch * 1e6:.1f} us, sync {sync * 1e6:.0f} us",
+        + f", launch {launch * 1e6:.1f} us, sync {sync * 1e6:.0f} us"
+        + (f"; experts read in place over the bus {bus_read / 1e9:.1f} GB/s" if bus_read else ""),
     )
-    return gpu, {"h2d_pinned": h2d, "h2d_pageable": h2d_pageable, "d2h_pinned": d2h, "sync_s": sync}
+    return gpu, {"h2d_pinned": h2d, "h2d_pageable": h2d_pageable, "d2h_pinned": d2h, "sync_s": sync,
+                 "bus_read_rate": bus_read}
 
 
 # -- the whole run -----------------------------------------------------------------------------
@@ -843,7 +903,7 @@ def calibrate(
     return prof
 
 
-_GPU_SIDE = ("gpus", "h2d_pinned", "h2d_pageable", "d2h_pinned", "sync_s")
+_GPU_SIDE = ("gpus", "h2d_pinned", "h2d_pageable", "d2h_pinned", "sync_s", "bus_read_rate")
 
 
 def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int = 8,
@@ -912,5 +972,6 @@ def with_preset_gpus(
         h2d_pageable=base.h2d_pageable,
         d2h_pinned=base.d2h_pinned,
         sync_s=base.sync_s,
+        bus_read_rate=base.bus_read_rate,
         provenance=dict(measured.provenance) | dict.fromkeys(_GPU_SIDE, tag),
     )

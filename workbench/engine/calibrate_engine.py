@@ -37,6 +37,7 @@ from workbench.core.memory import placement_all_gpu, placement_cpu_moe
 from workbench.core.placement import CPU_COMPUTE, Placement
 from workbench.core.readers import open_model
 
+from . import bus
 from .hostclock import HostClock, HostLayer
 
 log = logging.getLogger(__name__)
@@ -271,16 +272,18 @@ def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str =
 
 
 def _prompt_seconds(inv, placement, device: str, pair_reads: float | None, lengths: tuple[int, ...],
-                    clock: HostClock | None = None) -> list[float]:
+                    clock: HostClock | None = None, bus_share: float | None = None) -> list[float]:
     """Median seconds of ``REPEATS + 1`` prompts of random tokens of each of ``lengths`` under
-    ``placement`` (after one untimed each: kernels tuned, stacks page-locked), with the engine's default
-    bus share and the profile's cost per further token of a CPU expert (``pair_reads``), as the bench
-    runs them. ``clock`` gets the timed prompts' hybrid layers (``Engine.record_host``)."""
+    ``placement`` (after one untimed each: kernels tuned, stacks page-locked), with ``bus_share``
+    (None: the engine's default) and the profile's cost per further token of a CPU expert
+    (``pair_reads``), as the bench runs them. ``clock`` gets the timed prompts' hybrid layers
+    (``Engine.record_host``)."""
     from .bench import _sync
     from .engine import Engine
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    engine = Engine.load(inv, placement, device=device, dtype=dtype, max_context=max(lengths) + 8)
+    engine = Engine.load(inv, placement, device=device, dtype=dtype, max_context=max(lengths) + 8,
+                         bus_share=bus_share)
     try:
         engine.set_prompt_pair_reads(pair_reads)
         out = []
@@ -363,12 +366,13 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
             synth.write_gguf(path, shape, coverage_target=None, wtype=fmt)
             inv = open_model(path)
             pair_reads = model_prompt_pair_reads(inv, prof)
+            share = bus.fraction_for(inv, prof)  # the bench's and the app's engines decode with it
             few, every, res = _upper_on_cpu(inv, 0.125), placement_cpu_moe(inv), placement_all_gpu(inv)
-            (few_s,) = _prompt_seconds(inv, few, device, pair_reads, (PROMPT_TOKENS,), clock)
+            (few_s,) = _prompt_seconds(inv, few, device, pair_reads, (PROMPT_TOKENS,), clock, bus_share=share)
             every_s, short_s = _prompt_seconds(inv, every, device, pair_reads, (PROMPT_TOKENS, SHORT_PROMPT_TOKENS),
-                                               clock)
+                                               clock, bus_share=share)
             try:
-                (res_s,) = _prompt_seconds(inv, res, device, pair_reads, (PROMPT_TOKENS,))
+                (res_s,) = _prompt_seconds(inv, res, device, pair_reads, (PROMPT_TOKENS,), bus_share=share)
             except torch.cuda.OutOfMemoryError:  # a small GPU: the resident layers' time stays as it was
                 log.warning("the calibration's %s prompt all on the GPU did not fit; prompt_resident_layer_s "
                             "is not fitted to it", fmt)

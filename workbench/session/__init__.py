@@ -479,7 +479,8 @@ class Session(ChatMixin):
                 self.engine.apply_placement(placement, services.byte_progress(progress, "moving"), cancel)
             else:
                 self.close_engine()
-                self.engine = services.load_engine(self.inventory, placement, progress, cancel, force)
+                self.engine = services.load_engine(self.inventory, placement, progress, cancel, force,
+                                                   hardware=self.hardware)
                 self._tune_prompts()
                 try:
                     self.chat_runtime()  # tokenizer and template now, not at the first message

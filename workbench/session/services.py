@@ -235,9 +235,11 @@ def byte_progress(progress, verb: str = "loading"):
     return report
 
 
-def load_engine(inv: Inventory, placement: Placement, progress=None, cancel=None, force: bool = False):
+def load_engine(inv: Inventory, placement: Placement, progress=None, cancel=None, force: bool = False,
+                hardware=None):
     """Load the engine on CUDA when there is one (bf16), else on the CPU (fp32). ``force``: no
-    VRAM check (the user chose to load anyway)."""
+    VRAM check (the user chose to load anyway). ``hardware``: the machine's profile, whose bus and
+    CPU read rates set decode's bus share (``bus.fraction_for``; None: the engine's default)."""
     engine_mod = _optional("workbench.engine.engine")
     if engine_mod is None:
         raise WorkbenchError("the inference engine is not available in this build")
@@ -252,9 +254,11 @@ def load_engine(inv: Inventory, placement: Placement, progress=None, cancel=None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     ctx = min(int(inv.spec.max_context or 4096), 8192)
+    bus_mod = _optional("workbench.engine.bus") if device == "cuda" and hardware is not None else None
+    bus_share = bus_mod.fraction_for(inv, hardware) if bus_mod is not None else None
     return engine_mod.Engine.load(inv, placement, device=device, dtype=dtype, max_context=ctx,
                                   progress=byte_progress(progress), cancel=cancel,
-                                  vram_budget=(1 << 62) if force else None)
+                                  vram_budget=(1 << 62) if force else None, bus_share=bus_share)
 
 
 def profile(engine, tokenizer, prompts: list[str], progress=None, cancel=None):
