@@ -579,6 +579,8 @@ def test_decodes_bus_share_balances_the_bus_and_the_cpu_reads():
     assert bus_rate(measured) == 30e9
     assert balanced_bus_share(fast_cpu, "BF16") < balanced_bus_share(base, "BF16")
     assert balanced_bus_share(measured, "BF16") == pytest.approx(30e9 / (30e9 + cpu))
+    assert balanced_bus_share(dataclasses.replace(base, bus_read_rate=1e13)) == 0.75  # guard rails
+    assert balanced_bus_share(dataclasses.replace(base, bus_read_rate=1e6)) == 0.1
     no_bus = dataclasses.replace(base, h2d_pinned=float("nan"))
     assert bus_rate(no_bus) == 0 and balanced_bus_share(no_bus) == BUS_SHARE
     inv = synth_inventory(4, 32, hidden=1024, expert_ffn=512, top_k=8)

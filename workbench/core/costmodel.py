@@ -164,12 +164,18 @@ def balanced_bus_share(profile: HardwareProfile, dtype: str = "bf16") -> float:
     and the CPU take equally long: ``bus / (bus + cpu)`` of their read rates for experts stored as
     ``dtype`` (``bus_rate``, ``cpu_rate``). A host whose CPU reads experts at 130 GB/s and whose bus
     reads them at 48 GB/s sends about a quarter; one at 65 and 48 GB/s, about 0.4 (``BUS_SHARE``,
-    the fixed share before, balanced the H200 machine's). ``BUS_SHARE`` without a bus rate."""
+    the fixed share before, balanced the H200 machine's); within ``BUS_SHARE_RANGE``. ``BUS_SHARE``
+    without a bus rate."""
     bus = bus_rate(profile)
     if bus <= 0:
         return BUS_SHARE
     cpu = cpu_rate(profile, dtype)
-    return bus / (bus + cpu) if cpu > 0 else BUS_SHARE
+    return min(max(bus / (bus + cpu), BUS_SHARE_RANGE[0]), BUS_SHARE_RANGE[1]) if cpu > 0 else BUS_SHARE
+
+
+BUS_SHARE_RANGE = (0.1, 0.75)
+"""Least and most of ``balanced_bus_share``: guard rails against a rate measured wrong, not a limit a
+real machine reaches (bus / (bus + CPU) was 0.19 to 0.45 on the GPU machine's hosts)."""
 
 
 def model_bus_share(inventory: Inventory, profile: HardwareProfile) -> float:

@@ -683,6 +683,7 @@ def _gpu(run: _Run, index: int, hidden: int, ffn: int, n_router: int, top_k: int
     except Exception as exc:  # noqa: BLE001 - calibration goes on without it
         log.warning("GPU %d: the bus's in-place reads not measured: %s", index, exc)
         bus_read = 0.0
+    bus_read = min(bus_read, h2d)  # reads in place cross the same link as the copies
     launch, sync = _gpu_launch_sync(run, dev, n_router, top_k, share)
     torch.cuda.empty_cache()
     gen, width = _pcie_link(str(getattr(props, "uuid", "") or ""))
