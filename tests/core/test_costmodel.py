@@ -570,10 +570,12 @@ def test_decodes_bus_share_balances_the_bus_and_the_cpu_reads():
     the measured rate."""
     from workbench.core.costmodel import BUS_READ, BUS_SHARE, balanced_bus_share, bus_rate, model_bus_share
 
-    base = h200_profile()
-    assert bus_rate(base) == pytest.approx(BUS_READ * base.h2d_pinned)
+    unmeasured = h200_profile()
+    assert bus_rate(unmeasured) == pytest.approx(BUS_READ * unmeasured.h2d_pinned)
+    assert balanced_bus_share(unmeasured, "BF16") == BUS_SHARE  # a profile from before the bus was timed
+    base = dataclasses.replace(unmeasured, bus_read_rate=48e9)
     cpu = cpu_rate(base, "BF16")
-    assert balanced_bus_share(base, "BF16") == pytest.approx(bus_rate(base) / (bus_rate(base) + cpu))
+    assert balanced_bus_share(base, "BF16") == pytest.approx(48e9 / (48e9 + cpu))
     fast_cpu = dataclasses.replace(base, cpu_expert_throughput={**base.cpu_expert_throughput, "bf16": 130e9})
     measured = dataclasses.replace(base, bus_read_rate=30e9)
     assert bus_rate(measured) == 30e9
@@ -581,7 +583,7 @@ def test_decodes_bus_share_balances_the_bus_and_the_cpu_reads():
     assert balanced_bus_share(measured, "BF16") == pytest.approx(30e9 / (30e9 + cpu))
     assert balanced_bus_share(dataclasses.replace(base, bus_read_rate=1e13)) == 0.75  # guard rails
     assert balanced_bus_share(dataclasses.replace(base, bus_read_rate=1e6)) == 0.1
-    no_bus = dataclasses.replace(base, h2d_pinned=float("nan"))
+    no_bus = dataclasses.replace(unmeasured, h2d_pinned=float("nan"))
     assert bus_rate(no_bus) == 0 and balanced_bus_share(no_bus) == BUS_SHARE
     inv = synth_inventory(4, 32, hidden=1024, expert_ffn=512, top_k=8)
     assert CostModel(inv, measured).engine.bus_share == model_bus_share(inv, measured) == pytest.approx(

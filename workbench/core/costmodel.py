@@ -165,10 +165,11 @@ def balanced_bus_share(profile: HardwareProfile, dtype: str = "bf16") -> float:
     ``dtype`` (``bus_rate``, ``cpu_rate``). A host whose CPU reads experts at 130 GB/s and whose bus
     reads them at 48 GB/s sends about a quarter; one at 65 and 48 GB/s, about 0.4 (``BUS_SHARE``,
     the fixed share before, balanced the H200 machine's); within ``BUS_SHARE_RANGE``. ``BUS_SHARE``
-    without a bus rate."""
-    bus = bus_rate(profile)
-    if bus <= 0:
+    where calibration did not measure the bus's in-place reads (``bus_read_rate``): a profile from
+    before it, or a preset, keeps the share its predictions were checked with."""
+    if not profile.bus_read_rate > 0:
         return BUS_SHARE
+    bus = bus_rate(profile)
     cpu = cpu_rate(profile, dtype)
     return min(max(bus / (bus + cpu), BUS_SHARE_RANGE[0]), BUS_SHARE_RANGE[1]) if cpu > 0 else BUS_SHARE
 
