@@ -24,7 +24,8 @@
 # on a 4-layer cut of S1, bf16 and Q8_0 (KERNELS_WEIGHTS): each kernel's time and the gaps between them; $OUT/kernels.tar.gz),
 # decode_kernels (scripts/time_decode_kernels.py: each form of the step's kernels at S1's shapes; $OUT/decode_kernels.json),
 # pdl_ab (S1 all on the GPU with and without programmatic dependent launch (WORKBENCH_PDL=0 turns it off) and the Triton dense matvec),
-# pdl_tests (tests/engine/test_decode_in_place.py on CUDA under those settings), env_ab (S1 all on the GPU under each of ENV_AB's environments),
+# pdl_tests (tests/engine/test_decode_in_place.py on CUDA under those settings), bus_ab (S1 bf16 n-cpu-moe and frequency with
+# decode's bus share balanced by the calibrated rates, then at BUS_AB_SHARES (0.45); after stage calibrate), env_ab (S1 all on the GPU under each of ENV_AB's environments),
 # calibrate ($OUT/h200.json, then the profile of the stages after it), engine (`workbench bench
 # run`: llama.cpp -lm none at --n-cpu-moe 16 and all-GPU, then our n-cpu-moe, frequency, balanced
 # and all-GPU (BENCH_ALL_GPU=0: not all-GPU), with the ratios), kernel_tests (the fused CPU kernel's
@@ -445,6 +446,19 @@ stage_pdl_ab() {  # S1 bf16 skewed all on the GPU (and PDL_STRATEGIES at the bud
         WORKBENCH_PDL=${v%%:*} WORKBENCH_DENSE_MATVEC=${v##*:} wb run --model "$models/s1.gguf" --budget "${BENCH_BUDGET:-12GiB}" \
             --margin "${BENCH_MARGIN:-512MiB}" --profile "$prof" --strategies "${PDL_STRATEGIES:-}" --all-gpu -p 512 \
             -n "${BENCH_ENGINE_GEN:-64}" -r "${BENCH_ENGINE_REPEATS:-3}" --json "$OUT/pdl_ab_${v/:/_}.json" | tee -a "$OUT/device.log"
+    done
+}
+stage_bus_ab() {  # decode's bus share balanced by the calibrated rates against the fixed 0.45 (WORKBENCH_BUS_SHARE):
+    # S1 bf16 n-cpu-moe and frequency under each, after stage calibrate (its $OUT/h200.json has bus_read_rate); $OUT/bus_<v>.json
+    [ -f "$models/s1.gguf" ] || { log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; }
+    local prof=bench-h200 v; [ -f "$OUT/h200.json" ] && prof="$OUT/h200.json"
+    for v in balanced ${BUS_AB_SHARES:-0.45}; do
+        [ "$(left)" -gt 60 ] || { log "bus_ab: no time left for $v"; break; }
+        log "bus_ab: $v"
+        env $([ "$v" = balanced ] || echo WORKBENCH_BUS_SHARE=$v) python3 -m workbench bench run --model "$models/s1.gguf" \
+            --budget "${BENCH_BUDGET:-12GiB}" --margin "${BENCH_MARGIN:-512MiB}" --profile "$prof" --strategies n-cpu-moe,frequency \
+            -p 512 -n "${BENCH_ENGINE_GEN:-64}" -r "${BENCH_ENGINE_REPEATS:-2}" --time-limit $(( $(left) - 20 )) \
+            --json "$OUT/bus_$v.json" 2>>"$OUT/device.log" | grep -E "^\| (n-cpu|freq)" | tee -a "$OUT/device.log"
     done
 }
 stage_env_ab() {  # S1 bf16 skewed all on the GPU under each of ENV_AB's settings (space-separated; each
