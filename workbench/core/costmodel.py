@@ -132,15 +132,22 @@ def expert_dtype(unit) -> str:
     return max(unit.tensors, key=lambda t: t.nbytes).tensor.dtype if unit.tensors else "BF16"
 
 
-def model_prompt_pair_reads(inventory: Inventory, profile: HardwareProfile) -> float | None:
-    """``prompt_pair_reads`` for the routed experts of ``inventory`` (its first expert's format and
-    size), None without experts or a measurement for their format."""
+def _held_expert(inventory: Inventory) -> tuple[str, float, float] | None:
+    """``(format, weights, bytes)`` of the first routed expert of ``inventory`` as the engine's CPU
+    tier holds it (bfloat16 unless it keeps the file's blocks); None without experts."""
     unit = next((u for k, u in sorted(inventory.units.items()) if k.kind == "expert"), None)
     if unit is None or not unit.tensors:
         return None
     if not experts_as_stored(inventory):  # held in bfloat16
-        return prompt_pair_reads(profile, "BF16", unit.n_params, 2 * unit.n_params)
-    return prompt_pair_reads(profile, expert_dtype(unit), unit.n_params, unit.nbytes)
+        return "BF16", unit.n_params, 2 * unit.n_params
+    return expert_dtype(unit), unit.n_params, unit.nbytes
+
+
+def model_prompt_pair_reads(inventory: Inventory, profile: HardwareProfile) -> float | None:
+    """``prompt_pair_reads`` for the routed experts of ``inventory`` (its first expert's format and
+    size), None without experts or a measurement for their format."""
+    held = _held_expert(inventory)
+    return None if held is None else prompt_pair_reads(profile, *held)
 
 
 BUS_READ = 0.87
@@ -159,6 +166,11 @@ def bus_rate(profile: HardwareProfile, bus_read: float = BUS_READ) -> float:
     return float(h2d * bus_read) if h2d and math.isfinite(h2d) and h2d > 0 else 0.0
 
 
+BUS_SHARE_RANGE = (0.1, 0.75)
+"""Least and most of ``balanced_bus_share``: guard rails against a rate measured wrong, not a limit a
+real machine reaches (bus / (bus + CPU) was 0.19 to 0.45 on the GPU machine's hosts)."""
+
+
 def balanced_bus_share(profile: HardwareProfile, dtype: str = "bf16") -> float:
     """The share of a token's CPU-selected experts that decode sends over the bus so that the bus
     and the CPU take equally long: ``bus / (bus + cpu)`` of their read rates for experts stored as
@@ -167,26 +179,18 @@ def balanced_bus_share(profile: HardwareProfile, dtype: str = "bf16") -> float:
     the fixed share before, balanced the H200 machine's); within ``BUS_SHARE_RANGE``. ``BUS_SHARE``
     where calibration did not measure the bus's in-place reads (``bus_read_rate``): a profile from
     before it, or a preset, keeps the share its predictions were checked with."""
-    if not profile.bus_read_rate > 0:
+    bus, cpu = profile.bus_read_rate, cpu_rate(profile, dtype)
+    if not (bus > 0 and cpu > 0):
         return BUS_SHARE
-    bus = bus_rate(profile)
-    cpu = cpu_rate(profile, dtype)
-    return min(max(bus / (bus + cpu), BUS_SHARE_RANGE[0]), BUS_SHARE_RANGE[1]) if cpu > 0 else BUS_SHARE
-
-
-BUS_SHARE_RANGE = (0.1, 0.75)
-"""Least and most of ``balanced_bus_share``: guard rails against a rate measured wrong, not a limit a
-real machine reaches (bus / (bus + CPU) was 0.19 to 0.45 on the GPU machine's hosts)."""
+    return min(max(bus / (bus + cpu), BUS_SHARE_RANGE[0]), BUS_SHARE_RANGE[1])
 
 
 def model_bus_share(inventory: Inventory, profile: HardwareProfile) -> float:
     """``balanced_bus_share`` for the routed experts of ``inventory`` (their first expert's format as
     the CPU holds it: bfloat16 unless the engine keeps the file's blocks); ``BUS_SHARE`` without
     experts."""
-    unit = next((u for k, u in sorted(inventory.units.items()) if k.kind == "expert"), None)
-    if unit is None or not unit.tensors:
-        return BUS_SHARE
-    return balanced_bus_share(profile, expert_dtype(unit) if experts_as_stored(inventory) else "BF16")
+    held = _held_expert(inventory)
+    return BUS_SHARE if held is None else balanced_bus_share(profile, held[0])
 
 
 def prefill_fetch(counts: np.ndarray, fetch_tokens: float, bus_share: float,

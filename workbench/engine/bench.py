@@ -271,22 +271,8 @@ def measure_engine(engine, *, prompt: int, gen: int, repeats: int, seed: int = 0
         engine.forward(steps[i: i + 1], prompt + i).argmax().item()
     engine.reset_routing_counts()
     out = {"prefill": [], "decode": [], "ttft": []}
-    for _ in range(repeats):
-        _sync(dev)
-        engine.record_host(clock)
-        t0 = time.perf_counter()
-        first = engine.forward(ids, 0, last_only=True)[-1].argmax().item()
-        t1 = time.perf_counter()
-        engine.record_host(None)
-        del first
-        for i in range(gen):
-            engine.forward(steps[i: i + 1], prompt + i)[-1].argmax().item()
-        _sync(dev)
-        t2 = time.perf_counter()
-        out["ttft"].append(t1 - t0)
-        out["prefill"].append(prompt / (t1 - t0))
-        out["decode"].append(gen / (t2 - t1))
-    for _ in range(PROMPT_SAMPLES - repeats if repeats > 0 else 0):
+
+    def timed_prompt() -> float:  # the whole prompt to its first token, its hybrid layers recorded
         engine.record_host(clock)
         t0 = time.perf_counter()
         engine.forward(ids, 0, last_only=True)[-1].argmax().item()
@@ -294,6 +280,17 @@ def measure_engine(engine, *, prompt: int, gen: int, repeats: int, seed: int = 0
         engine.record_host(None)
         out["ttft"].append(t1 - t0)
         out["prefill"].append(prompt / (t1 - t0))
+        return t1
+
+    for _ in range(repeats):
+        _sync(dev)
+        t1 = timed_prompt()
+        for i in range(gen):
+            engine.forward(steps[i: i + 1], prompt + i)[-1].argmax().item()
+        _sync(dev)
+        out["decode"].append(gen / (time.perf_counter() - t1))
+    for _ in range(PROMPT_SAMPLES - repeats if repeats > 0 else 0):
+        timed_prompt()
     out["host"] = clock.summary()
     return out
 

@@ -86,5 +86,6 @@ class HostClock:
             return scale * sum(float(getattr(r, name)) for r in use) / n
 
         return {"layers": n, "busy_ms": mean("busy_s", 1e3), "wait_ms": mean("wait_s", 1e3),
-                "cpu_wait_ms": mean("cpu_wait_s", 1e3), "cpu_run_ms": mean("cpu_run_s", 1e3), "fetched": mean("fetched"), "batches": mean("batches"),
-                "copies": mean("copies"), "cpu_share": mean("cpu_share")}
+                "cpu_wait_ms": mean("cpu_wait_s", 1e3), "cpu_run_ms": mean("cpu_run_s", 1e3),
+                "fetched": mean("fetched"), "batches": mean("batches"), "copies": mean("copies"),
+                "cpu_share": mean("cpu_share")}
