@@ -47,6 +47,24 @@ def test_one_layer_by_hand():
     assert 1 / pred.decode_tps == pytest.approx(c.total + pred.decode_other_s)
 
 
+def test_the_hosts_time_per_step_counts_once_a_decoded_token():
+    """``decode_step_s`` (the host's own time per decode step) adds to each token once, whatever the
+    layers, and leaves the prompt and the layers' costs as they were."""
+    inv = synth_inventory(4, 8)
+    hw = h200_profile()
+    p = placement_n_cpu_moe(inv, 2)
+    base = CostModel(inv, hw).predict(p, ctx=1024, prompt_tokens=256)
+    step = 3e-4
+    more = CostModel(inv, dataclasses.replace(hw, decode_step_s=step)).predict(p, ctx=1024, prompt_tokens=256)
+    assert 1 / more.decode_tps == pytest.approx(1 / base.decode_tps + step)
+    assert more.decode_other_s == pytest.approx(base.decode_other_s + step)
+    assert more.prefill_tps == base.prefill_tps
+    assert [c.total for c in more.decode_layers] == [c.total for c in base.decode_layers]
+    assert CostModel(inv, dataclasses.replace(hw, decode_step_s=step)).decode_tps(p, kv_tokens=256) == pytest.approx(
+        more.decode_tps)
+    assert dataclasses.replace(hw, decode_step_s=-1.0).problems()
+
+
 def test_memory_is_the_memory_estimate():
     inv = synth_inventory(4, 8)
     p = placement_n_cpu_moe(inv, 2)

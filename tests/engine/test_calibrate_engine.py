@@ -24,17 +24,18 @@ def torch_paths_and_short_warm_up(monkeypatch):
 
 
 def test_fitted_costs_fit_the_measured_runs(monkeypatch):
-    seen, calls = {}, []
-    real = calibrate_engine._decode_seconds
+    seen, calls, queued = {}, [], {}
+    real = calibrate_engine._decode_times
 
     def record(inv, placement, device, steps=calibrate_engine.STEPS):
-        t = real(inv, placement, device, steps=4)
+        t, q = real(inv, placement, device, steps=4)
         calls.append(t)
         best = seen.get(id(placement), (inv, placement, t))[2]
         seen[id(placement)] = (inv, placement, min(t, best))  # the fit keeps a placement's faster run
-        return t
+        queued[id(placement)] = min(q, queued.get(id(placement), q))
+        return t, q
 
-    monkeypatch.setattr(calibrate_engine, "_decode_seconds", record)
+    monkeypatch.setattr(calibrate_engine, "_decode_times", record)
     monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
     monkeypatch.setattr(calibrate_engine, "MAX_EXPERTS", 32)  # a tiny expert shape would ask for the most
     base = preset("bench-h200")
@@ -51,6 +52,9 @@ def test_fitted_costs_fit_the_measured_runs(monkeypatch):
     assert len(seen) == 6  # all resident; a sixteenth, quarter, half, three quarters on the CPU; all on the CPU
     assert len(calls) == 1 + 5 * calibrate_engine.REPEATS  # the check run once, each fitted run kept at its fastest
     (inv, res, t_res), *hybrid, (_, cpu, t_cpu) = seen.values()
+    q_res = queued[id(res)]  # the resident steps queued: the host's time per step is the difference
+    assert 0 < q_res and info["resident_queued_s"] == q_res
+    assert fitted.decode_step_s == info["step_s"] == max(0.0, t_res - q_res)
     assert (info["resident_s"], info["sixteenth_s"], info["quarter_s"], info["half_s"], info["three_quarters_s"],
             info["cpu_s"]) == (t_res, *(t for _, _, t in hybrid), t_cpu)
 

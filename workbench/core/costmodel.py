@@ -455,10 +455,11 @@ class CostModel:
         chunk = min(prompt_tokens, PREFILL_CHUNK)
         n_chunks = math.ceil(prompt_tokens / chunk)
         prefill = self._prefill(placement, grid, chunk, prompt_tokens)
-        decode_s = sum(c.total for c in decode) + other
+        step = self.profile.decode_step_s  # the host's own time per decoded token
+        decode_s = sum(c.total for c in decode) + other + step
         prefill_s = n_chunks * sum(c.total for c in prefill) + other
         return Prediction(memory, 1.0 / decode_s, prompt_tokens / prefill_s, prompt_tokens, kv_tokens,
-                          decode, prefill, other)
+                          decode, prefill, other + step)
 
     def decode_tps(self, placement: Placement, kv_tokens: int = 512, kv_dtype: str = "f16",
                    grid: np.ndarray | None = None) -> float:
@@ -467,7 +468,7 @@ class CostModel:
         if grid is None:
             grid = expert_grid(placement, self.n_layers, self.n_experts)
         layers, other = self._decode(placement, grid, kv_tokens, kv_dtype)
-        return 1.0 / (sum(c.total for c in layers) + other)
+        return 1.0 / (sum(c.total for c in layers) + other + self.profile.decode_step_s)
 
     def roofline(self, placement: Placement, kv_tokens: int = 512, kv_dtype: str = "f16") -> dict[str, tuple[float, float]]:
         """Bytes each device must read per decoded token and the seconds that takes at its bandwidth:

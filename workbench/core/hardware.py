@@ -91,6 +91,10 @@ class HardwareProfile:
     cpu_prompt_flops: dict[str, float] = field(default_factory=dict)
     cpu_cores: int = 1
     sync_s: float = 5e-5
+    decode_step_s: float = 0.0
+    """Host seconds per decode step that the GPU's work does not hide: the step's Python, its graphs'
+    launch and the token's read back, paid once a token whatever the layer count (fitted to the
+    engine's decode by ``workbench calibrate``; 0: not measured, the fitted kernel cost holds it)."""
     bus_read_rate: float = 0.0
     """Bytes/s of expert weights the GPU's kernels read in place from page-locked host memory, a few
     experts a call as decode's bus share runs them (measured by ``workbench calibrate``; 0: not
@@ -188,6 +192,8 @@ class HardwareProfile:
             out.append(f"prompt_cpu_scale is {self.prompt_cpu_scale!r}: expected a factor of at least 1")
         if not (self.bus_read_rate >= 0):
             out.append(f"bus_read_rate is {self.bus_read_rate!r} B/s: expected a rate, or 0 (not measured)")
+        if not (0 <= self.decode_step_s < 1):
+            out.append(f"decode_step_s is {self.decode_step_s!r} s: expected a cost between 0 and 1 second")
         if not (self.prompt_h2d >= 0):
             out.append(f"prompt_h2d is {self.prompt_h2d!r} B/s: expected a rate, or 0 (not measured)")
         for name in ("prompt_sync_s", "prompt_cpu_sync_s", "prompt_host_layer_s", "prompt_host_cpu_s",

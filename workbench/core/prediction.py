@@ -60,7 +60,8 @@ class Prediction:
     prefill_layers: list[LayerCost] = field(default_factory=list)
     """Per-layer costs of one prefill chunk of ``min(prompt_tokens, PREFILL_CHUNK)`` tokens."""
     decode_other_s: float = 0.0
-    """Embedding, final norm, lm_head and sampling per decoded token (s)."""
+    """Embedding, final norm, lm_head, sampling and the host's own time (``decode_step_s``) per
+    decoded token (s)."""
 
     @property
     def decode_s(self) -> float:

@@ -886,7 +886,9 @@ def calibrate(
         run.check()
         try:
             prof, fit = fit_engine_costs(prof, hidden, expert_ffn, top_k, kept=kept_fits)
-            run.report(f"engine decode per 8-layer step: {fit['resident_s'] * 1e3:.2f} ms all resident, "
+            run.report(f"engine decode per 8-layer step: {fit['resident_s'] * 1e3:.2f} ms all resident "
+                       f"({fit['resident_queued_s'] * 1e3:.2f} ms a step queued: the host {fit['step_s'] * 1e6:.0f} us "
+                       f"a step), "
                        f"{fit['sixteenth_s'] * 1e3:.2f} / {fit['quarter_s'] * 1e3:.2f} / {fit['half_s'] * 1e3:.2f} / "
                        f"{fit['three_quarters_s'] * 1e3:.2f} ms a sixteenth / quarter / half / three quarters on the CPU, "
                        f"{fit['cpu_s'] * 1e3:.2f} ms all on the CPU ({fit['cpu_predicted_s'] * 1e3:.2f} ms predicted); "
@@ -895,7 +897,8 @@ def calibrate(
                        + "".join(f"; {fmt} blocks all resident {k['resident_s'] * 1e3:.2f} ms, GPU rate "
                                  f"{k['rate'] / 1e9:.0f} GB/s (kernels alone {k['measured_rate'] / 1e9:.0f})"
                                  for fmt, k in fit.get("kept", {}).items()))
-            prof = replace(prof, provenance=prof.provenance | {"sync_s": "fitted to the engine"})
+            prof = replace(prof, provenance=prof.provenance | dict.fromkeys(("sync_s", "decode_step_s"),
+                                                                            "fitted to the engine"))
         except (WorkbenchError, RuntimeError, OSError) as e:
             run.report(f"engine decode not timed ({e}); launch and sync stay as measured")
         prof = refit_prompt(prof, hidden, expert_ffn, top_k, run.report)
@@ -973,6 +976,7 @@ def with_preset_gpus(
         h2d_pageable=base.h2d_pageable,
         d2h_pinned=base.d2h_pinned,
         sync_s=base.sync_s,
+        decode_step_s=base.decode_step_s,
         bus_read_rate=base.bus_read_rate,
-        provenance=dict(measured.provenance) | dict.fromkeys(_GPU_SIDE, tag),
+        provenance=dict(measured.provenance) | dict.fromkeys(_GPU_SIDE + ("decode_step_s",), tag),
     )

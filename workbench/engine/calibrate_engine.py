@@ -82,8 +82,20 @@ after its 512-token prompt, held 454-457 tok/s, and the higher fits predicted it
 
 
 def _decode_seconds(inv, placement, device: str, steps: int = STEPS) -> float:
-    """Median seconds per decode step of the engine under ``placement`` (after a 16-token prompt,
-    the graphs' capture and ``WARM_S`` of steps)."""
+    """Median seconds per decode step of the engine under ``placement``, each step waited for as a
+    generation's is (``_decode_times``)."""
+    return _decode_times(inv, placement, device, steps)[0]
+
+
+def _decode_times(inv, placement, device: str, steps: int = STEPS) -> tuple[float, float]:
+    """Seconds per decode step of the engine under ``placement`` (after a 16-token prompt, the
+    graphs' capture and ``WARM_S`` of steps): ``(waited, queued)``. ``waited``: the median step when
+    the host waits for each step's token, as a generation does; ``queued``: the mean step when the
+    host queues them all and waits once, so that its own time per step (Python, the graph's launch,
+    the token's read back) runs under the device's work. Their difference is the host's time per
+    step, which a model of 8 layers would otherwise put on its layers' kernels (S1's 24 layers pay
+    it once a step too). A step that waits inside (a hybrid layer's server checks its status) gives
+    ``queued`` close to ``waited``."""
     from .engine import Engine
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -96,26 +108,33 @@ def _decode_seconds(inv, placement, device: str, steps: int = STEPS) -> float:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, VOCAB, (16 + 2 * steps,), generator=g)
         engine.forward(ids[:16], 0, last_only=True)
-        def step(i: int) -> None:  # token i after the prompt, at its position
-            engine.forward(ids[16 + i:17 + i], 16 + i)[-1].argmax().item()
+
+        def queue(i: int) -> torch.Tensor:  # token i after the prompt, at its position: its greedy token
+            return engine.forward(ids[16 + i:17 + i], 16 + i)[-1].argmax()
 
         _sm_clock_mhz(device)  # NVML's first use, before the steps rather than between them
         for i in range(steps):  # the first steps capture the graphs
-            step(i)
+            queue(i).item()
         warm, i = time.perf_counter(), 0
         while time.perf_counter() - warm < WARM_S:  # the same positions again, until the devices are busy
-            step(i % steps)
+            queue(i % steps).item()
             i += 1
         before = _sm_clock_mhz(device)
         times = []
         for i in range(steps, 2 * steps):
             t = time.perf_counter()
-            step(i)
+            queue(i).item()
             times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for i in range(steps, 2 * steps):
+            last = queue(i)
+        last.item()
+        queued = (time.perf_counter() - t) / steps
+        waited = statistics.median(times)
         if before is not None:
-            log.info("calibration decode: %.3f ms a step, SM clock %s MHz before the timed steps, %s after",
-                     statistics.median(times) * 1e3, before, _sm_clock_mhz(device))
-        return statistics.median(times)
+            log.info("calibration decode: %.3f ms a step (%.3f ms queued), SM clock %s MHz before the timed steps, "
+                     "%s after", waited * 1e3, queued * 1e3, before, _sm_clock_mhz(device))
+        return waited, queued
     finally:
         engine.close()
 
@@ -163,7 +182,9 @@ def _upper_on_cpu(inv, share: float) -> Placement:
 def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
                      n_heads: int = 32, n_kv_heads: int = 4, head_dim: int = 128,
                      device: str = "cuda", kept: tuple[str, ...] | None = None) -> tuple[HardwareProfile, dict]:
-    """``prof`` fitted to the engine's decode: ``gpus[0].launch_s`` from the all-resident run, then
+    """``prof`` fitted to the engine's decode: ``decode_step_s`` (the host's time per step: the
+    all-resident run waited for step by step, less the same steps queued; ``_decode_times``), then
+    ``gpus[0].launch_s`` from the all-resident run, then
     ``sync_s`` (the host point of a hybrid layer) and the bf16 CPU expert rate together, by least
     squares of the relative errors, from four runs with a sixteenth, a quarter, a half and three
     quarters of every layer's experts on the CPU (``HYBRID_SHARES``): layers that mix resident and
@@ -177,7 +198,7 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     another, 120 µs and every S1 decode within 10.5%). The all-CPU run is a
     check, its prediction returned next to it: on the H200 host it ran up to 40% slower than the
     model in some processes and not in others, so nothing is fitted to it. Returns the profile and
-    ``{"resident_s", "sixteenth_s", "quarter_s", "half_s", "three_quarters_s", "cpu_s", "launch_s",
+    ``{"resident_s", "resident_queued_s", "step_s", "sixteenth_s", "quarter_s", "half_s", "three_quarters_s", "cpu_s", "launch_s",
     "sync_s", "cpu_rate", "cpu_predicted_s"}`` (seconds per decode step, B/s; fitted values). ``device``: the engine's
     accelerator (``cuda``; ``cpu`` only exercises the fit in tests)."""
     room = psutil.virtual_memory().available
@@ -197,12 +218,14 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
         hybrid = [_upper_on_cpu(inv, share) for share in HYBRID_SHARES]
         # each fitted hybrid placement twice, the faster kept: a neighbour's burst on a shared host
         # slows one run's every step, and the fit would carry it to every prediction
-        t_res = min(_decode_seconds(inv, res, device) for _ in range(REPEATS))
+        res_times = [_decode_times(inv, res, device) for _ in range(REPEATS)]
+        t_res, q_res = min(t for t, _ in res_times), min(q for _, q in res_times)
         t_hybrid = [min(_decode_seconds(inv, p, device) for _ in range(REPEATS)) for p in hybrid]
         t_cpu = _decode_seconds(inv, cpu, device)
     half, t_half = hybrid[HYBRID_SHARES.index(0.5)], t_hybrid[HYBRID_SHARES.index(0.5)]
 
     rate0 = prof.cpu_expert_throughput.get("bf16") or 1e10
+    prof = replace(prof, decode_step_s=max(0.0, t_res - q_res))  # the host's part of each step, not the kernels'
 
     def with_costs(launch: float, sync: float, rate: float = rate0) -> HardwareProfile:
         gpus = (replace(prof.gpus[0], launch_s=launch),) + tuple(prof.gpus[1:])
@@ -217,15 +240,15 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     if sync is None:
         sync, rate = _solve(lambda v: seconds(with_costs(launch, v), half), t_half, step=1e-5), rate0
     fitted = with_costs(launch, sync, rate)
-    info = {"resident_s": t_res, "sixteenth_s": t_hybrid[0], "quarter_s": t_hybrid[1], "half_s": t_hybrid[2],
+    info = {"resident_s": t_res, "resident_queued_s": q_res, "step_s": prof.decode_step_s, "sixteenth_s": t_hybrid[0], "quarter_s": t_hybrid[1], "half_s": t_hybrid[2],
             "three_quarters_s": t_hybrid[3],
             "cpu_s": t_cpu, "launch_s": launch, "sync_s": sync, "cpu_rate": rate,
             "cpu_predicted_s": seconds(fitted, cpu)}
     fitted, info["kept"] = fit_kept_rates(fitted, shape, device, kept)
     log.info("engine decode per %d-layer step: %.2f ms all resident, %.2f / %.2f / %.2f / %.2f ms a sixteenth / quarter "
-             "/ half / three quarters on the CPU, %.2f ms all on the CPU (%.2f predicted); fitted kernel %.2f us, host point %.0f us, "
-             "CPU experts %.1f GB/s", LAYERS, t_res * 1e3, *(t * 1e3 for t in t_hybrid), t_cpu * 1e3,
-             info["cpu_predicted_s"] * 1e3, launch * 1e6, sync * 1e6, rate / 1e9)
+             "/ half / three quarters on the CPU, %.2f ms all on the CPU (%.2f predicted); the host %.0f us a step, fitted kernel "
+             "%.2f us, host point %.0f us, CPU experts %.1f GB/s", LAYERS, t_res * 1e3, *(t * 1e3 for t in t_hybrid),
+             t_cpu * 1e3, info["cpu_predicted_s"] * 1e3, prof.decode_step_s * 1e6, launch * 1e6, sync * 1e6, rate / 1e9)
     return fitted, info
 
 
