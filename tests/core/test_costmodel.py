@@ -25,6 +25,7 @@ def test_one_layer_by_hand():
     """1 layer, 2 experts, top-1, no stats: every term of the decode formula checked by hand."""
     inv = synth_inventory(1, 2, top_k=1, hidden=64, expert_ffn=32, vocab=128, n_heads=2, n_kv_heads=1, head_dim=32)
     hw = h200_profile()
+    hw = dataclasses.replace(hw, cpu_expert_throughput={**hw.cpu_expert_throughput, "bf16": 1e8})  # CPU > GPU lane
     g = hw.gpus[0]
     eng = EngineShape()
     cm = CostModel(inv, hw, engine=eng)
@@ -40,9 +41,12 @@ def test_one_layer_by_hand():
     assert c.pre == pytest.approx(pre)
     assert c.gpu == pytest.approx(0.5 * eb / g.expert_bandwidth + eng.launches_cpu_return * g.launch_s)
     assert c.cpu == pytest.approx(0.5 * eb / hw.cpu_expert_throughput["bf16"])
-    # the server's hand-off is waited for when the token leaves the CPU an expert: Poisson, mean 0.5
-    assert c.sync == pytest.approx(hw.sync_s * (1 - np.exp(-0.5))) and c.bus == 0
-    assert c.total == pytest.approx(c.pre + max(c.gpu, c.cpu) + c.sync)  # overlap, not the sum
+    # the server's hand-off is waited for when the token leaves the CPU an expert: half the tokens
+    assert c.sync == pytest.approx(0.5 * hw.sync_s) and c.bus == 0
+    # overlap, not the sum, token by token: half the tokens wait for the CPU's whole expert
+    one = eb / hw.cpu_expert_throughput["bf16"]
+    assert c.total == pytest.approx(c.pre + 0.5 * c.gpu + 0.5 * (max(c.gpu, one) + hw.sync_s))
+    assert c.spread == pytest.approx(c.total - (c.pre + max(c.gpu, c.cpu) + c.sync)) and c.spread > 0
     assert c.gpu_share == pytest.approx(0.5)
     assert 1 / pred.decode_tps == pytest.approx(c.total + pred.decode_other_s)
 
@@ -63,6 +67,27 @@ def test_the_hosts_time_per_step_counts_once_a_decoded_token():
     assert CostModel(inv, dataclasses.replace(hw, decode_step_s=step)).decode_tps(p, kv_tokens=256) == pytest.approx(
         more.decode_tps)
     assert dataclasses.replace(hw, decode_step_s=-1.0).problems()
+
+
+def test_a_layer_waits_for_the_cpu_token_by_token():
+    """A decode layer's time is the mean over the tokens' CPU selection counts (binomial over the
+    top-k picks) of its slowest lane plus the hand-off, not the slowest mean lane: with one of four
+    experts on a slow CPU and top-2, 7/16 of the tokens wait for one or two whole CPU experts."""
+    inv = synth_inventory(1, 4, top_k=2, hidden=64, expert_ffn=32, vocab=128, n_heads=2, n_kv_heads=1, head_dim=32)
+    hw = h200_profile()
+    hw = dataclasses.replace(hw, cpu_expert_throughput={**hw.cpu_expert_throughput, "bf16": 1e8})
+    cm = CostModel(inv, hw, engine=EngineShape(bus_share=0.0))
+    p = Placement()
+    p.set(UnitKey(0, "expert", 3), CPU_COMPUTE)
+    c = cm.predict(p, ctx=256, prompt_tokens=100).decode_layers[0]
+    one = inv.units[UnitKey(0, "expert", 3)].nbytes / 1e8
+    probs = {0: 0.75 ** 2, 1: 2 * 0.25 * 0.75, 2: 0.25 ** 2}  # CPU selections of a token
+    assert c.cpu == pytest.approx(0.5 * one)
+    want = sum(q * (max(c.gpu, n * one) + (hw.sync_s if n else 0.0)) for n, q in probs.items())
+    assert c.total == pytest.approx(c.pre + want)
+    assert c.total > c.pre + max(c.gpu, c.cpu) + c.sync  # the mean lane alone would be too fast
+    curves, _ = cm.layer_curves(p, np.array([[0, 1, 2, 3]]), kv_tokens=100)  # three on the GPU: the same layer
+    assert curves[0, 3] == pytest.approx(c.total)
 
 
 def test_memory_is_the_memory_estimate():
@@ -448,12 +473,33 @@ def test_bus_split_counts():
     assert 0 < bus[0] < cpu[0] and cpu[0] + bus[0] == pytest.approx(2.0, abs=1e-3)
 
 
+@pytest.mark.parametrize("fraction", [0.1, 0.18, 0.25, 0.45, 0.5, 0.6, 0.75, 1.0])
+def test_the_bus_takes_the_count_that_ends_the_slower_lane_first(fraction):
+    """Of ``n`` CPU-tier selections the bus takes floor(n * fraction) or one more, whichever makes
+    the longer of the two lanes shortest (the bus taking (1 - f) / f times the CPU's time per
+    expert); never more than ``slots``; none at a share of 0."""
+    from workbench.core.costmodel import bus_count
+
+    r = (1 - fraction) / fraction
+    for n in range(0, 17):
+        m = bus_count(n, fraction, 16)
+        assert m in (math.floor(n * fraction), math.floor(n * fraction) + 1) and 0 <= m <= n
+        best = min(max(n - j, j * r) for j in range(n + 1))
+        assert max(n - m, m * r) == pytest.approx(best)
+    assert bus_count(1, 0.5, 4) == 0  # a tie stays with the CPU
+    assert bus_count(3, 0.18, 4) == 0  # rounding 0.54 up sent one expert to a lane 4.6 times as slow
+    assert bus_count(7, 0.18, 4) == 1
+    assert bus_count(8, 0.75, 2) == 2 and bus_count(5, 0.0, 4) == 0
+    assert list(bus_count(np.arange(6), 0.45, 8)) == [bus_count(n, 0.45, 8) for n in range(6)]
+
+
 def test_the_cpu_is_waited_for_when_it_keeps_any_selection():
     from workbench.core.costmodel import cpu_busy
 
     lam = np.array([0.0, 0.7, 2.0, 100.0])
     # with a bus share of 0.45, one selection stays on the CPU and two send one: n >= 1 keeps the CPU busy
-    assert cpu_busy(lam, 8, 0.45, 4) == pytest.approx([0.0, 1 - np.exp(-0.7), 1 - np.exp(-2.0), 1.0])
+    # (n binomial over the 8 picks, mean lam)
+    assert cpu_busy(lam, 8, 0.45, 4) == pytest.approx([0.0, 1 - (1 - 0.7 / 8) ** 8, 1 - (1 - 2.0 / 8) ** 8, 1.0])
     # a bus share of 1 sends every selection up to the slots: the CPU keeps those beyond 4
     busy = cpu_busy(lam, 8, 1.0, 4)
     assert busy[0] == 0 and busy[1] < 1e-3 and busy[3] == pytest.approx(1.0)

@@ -185,6 +185,37 @@ def balanced_bus_share(profile: HardwareProfile, dtype: str = "bf16") -> float:
     return min(max(bus / (bus + cpu), BUS_SHARE_RANGE[0]), BUS_SHARE_RANGE[1])
 
 
+def bus_ratio(fraction: float) -> float:
+    """How many times as long the bus takes for one expert as the CPU, for a bus share ``fraction``
+    that balances their rates: ``(1 - fraction) / fraction`` in float32 (0 for a share of 0 or less)."""
+    f = np.float32(fraction)
+    return float((np.float32(1) - f) / f) if f > 0 else 0.0
+
+
+def bus_count(n, fraction: float, slots: int):
+    """How many of the ``n`` CPU-tier experts one token selects in a layer travel over the bus (an int
+    or an integer array like ``n``): ``m`` of ``floor(n * fraction)`` and one more, whichever lets
+    the slower of the two lanes finish first, the CPU's ``n - m`` experts against the bus's ``m``
+    when the bus takes ``(1 - fraction) / fraction`` times as long for one (``fraction`` splits their
+    rates so: ``balanced_bus_share``); a tie stays with the CPU; at most ``slots``. Rounding ``n *
+    fraction`` instead sent the bus one of 3 at a fraction of 0.18, a layer 1.5 times as long as the
+    CPU computing all three. float32 arithmetic, as the decode step's publish kernel does it."""
+    f = np.float32(fraction)
+    n_arr = np.asarray(n, dtype=np.int64)
+    if not f > 0:
+        m = np.zeros_like(n_arr)
+    else:
+        nf = n_arr.astype(np.float32)
+        m0 = np.floor(nf * f).astype(np.int64)
+        r = np.float32(bus_ratio(fraction))
+        a0 = np.maximum((n_arr - m0).astype(np.float32), m0.astype(np.float32) * r)
+        a1 = np.maximum((n_arr - m0 - 1).astype(np.float32), (m0 + 1).astype(np.float32) * r)
+        m = m0 + ((a1 < a0) & (m0 < n_arr))
+        m = np.minimum(m, n_arr)
+    m = np.minimum(m, max(0, int(slots)))
+    return int(m) if np.ndim(n) == 0 else m
+
+
 def model_bus_share(inventory: Inventory, profile: HardwareProfile) -> float:
     """``balanced_bus_share`` for the routed experts of ``inventory`` (their first expert's format as
     the CPU holds it: bfloat16 unless the engine keeps the file's blocks); ``BUS_SHARE`` without
@@ -266,8 +297,8 @@ class EngineShape:
 
 def bus_split(lam: np.ndarray, top_k: int, fraction: float, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Expected CPU-compute experts of one token and layer left to the CPU and sent over the bus, and
-    the probability that any is sent, when their count ``n`` is Poisson with mean ``lam`` (any shape)
-    capped at ``top_k`` and ``round(n * fraction)`` (at most ``slots``) travel: ``(cpu, bus, p_any)``."""
+    the probability that any is sent, when their count ``n`` is ``count_probs(lam, top_k)`` (``lam``
+    any shape) and ``bus_count(n, fraction, slots)`` travel: ``(cpu, bus, p_any)``."""
     n, pn, m = _split_counts(lam, top_k, fraction, slots)
     bus = (pn * m).sum(axis=-1)
     return (pn * n).sum(axis=-1) - bus, bus, (pn * (m > 0)).sum(axis=-1)
@@ -280,15 +311,23 @@ def cpu_busy(lam: np.ndarray, top_k: int, fraction: float, slots: int) -> np.nda
     return (pn * (n - m > 0)).sum(axis=-1)
 
 
-def _split_counts(lam, top_k: int, fraction: float, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(n [top_k + 1], P(n) [..., top_k + 1], bus's share of n)`` for Poisson counts of mean ``lam``."""
-    lam = np.asarray(lam, dtype=float)[..., None]
+def count_probs(lam, top_k: int) -> np.ndarray:
+    """``P(n)`` for ``n = 0..top_k`` (last axis; ``lam``'s shape before it): how many of a token's
+    ``top_k`` selections in a layer fall on a tier that gets ``lam`` of them on average, binomial
+    over the ``top_k`` picks (mean ``lam``; all ``top_k`` where ``lam == top_k``, as a layer with
+    every expert on the CPU gets; a Poisson count capped at ``top_k`` put a quarter of such tokens
+    at fewer)."""
+    q = np.clip(np.asarray(lam, dtype=float) / top_k, 0.0, 1.0)[..., None]
     n = np.arange(top_k + 1)
-    fact = np.array([math.factorial(int(i)) for i in n], dtype=float)
-    pn = np.exp(-lam) * lam ** n / fact
-    pn[..., -1] += np.clip(1.0 - pn.sum(axis=-1), 0.0, None)  # the tail counts as top_k
-    m = np.minimum(np.minimum(n, slots), np.floor(n * fraction + 0.5))
-    return n, pn, m
+    comb = np.array([math.comb(top_k, int(i)) for i in n], dtype=float)
+    with np.errstate(invalid="ignore"):
+        return comb * q ** n * (1.0 - q) ** (top_k - n)
+
+
+def _split_counts(lam, top_k: int, fraction: float, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(n [top_k + 1], P(n) [..., top_k + 1], bus's share of n)`` (``count_probs``, ``bus_count``)."""
+    n = np.arange(top_k + 1)
+    return n, count_probs(lam, top_k), bus_count(n, fraction, slots)
 
 
 def weight_format(dtype: str) -> str:
@@ -587,13 +626,7 @@ class CostModel:
             gpu_share = np.where(self.moe_layer, (p * on_gpu).sum(axis=1) / np.where(sel_total > 0, sel_total, 1), np.nan)
 
         compute = (grid == TIER_CPU_COMPUTE) & present
-        cpu_t = (load * compute / self.expert_cpu_rate).sum(axis=1)
-        cpu_t, bus, gpu_extra = self._bus_share(cpu_t, (load * compute).sum(axis=1), (p * compute).sum(axis=1))
-        cpu_lane += cpu_t
-        if gpu_extra.any():
-            gpu_lanes.setdefault("gpu:0", np.zeros(L))
-            gpu_lanes["gpu:0"] += gpu_extra
-
+        bus = np.zeros(L)
         stream = (grid == TIER_CPU_STREAM) & present
         hit_rate = np.full(L, np.nan)
         if stream.any():
@@ -608,41 +641,62 @@ class CostModel:
             with np.errstate(invalid="ignore", divide="ignore"):
                 hit_rate = np.where(stream.any(axis=1), (p * hits * stream).sum(axis=1) / (p * stream).sum(axis=1), np.nan)
 
-        sync = sync + self._handoff(compute.any(axis=1), stream.any(axis=1), (p * compute).sum(axis=1))
-        attn_gpu = [self._attn_gpu(placement, layer) for layer in range(L)]
-        layers = []
-        for layer in range(L):
-            lanes_g = [v[layer] for v in gpu_lanes.values()] or [0.0]
-            gpu_t = max(lanes_g)
-            if compute[layer].any():
-                gpu_t += eng.launches_cpu_return * self._gpu(attn_gpu[layer]).launch_s
-            layers.append(LayerCost(layer, float(pre[layer]), float(gpu_t), float(cpu_lane[layer]),
-                                    float(bus[layer]), float(sync[layer]),
-                                    float(gpu_share[layer]), float(hit_rate[layer])))
-        return layers, other
+        has_compute = compute.any(axis=1)
+        launch = np.array([self._gpu(self._attn_gpu(placement, layer)).launch_s for layer in range(L)])
+        gpu0 = gpu_lanes.pop("gpu:0", np.zeros(L))
+        gpu_other = np.max(list(gpu_lanes.values()), axis=0) if gpu_lanes else np.zeros(L)
+        sync = sync + np.where(stream.any(axis=1), self.profile.sync_s, 0.0)  # the host-driven step
+        lanes = self._count_lanes((load * compute / self.expert_cpu_rate).sum(axis=1), (load * compute).sum(axis=1),
+                                  (p * compute).sum(axis=1), has_compute, stream.any(axis=1), gpu0, gpu_other,
+                                  cpu_lane, bus, sync, has_compute * eng.launches_cpu_return * launch)
+        return [LayerCost(layer, float(pre[layer]), *(float(v[layer]) for v in lanes[:4]),
+                          float(gpu_share[layer]), float(hit_rate[layer]), spread=float(lanes[4][layer]))
+                for layer in range(L)], other
 
-    def _bus_share(self, cpu_t: np.ndarray, cpu_bytes: np.ndarray, lam: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Decode's split of the CPU-compute experts between the CPU and the bus (``EngineShape.bus_share``).
-        In: the CPU's seconds ``cpu_t`` and bytes ``cpu_bytes`` for all of them and their expected count
-        ``lam`` per token (same shapes). Out: ``(cpu lane s, bus lane s, GPU compute s)``; both lanes
-        read host RAM, so the CPU lane is at least all the bytes at the RAM's read rate."""
+    def _count_lanes(self, cpu_t, cpu_bytes, lam, has_compute, streamed, gpu0, gpu_other, cpu_fixed, bus_fixed,
+                     sync_fixed, gpu_fixed):
+        """A decode layer's lanes over how many CPU-compute experts a token selects in it (``n``,
+        ``count_probs`` of their expected count ``lam``), ``bus_count(n)`` of them over the bus
+        (``EngineShape.bus_share``): the layer waits for its slowest lane token by token, so its
+        expected time is the mean of ``max(gpu, cpu, bus) + sync`` over ``n``, longer than the
+        slowest mean lane where one expert takes the CPU longer than the resident ones take the GPU.
+        In (arrays of one shape, one value per layer or per layer and count of GPU experts): the
+        CPU's seconds ``cpu_t`` and bytes ``cpu_bytes`` for all its expected selections, ``lam``,
+        whether the layer has CPU-compute experts and streamed ones, the GPU lanes (``gpu0``, which
+        a host-driven bus's compute joins, and the other GPUs'), the lanes' parts that do not depend
+        on ``n`` (CPU units, streamed experts' bus time, host points, the CPU result's launches on
+        the GPU). Out: the expected ``(gpu, cpu, bus, sync)`` lanes and ``spread``, the expected
+        layer beyond ``max(gpu, cpu, bus) + sync`` of those means. Both of the bus's forms read host
+        RAM with the CPU, so the CPU lane is at least the bytes of all ``n`` at the RAM's read rate."""
         eng, prof = self.engine, self.profile
-        zero = np.zeros_like(cpu_t)
-        frac = self._bus_fraction()
-        if frac <= 0 or not self.moe_layer.any():
-            return cpu_t, zero, zero
-        n_cpu, n_bus, p_any = bus_split(lam, max(1, self.inv.spec.n_experts_active), frac, eng.bus_slots)
-        n = n_cpu + n_bus
-        sent = np.divide(n_bus, n, out=np.zeros_like(n), where=n > 0)  # share of the expected selections
-        bus_bytes = cpu_bytes * sent
-        launches = p_any * eng.launches_bus * self._gpu(0).launch_s
-        if eng.served:  # kernels read the rows in place: the bus lane is their reads
-            cpu = np.maximum(cpu_t * (1.0 - sent), cpu_bytes / (prof.host_read_bandwidth * eng.shared_read))
-            return cpu, bus_bytes / bus_rate(prof, eng.bus_read) + launches, zero
-        gpu = bus_bytes / self.expert_bandwidth(0)
-        cpu = np.maximum(cpu_t * (1.0 - sent), cpu_bytes / prof.host_read_bandwidth)
-        return cpu, bus_bytes / prof.h2d_pinned + gpu + launches, gpu
+        k = max(1, self.inv.spec.n_experts_active)
+        n = np.arange(k + 1)
+        pn = count_probs(lam, k)
+        safe = np.where(lam > 0, lam, 1.0)
+        c1, b1 = (cpu_t / safe)[..., None], (cpu_bytes / safe)[..., None]  # one selection's seconds and bytes
+        frac = self._bus_fraction() if self.moe_layer.any() else 0.0
+        m = bus_count(n, frac, eng.bus_slots)
+        launches = (m > 0) * eng.launches_bus * self._gpu(0).launch_s
+        gpu_x = np.zeros_like(pn)
+        if frac <= 0:
+            cpu_n, bus_n = n * c1, np.zeros_like(pn)
+        elif eng.served:  # kernels read the rows in place: the bus lane is their reads
+            cpu_n = np.maximum((n - m) * c1, n * b1 / (prof.host_read_bandwidth * eng.shared_read))
+            bus_n = m * b1 / bus_rate(prof, eng.bus_read) + launches
+        else:  # copies into slots, then their compute on the GPU
+            gpu_x = m * b1 / self.expert_bandwidth(0)
+            cpu_n = np.maximum((n - m) * c1, n * b1 / prof.host_read_bandwidth)
+            bus_n = m * b1 / prof.h2d_pinned + gpu_x + launches
+        waits = (n - m > 0) if eng.served else np.ones_like(n, dtype=bool)  # the server's hand-off: only then
+        hand = np.where((has_compute & ~streamed)[..., None], prof.sync_s * waits, 0.0)
+        gpu_n = np.maximum(gpu0[..., None] + gpu_x, gpu_other[..., None]) + gpu_fixed[..., None]
+        cpu_n = cpu_n + cpu_fixed[..., None]
+        bus_n = bus_n + bus_fixed[..., None]
+        sync_n = hand + sync_fixed[..., None]
+        total = (pn * (np.maximum(np.maximum(gpu_n, cpu_n), bus_n) + sync_n)).sum(axis=-1)
+        gpu, cpu, bus, sync = ((pn * v).sum(axis=-1) for v in (gpu_n, cpu_n, bus_n, sync_n))
+        spread = np.maximum(total - (np.maximum(np.maximum(gpu, cpu), bus) + sync), 0.0)
+        return gpu, cpu, bus, sync, spread
 
     def layer_curves(self, base: Placement, order: np.ndarray, kv_tokens: int = 512,
                      kv_dtype: str = "f16") -> tuple[np.ndarray, np.ndarray]:
@@ -668,33 +722,22 @@ class CostModel:
         cpu_left = k < n_present[:, None]  # some experts of the layer stay on the CPU
         gpu0 = post.get("gpu:0", np.zeros(L))[:, None] + g_cum
         others = [v for name, v in post.items() if name not in ("gpu:0", "cpu")]
-        gpu_t = np.maximum(gpu0, np.max(others, axis=0)[:, None]) if others else gpu0
+        gpu_other = np.broadcast_to(np.max(others, axis=0)[:, None], gpu0.shape) if others else np.zeros_like(gpu0)
         launch = np.array([self._gpu(self._attn_gpu(base, layer)).launch_s for layer in range(L)])[:, None]
-        gpu_t = gpu_t + cpu_left * self.engine.launches_cpu_return * launch
         p_cum = np.hstack([zeros, np.cumsum((self.p_sel[rows, order] * present), axis=1)])
         l_cum = np.hstack([zeros, np.cumsum(load, axis=1)])  # expected bytes per token
-        cpu_t, bus_t, gpu_extra = self._bus_share(c_gain[:, -1:] - c_gain, l_cum[:, -1:] - l_cum, p_cum[:, -1:] - p_cum)
-        gpu_t = gpu_t + gpu_extra
-        cpu_t = post.get("cpu", np.zeros(L))[:, None] + cpu_t
-        handoff = self._handoff(cpu_left, np.zeros_like(cpu_left), p_cum[:, -1:] - p_cum)
-        t = pre[:, None] + np.maximum(np.maximum(gpu_t, cpu_t), bus_t) + sync[:, None] + handoff
+        cpu_fixed = np.broadcast_to(post.get("cpu", np.zeros(L))[:, None], gpu0.shape)
+        gpu, cpu, bus, sync_n, spread = self._count_lanes(
+            c_gain[:, -1:] - c_gain, l_cum[:, -1:] - l_cum, p_cum[:, -1:] - p_cum, cpu_left, np.zeros_like(cpu_left),
+            gpu0, gpu_other, cpu_fixed, np.zeros_like(gpu0), np.zeros_like(gpu0),
+            cpu_left * self.engine.launches_cpu_return * launch)
+        t = pre[:, None] + np.maximum(np.maximum(gpu, cpu), bus) + sync[:, None] + sync_n + spread
         return t, b_cum
 
     def _bus_fraction(self) -> float:
         """The share of a step's CPU-compute selections that the bus takes (``EngineShape.bus_share``),
         or 0 where the profile has no pinned host->GPU rate to carry them at."""
         return max(0.0, self.engine.bus_share) if self.profile.h2d_pinned else 0.0
-
-    def _handoff(self, compute: np.ndarray, stream: np.ndarray, lam: np.ndarray) -> np.ndarray:
-        """Seconds of the host hand-off per layer and token (any shape): ``sync_s`` for layers with
-        streamed experts (the host-driven step), for layers with CPU-compute ones (``compute``; their
-        expected selections ``lam``) ``sync_s`` times the chance that the CPU gets any of them: the
-        decode server's step waits for the CPU only then (``cpu_busy``)."""
-        sync_s = self.profile.sync_s
-        busy = np.ones_like(lam, dtype=float)
-        if self.engine.served:
-            busy = cpu_busy(lam, max(1, self.inv.spec.n_experts_active), self._bus_fraction(), self.engine.bus_slots)
-        return np.where(stream, sync_s, np.where(compute, sync_s * busy, 0.0))
 
     def _attn_gpu(self, placement: Placement, layer: int) -> int:
         a = placement.get(UnitKey(layer, "attn"))

@@ -28,21 +28,24 @@ class LayerCost:
     host: float = 0.0
     """A prompt chunk's host lane: the engine thread's own work for the layer (0: not modelled). The
     layer takes at least this long, however short its other lanes."""
+    spread: float = 0.0
+    """Decode: the expected time beyond ``max(gpu, cpu, bus) + sync`` of those expected lanes, from
+    tokens that give the CPU more than the mean (the layer waits for the slowest lane token by token)."""
 
     @property
     def total(self) -> float:
-        return max(self.pre + max(self.gpu, self.cpu, self.bus) + self.sync, self.host)
+        return max(self.pre + max(self.gpu, self.cpu, self.bus) + self.sync + self.spread, self.host)
 
     @property
     def bound(self) -> str:
-        if self.host > self.pre + max(self.gpu, self.cpu, self.bus) + self.sync:
+        if self.host > self.pre + max(self.gpu, self.cpu, self.bus) + self.sync + self.spread:
             return "host"
         lanes = {"gpu": self.gpu, "cpu": self.cpu, "bus": self.bus}
         return max(lanes, key=lanes.get)
 
     def to_json(self) -> dict:
         return {"layer": self.layer, "pre_s": self.pre, "gpu_s": self.gpu, "cpu_s": self.cpu,
-                "bus_s": self.bus, "sync_s": self.sync, "host_s": self.host, "total_s": self.total, "bound": self.bound,
+                "bus_s": self.bus, "sync_s": self.sync, "spread_s": self.spread, "host_s": self.host, "total_s": self.total, "bound": self.bound,
                 "gpu_share": self.gpu_share,
                 "stream_hit_rate": None if math.isnan(self.stream_hit_rate) else self.stream_hit_rate}
 

@@ -3,7 +3,7 @@
 At batch 1 a CPU-tier expert is read once per token where it lies: by the CPU at its RAM read rate,
 or over PCIe into the GPU at the bus rate (~55 GB/s pinned on PCIe 5), and the two barely slow each
 other until their sum reaches the RAM's bandwidth. So when a token selects ``n`` experts of the CPU
-tier in a layer, a ``BusShare`` copies ``round(n * fraction)`` of them into a few device slots on a
+tier in a layer, a ``BusShare`` copies about ``n * fraction`` of them (``costmodel.bus_count``) into a few device slots on a
 copy stream while the CPU computes the others, and the GPU computes the copied ones in place
 (``gpu_kernels.experts_one_token`` over the slots). Only the selected experts travel; nothing is
 cached, so the placement stays what the user chose.
@@ -52,7 +52,7 @@ import torch
 
 from workbench.core.costmodel import BUS_SHARE as DEFAULT_FRACTION
 from workbench.core.costmodel import BUS_SLOTS as SLOTS
-from workbench.core.costmodel import PREFILL_FETCH_TOKENS
+from workbench.core.costmodel import PREFILL_FETCH_TOKENS, bus_count
 
 from . import blocks, h2d
 
@@ -265,8 +265,8 @@ class BusShare:
         return (stacks[:-2], stacks[-2], stacks[-1]) if bias else (stacks, None, None)
 
     def share(self, n: int) -> int:
-        """How many of ``n`` CPU-selected experts of one token go over the bus."""
-        return min(self.slots, n, int(n * self.fraction + 0.5))
+        """How many of ``n`` CPU-selected experts of one token go over the bus (``costmodel.bus_count``)."""
+        return bus_count(n, self.fraction, self.slots)
 
     def pin(self, owner, stacks: list[torch.Tensor], kept: tuple | None = None, bias: bool = False) -> bool:
         """Page-lock ``owner``'s CPU-tier ``stacks``; True when all of them are (then it may share).

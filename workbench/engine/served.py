@@ -7,7 +7,7 @@ thread (``cpu_kernel.server``) talk through page-locked memory instead, and a wh
 one CUDA graph:
 
 1. ``publish`` (on the accelerator): one kernel splits the token's ``k`` selections into the CPU's
-   (``packet`` rows, -1 elsewhere), the bus's (``bus_rows``: the first ``round(n * fraction)`` of the
+   (``packet`` rows, -1 elsewhere), the bus's (``bus_rows``: the first ``costmodel.bus_count(n, fraction, slots)`` of the
    ``n`` CPU-tier selections, as ``bus.BusShare.share`` counts them) and the rest, and writes the
    packet ``[rows, weights, x]`` (float32 ``[2k + H]``); two copies send it and then the step number
    (``step``, counted on the device) to page-locked memory.
@@ -38,6 +38,8 @@ import weakref
 import numpy as np
 import torch
 
+from workbench.core.costmodel import bus_count, bus_ratio
+
 from . import cpu_kernel, gpu_kernels
 from .experts import COMPUTE, STREAM, LayerExperts, one_token_on
 
@@ -57,7 +59,7 @@ if triton is not None:
 
     @triton.jit
     def _publish_kernel(ids_ptr, w_ptr, x_ptr, tier_ptr, local_ptr, packet_ptr, bus_ptr, count_ptr, host_ptr, H,
-                        fraction, slots, K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr):
+                        fraction, ratio, slots, K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr):
         """The packet ``[rows of the CPU's pairs (-1 others), weights, x]`` (float32) and the bus's rows
         per pair (-1: not the bus's) from one token's ``ids``/``w [K]`` and ``x [H]``; adds the bus's
         pairs to ``count`` and stores the CPU's in ``host`` (int32: 0 lets ``wait_add`` skip the layer)."""
@@ -71,7 +73,12 @@ if triton is not None:
         ci = cpu.to(tl.int32)
         n = tl.sum(ci, axis=0)
         rank = tl.cumsum(ci, axis=0) - 1
-        m = tl.minimum(tl.minimum(n, slots), (n.to(tl.float32) * fraction + 0.5).to(tl.int32))
+        # costmodel.bus_count: floor(n * fraction) or one more, whichever ends the slower lane first
+        m0 = (n.to(tl.float32) * fraction).to(tl.int32)
+        a0 = tl.maximum((n - m0).to(tl.float32), m0.to(tl.float32) * ratio)
+        a1 = tl.maximum((n - m0 - 1).to(tl.float32), (m0 + 1).to(tl.float32) * ratio)
+        m = m0 + ((a1 < a0) & (m0 < n)).to(tl.int32)
+        m = tl.where(fraction > 0, tl.minimum(tl.minimum(m, n), slots), 0)
         bus = cpu & (rank < m)
         tl.store(count_ptr, tl.load(count_ptr) + m)
         tl.store(host_ptr, n - m)
@@ -264,7 +271,7 @@ class DecodeServer:
         frac, slots = (lx.bus.fraction, lx.bus.slots) if lx.bus is not None else (0.0, 0)
         if gpu_kernels.usable(x):
             _publish_kernel[(1,)](ids, w, x, lx.tier_dev, lx.local_dev, s.packet_dev, s.bus_rows, self.bus_count, s.host,
-                                  self.hidden, float(frac), int(slots), K=self.k, KP=triton.next_power_of_2(self.k),
+                                  self.hidden, float(frac), bus_ratio(frac), int(slots), K=self.k, KP=triton.next_power_of_2(self.k),
                                   BLOCK_H=min(1024, triton.next_power_of_2(self.hidden)))
         else:
             self.bus_count += _publish_torch(ids.reshape(-1), w.reshape(-1), x.reshape(-1), lx, s, frac, slots)
@@ -380,7 +387,7 @@ def _publish_torch(ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor, lx: Laye
     k = ids.shape[0]
     cpu = lx.tier_dev[ids] == COMPUTE
     n = int(cpu.sum())
-    m = min(n, slots, int(np.float32(n) * np.float32(frac) + np.float32(0.5)))
+    m = bus_count(n, frac, slots)
     rank = torch.cumsum(cpu.long(), 0) - 1
     bus = cpu & (rank < m)
     row = lx.local_dev[ids]
