@@ -305,3 +305,34 @@ def test_the_sm_clock_is_read_through_nvml_on_cuda_only(monkeypatch):
     assert calibrate_engine._sm_clock_mhz("cuda") == 1980
     Stub.available = False
     assert calibrate_engine._sm_clock_mhz("cuda") is None
+
+
+def test_a_kept_formats_cpu_rate_is_fitted_to_runs_with_experts_on_the_cpu(monkeypatch):
+    """Where the CPU holds a kept format too, runs of the calibration model in that format with a
+    sixteenth and half of the experts on the CPU fit the CPU's rate for it: runs the model itself
+    made at a known rate give that rate back (the GPU rate from the resident run as before)."""
+    from workbench.core import synth
+    from workbench.core.costmodel import CostModel, EngineShape
+
+    base = preset("bench-h200")
+    truth_gpu, truth_cpu = 1.2e12, 2.1e10
+    base = replace(base, gpus=(replace(base.gpus[0], expert_throughput={"q8_0": 1.5e12}),),
+                   cpu_expert_throughput={**base.cpu_expert_throughput, "q8_0": 6e10})
+    truth = replace(base, gpus=(replace(base.gpus[0], expert_throughput={"q8_0": truth_gpu}),),
+                    cpu_expert_throughput={**base.cpu_expert_throughput, "q8_0": truth_cpu})
+    seen = []
+
+    def made(inv, placement, device, steps=0):  # what the engine would measure if the model were right
+        seen.append(placement)
+        model = CostModel(inv, truth, engine=EngineShape(bus_share=0.0))
+        return 1.0 / model.decode_tps(placement, kv_tokens=16 + calibrate_engine.STEPS)
+
+    monkeypatch.setattr(calibrate_engine, "_decode_seconds", made)
+    shape = synth.SynthShape("calibration", "qwen3moe", 2, 256, 4, 2, 64, 32, 4, 256, 256, qk_norm=True)
+    fitted, info = calibrate_engine.fit_kept_rates(base, shape, device="cpu", formats=("q8_0",))
+    assert fitted.gpus[0].expert_throughput["q8_0"] == pytest.approx(truth_gpu, rel=1e-3)
+    assert fitted.cpu_expert_throughput["q8_0"] == info["q8_0"]["cpu_rate"] == pytest.approx(truth_cpu, rel=0.01)
+    assert info["q8_0"]["cpu_measured_rate"] == 6e10 and len(info["q8_0"]["hybrid_s"]) == 2
+    n = calibrate_engine.REPEATS
+    assert len(seen) == 3 * n  # the resident run and the two with experts on the CPU, each REPEATS times
+    assert fitted.cpu_expert_throughput["bf16"] == base.cpu_expert_throughput["bf16"]  # the others as they were

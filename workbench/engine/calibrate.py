@@ -885,6 +885,7 @@ def calibrate(
 
         run.check()
         try:
+            bf16_rate = prof.cpu_expert_throughput.get("bf16")
             prof, fit = fit_engine_costs(prof, hidden, expert_ffn, top_k, kept=kept_fits)
             run.report(f"engine decode per 8-layer step: {fit['resident_s'] * 1e3:.2f} ms all resident "
                        f"({fit['resident_queued_s'] * 1e3:.2f} ms a step queued: the host {fit['step_s'] * 1e6:.0f} us "
@@ -896,9 +897,18 @@ def calibrate(
                        f"CPU experts {fit['cpu_rate'] / 1e9:.1f} GB/s"
                        + "".join(f"; {fmt} blocks all resident {k['resident_s'] * 1e3:.2f} ms, GPU rate "
                                  f"{k['rate'] / 1e9:.0f} GB/s (kernels alone {k['measured_rate'] / 1e9:.0f})"
+                                 + (f", a sixteenth / half on the CPU {k['hybrid_s'][0] * 1e3:.2f} / "
+                                    f"{k['hybrid_s'][1] * 1e3:.2f} ms, CPU rate {k['cpu_rate'] / 1e9:.1f} GB/s "
+                                    f"(kernel alone {k['cpu_measured_rate'] / 1e9:.1f})" if "cpu_rate" in k else "")
                                  for fmt, k in fit.get("kept", {}).items()))
             prof = replace(prof, provenance=prof.provenance | dict.fromkeys(("sync_s", "decode_step_s"),
                                                                             "fitted to the engine"))
+            cpu_fits = ["bf16"] if fit["cpu_rate"] != bf16_rate else []
+            cpu_fits += [fmt for fmt, k in fit.get("kept", {}).items() if k.get("cpu_rate", k.get("cpu_measured_rate"))
+                         != k.get("cpu_measured_rate")]
+            if cpu_fits:
+                prof = replace(prof, provenance=prof.provenance | {
+                    "cpu_expert_throughput": f"measured; {', '.join(cpu_fits)} fitted to the engine's decode"})
         except (WorkbenchError, RuntimeError, OSError) as e:
             run.report(f"engine decode not timed ({e}); launch and sync stay as measured")
         prof = refit_prompt(prof, hidden, expert_ffn, top_k, run.report)

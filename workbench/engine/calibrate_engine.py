@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 LAYERS, EXPERTS, VOCAB, STEPS, REPEATS = 8, 32, 2048, 24, 2
 HYBRID_SHARES = (1 / 16, 0.25, 0.5, 0.75)
 """The shares of every layer's experts on the CPU in the decode fit's hybrid runs."""
+CPU_FIT_SHARES = (1 / 16, 0.5)
+"""The shares on the CPU of the runs that fit the CPU's rate for a kept block format."""
 PROMPT_TOKENS, PROMPT_EXPERTS = 512, 128
 """The prompt fit's prompt (one chunk) and experts per layer (at the Qwen3-30B-A3B shape a layer's
 prompt picks each about 32 times, as Qwen3-30B-A3B's own 128 experts are)."""
@@ -259,11 +261,15 @@ def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str =
     the one value at which the model, with the fitted ``launch_s``, predicts that run. The block
     kernels' own rate, measured alone, leaves out how the engine's step uses them (the kept q/k/v
     and o matvecs, their places in the graph). A format whose block does not divide the shape, or
-    whose run has no positive solution, keeps its measured rate. Returns the profile and, per
-    format, ``{"resident_s", "measured_rate", "rate"}`` (seconds per step, B/s). ``formats``: fit only
-    these (None: every format with a measured rate); the others keep their kernels' rates."""
+    whose run has no positive solution, keeps its measured rate. A format the CPU holds too (a
+    measured ``cpu_expert_throughput``) gets its CPU rate fitted the same way, to runs with some of
+    the experts on the CPU (``_fit_cpu_rate``). Returns the profile and, per format,
+    ``{"resident_s", "measured_rate", "rate"}`` and, for the CPU, ``{"hybrid_s", "cpu_measured_rate",
+    "cpu_rate"}`` (seconds per step, B/s). ``formats``: fit only these (None: every format with a
+    measured rate); the others keep their kernels' rates."""
     g0 = prof.gpus[0]
     rates, info = dict(g0.expert_throughput), {}
+    cpu_rates = dict(prof.cpu_expert_throughput)
     for fmt in [f for f in rates if formats is None or f in formats]:
         block = 256 if fmt.endswith("_k") else 32
         if fmt not in synth.WEIGHT_TYPES or shape.hidden % block or shape.expert_ffn % block:
@@ -284,14 +290,45 @@ def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str =
             a = seconds(u0)
             slope = (seconds(2 * u0) - a) / u0
             u = u0 + (t - a) / slope if slope > 0 else 0.0
-        measured = rates[fmt]
-        if u > 0:
-            rates[fmt] = 1.0 / u
-        info[fmt] = {"resident_s": t, "measured_rate": measured, "rate": rates[fmt]}
-        log.info("engine decode per %d-layer step, %s blocks all resident: %.2f ms; their GPU rate %.0f GB/s "
-                 "(kernels alone %.0f GB/s)", LAYERS, fmt, t * 1e3, rates[fmt] / 1e9, measured / 1e9)
+            measured = rates[fmt]
+            if u > 0:
+                rates[fmt] = 1.0 / u
+            info[fmt] = {"resident_s": t, "measured_rate": measured, "rate": rates[fmt]}
+            log.info("engine decode per %d-layer step, %s blocks all resident: %.2f ms; their GPU rate %.0f GB/s "
+                     "(kernels alone %.0f GB/s)", LAYERS, fmt, t * 1e3, rates[fmt] / 1e9, measured / 1e9)
+            gpus = (replace(g0, expert_throughput=dict(rates)),) + tuple(prof.gpus[1:])
+            if fmt in cpu_rates:
+                cpu_rates[fmt] = _fit_cpu_rate(replace(prof, gpus=gpus, cpu_expert_throughput=cpu_rates), inv, fmt,
+                                               device, info[fmt])
     gpus = (replace(g0, expert_throughput=rates),) + tuple(prof.gpus[1:])
-    return replace(prof, gpus=gpus), info
+    return replace(prof, gpus=gpus, cpu_expert_throughput=cpu_rates), info
+
+
+def _fit_cpu_rate(prof: HardwareProfile, inv, fmt: str, device: str, info: dict) -> float:
+    """The CPU's rate for experts held in ``fmt``'s blocks in the engine's decode (B/s): the value at
+    which the model, with the fitted kernel cost and host point, best predicts (least squares of the
+    relative errors) the calibration model in that format with a sixteenth and with half of each
+    layer's experts on the CPU (``CPU_FIT_SHARES``). The kernel's batch rate, measured alone, is
+    the rate of many experts a pass; a token's one or two leave most of the cores short of work (on
+    the H200 host one Q8_0 expert a packet ran at half the batch rate). Adds ``cpu_measured_rate``,
+    ``cpu_rate`` and ``hybrid_s`` to ``info``; the measured rate where the fit finds no better one."""
+    hybrid = [_upper_on_cpu(inv, share) for share in CPU_FIT_SHARES]
+    times = [min(_decode_seconds(inv, p, device) for _ in range(REPEATS)) for p in hybrid]
+    measured = prof.cpu_expert_throughput[fmt]
+
+    def misfit(u: float) -> float:
+        p = replace(prof, cpu_expert_throughput={**prof.cpu_expert_throughput, fmt: 1.0 / u})
+        model = CostModel(inv, p, engine=EngineShape(bus_share=0.0))
+        return sum((1.0 / model.decode_tps(h, kv_tokens=16 + STEPS) / t - 1.0) ** 2 for h, t in zip(hybrid, times))
+
+    u0 = 1.0 / measured
+    u = _least_on_line(misfit, u0 / 8, 8 * u0)
+    rate = 1.0 / u if misfit(u) < misfit(u0) else measured
+    info.update(cpu_measured_rate=measured, cpu_rate=rate, hybrid_s=times)
+    log.info("engine decode per %d-layer step, %s blocks, a sixteenth / half on the CPU: %s ms; the CPU's rate "
+             "%.1f GB/s (kernel alone %.1f GB/s)", LAYERS, fmt, " / ".join(f"{t * 1e3:.2f}" for t in times),
+             rate / 1e9, measured / 1e9)
+    return rate
 
 
 def _prompt_seconds(inv, placement, device: str, pair_reads: float | None, lengths: tuple[int, ...],
