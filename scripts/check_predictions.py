@@ -28,7 +28,7 @@ from workbench.core.costmodel import CostModel  # noqa: E402
 from workbench.core.hardware import HardwareProfile  # noqa: E402
 from workbench.core.project import load_project  # noqa: E402
 from workbench.core.readers import open_model  # noqa: E402
-from workbench.engine.bench import predicted_prompt_lanes  # noqa: E402
+from workbench.engine.bench import predicted_decode_lanes, predicted_prompt_lanes  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,17 +70,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {run['label']} | {run['decode_tps']:.1f} | {cell(run.get('predicted_decode_tps'))} "
               f"| {pred.decode_tps:.1f} | {100 * err:+.1f}% | {run['prefill_tps']:.1f} "
               f"| {cell(run.get('predicted_prefill_tps'))} | {pred.prefill_tps:.1f} | {100 * perr:+.1f}% |")
-        lanes.append((run, predicted_prompt_lanes(pred)))
+        lanes.append((run, predicted_prompt_lanes(pred), predicted_decode_lanes(pred)))
     print("\nA prompt's hybrid layers, ms each: the engine's records (busy, waiting for the CPU, the CPU's run) "
           "against the model's lanes now")
     print("| placement | layers | busy | CPU wait | CPU run | model host | model cpu | model bus | model gpu "
           "| model total | resident layers, model total |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for run, lane in lanes:
+    for run, lane, _ in lanes:
         h, m, r = run.get("prompt_host") or {}, lane["hybrid"], lane["resident"]
         print(f"| {run['label']} | {m['layers']} | {h.get('busy_ms', 0):.2f} | {h.get('cpu_wait_ms', 0):.2f} "
               f"| {h.get('cpu_run_ms', 0):.2f} | {m['host']:.2f} | {m['cpu']:.2f} | {m['bus']:.2f} | {m['gpu']:.2f} "
               f"| {m['total']:.2f} | {r['layers']} × {r['total']:.2f} |")
+    print("\nA decode step's hybrid layers, µs each, as the model has them now (spread: what tokens that give the "
+          "CPU more than the mean add)")
+    print("| placement | layers | pre | gpu | cpu | bus | sync | spread | total | resident layers, total | other |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for run, _, dec in lanes:
+        h, r = dec["hybrid"], dec["resident"]
+        print(f"| {run['label']} | {h['layers']} | " + " | ".join(f"{h[k]:.1f}" for k in
+              ("pre", "gpu", "cpu", "bus", "sync", "spread", "total")) + f" | {r['layers']} × {r['total']:.1f} | {dec['other']:.1f} |")
     print(f"\nlargest error now: decode {100 * worst:.1f}%, prompt {100 * worst_prompt:.1f}%")
     return 0
 

@@ -61,6 +61,13 @@ def test_strategies_run_end_to_end_on_cpu(model, one_torch_thread, monkeypatch):
     assert lanes["hybrid"]["layers"] + lanes["resident"]["layers"] == len(nmoe.engine_paths["tiers"])
     assert lanes["hybrid"]["layers"] > 0 and lanes["hybrid"]["cpu"] > 0
     assert lanes["hybrid"]["total"] >= max(lanes["hybrid"][k] for k in ("cpu", "bus", "gpu", "host"))
+    # and the model's decode lanes (µs): a hybrid layer's mean total is its lanes, hand-off and spread
+    dec = nmoe.predicted_decode_lanes_us
+    assert dec["hybrid"]["layers"] + dec["resident"]["layers"] == len(nmoe.engine_paths["tiers"])
+    h = dec["hybrid"]
+    assert h["total"] >= (h["pre"] + max(h["gpu"], h["cpu"], h["bus"]) + h["sync"] + h["spread"]) * (1 - 1e-9)
+    assert dec["other"] > 0 and 1e6 / nmoe.predicted_decode_tps == pytest.approx(
+        h["total"] * h["layers"] + dec["resident"]["total"] * dec["resident"]["layers"] + dec["other"], rel=1e-6)
     # the frequency plan saw the n-cpu-moe run's routing counts: it keeps hot experts off the CPU
     assert runs[2].roofline["cpu_bytes"] < nmoe.roofline["cpu_bytes"]
     # the first runs were planned before any routing was seen: predicted again with their own counts

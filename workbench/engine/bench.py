@@ -165,6 +165,8 @@ class EngineRun:
     (``HostClock.summary``: busy, waiting for the routing and for the CPU, experts fetched,
     batches, copies), beside the model's host lane for them (``predicted_host_ms``) and its lanes
     (``predicted_lanes_ms``: ``predicted_prompt_lanes``)."""
+    predicted_decode_lanes_us: dict = field(default_factory=dict)
+    """The model's decode lanes for this placement (``predicted_decode_lanes``)."""
 
     @property
     def roofline_fraction(self) -> float | None:
@@ -349,14 +351,26 @@ def predicted_prompt_lanes(prediction) -> dict:
     """The model's lanes of a prompt chunk (ms), means over its hybrid layers (``"hybrid"``: ``pre``,
     ``gpu``, ``cpu``, ``bus``, ``sync``, ``host``, ``total``, and ``"layers"``) and over its other
     layers (``"resident"``: ``total`` and ``"layers"``), to set beside the engine's records."""
-    hybrid = [c for c in prediction.prefill_layers if c.cpu > 0 or c.bus > 0]
-    other = [c for c in prediction.prefill_layers if not (c.cpu > 0 or c.bus > 0)]
+    return _lanes(prediction.prefill_layers, 1e3, ("pre", "gpu", "cpu", "bus", "sync", "host", "total"))
+
+
+def predicted_decode_lanes(prediction) -> dict:
+    """The model's lanes of a decode step (µs), as ``predicted_prompt_lanes``: means over its hybrid
+    layers (``pre``, ``gpu``, ``cpu``, ``bus``, ``sync``, ``spread``: what tokens that give the CPU
+    more than the mean add, ``total``) and over its other layers, and ``"other"``: the head, sampling
+    and the host's own time per token."""
+    lanes = _lanes(prediction.decode_layers, 1e6, ("pre", "gpu", "cpu", "bus", "sync", "spread", "total"))
+    return {**lanes, "other": 1e6 * prediction.decode_other_s}
+
+
+def _lanes(layers, unit: float, names: tuple[str, ...]) -> dict:
+    hybrid = [c for c in layers if c.cpu > 0 or c.bus > 0]
+    other = [c for c in layers if not (c.cpu > 0 or c.bus > 0)]
 
     def mean(cs, name: str) -> float:
-        return 1e3 * sum(getattr(c, name) for c in cs) / len(cs) if cs else 0.0
+        return unit * sum(getattr(c, name) for c in cs) / len(cs) if cs else 0.0
 
-    return {"hybrid": {"layers": len(hybrid), **{k: mean(hybrid, k) for k in
-                                                 ("pre", "gpu", "cpu", "bus", "sync", "host", "total")}},
+    return {"hybrid": {"layers": len(hybrid), **{k: mean(hybrid, k) for k in names}},
             "resident": {"layers": len(other), "total": mean(other, "total")}}
 
 
@@ -497,6 +511,7 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
             run.predicted_decode_tps, run.predicted_prefill_tps = again.decode_tps, again.prefill_tps
             run.predicted_from = "routing counts of this run (none before it)"
             prediction = again
+        run.predicted_decode_lanes_us = predicted_decode_lanes(prediction)
         if run.prompt_host.get("layers"):
             run.prompt_host["predicted_host_ms"] = predicted_host_ms(prediction)
             run.prompt_host["predicted_lanes_ms"] = predicted_prompt_lanes(prediction)
