@@ -9,7 +9,11 @@ offline, e.g. after the cost model changed, on a local copy of the benchmark fil
 statistics come from the saved projects):
 
     python scripts/check_predictions.py --model /tmp/s1.gguf --profile h200.json \\
-        --bench engine_s1_skew.json --placements placements/engine_s1_skew [--ctx 576 --prompt 512]
+        --bench engine_s1_skew.json --placements placements/engine_s1_skew [--ctx 576 --prompt 512] \\
+        [--bus-share 0.45] [--set bus_read_rate=31e9]
+
+Each run is predicted at the bus share its engine recorded (``engine_paths.bus_share``; runs from
+before that record: ``--bus-share``, else the model's own).
 
 Prints markdown tables: placement, measured decode and prefill, predicted then and now, error now;
 then each run's hybrid prompt layers as the engine recorded them beside the model's lanes.
@@ -20,11 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workbench.core.costmodel import CostModel  # noqa: E402
+from workbench.core.costmodel import CostModel, EngineShape  # noqa: E402
 from workbench.core.hardware import HardwareProfile  # noqa: E402
 from workbench.core.project import load_project  # noqa: E402
 from workbench.core.readers import open_model  # noqa: E402
@@ -39,10 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--placements", required=True, help="the run's --save-placements folder")
     ap.add_argument("--ctx", type=int, default=576, help="prompt + generated tokens of the run")
     ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--bus-share", type=float, default=None,
+                    help="decode's bus share of runs that did not record theirs (runs before the balanced share: 0.45)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a profile number to predict with instead, e.g. bus_read_rate=31e9 (repeatable)")
     args = ap.parse_args(argv)
 
     inv = open_model(args.model)
     prof = HardwareProfile.load(args.profile)
+    for item in args.set:
+        name, _, value = item.partition("=")
+        prof = replace(prof, **{name: float(value)})
     runs = json.loads(Path(args.bench).read_text())["runs"]
     print("| placement | measured decode tok/s | predicted in the run | predicted now | error now "
           "| measured prefill tok/s | predicted in the run | predicted now | error now |")
@@ -58,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         # a run planned blind (the first, n-cpu-moe) was saved without routing counts and predicted in
         # the bench with its own; the next saved project's counts include them
         later = [p.stats for p in projects.values() if p.stats is not None]
-        cost = CostModel(inv, prof, project.stats or (later[0] if later else None))
+        share = (run.get("engine_paths") or {}).get("bus_share", args.bus_share)  # as the run's engine split
+        engine = None if share is None else EngineShape(bus_share=share)
+        cost = CostModel(inv, prof, project.stats or (later[0] if later else None), engine=engine)
         pred = cost.predict(project.placement, args.ctx, prompt_tokens=args.prompt)
         err = (pred.decode_tps - run["decode_tps"]) / run["decode_tps"]
         perr = (pred.prefill_tps - run["prefill_tps"]) / run["prefill_tps"]
