@@ -587,21 +587,35 @@ def _least_squares_at_least_zero(a: np.ndarray, b: np.ndarray) -> tuple[float, .
 def _fit_host(model, runs: list, u0: float) -> tuple[float | None, float]:
     """Least squares of the relative errors for ``model(placement, sync, u) == measured`` over ``runs``
     (``[(placement, measured s)]``, two or more; a short run counts as much as a long one), the model
-    being linear in ``sync`` (s) and ``u = 1 / CPU rate`` (s/B): ``(sync, rate)``, or ``(None, 0)``
-    when the runs do not pin both (one equation repeated) or the best fit has ``sync < 0`` or no
-    positive rate."""
-    ds, du = 1e-5, 0.1 * u0
-    rows, rhs = [], []
-    for placement, measured in runs:
-        base = model(placement, 0.0, u0)
-        b = (model(placement, ds, u0) - base) / ds
-        c = (model(placement, 0.0, u0 + du) - base) / du
-        rows.append((b / measured, c / measured))
-        rhs.append((measured - (base - c * u0)) / measured)
-    sol = _scaled_lstsq(np.array(rows, dtype=float), np.array(rhs, dtype=float))
-    if sol is None:
-        return None, 0.0
-    sync, u = float(sol[0]), float(sol[1])
-    if sync < 0 or u <= 0:
+    being linear in ``sync`` (s) and piecewise linear in ``u = 1 / CPU rate`` (s/B: a token's layer
+    waits for the CPU only where its experts there take longer than the GPU's), so solved again
+    around each solution until ``u`` settles (from ``u0``): ``(sync, rate)``, or ``(None, 0)`` when
+    the runs do not pin both (one equation repeated) or the best fit has ``sync < 0`` or no positive
+    rate."""
+    ds, u = 1e-5, u0
+    for _ in range(HOST_FIT_ROUNDS):
+        du = 0.01 * u
+        rows, rhs = [], []
+        for placement, measured in runs:
+            base = model(placement, 0.0, u)
+            b = (model(placement, ds, u) - base) / ds
+            c = (model(placement, 0.0, u + du) - base) / du
+            rows.append((b / measured, c / measured))
+            rhs.append((measured - (base - c * u)) / measured)
+        sol = _scaled_lstsq(np.array(rows, dtype=float), np.array(rhs, dtype=float))
+        if sol is None:
+            return None, 0.0
+        sync, u_next = float(sol[0]), float(sol[1])
+        if u_next <= 0:
+            return None, 0.0
+        settled = abs(u_next - u) <= 1e-6 * u
+        u = u_next
+        if settled:
+            break
+    if sync < 0:
         return None, 0.0
     return sync, 1.0 / u
+
+
+HOST_FIT_ROUNDS = 20
+"""Most linearizations ``_fit_host`` solves (each around the last solution's CPU rate)."""

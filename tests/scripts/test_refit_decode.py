@@ -1,0 +1,55 @@
+"""scripts/refit_decode.py: step times the cost model itself made with known costs give them back."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from workbench.core import synth
+from workbench.core.costmodel import CostModel, EngineShape
+from workbench.core.hardware import HardwareProfile, preset
+from workbench.core.memory import placement_all_gpu, placement_cpu_moe
+from workbench.core.readers import open_model
+from workbench.engine import calibrate_engine as ce
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "refit_decode.py"
+
+
+def test_logged_steps_made_by_the_model_give_its_costs_back(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("refit_decode", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    base = preset("bench-h200")
+    truth = replace(base, sync_s=7e-5, decode_step_s=1.5e-4, gpus=(replace(base.gpus[0], launch_s=2.5e-6),),
+                    cpu_expert_throughput={**base.cpu_expert_throughput, "bf16": 9e10})
+    experts = 32
+    shape = synth.SynthShape("calibration", "qwen3moe", ce.LAYERS, 2048, 32, 4, 128, experts, 8, 768, ce.VOCAB,
+                             qk_norm=True)
+    path = tmp_path / "cal.gguf"
+    synth.write_gguf(path, shape, coverage_target=None, sparse=True)
+    inv = open_model(path)
+    model = CostModel(inv, truth, engine=EngineShape(bus_share=0.0))
+    runs = [placement_all_gpu(inv)] + [ce._upper_on_cpu(inv, s) for s in ce.HYBRID_SHARES] + [placement_cpu_moe(inv)]
+    ms = [1e3 / model.decode_tps(p, kv_tokens=16 + ce.STEPS) for p in runs]
+    queued = ms[0] - truth.decode_step_s * 1e3
+    out = tmp_path / "refit.json"
+    monkeypatch.setattr(ce, "_decode_times", ce._decode_times)  # the script patches the module; undone after
+    monkeypatch.setattr(ce, "_fit_cpu_rate", ce._fit_cpu_rate)
+    monkeypatch.setattr(ce, "calibration_experts", ce.calibration_experts)
+    monkeypatch.setattr(synth, "write_gguf", synth.write_gguf)
+    assert mod.main(["--profile", str(_saved(base, tmp_path)), "--experts", str(experts),
+                     "--steps", ",".join(f"{t:.6f}" for t in ms), "--queued", f"{queued:.6f}", "-o", str(out)]) == 0
+    fitted = HardwareProfile.load(out)
+    assert fitted.decode_step_s == pytest.approx(truth.decode_step_s, rel=1e-3)
+    assert fitted.gpus[0].launch_s == pytest.approx(truth.gpus[0].launch_s, rel=1e-2)
+    assert fitted.sync_s == pytest.approx(truth.sync_s, rel=0.05)
+    assert fitted.cpu_expert_throughput["bf16"] == pytest.approx(9e10, rel=0.05)
+
+
+def _saved(profile: HardwareProfile, folder: Path) -> Path:
+    path = folder / "profile.json"
+    profile.save(path)
+    return path
