@@ -79,7 +79,9 @@ def test_a_layer_waits_for_the_cpu_token_by_token():
     cm = CostModel(inv, hw, engine=EngineShape(bus_share=0.0))
     p = Placement()
     p.set(UnitKey(0, "expert", 3), CPU_COMPUTE)
-    c = cm.predict(p, ctx=256, prompt_tokens=100).decode_layers[0]
+    pred = cm.predict(p, ctx=256, prompt_tokens=100)
+    c = pred.decode_layers[0]
+    assert "spread µs" in pred.table(per_layer=True) and f"{c.spread * 1e6:9.1f}" in pred.table(per_layer=True)
     one = inv.units[UnitKey(0, "expert", 3)].nbytes / 1e8
     probs = {0: 0.75 ** 2, 1: 2 * 0.25 * 0.75, 2: 0.25 ** 2}  # CPU selections of a token
     assert c.cpu == pytest.approx(0.5 * one)

@@ -101,9 +101,9 @@ class Prediction:
         if per_layer:
             lines.append("")
             lines.append(f"{'layer':>5} {'pre µs':>8} {'gpu µs':>8} {'cpu µs':>8} {'bus µs':>8} {'sync µs':>8} "
-                         f"{'total µs':>9} {'bound':>5} {'gpu share':>9}")
+                         f"{'spread µs':>9} {'total µs':>9} {'bound':>5} {'gpu share':>9}")
             for c in self.decode_layers:
                 lines.append(f"{c.layer:>5} {c.pre * 1e6:8.1f} {c.gpu * 1e6:8.1f} {c.cpu * 1e6:8.1f} "
-                             f"{c.bus * 1e6:8.1f} {c.sync * 1e6:8.1f} {c.total * 1e6:9.1f} {c.bound:>5} "
+                             f"{c.bus * 1e6:8.1f} {c.sync * 1e6:8.1f} {c.spread * 1e6:9.1f} {c.total * 1e6:9.1f} {c.bound:>5} "
                              + ("        -" if math.isnan(c.gpu_share) else f"{100 * c.gpu_share:8.1f}%"))
         return "\n".join(lines)
