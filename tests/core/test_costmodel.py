@@ -466,12 +466,26 @@ def test_with_stats_equals_a_fresh_model():
         base.with_stats(ExpertStats(3, 9, 2))
 
 
-def test_bus_split_counts():
-    from workbench.core.costmodel import bus_split
+def _bus_split(lam, top_k, fraction, slots):
+    """Expected selections left to the CPU and sent over the bus, and P(any is sent)."""
+    from workbench.core.costmodel import split_counts
 
-    cpu, bus, p_any = bus_split(np.array([0.0, 100.0]), 8, 0.45, 4)
+    n, pn, m = split_counts(lam, top_k, fraction, slots)
+    return (pn * (n - m)).sum(axis=-1), (pn * m).sum(axis=-1), (pn * (m > 0)).sum(axis=-1)
+
+
+def _cpu_busy(lam, top_k, fraction, slots):
+    """P(the token leaves the CPU at least one of its CPU-compute selections)."""
+    from workbench.core.costmodel import split_counts
+
+    n, pn, m = split_counts(lam, top_k, fraction, slots)
+    return (pn * (n - m > 0)).sum(axis=-1)
+
+
+def test_bus_split_counts():
+    cpu, bus, p_any = _bus_split(np.array([0.0, 100.0]), 8, 0.45, 4)
     assert cpu == pytest.approx([0.0, 4.0]) and bus == pytest.approx([0.0, 4.0]) and p_any == pytest.approx([0.0, 1.0])
-    cpu, bus, _ = bus_split(np.array([2.0]), 8, 0.45, 4)  # n = 1 stays on the CPU, n = 2 sends one, ...
+    cpu, bus, _ = _bus_split(np.array([2.0]), 8, 0.45, 4)  # n = 1 stays on the CPU, n = 2 sends one, ...
     assert 0 < bus[0] < cpu[0] and cpu[0] + bus[0] == pytest.approx(2.0, abs=1e-3)
 
 
@@ -496,14 +510,12 @@ def test_the_bus_takes_the_count_that_ends_the_slower_lane_first(fraction):
 
 
 def test_the_cpu_is_waited_for_when_it_keeps_any_selection():
-    from workbench.core.costmodel import cpu_busy
-
     lam = np.array([0.0, 0.7, 2.0, 100.0])
     # with a bus share of 0.45, one selection stays on the CPU and two send one: n >= 1 keeps the CPU busy
     # (n binomial over the 8 picks, mean lam)
-    assert cpu_busy(lam, 8, 0.45, 4) == pytest.approx([0.0, 1 - (1 - 0.7 / 8) ** 8, 1 - (1 - 2.0 / 8) ** 8, 1.0])
+    assert _cpu_busy(lam, 8, 0.45, 4) == pytest.approx([0.0, 1 - (1 - 0.7 / 8) ** 8, 1 - (1 - 2.0 / 8) ** 8, 1.0])
     # a bus share of 1 sends every selection up to the slots: the CPU keeps those beyond 4
-    busy = cpu_busy(lam, 8, 1.0, 4)
+    busy = _cpu_busy(lam, 8, 1.0, 4)
     assert busy[0] == 0 and busy[1] < 1e-3 and busy[3] == pytest.approx(1.0)
 
 

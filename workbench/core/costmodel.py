@@ -297,22 +297,6 @@ class EngineShape:
     in the same sweep, 81-88 GB/s read by the CPU alone)."""
 
 
-def bus_split(lam: np.ndarray, top_k: int, fraction: float, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Expected CPU-compute experts of one token and layer left to the CPU and sent over the bus, and
-    the probability that any is sent, when their count ``n`` is ``count_probs(lam, top_k)`` (``lam``
-    any shape) and ``bus_count(n, fraction, slots)`` travel: ``(cpu, bus, p_any)``."""
-    n, pn, m = _split_counts(lam, top_k, fraction, slots)
-    bus = (pn * m).sum(axis=-1)
-    return (pn * n).sum(axis=-1) - bus, bus, (pn * (m > 0)).sum(axis=-1)
-
-
-def cpu_busy(lam: np.ndarray, top_k: int, fraction: float, slots: int) -> np.ndarray:
-    """Probability that a token leaves the CPU at least one of a layer's CPU-compute selections (the
-    others of ``bus_split``'s split travel): the decode server's hand-off is waited for only then."""
-    n, pn, m = _split_counts(lam, top_k, fraction, slots)
-    return (pn * (n - m > 0)).sum(axis=-1)
-
-
 def count_probs(lam, top_k: int) -> np.ndarray:
     """``P(n)`` for ``n = 0..top_k`` (last axis; ``lam``'s shape before it): how many of a token's
     ``top_k`` selections in a layer fall on a tier that gets ``lam`` of them on average, binomial
@@ -326,8 +310,10 @@ def count_probs(lam, top_k: int) -> np.ndarray:
         return comb * q ** n * (1.0 - q) ** (top_k - n)
 
 
-def _split_counts(lam, top_k: int, fraction: float, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(n [top_k + 1], P(n) [..., top_k + 1], bus's share of n)`` (``count_probs``, ``bus_count``)."""
+def split_counts(lam, top_k: int, fraction: float, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A token's CPU-compute selections in a layer and the bus's part of them: ``(n [top_k + 1],
+    P(n) [..., top_k + 1], m [top_k + 1])`` for ``n = 0..top_k`` (``count_probs`` of their expected
+    count ``lam``, any shape; ``bus_count(n, fraction, slots)``)."""
     n = np.arange(top_k + 1)
     return n, count_probs(lam, top_k), bus_count(n, fraction, slots)
 
@@ -672,12 +658,10 @@ class CostModel:
         RAM with the CPU, so the CPU lane is at least the bytes of all ``n`` at the RAM's read rate."""
         eng, prof = self.engine, self.profile
         k = max(1, self.inv.spec.n_experts_active)
-        n = np.arange(k + 1)
-        pn = count_probs(lam, k)
+        frac = self._bus_fraction() if self.moe_layer.any() else 0.0
+        n, pn, m = split_counts(lam, k, frac, eng.bus_slots)
         safe = np.where(lam > 0, lam, 1.0)
         c1, b1 = (cpu_t / safe)[..., None], (cpu_bytes / safe)[..., None]  # one selection's seconds and bytes
-        frac = self._bus_fraction() if self.moe_layer.any() else 0.0
-        m = bus_count(n, frac, eng.bus_slots)
         launches = (m > 0) * eng.launches_bus * self._gpu(0).launch_s
         gpu_x = np.zeros_like(pn)
         if frac <= 0:

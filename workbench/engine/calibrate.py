@@ -904,8 +904,8 @@ def calibrate(
             prof = replace(prof, provenance=prof.provenance | dict.fromkeys(("sync_s", "decode_step_s"),
                                                                             "fitted to the engine"))
             cpu_fits = ["bf16"] if fit["cpu_rate"] != bf16_rate else []
-            cpu_fits += [fmt for fmt, k in fit.get("kept", {}).items() if k.get("cpu_rate", k.get("cpu_measured_rate"))
-                         != k.get("cpu_measured_rate")]
+            cpu_fits += [fmt for fmt, k in fit.get("kept", {}).items()
+                         if "cpu_rate" in k and k["cpu_rate"] != k["cpu_measured_rate"]]
             if cpu_fits:
                 prof = replace(prof, provenance=prof.provenance | {
                     "cpu_expert_throughput": f"measured; {', '.join(cpu_fits)} fitted to the engine's decode"})

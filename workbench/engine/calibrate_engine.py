@@ -242,8 +242,8 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     if sync is None:
         sync, rate = _solve(lambda v: seconds(with_costs(launch, v), half), t_half, step=1e-5), rate0
     fitted = with_costs(launch, sync, rate)
-    info = {"resident_s": t_res, "resident_queued_s": q_res, "step_s": prof.decode_step_s, "sixteenth_s": t_hybrid[0], "quarter_s": t_hybrid[1], "half_s": t_hybrid[2],
-            "three_quarters_s": t_hybrid[3],
+    info = {"resident_s": t_res, "resident_queued_s": q_res, "step_s": prof.decode_step_s,
+            "sixteenth_s": t_hybrid[0], "quarter_s": t_hybrid[1], "half_s": t_hybrid[2], "three_quarters_s": t_hybrid[3],
             "cpu_s": t_cpu, "launch_s": launch, "sync_s": sync, "cpu_rate": rate,
             "cpu_predicted_s": seconds(fitted, cpu)}
     fitted, info["kept"] = fit_kept_rates(fitted, shape, device, kept)
