@@ -11,7 +11,7 @@ sparse (header and routers only). Runs the calibration did not log (queued steps
 timed, a kept format's hybrid runs) are left out: their fitted values stay as in the profile.
 
     python scripts/refit_decode.py --profile h200.json --experts 64 \\
-        --steps 0.60,0.96,1.83,3.24,4.31,5.37 [--queued 0.52] [--q8-resident 0.48] -o refit.json
+        --steps 0.60,0.96,1.83,3.24,4.31,5.37 [--queued 0.52] [--q8-resident 0.48] [--deep 1.31,2.35] -o refit.json
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", required=True, help="ms per step: all resident, the four hybrid shares, all on the CPU")
     ap.add_argument("--queued", type=float, default=None, help="ms per all-resident step queued (absent: as waited)")
     ap.add_argument("--q8-resident", type=float, default=None, help="ms per Q8_0 all-resident step (absent: no Q8_0 fit)")
+    ap.add_argument("--deep", default=None,
+                    help="ms per step of the two deeper all-resident models, as logged (`... a step of 16 layers, "
+                         "... of 32`): 'T16,T32' (absent: the 8-layer resident run fits the kernel cost, as before)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=768)
     ap.add_argument("--top-k", type=int, default=8)
@@ -52,7 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     order = iter([0] * ce.REPEATS + [i for i in range(1, 1 + len(ce.HYBRID_SHARES)) for _ in range(ce.REPEATS)]
                  + [len(steps) - 1])
 
+    deep = dict(zip(ce.DEPTHS, (float(v) * 1e-3 for v in args.deep.split(",")))) if args.deep else None
+    if deep is None:
+        ce._deep_resident_fit = lambda *a: None
+
     def times(inv, placement, device, steps_=ce.STEPS):
+        if deep is not None and inv.spec.n_layers in deep and "layers" in str(inv.path):
+            return deep[inv.spec.n_layers], deep[inv.spec.n_layers]
         if "q8_0" in str(inv.path):
             return args.q8_resident * 1e-3, args.q8_resident * 1e-3
         i = next(order)

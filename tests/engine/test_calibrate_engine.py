@@ -38,6 +38,7 @@ def test_fitted_costs_fit_the_measured_runs(monkeypatch):
     monkeypatch.setattr(calibrate_engine, "_decode_times", record)
     monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
     monkeypatch.setattr(calibrate_engine, "MAX_EXPERTS", 32)  # a tiny expert shape would ask for the most
+    monkeypatch.setattr(calibrate_engine, "_deep_resident_fit", lambda *a: None)  # no room: the 8-layer fit
     base = preset("bench-h200")
     fitted, info = calibrate_engine.fit_engine_costs(base, 64, 32, 2, n_heads=4, n_kv_heads=2, head_dim=16,
                                                      device="cpu")
@@ -78,6 +79,56 @@ def test_fitted_costs_fit_the_measured_runs(monkeypatch):
         for sync, rate in ((1.1, 1), (0.9, 1), (1, 1.1), (1, 0.9)):
             assert best <= sse(info["sync_s"] * sync, info["cpu_rate"] * rate) * (1 + 1e-6)
     assert info["cpu_predicted_s"] == pytest.approx(step_s(cpu), rel=1e-9)  # the check run, as predicted
+
+
+def test_two_resident_depths_part_the_kernels_from_the_hosts_time_per_step(monkeypatch):
+    """The deeper model's extra step is its extra layers' kernels alone; what the shallower step
+    takes beyond its kernels is the host's, once a step: runs made by the model with a known kernel
+    cost and host time give them back, and the decode fit then uses them for the hybrid runs."""
+    from workbench.core import synth
+    from workbench.core.costmodel import EngineShape
+    from workbench.core.memory import placement_all_gpu
+
+    truth = replace(preset("bench-h200"), decode_step_s=3e-4)
+    truth = replace(truth, gpus=(replace(truth.gpus[0], launch_s=1.9e-6),))
+
+    def made(inv, placement, device, steps=calibrate_engine.STEPS):
+        return 1.0 / CostModel(inv, truth, engine=EngineShape(bus_share=0.0)).decode_tps(
+            placement, kv_tokens=16 + calibrate_engine.STEPS)
+
+    monkeypatch.setattr(calibrate_engine, "_decode_seconds", made)
+    monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
+    shape = synth.SynthShape("calibration", "qwen3moe", 8, 64, 4, 2, 16, 32, 2, 32, 256, qk_norm=True)
+    base = replace(truth, decode_step_s=0.0)
+
+    def seconds(p, model):
+        return 1.0 / CostModel(model, p, engine=EngineShape(bus_share=0.0)).decode_tps(
+            placement_all_gpu(model), kv_tokens=16 + calibrate_engine.STEPS)
+
+    def with_launch(v):
+        return replace(base, gpus=(replace(base.gpus[0], launch_s=v),))
+
+    deep = calibrate_engine._deep_resident_fit(shape, "cpu", 1e12, seconds, with_launch)
+    assert deep["depths"] == calibrate_engine.DEPTHS
+    assert deep["launch_s"] == pytest.approx(1.9e-6, rel=1e-6) and deep["step_s"] == pytest.approx(3e-4, rel=1e-6)
+    per_layer = 2 * (3 * 64 * 32 * 2) + 64 * 16 * 2 * (2 * 4 + 2 * 2)
+    room = 2 * 20 * per_layer  # half of it holds 20 layers: 10 and 20
+    assert calibrate_engine._deep_resident_fit(shape, "cpu", room, seconds, with_launch)["depths"] == (10, 20)
+    assert calibrate_engine._deep_resident_fit(shape, "cpu", 2 * 12 * per_layer, seconds, with_launch) is None
+
+
+def test_the_host_fit_keeps_the_cpu_rate_within_the_hosts_ram_read():
+    """Runs that a faster-than-RAM CPU rate would fit best get the RAM's rate and the host point
+    refitted at it."""
+    def model(placement, sync, u):
+        return 1e-3 + 8 * (sync + placement * u)
+
+    runs = [(b, model(b, 1e-3, 1 / 400e9)) for b in (37.5e6, 75e6, 112.5e6)]
+    assert calibrate_engine._fit_host(model, runs, 1 / 4e10)[1] == pytest.approx(400e9, rel=1e-6)
+    sync, rate = calibrate_engine._fit_host(model, runs, 1 / 4e10, u_min=1 / 100e9)
+    assert rate == pytest.approx(100e9, rel=1e-9)
+    assert sync == pytest.approx(np.mean([(t - 1e-3) / 8 - b / 100e9 for b, t in runs]), rel=0.2)
+    assert sync < 1e-3  # the rate's slower bytes come out of the host point
 
 
 def test_host_fit_recovers_known_costs():
@@ -336,3 +387,16 @@ def test_a_kept_formats_cpu_rate_is_fitted_to_runs_with_experts_on_the_cpu(monke
     n = calibrate_engine.REPEATS
     assert len(seen) == 3 * n  # the resident run and the two with experts on the CPU, each REPEATS times
     assert fitted.cpu_expert_throughput["bf16"] == base.cpu_expert_throughput["bf16"]  # the others as they were
+
+
+def test_the_decode_fit_takes_the_kernel_cost_and_host_step_from_the_two_depths(monkeypatch):
+    real = calibrate_engine._decode_times
+    monkeypatch.setattr(calibrate_engine, "_decode_times", lambda inv, p, device, steps=4: real(inv, p, device, 4))
+    monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
+    monkeypatch.setattr(calibrate_engine, "MAX_EXPERTS", 32)
+    deep = {"depths": (16, 32), "resident_s": [1e-3, 2e-3], "launch_s": 2.5e-6, "step_s": 1.5e-4}
+    monkeypatch.setattr(calibrate_engine, "_deep_resident_fit", lambda *a: deep)
+    fitted, info = calibrate_engine.fit_engine_costs(preset("bench-h200"), 64, 32, 2, n_heads=4, n_kv_heads=2,
+                                                     head_dim=16, device="cpu")
+    assert fitted.gpus[0].launch_s == info["launch_s"] == 2.5e-6
+    assert fitted.decode_step_s == info["step_s"] == 1.5e-4 and info["deep"] is deep

@@ -13,8 +13,11 @@ Decode, per decoder layer (batch 1, times in seconds):
   then their GPU compute).
 - a host<->GPU sync per layer that has CPU or streamed experts (the router's choice must reach the
   host), plus the GPU-side launches of bringing CPU results back; with the engine's decode server
-  (``EngineShape.served``) this is the hand-off to and from its native thread, and the bus's
-  experts are read in place by kernels while the CPU computes the others.
+  (``EngineShape.served``) the sync is the hand-off to and from its native thread, which delays
+  only the CPU's result, so it joins the CPU lane (the GPU's and the bus's lanes run meanwhile:
+  on an H100 host, the S1 runs that send experts over the bus were predicted 17-28% slow with it
+  added after the lanes), and the bus's experts are read in place by kernels while the CPU
+  computes the others.
 
 So a layer costs ``pre + max(gpu, cpu, bus) + sync`` rather than the sum. Expected selections come
 from ExpertStats per layer (uniform without stats): a token picks expert ``e`` of layer ``l`` with
@@ -664,21 +667,26 @@ class CostModel:
         c1, b1 = (cpu_t / safe)[..., None], (cpu_bytes / safe)[..., None]  # one selection's seconds and bytes
         launches = (m > 0) * eng.launches_bus * self._gpu(0).launch_s
         gpu_x = np.zeros_like(pn)
+        bus_n = np.zeros_like(pn)
+        waits = (n - m > 0) if eng.served else np.ones_like(n, dtype=bool)  # the server's hand-off: only then
+        hand = np.where((has_compute & ~streamed)[..., None], prof.sync_s * waits, 0.0)
+        sync_n = sync_fixed[..., None] + np.zeros_like(hand)
         if frac <= 0:
-            cpu_n, bus_n = n * c1, np.zeros_like(pn)
+            cpu_n = n * c1
         elif eng.served:  # kernels read the rows in place: the bus lane is their reads
-            cpu_n = np.maximum((n - m) * c1, n * b1 / (prof.host_read_bandwidth * eng.shared_read))
+            cpu_n = np.maximum((n - m) * c1 + hand, n * b1 / (prof.host_read_bandwidth * eng.shared_read))
             bus_n = m * b1 / bus_rate(prof, eng.bus_read) + launches
         else:  # copies into slots, then their compute on the GPU
             gpu_x = m * b1 / self.expert_bandwidth(0)
             cpu_n = np.maximum((n - m) * c1, n * b1 / prof.host_read_bandwidth)
             bus_n = m * b1 / prof.h2d_pinned + gpu_x + launches
-        waits = (n - m > 0) if eng.served else np.ones_like(n, dtype=bool)  # the server's hand-off: only then
-        hand = np.where((has_compute & ~streamed)[..., None], prof.sync_s * waits, 0.0)
+        if eng.served:  # the packet's way to the native thread and back delays only the CPU's result
+            cpu_n = cpu_n + (hand if frac <= 0 else 0.0)
+        else:  # the host waits for the routing before any lane starts
+            sync_n = sync_n + hand
         gpu_n = np.maximum(gpu0[..., None] + gpu_x, gpu_other[..., None]) + gpu_fixed[..., None]
         cpu_n = cpu_n + cpu_fixed[..., None]
         bus_n = bus_n + bus_fixed[..., None]
-        sync_n = hand + sync_fixed[..., None]
         total = (pn * (np.maximum(np.maximum(gpu_n, cpu_n), bus_n) + sync_n)).sum(axis=-1)
         gpu, cpu, bus, sync = ((pn * v).sum(axis=-1) for v in (gpu_n, cpu_n, bus_n, sync_n))
         spread = np.maximum(total - (np.maximum(np.maximum(gpu, cpu), bus) + sync), 0.0)

@@ -181,6 +181,51 @@ def _upper_on_cpu(inv, share: float) -> Placement:
     return p
 
 
+DEPTHS = (16, 32)
+"""Layers of the two all-resident models (``top_k`` experts a layer) that fit the kernel cost and the
+host's time per step (``_deep_resident_fit``)."""
+
+
+def _deep_resident_fit(shape: synth.SynthShape, device: str, room: float, seconds, with_launch) -> dict | None:
+    """The kernel cost ``launch_s`` and the host's time per step ``step_s`` (s) from the engine's decode
+    of two all-resident models of ``DEPTHS`` layers (fewer where half of ``room`` bytes holds fewer;
+    none where the shallower would have fewer than ``LAYERS``): the steps' difference is the layers' kernels alone, the rest of the
+    shallower step the host's. The 8-layer resident step left the host's time in the kernels: H100
+    hosts ran it in 0.66 to 0.96 ms from call to call (the host's Python, not the GPU, set its pace),
+    the fitted kernel cost 1.8 to 4.5 µs, while S1 all on the GPU (24 layers) held 454-477 tok/s and
+    was predicted up to 25% slow. ``seconds(profile, model)``: the model's seconds per step of a
+    model all resident; ``with_launch(v)``: the profile with kernel cost ``v``. Returns
+    ``{"depths", "resident_s", "launch_s", "step_s"}``, or None without room or a positive kernel cost."""
+    one = shape.n_active * 3 * shape.hidden * shape.expert_ffn * 2 + shape.hidden * shape.head_dim * 2 * (
+        2 * shape.n_heads + 2 * shape.n_kv_heads)
+    deep = min(DEPTHS[1], int(room / 2 / max(one, 1)))
+    depths = (min(DEPTHS[0], deep // 2), deep)
+    if depths[0] < LAYERS:
+        return None
+    models, times = [], []
+    with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
+        for d in depths:
+            path = Path(tmp) / f"calibration-{d}-layers.gguf"
+            synth.write_gguf(path, replace(shape, n_layers=d, n_experts=shape.n_active), coverage_target=None)
+            model = open_model(path)
+            res = placement_all_gpu(model)
+            times.append(min(_decode_seconds(model, res, device) for _ in range(REPEATS)))
+            models.append(model)
+            path.unlink()
+
+    def no_step(v: float) -> HardwareProfile:
+        return replace(with_launch(v), decode_step_s=0.0)
+
+    launch = _solve(lambda v: seconds(no_step(v), models[1]) - seconds(no_step(v), models[0]), times[1] - times[0],
+                    step=1e-6)
+    if launch <= 0:
+        return None
+    step = max(0.0, times[0] - seconds(no_step(launch), models[0]))
+    log.info("engine decode, all resident: %.3f ms a step of %d layers, %.3f ms of %d: the kernel %.2f us, the host "
+             "%.0f us a step", times[0] * 1e3, depths[0], times[1] * 1e3, depths[1], launch * 1e6, step * 1e6)
+    return {"depths": depths, "resident_s": times, "launch_s": launch, "step_s": step}
+
+
 def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
                      n_heads: int = 32, n_kv_heads: int = 4, head_dim: int = 128,
                      device: str = "cuda", kept: tuple[str, ...] | None = None) -> tuple[HardwareProfile, dict]:
@@ -233,16 +278,22 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
         gpus = (replace(prof.gpus[0], launch_s=launch),) + tuple(prof.gpus[1:])
         return replace(prof, gpus=gpus, sync_s=sync, cpu_expert_throughput={**prof.cpu_expert_throughput, "bf16": rate})
 
-    def seconds(p: HardwareProfile, placement) -> float:
-        return 1.0 / CostModel(inv, p, engine=EngineShape(bus_share=0.0)).decode_tps(placement, kv_tokens=16 + STEPS)
+    def seconds(p: HardwareProfile, placement, model=inv) -> float:
+        return 1.0 / CostModel(model, p, engine=EngineShape(bus_share=0.0)).decode_tps(placement, kv_tokens=16 + STEPS)
 
-    launch = _solve(lambda v: seconds(with_costs(v, prof.sync_s), res), t_res, step=1e-6)
+    deep = _deep_resident_fit(shape, device, room, lambda p, m: seconds(p, placement_all_gpu(m), m),
+                              lambda v: with_costs(v, prof.sync_s))
+    if deep is not None:
+        launch, prof = deep["launch_s"], replace(prof, decode_step_s=deep["step_s"])
+    else:
+        launch = _solve(lambda v: seconds(with_costs(v, prof.sync_s), res), t_res, step=1e-6)
+    ram = 1.0 / prof.host_read_bandwidth if prof.host_read_bandwidth > 0 else 0.0
     sync, rate = _fit_host(lambda p, s, u: seconds(with_costs(launch, s, 1.0 / u), p), list(zip(hybrid, t_hybrid)),
-                           1.0 / rate0)
+                           1.0 / rate0, u_min=ram)
     if sync is None:
         sync, rate = _solve(lambda v: seconds(with_costs(launch, v), half), t_half, step=1e-5), rate0
     fitted = with_costs(launch, sync, rate)
-    info = {"resident_s": t_res, "resident_queued_s": q_res, "step_s": prof.decode_step_s,
+    info = {"resident_s": t_res, "resident_queued_s": q_res, "step_s": prof.decode_step_s, "deep": deep,
             "sixteenth_s": t_hybrid[0], "quarter_s": t_hybrid[1], "half_s": t_hybrid[2], "three_quarters_s": t_hybrid[3],
             "cpu_s": t_cpu, "launch_s": launch, "sync_s": sync, "cpu_rate": rate,
             "cpu_predicted_s": seconds(fitted, cpu)}
@@ -310,7 +361,8 @@ def _fit_cpu_rate(prof: HardwareProfile, inv, fmt: str, device: str, info: dict)
     relative errors) the calibration model in that format with a sixteenth and with half of each
     layer's experts on the CPU (``CPU_FIT_SHARES``). The kernel's batch rate, measured alone, is
     the rate of many experts a pass; a token's one or two leave most of the cores short of work (on
-    the H200 host one Q8_0 expert a packet ran at half the batch rate). Adds ``cpu_measured_rate``,
+    the H200 host one Q8_0 expert a packet ran at half the batch rate). At most the host's RAM read
+    rate: with the host point fitted high, an H100 host's runs put Q8_0 at 442 GB/s. Adds ``cpu_measured_rate``,
     ``cpu_rate`` and ``hybrid_s`` to ``info``; the measured rate where the fit finds no better one."""
     hybrid = [_upper_on_cpu(inv, share) for share in CPU_FIT_SHARES]
     times = [min(_decode_seconds(inv, p, device) for _ in range(REPEATS)) for p in hybrid]
@@ -322,7 +374,8 @@ def _fit_cpu_rate(prof: HardwareProfile, inv, fmt: str, device: str, info: dict)
         return sum((1.0 / model.decode_tps(h, kv_tokens=16 + STEPS) / t - 1.0) ** 2 for h, t in zip(hybrid, times))
 
     u0 = 1.0 / measured
-    u = _least_on_line(misfit, u0 / 8, 8 * u0)
+    ram = 1.0 / prof.host_read_bandwidth if prof.host_read_bandwidth > 0 else 0.0  # experts come from RAM no faster
+    u = _least_on_line(misfit, max(u0 / 8, ram), max(8 * u0, 2 * ram))
     rate = 1.0 / u if misfit(u) < misfit(u0) else measured
     info.update(cpu_measured_rate=measured, cpu_rate=rate, hybrid_s=times)
     log.info("engine decode per %d-layer step, %s blocks, a sixteenth / half on the CPU: %s ms; the CPU's rate "
@@ -584,7 +637,7 @@ def _least_squares_at_least_zero(a: np.ndarray, b: np.ndarray) -> tuple[float, .
     return best
 
 
-def _fit_host(model, runs: list, u0: float) -> tuple[float | None, float]:
+def _fit_host(model, runs: list, u0: float, u_min: float = 0.0) -> tuple[float | None, float]:
     """Least squares of the relative errors for ``model(placement, sync, u) == measured`` over ``runs``
     (``[(placement, measured s)]``, two or more; a short run counts as much as a long one), the model
     being linear in ``sync`` (s) and piecewise linear in ``u = 1 / CPU rate`` (s/B: a token's layer
@@ -606,6 +659,9 @@ def _fit_host(model, runs: list, u0: float) -> tuple[float | None, float]:
         if sol is None:
             return None, 0.0
         sync, u_next = float(sol[0]), float(sol[1])
+        if 0 < u_next < u_min:  # faster than the host's RAM reads them: the rate at that bound, the host point refitted
+            a = np.array([r[0] for r in rows])
+            sync, u_next = float(a @ (np.array(rhs) - np.array([r[1] for r in rows]) * u_min) / (a @ a)), u_min
         if u_next <= 0:
             return None, 0.0
         settled = abs(u_next - u) <= 1e-6 * u
