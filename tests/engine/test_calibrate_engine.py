@@ -11,6 +11,7 @@ import pytest
 
 from workbench.core.costmodel import BUS_SHARE, CostModel, model_bus_share
 from workbench.core.hardware import preset
+from workbench.core.memory import placement_cpu_moe
 from workbench.engine import calibrate_engine
 
 
@@ -217,7 +218,8 @@ def test_a_quarter_of_the_calibration_experts_is_eight_times_the_l3(monkeypatch)
     assert calibrate_engine.calibration_experts(2048, 768, 8, room=2**20) == calibrate_engine.EXPERTS  # the floor
 
 
-def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
+@pytest.mark.parametrize("cpu_sync", [0.0, 300e-6])
+def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch, cpu_sync):
     """The host lane comes from the engine thread's records of its hybrid prompt layers; the host time
     beyond the lanes, the CPU share's slowdown and the prompt's copy rate from three prompts (an
     eighth and all of the experts on the CPU, all of them in a short prompt) in bf16 and again in
@@ -235,7 +237,7 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
     lane = dict(prompt_host_layer_s=100e-6, prompt_host_cpu_s=50e-6, prompt_host_batch_s=20e-6,
                 prompt_host_copy_s=2e-6)
     resident = {"bf16": 4e-3, "q8_0": 6e-3}  # longer than the tiny model's resident layers take on the GPU: they show
-    truth = replace(base, prompt_sync_s=layer_s, prompt_cpu_scale=scale, prompt_h2d=rate,
+    truth = replace(base, prompt_sync_s=layer_s, prompt_cpu_scale=scale, prompt_h2d=rate, prompt_cpu_sync_s=cpu_sync,
                     prompt_resident_layer_s=1e-3, prompt_resident_layer_by_format=resident, **lane)
     real, seen = calibrate_engine._prompt_seconds, []
 
@@ -250,6 +252,12 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
                     + lane["prompt_host_batch_s"] * batches + lane["prompt_host_copy_s"] * copies)
             clock.layers.append(HostLayer(i, busy + (1.0 if i == 0 else 0.0), 0.0, 0.0, 8, batches, copies, share,
                                           i == 0))  # a forward's first layer holds the embedding: left out
+        if clock is not None and cpu_sync and "q8_0" not in str(inv.path):  # a layer that waited for the CPU
+            first = CostModel(inv, replace(truth, prompt_cpu_sync_s=0.0)).predict(
+                placement_cpu_moe(inv), lengths[0] + 8, prompt_tokens=lengths[0]).prefill_layers[0]
+            busy = lane["prompt_host_layer_s"] + lane["prompt_host_cpu_s"]
+            lead = first.pre + first.sync + cpu_sync
+            clock.layers.append(HostLayer(5, busy, 0.0, lead - busy + 1e-3, 0, 0, 0, True, False, cpu_run_s=1e-3))
         return [t / CostModel(inv, truth).predict(placement, t + 8, prompt_tokens=t).prefill_tps for t in lengths]
 
     monkeypatch.setattr(calibrate_engine, "_prompt_seconds", as_modelled)
@@ -264,11 +272,12 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch):
     assert info["prompt_resident_layer_by_format"] == fitted.prompt_resident_layer_by_format
     for name, value in lane.items():
         assert getattr(fitted, name) == pytest.approx(value, rel=1e-6), name
-    assert info["host_lane"] == pytest.approx(lane, rel=1e-6) and info["host_layers"] == 16
+    assert info["host_lane"] == pytest.approx(lane, rel=1e-6) and info["host_layers"] == 16 + 2 * (cpu_sync > 0)
     assert fitted.prompt_sync_s == pytest.approx(layer_s, rel=0.02)
     assert fitted.prompt_cpu_scale == pytest.approx(scale, rel=0.05)
     assert fitted.prompt_h2d == pytest.approx(rate, rel=0.05)
-    assert fitted.prompt_cpu_sync_s == 0
+    assert fitted.prompt_cpu_sync_s == pytest.approx(cpu_sync, rel=0.02, abs=1e-9)
+    assert info["prompt_cpu_sync_s"] == fitted.prompt_cpu_sync_s
     for run in info["runs"]:
         assert run["predicted_s"] == pytest.approx(run["measured_s"], rel=0.01)
     assert fitted.sync_s == base.sync_s and fitted.cpu_expert_throughput == base.cpu_expert_throughput
@@ -400,3 +409,17 @@ def test_the_decode_fit_takes_the_kernel_cost_and_host_step_from_the_two_depths(
                                                      head_dim=16, device="cpu")
     assert fitted.gpus[0].launch_s == info["launch_s"] == 2.5e-6
     assert fitted.decode_step_s == info["step_s"] == 1.5e-4 and info["deep"] is deep
+
+
+def test_the_cpu_lead_is_the_time_outside_the_cpus_run_of_layers_that_waited_for_it():
+    from workbench.engine.hostclock import HostLayer
+
+    def layer(busy, wait, cpu_wait, run, share=True, first=False):
+        return HostLayer(1, busy, wait, cpu_wait, 0, 0, 0, share, first, cpu_run_s=run)
+
+    records = [layer(2e-3, 1e-4, 5e-3, 6e-3), layer(2.5e-3, 0.0, 4e-3, 5e-3),  # 1.1 and 1.5 ms outside the run
+               layer(3e-3, 0.0, 0.0, 2e-3),  # did not wait: the host was the long lane
+               layer(9e-3, 0.0, 5e-3, 6e-3, first=True), layer(2e-3, 0.0, 0.0, 0.0, share=False),
+               layer(2e-3, 0.0, 4e-3, 4.7e-3)]  # 1.3 ms
+    assert calibrate_engine.cpu_lead(records) == pytest.approx(1.3e-3)
+    assert calibrate_engine.cpu_lead(records[2:5]) is None

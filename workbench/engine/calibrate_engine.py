@@ -437,6 +437,18 @@ def fit_host_lane(layers: list[HostLayer]) -> dict[str, float]:
     return dict(zip(HOST_LANE, _least_squares_at_least_zero(a, b)))
 
 
+def cpu_lead(layers: list[HostLayer]) -> float | None:
+    """The median, over the hybrid prompt layers in which the engine's thread waited for the CPU's
+    share (the CPU the layer's long lane; a forward's first hybrid layer left out), of the layer's
+    wall time outside the CPU's run: ``busy + wait + cpu_wait - cpu_run`` (s): its attention, the
+    routing's way to the host and the split before the run, adding the result after it. None
+    without such layers. S1's hybrid prompt layers: 2.5-3.2 ms on one H100 host, 1.7-2.2 on
+    another."""
+    out = [r.busy_s + r.wait_s + r.cpu_wait_s - r.cpu_run_s for r in layers
+           if not r.first and r.cpu_share and r.cpu_wait_s > 0 and r.cpu_run_s > 0]
+    return float(np.median(out)) if out else None
+
+
 def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n_heads: int = 32,
                      n_kv_heads: int = 4, head_dim: int = 128, device: str = "cuda",
                      experts: int | None = None) -> tuple[HardwareProfile, dict]:
@@ -455,12 +467,15 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     relative errors, by ``_least_point``: the model's lanes meet in a max, so its times are not
     smooth in them): the host time of a hybrid layer beyond its lanes, how much longer the CPU's
     share takes than its kernel alone (its threads share the RAM with the copies and the cores with
-    the engine's thread), and the rate the prompt's copies reach. ``prompt_cpu_sync_s`` is 0 (the
-    host lane holds what a CPU share adds to the thread's work). Last, ``prompt_resident_layer_s``:
+    the engine's thread), and the rate the prompt's copies reach. ``prompt_cpu_sync_s`` follows from
+    the records too: in layers that waited for the CPU, the time outside its run (``cpu_lead``),
+    less what the model's attention and host points put before and after the lanes (without it the
+    fit on one H100 host traded that time for a CPU 1.43 times slower, and S1's hybrid prompts,
+    whose CPU shares are shorter, came out 30-50% fast). Last, ``prompt_resident_layer_s``:
     the least time of a resident layer at which the all-resident prompts are predicted best (they
     alone have resident layers). Returns the profile and ``{"runs": [{"name", "tokens",
-    "measured_s", "predicted_s"}], "prompt_sync_s", "prompt_cpu_scale", "prompt_h2d",
-    "prompt_resident_layer_s", "host_lane": {name: s}, "host_layers": n}`` (seconds per prompt, the
+    "measured_s", "predicted_s"}], "prompt_sync_s", "prompt_cpu_scale", "prompt_h2d", "cpu_lead_s",
+    "prompt_cpu_sync_s", "prompt_resident_layer_s", "host_lane": {name: s}, "host_layers": n}`` (seconds per prompt, the
     predictions at the fitted values)."""
     from workbench.core.costmodel import model_prompt_pair_reads
 
@@ -498,20 +513,31 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     lane = fit_host_lane(clock.layers)
     prof = replace(prof, prompt_cpu_sync_s=0.0, **lane)
     measured = np.array([r[4] for r in runs])
+    lead = cpu_lead(clock.layers)
 
     def seconds(p: HardwareProfile, inv, placement, tokens: int) -> float:
         return tokens / CostModel(inv, p).predict(placement, tokens + 8, prompt_tokens=tokens).prefill_tps
 
-    def misfit(values: tuple[float, float, float]) -> float:
+    def with_values(values: tuple[float, float, float]) -> HardwareProfile:
         sync, scale, rate = values
         p = replace(prof, prompt_sync_s=sync, prompt_cpu_scale=scale, prompt_h2d=rate)
+        if lead is None:
+            return p
+        # the CPU's share waits the layer's measured time outside its run: what the model's
+        # attention and host points do not already put there, with a CPU share
+        _, inv, placement, tokens, _ = runs[1]  # all on the CPU, a full prompt
+        first = CostModel(inv, p).predict(placement, tokens + 8, prompt_tokens=tokens).prefill_layers[0]
+        return replace(p, prompt_cpu_sync_s=max(0.0, lead - first.pre - first.sync))
+
+    def misfit(values: tuple[float, float, float]) -> float:
+        p = with_values(values)
         got = np.array([seconds(p, inv, placement, tokens) for _, inv, placement, tokens, _ in runs])
         return float(np.sum((got / measured - 1.0) ** 2))
 
     values, _ = _least_point(misfit, (0.0, 1.0, prof.h2d_pinned), (1e-3, 0.5, 0.1 * prof.h2d_pinned),
                              ((0.0, 0.05), (1.0, 5.0), (0.2 * prof.h2d_pinned, 2.0 * prof.h2d_pinned)))
     sync, scale, rate = values
-    fitted = replace(prof, prompt_sync_s=sync, prompt_cpu_scale=scale, prompt_h2d=rate)
+    fitted = with_values(values)
 
     def resident_misfit(value: float, among: list) -> float:  # the hybrid prompts have no resident layer
         p = replace(fitted, prompt_resident_layer_s=value, prompt_resident_layer_by_format={})
@@ -526,16 +552,17 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     fitted = replace(fitted, prompt_resident_layer_s=layer_s, prompt_resident_layer_by_format=by_format)
     info = {"runs": [{"name": r[0], "tokens": r[3], "measured_s": r[4], "predicted_s": seconds(fitted, r[1], r[2], r[3])}
                      for r in runs + resident],
-            "prompt_sync_s": sync, "prompt_cpu_scale": scale, "prompt_h2d": rate,
-            "prompt_resident_layer_s": layer_s, "prompt_resident_layer_by_format": by_format,
+            "prompt_sync_s": sync, "prompt_cpu_scale": scale, "prompt_h2d": rate, "cpu_lead_s": lead,
+            "prompt_cpu_sync_s": fitted.prompt_cpu_sync_s, "prompt_resident_layer_s": layer_s, "prompt_resident_layer_by_format": by_format,
             "host_lane": lane, "host_layers": len(clock.layers)}
     log.info("engine prompts of %d layers of %d experts: %s; host lane per hybrid prompt layer %.0f us, +%.0f us "
-             "with a CPU share, %.0f us a batch, %.1f us a copy; beyond the lanes %.0f us per hybrid prompt layer; "
-             "the CPU's share %.2fx its kernel's time; a prompt's copies at %.1f GB/s; a resident prompt layer at "
+             "with a CPU share, %.0f us a batch, %.1f us a copy; beyond the lanes %.0f us per hybrid prompt layer, "
+             "+%.0f us with a CPU share (outside the CPU's run: %s); the CPU's share %.2fx its kernel's time; a prompt's copies at %.1f GB/s; a resident prompt layer at "
              "least %.0f us (%s)", LAYERS, n,
              ", ".join(f"{r['name']} ({r['tokens']} tokens) {r['measured_s'] * 1e3:.1f} ms, predicted "
                        f"{r['predicted_s'] * 1e3:.1f}" for r in info["runs"]),
-             *(lane[k] * 1e6 for k in HOST_LANE), sync * 1e6, scale, rate / 1e9, layer_s * 1e6,
+             *(lane[k] * 1e6 for k in HOST_LANE), sync * 1e6, fitted.prompt_cpu_sync_s * 1e6,
+             "not recorded" if lead is None else f"{lead * 1e6:.0f} us", scale, rate / 1e9, layer_s * 1e6,
              ", ".join(f"{f.upper()} {v * 1e6:.0f} us" for f, v in by_format.items()) or "no format of its own")
     return fitted, info
 
