@@ -86,10 +86,12 @@ def fraction_for(inventory, profile) -> float:
 def hand_for(inventory, profile) -> float:
     """The decode server's hand-off in one CPU expert's time for a loaded ``inventory`` on the machine
     ``profile`` describes (``costmodel.model_bus_hand``: the served step's bus count weighs it); 0
-    with ``WORKBENCH_BUS_SHARE`` set (a share measured as given) or without a profile."""
+    with ``WORKBENCH_BUS_SHARE`` set (a share measured as given), with ``WORKBENCH_BUS_HAND=0`` (the
+    count by the rates alone, for measuring) or without a profile."""
     from workbench.core.costmodel import model_bus_hand
 
-    if os.environ.get("WORKBENCH_BUS_SHARE", "").strip() or profile is None or not profile.gpus:
+    if (os.environ.get("WORKBENCH_BUS_SHARE", "").strip() or os.environ.get("WORKBENCH_BUS_HAND", "").strip() == "0"
+            or profile is None or not profile.gpus):
         return 0.0
     return model_bus_hand(inventory, profile)
 
