@@ -423,3 +423,19 @@ def test_the_cpu_lead_is_the_time_outside_the_cpus_run_of_layers_that_waited_for
                layer(2e-3, 0.0, 4e-3, 4.7e-3)]  # 1.3 ms
     assert calibrate_engine.cpu_lead(records) == pytest.approx(1.3e-3)
     assert calibrate_engine.cpu_lead(records[2:5]) is None
+
+
+def test_the_prompt_refit_reports_the_time_outside_the_cpus_run(monkeypatch):
+    from workbench.engine import calibrate
+
+    base = preset("bench-h200")
+    fit = {"runs": [{"name": "all on the CPU", "tokens": 512, "measured_s": 0.178, "predicted_s": 0.18}],
+           "host_lane": dict.fromkeys(calibrate_engine.HOST_LANE, 1e-4), "host_layers": 12, "prompt_sync_s": 0.0,
+           "prompt_cpu_sync_s": 1.9e-3, "cpu_lead_s": 2.6e-3, "prompt_cpu_scale": 1.2, "prompt_h2d": 5e10,
+           "prompt_resident_layer_s": 1.4e-3, "prompt_resident_layer_by_format": {}}
+    fitted = replace(base, prompt_cpu_sync_s=1.9e-3)
+    monkeypatch.setattr(calibrate_engine, "fit_prompt_costs", lambda *a, **k: (fitted, fit))
+    said = []
+    out = calibrate.refit_prompt(base, 2048, 768, 8, said.append)
+    assert out.prompt_cpu_sync_s == 1.9e-3 and out.provenance["prompt_cpu_sync_s"] == "fitted to the engine"
+    assert "+1900 us with a CPU share (outside the CPU's run: 2600 us)" in said[0]

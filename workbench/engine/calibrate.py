@@ -887,9 +887,12 @@ def calibrate(
         try:
             bf16_rate = prof.cpu_expert_throughput.get("bf16")
             prof, fit = fit_engine_costs(prof, hidden, expert_ffn, top_k, kept=kept_fits)
+            deep = fit.get("deep")
+            host = (f"{fit['resident_queued_s'] * 1e3:.2f} ms a step queued" if deep is None else
+                    " / ".join(f"{t * 1e3:.2f}" for t in deep["resident_s"])
+                    + f" ms for {' / '.join(str(d) for d in deep['depths'])} layers all resident")
             run.report(f"engine decode per 8-layer step: {fit['resident_s'] * 1e3:.2f} ms all resident "
-                       f"({fit['resident_queued_s'] * 1e3:.2f} ms a step queued: the host {fit['step_s'] * 1e6:.0f} us "
-                       f"a step), "
+                       f"({host}: the host {fit['step_s'] * 1e6:.0f} us a step), "
                        f"{fit['sixteenth_s'] * 1e3:.2f} / {fit['quarter_s'] * 1e3:.2f} / {fit['half_s'] * 1e3:.2f} / "
                        f"{fit['three_quarters_s'] * 1e3:.2f} ms a sixteenth / quarter / half / three quarters on the CPU, "
                        f"{fit['cpu_s'] * 1e3:.2f} ms all on the CPU ({fit['cpu_predicted_s'] * 1e3:.2f} ms predicted); "
@@ -942,7 +945,9 @@ def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int
         f"{lane['prompt_host_layer_s'] * 1e6:.0f} us, +{lane['prompt_host_cpu_s'] * 1e6:.0f} us with a CPU share, "
         f"{lane['prompt_host_batch_s'] * 1e6:.0f} us a fetched batch, {lane['prompt_host_copy_s'] * 1e6:.1f} us a copy "
         f"({fit['host_layers']} layers recorded); beyond the lanes {fit['prompt_sync_s'] * 1e6:.0f} us per hybrid "
-        f"prompt layer; the CPU's share {fit['prompt_cpu_scale']:.2f}x its kernel's time; a prompt's copies at "
+        f"prompt layer, +{fit.get('prompt_cpu_sync_s', 0.0) * 1e6:.0f} us with a CPU share"
+        + ("" if fit.get("cpu_lead_s") is None else f" (outside the CPU's run: {fit['cpu_lead_s'] * 1e6:.0f} us)")
+        + f"; the CPU's share {fit['prompt_cpu_scale']:.2f}x its kernel's time; a prompt's copies at "
         f"{fit['prompt_h2d'] / 1e9:.1f} GB/s; a resident prompt layer at least "
         f"{fit['prompt_resident_layer_s'] * 1e6:.0f} us"
         + "".join(f", {f.upper()} {v * 1e6:.0f} us" for f, v in fit["prompt_resident_layer_by_format"].items()))
