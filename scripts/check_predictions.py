@@ -70,10 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         # a run planned blind (the first, n-cpu-moe) was saved without routing counts and predicted in
         # the bench with its own; the next saved project's counts include them
         later = [p.stats for p in projects.values() if p.stats is not None]
-        paths = run.get("engine_paths") or {}
-        share = paths.get("bus_share", args.bus_share)  # as the run's engine split
-        # an engine from before the hand-off-weighed bus count counted by the rates alone
-        engine = None if share is None else EngineShape(bus_share=share, bus_hand="bus_hand" in paths)
+        share = (run.get("engine_paths") or {}).get("bus_share", args.bus_share)  # as the run's engine split
+        engine = None if share is None else EngineShape(bus_share=share)
         cost = CostModel(inv, prof, project.stats or (later[0] if later else None), engine=engine)
         pred = cost.predict(project.placement, args.ctx, prompt_tokens=args.prompt)
         err = (pred.decode_tps - run["decode_tps"]) / run["decode_tps"]

@@ -510,45 +510,6 @@ def test_the_bus_takes_the_count_that_ends_the_slower_lane_first(fraction):
     assert list(bus_count(np.arange(6), 0.45, 8)) == [bus_count(n, 0.45, 8) for n in range(6)]
 
 
-@pytest.mark.parametrize("fraction, hand", [(0.343, 1.79), (0.18, 0.6), (0.45, 3.0), (0.25, 0.0)])
-def test_the_bus_count_weighs_the_servers_hand_off(fraction, hand):
-    """With the decode server's hand-off on the CPU's way (``hand``: in one CPU expert's time), the bus
-    takes the count that makes the longer lane shortest, the CPU's ``n - m`` plus the hand-off where
-    it keeps any: a lone bf16 expert of S1 on an H100 host (CPU 98 µs, hand-off 175, the bus 188)
-    goes over the bus. Without a hand-off, the count of before."""
-    from workbench.core.costmodel import bus_count
-
-    r = (1 - fraction) / fraction
-    for n in range(0, 9):
-        m = bus_count(n, fraction, 8, hand)
-        best = min(max(n - j + (hand if j < n else 0.0), j * r) for j in range(n + 1))
-        assert max(n - m + (hand if m < n else 0.0), m * r) == pytest.approx(best, rel=1e-6)
-        assert bus_count(n, fraction, 2, hand) <= 2
-    assert bus_count(1, 0.343, 8, 1.79) == 1 and bus_count(1, 0.343, 8, 0.0) == 0
-    assert list(bus_count(np.arange(9), fraction, 8, hand)) == [bus_count(n, fraction, 8, hand) for n in range(9)]
-
-
-def test_the_model_counts_the_bus_as_the_engine_with_the_hand_off():
-    """The model's decode lanes split a token's CPU-tier experts as the served engine does: with the
-    profile's hand-off (``model_bus_hand``) where the engine weighs it, by the rates alone for an
-    engine that does not (``EngineShape.bus_hand=False``)."""
-    from workbench.core.costmodel import model_bus_hand
-
-    inv = synth_inventory(4, 32, hidden=2048, expert_ffn=768, top_k=8)
-    hw = dataclasses.replace(h200_profile(), bus_read_rate=50e9, sync_s=175e-6,
-                             cpu_expert_throughput={**h200_profile().cpu_expert_throughput, "bf16": 96e9})
-    hand = model_bus_hand(inv, hw)
-    assert hand == pytest.approx(175e-6 * 96e9 / (3 * 2048 * 768 * 2))
-    assert model_bus_hand(inv, dataclasses.replace(hw, bus_read_rate=0.0)) == 0
-    p = Placement()  # four of each layer's 32 experts on the CPU: a token picks one of them now and then
-    for layer in range(4):
-        p.move([UnitKey(layer, "expert", e) for e in range(28, 32)], CPU_COMPUTE)
-    weighed = CostModel(inv, hw).predict(p, ctx=576)
-    plain = CostModel(inv, hw, engine=EngineShape(bus_hand=False)).predict(p, ctx=576)
-    assert weighed.decode_tps > plain.decode_tps  # a lone expert's hand-off spared
-    assert sum(c.bus for c in weighed.decode_layers) > sum(c.bus for c in plain.decode_layers)
-
-
 def test_the_cpu_is_waited_for_when_it_keeps_any_selection():
     lam = np.array([0.0, 0.7, 2.0, 100.0])
     # with a bus share of 0.45, one selection stays on the CPU and two send one: n >= 1 keeps the CPU busy

@@ -455,24 +455,3 @@ def test_the_engines_bus_share_comes_from_the_profile_unless_asked_for(monkeypat
     assert bus.fraction_for(inv, dataclasses.replace(prof, gpus=())) == BUS_SHARE
     monkeypatch.setenv("WORKBENCH_BUS_SHARE", "0.2")
     assert bus.fraction_for(inv, prof) == 0.2
-
-
-def test_the_engines_bus_hand_off_comes_from_the_profile_unless_turned_off(monkeypatch, tiny_model_dir):
-    """``bus.hand_for``: the profile's hand-off in one CPU expert's time (what the cost model counts
-    with); 0 with ``WORKBENCH_BUS_HAND=0``, with ``WORKBENCH_BUS_SHARE`` set, or without a profile."""
-    import dataclasses
-
-    from workbench.core.costmodel import model_bus_hand
-    from workbench.core.hardware import preset
-
-    inv = open_inventory(tiny_model_dir("qwen3_moe"))
-    prof = dataclasses.replace(preset("bench-h200"), bus_read_rate=20e9, sync_s=1e-4)
-    monkeypatch.delenv("WORKBENCH_BUS_SHARE", raising=False)
-    monkeypatch.delenv("WORKBENCH_BUS_HAND", raising=False)
-    assert bus.hand_for(inv, prof) == model_bus_hand(inv, prof) > 0
-    assert bus.hand_for(inv, None) == 0
-    monkeypatch.setenv("WORKBENCH_BUS_HAND", "0")
-    assert bus.hand_for(inv, prof) == 0
-    monkeypatch.setenv("WORKBENCH_BUS_HAND", "1")
-    monkeypatch.setenv("WORKBENCH_BUS_SHARE", "0.2")
-    assert bus.hand_for(inv, prof) == 0

@@ -195,43 +195,28 @@ def bus_ratio(fraction: float) -> float:
     return float((np.float32(1) - f) / f) if f > 0 else 0.0
 
 
-def bus_count(n, fraction: float, slots: int, hand: float = 0.0):
+def bus_count(n, fraction: float, slots: int):
     """How many of the ``n`` CPU-tier experts one token selects in a layer travel over the bus (an int
-    or an integer array like ``n``): the ``m`` (at most ``n`` and ``slots``) that lets the slower of
-    the two lanes finish first, the CPU's ``n - m`` experts plus ``hand`` where it has any (the
-    decode server's hand-off, in one CPU expert's time: ``model_bus_hand``) against the bus's ``m``
+    or an integer array like ``n``): ``m`` of ``floor(n * fraction)`` and one more, whichever lets
+    the slower of the two lanes finish first, the CPU's ``n - m`` experts against the bus's ``m``
     when the bus takes ``(1 - fraction) / fraction`` times as long for one (``fraction`` splits their
-    rates so: ``balanced_bus_share``); a tie stays with the CPU. Without a hand-off that is
-    ``floor(n * fraction)`` or one more; with one, a token's lone CPU expert may go over the bus and
-    spare the hand-off (one bf16 expert of S1 took the CPU 98 µs and the hand-off 175 µs more on an
-    H100 host; the bus read it in 188 µs). Rounding ``n * fraction`` instead sent the bus one of 3
-    at a fraction of 0.18, a layer 1.5 times as long as the CPU computing all three. float32
-    arithmetic, as the decode step's publish kernel does it."""
+    rates so: ``balanced_bus_share``); a tie stays with the CPU; at most ``slots``. Rounding ``n *
+    fraction`` instead sent the bus one of 3 at a fraction of 0.18, a layer 1.5 times as long as the
+    CPU computing all three. float32 arithmetic, as the decode step's publish kernel does it."""
     f = np.float32(fraction)
     n_arr = np.asarray(n, dtype=np.int64)
-    m = np.zeros_like(n_arr)
-    if f > 0:
-        r, h = np.float32(bus_ratio(fraction)), np.float32(max(0.0, hand))
-        cap = np.minimum(n_arr, max(0, int(slots)))
-        best = np.full(n_arr.shape, np.inf, dtype=np.float32)
-        for j in range(int(n_arr.max(initial=0)) + 1):
-            left = n_arr - j
-            cost = np.maximum(left.astype(np.float32) + np.where(left > 0, h, np.float32(0)), np.float32(j) * r)
-            better = (j <= cap) & (cost < best)
-            m, best = np.where(better, j, m), np.where(better, cost, best)
+    if not f > 0:
+        m = np.zeros_like(n_arr)
+    else:
+        nf = n_arr.astype(np.float32)
+        m0 = np.floor(nf * f).astype(np.int64)
+        r = np.float32(bus_ratio(fraction))
+        a0 = np.maximum((n_arr - m0).astype(np.float32), m0.astype(np.float32) * r)
+        a1 = np.maximum((n_arr - m0 - 1).astype(np.float32), (m0 + 1).astype(np.float32) * r)
+        m = m0 + ((a1 < a0) & (m0 < n_arr))
+        m = np.minimum(m, n_arr)
+    m = np.minimum(m, max(0, int(slots)))
     return int(m) if np.ndim(n) == 0 else m
-
-
-def model_bus_hand(inventory: Inventory, profile: HardwareProfile) -> float:
-    """The decode server's hand-off (``sync_s``) in units of the CPU's time for one routed expert of
-    ``inventory`` as its CPU tier holds it (``bus_count``'s ``hand``); 0 where calibration did not
-    measure the bus's in-place reads (the share is then ``BUS_SHARE``, as checked before) or the
-    CPU's rate for the format, or without experts."""
-    held = _held_expert(inventory)
-    if held is None or not profile.bus_read_rate > 0:
-        return 0.0
-    rate = cpu_rate(profile, held[0])
-    return float(profile.sync_s * rate / held[2]) if rate > 0 and held[2] > 0 else 0.0
 
 
 def model_bus_share(inventory: Inventory, profile: HardwareProfile) -> float:
@@ -299,9 +284,6 @@ class EngineShape:
     """Decode sends ``round(n * bus_share)`` (at most ``bus_slots``) of the ``n`` CPU-compute experts a
     token selects in a layer over the bus to the GPU, while the CPU computes the rest; 0: none."""
     bus_slots: int = BUS_SLOTS
-    bus_hand: bool = True
-    """Decode's bus count weighs the decode server's hand-off (``model_bus_hand``: a token's lone CPU
-    expert may go over the bus); False: an engine that counts by the rates alone."""
     launches_bus: int = 4
     """per layer that sends experts over the bus: the expert map copy, gate_up, down, add."""
     served: bool = True
@@ -331,13 +313,12 @@ def count_probs(lam, top_k: int) -> np.ndarray:
         return comb * q ** n * (1.0 - q) ** (top_k - n)
 
 
-def split_counts(lam, top_k: int, fraction: float, slots: int, hand: float = 0.0
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split_counts(lam, top_k: int, fraction: float, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A token's CPU-compute selections in a layer and the bus's part of them: ``(n [top_k + 1],
     P(n) [..., top_k + 1], m [top_k + 1])`` for ``n = 0..top_k`` (``count_probs`` of their expected
-    count ``lam``, any shape; ``bus_count(n, fraction, slots, hand)``)."""
+    count ``lam``, any shape; ``bus_count(n, fraction, slots)``)."""
     n = np.arange(top_k + 1)
-    return n, count_probs(lam, top_k), bus_count(n, fraction, slots, hand)
+    return n, count_probs(lam, top_k), bus_count(n, fraction, slots)
 
 
 def weight_format(dtype: str) -> str:
@@ -681,8 +662,7 @@ class CostModel:
         eng, prof = self.engine, self.profile
         k = max(1, self.inv.spec.n_experts_active)
         frac = self._bus_fraction() if self.moe_layer.any() else 0.0
-        hand = model_bus_hand(self.inv, prof) if eng.served and eng.bus_hand else 0.0
-        n, pn, m = split_counts(lam, k, frac, eng.bus_slots, hand)
+        n, pn, m = split_counts(lam, k, frac, eng.bus_slots)
         safe = np.where(lam > 0, lam, 1.0)
         c1, b1 = (cpu_t / safe)[..., None], (cpu_bytes / safe)[..., None]  # one selection's seconds and bytes
         launches = (m > 0) * eng.launches_bus * self._gpu(0).launch_s

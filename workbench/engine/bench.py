@@ -299,13 +299,11 @@ def measure_engine(engine, *, prompt: int, gen: int, repeats: int, seed: int = 0
 
 def run_placement(inv, placement: Placement, label: str, strategy: str, *, device: str, dtype: torch.dtype,
                   prompt: int, gen: int, repeats: int, vram_budget: int | None,
-                 pair_reads: float | None = None, bus_share: float | None = None, bus_hand: float = 0.0
-                 ) -> tuple[EngineRun, np.ndarray]:
+                 pair_reads: float | None = None, bus_share: float | None = None) -> tuple[EngineRun, np.ndarray]:
     """Load ``placement``, measure it, close the engine. Returns the run and its routing counts.
     ``pair_reads``: the profile's cost of a prompt's further token per CPU expert
     (``costmodel.model_prompt_pair_reads``), which the engine's prompt split then uses;
-    ``bus_share``: decode's bus share (``bus.fraction_for``; None: the engine's default); ``bus_hand``:
-    the hand-off its bus count weighs (``bus.hand_for``)."""
+    ``bus_share``: decode's bus share (``bus.fraction_for``; None: the engine's default)."""
     from workbench.engine import Engine
 
     run = EngineRun(label, strategy)
@@ -321,7 +319,7 @@ def run_placement(inv, placement: Placement, label: str, strategy: str, *, devic
         try:
             t0 = time.perf_counter()
             engine = Engine.load(inv, placement, device=dev, dtype=dtype, max_context=prompt + gen,
-                                 vram_budget=vram_budget, bus_share=bus_share, bus_hand=bus_hand)
+                                 vram_budget=vram_budget, bus_share=bus_share)
             run.load_s = time.perf_counter() - t0
             engine.set_prompt_pair_reads(pair_reads)
             m = measure_engine(engine, prompt=prompt, gen=gen, repeats=repeats)
@@ -385,7 +383,7 @@ def predicted_host_ms(prediction) -> float:
 def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
     """What a loaded engine did: ``bus_experts`` (experts the bus share copied so far: prompts, and
     decode without the decode server), ``bus_share`` (the share of a token's CPU-selected experts its
-    decode sends over the bus), ``bus_hand`` (the hand-off its bus count weighs), ``served_layers`` / ``served_bus_pairs`` (the decode server's
+    decode sends over the bus), ``served_layers`` / ``served_bus_pairs`` (the decode server's
     hybrid layers and the (token, expert) pairs its bus kernels computed so far), ``kept``
     (``{layer: "gate/up format+down format"}``), ``tiers`` (``{layer: [resident, compute, stream]}``
     expert counts), ``decode_server_off`` (why hybrid layers went back to host-driven steps, which
@@ -400,8 +398,7 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
     kept = {str(layer): "+".join(lx.kept) for layer, lx in engine.experts.items() if lx.kept is not None}
     tiers = {str(layer): [int(n) for n in lx.n_tier] for layer, lx in engine.experts.items()}
     out = {"bus_experts": share.copied if share is not None else 0, "kept": kept, "tiers": tiers,
-           "dropped_candidates": list(kernel_check.dropped), "bus_share": getattr(engine, "bus_share", None),
-           "bus_hand": getattr(engine, "bus_hand", None)}
+           "dropped_candidates": list(kernel_check.dropped), "bus_share": getattr(engine, "bus_share", None)}
     decoder = getattr(engine, "_decoder", None)
     server = getattr(decoder, "server", None)
     out["served_layers"] = sorted(server.layers) if server is not None else []
@@ -472,7 +469,6 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
     runs = []
     pair_reads = model_prompt_pair_reads(inv, profile)  # the engine's prompt split, from the profile
     bus_share = bus.fraction_for(inv, profile)  # and its decode's, as the cost model predicts it
-    bus_hand = bus.hand_for(inv, profile)
     todo = [("all-gpu", None)] if all_gpu else []
     todo += [(s, budget) for s in strategies]
     for strategy, b in todo:
@@ -498,7 +494,7 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
         run, counts = run_placement(inv, plan.placement, label, strategy, device=device, dtype=dtype,
                                     prompt=prompt, gen=gen, repeats=repeats,
                                     vram_budget=budget_bytes if b is not None else None,
-                                    pair_reads=pair_reads, bus_share=bus_share, bus_hand=bus_hand)
+                                    pair_reads=pair_reads, bus_share=bus_share)
         run.predicted_decode_tps = plan.prediction.decode_tps
         run.predicted_prefill_tps = plan.prediction.prefill_tps
         prediction = plan.prediction

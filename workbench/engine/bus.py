@@ -83,19 +83,6 @@ def fraction_for(inventory, profile) -> float:
     return model_bus_share(inventory, profile)
 
 
-def hand_for(inventory, profile) -> float:
-    """The decode server's hand-off in one CPU expert's time for a loaded ``inventory`` on the machine
-    ``profile`` describes (``costmodel.model_bus_hand``: the served step's bus count weighs it); 0
-    with ``WORKBENCH_BUS_SHARE`` set (a share measured as given), with ``WORKBENCH_BUS_HAND=0`` (the
-    count by the rates alone, for measuring) or without a profile."""
-    from workbench.core.costmodel import model_bus_hand
-
-    if (os.environ.get("WORKBENCH_BUS_SHARE", "").strip() or os.environ.get("WORKBENCH_BUS_HAND", "").strip() == "0"
-            or profile is None or not profile.gpus):
-        return 0.0
-    return model_bus_hand(inventory, profile)
-
-
 def _whole_from_env(name: str, default: int, least: int) -> int:
     """The environment variable ``name`` as a whole number of at least ``least`` (``default`` when
     unset, or, with a warning, when it is not a whole number)."""
@@ -228,10 +215,9 @@ class BusShare:
     last two tensors of their stacks and slots."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, n_experts: int, shape13: tuple[int, int],
-                 shape2: tuple[int, int], fraction: float, slots: int | None = None, hand: float = 0.0):
+                 shape2: tuple[int, int], fraction: float, slots: int | None = None):
         slots = slots_from_env() if slots is None else slots
         self.device, self.dtype, self.fraction, self.slots = device, dtype, fraction, slots
-        self.hand = hand  # the decode server's hand-off in one CPU expert's time (``costmodel.model_bus_hand``)
         self.shape13, self.shape2 = shape13, shape2
         self.cuda = device.type == "cuda"  # elsewhere (tests: Triton's interpreter) the copies are plain
         self.map_host = torch.full((n_experts,), -1, dtype=torch.int64, pin_memory=self.cuda)

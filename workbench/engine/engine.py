@@ -209,7 +209,7 @@ class Engine:
     def load(cls, inventory: Inventory, placement: Placement | None = None, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32, max_context: int = 2048, progress: Progress | None = None,
              cancel=None, vram_budget: int | None = None, cpu_format: str | None = None,
-             cpu_workers: int = 1, bus_share: float | None = None, bus_hand: float = 0.0) -> Engine:
+             cpu_workers: int = 1, bus_share: float | None = None) -> Engine:
         """Load ``inventory`` under ``placement`` (default: everything on the accelerator).
 
         ``device`` is the accelerator. ``max_context`` sizes the static KV cache (tokens).
@@ -220,8 +220,7 @@ class Engine:
         ``cpu_format`` (``cpu_formats.FORMATS``: bf16, f32, int8, int4) computes the CPU tier's experts
         with that weight format on ``cpu_workers`` threads; None keeps them in ``dtype``.
         ``bus_share`` (CUDA): the share of a token's CPU-selected experts that decode sends over the bus
-        (``bus.BusShare``); None: ``WORKBENCH_BUS_SHARE`` or the default, 0: none. ``bus_hand``: the
-        decode server's hand-off in one CPU expert's time (``bus.hand_for``), which its bus count weighs.
+        (``bus.BusShare``); None: ``WORKBENCH_BUS_SHARE`` or the default, 0: none.
         Raises PlacementError before allocating anything when the placement does not fit, and
         AcceleratorMemoryError / LoadCancelled after freeing what was loaded.
         """
@@ -261,7 +260,6 @@ class Engine:
         self.served_mode = _served_mode(os.environ.get("WORKBENCH_SERVED", "auto"))
         self._decoder = None
         self._bus, self.bus_share, self._keeps_blocks, self._keeps_dense = None, bus_share, keeps, dense_kept
-        self.bus_hand = max(0.0, float(bus_hand))
         self.prompt_pair_reads = _pair_reads_from_env()
         self.host_clock: HostClock | None = None  # record_host
         self._reader = WeightReader(inventory)
@@ -424,7 +422,7 @@ class Engine:
                 return
             a = self.args
             self._bus = bus.BusShare(self.device, self.dtype, a.n_experts, (2 * a.expert_ffn, a.hidden),
-                                     (a.hidden, a.expert_ffn), fraction, hand=self.bus_hand)
+                                     (a.hidden, a.expert_ffn), fraction)
         if self._bus.pin(lx, lx.bus_stacks(), lx.kept_layout(), lx.bias):
             lx.bus = self._bus
             log.debug("layer %d: bus share %.2f of its CPU-selected experts", lx.layer, self._bus.fraction)

@@ -7,9 +7,8 @@ thread (``cpu_kernel.server``) talk through page-locked memory instead, and a wh
 one CUDA graph:
 
 1. ``publish`` (on the accelerator): one kernel splits the token's ``k`` selections into the CPU's
-   (``packet`` rows, -1 elsewhere), the bus's (``bus_rows``: the first ``costmodel.bus_count(n, fraction, slots, hand)`` of the
-   ``n`` CPU-tier selections: the host-driven step's count, ``bus.BusShare.share``, with the server's
-   hand-off weighed, ``hand``) and the rest, and writes the
+   (``packet`` rows, -1 elsewhere), the bus's (``bus_rows``: the first ``costmodel.bus_count(n, fraction, slots)`` of the
+   ``n`` CPU-tier selections, as ``bus.BusShare.share`` counts them) and the rest, and writes the
    packet ``[rows, weights, x]`` (float32 ``[2k + H]``); two copies send it and then the step number
    (``step``, counted on the device) to page-locked memory.
 2. The native thread sees the new step number in the layer's ``flag_in``, computes the packet's
@@ -60,7 +59,7 @@ if triton is not None:
 
     @triton.jit
     def _publish_kernel(ids_ptr, w_ptr, x_ptr, tier_ptr, local_ptr, packet_ptr, bus_ptr, count_ptr, host_ptr, H,
-                        fraction, ratio, hand, slots, K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr):
+                        fraction, ratio, slots, K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr):
         """The packet ``[rows of the CPU's pairs (-1 others), weights, x]`` (float32) and the bus's rows
         per pair (-1: not the bus's) from one token's ``ids``/``w [K]`` and ``x [H]``; adds the bus's
         pairs to ``count`` and stores the CPU's in ``host`` (int32: 0 lets ``wait_add`` skip the layer)."""
@@ -74,17 +73,12 @@ if triton is not None:
         ci = cpu.to(tl.int32)
         n = tl.sum(ci, axis=0)
         rank = tl.cumsum(ci, axis=0) - 1
-        # costmodel.bus_count: the count that ends the slower lane first, the CPU's with the hand-off
-        cap = tl.minimum(n, slots)
-        m = n * 0
-        best = m.to(tl.float32) + 3.0e38
-        for j in tl.static_range(K + 1):
-            left = n - j
-            cost = tl.maximum(left.to(tl.float32) + tl.where(left > 0, hand, 0.0), ratio * j)
-            better = (j <= cap) & (cost < best)
-            m = tl.where(better, j, m)
-            best = tl.where(better, cost, best)
-        m = tl.where(fraction > 0, m, 0)
+        # costmodel.bus_count: floor(n * fraction) or one more, whichever ends the slower lane first
+        m0 = (n.to(tl.float32) * fraction).to(tl.int32)
+        a0 = tl.maximum((n - m0).to(tl.float32), m0.to(tl.float32) * ratio)
+        a1 = tl.maximum((n - m0 - 1).to(tl.float32), (m0 + 1).to(tl.float32) * ratio)
+        m = m0 + ((a1 < a0) & (m0 < n)).to(tl.int32)
+        m = tl.where(fraction > 0, tl.minimum(tl.minimum(m, n), slots), 0)
         bus = cpu & (rank < m)
         tl.store(count_ptr, tl.load(count_ptr) + m)
         tl.store(host_ptr, n - m)
@@ -274,13 +268,13 @@ class DecodeServer:
     def publish(self, lx: LayerExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
         """Send the CPU its share of the token ``x [1, H]`` with routing ``ids``/``w [1, k]``."""
         s = self.layers[lx.layer]
-        frac, slots, hand = (lx.bus.fraction, lx.bus.slots, lx.bus.hand) if lx.bus is not None else (0.0, 0, 0.0)
+        frac, slots = (lx.bus.fraction, lx.bus.slots) if lx.bus is not None else (0.0, 0)
         if gpu_kernels.usable(x):
             _publish_kernel[(1,)](ids, w, x, lx.tier_dev, lx.local_dev, s.packet_dev, s.bus_rows, self.bus_count, s.host,
-                                  self.hidden, float(frac), bus_ratio(frac), float(hand), int(slots), K=self.k,
-                                  KP=triton.next_power_of_2(self.k), BLOCK_H=min(1024, triton.next_power_of_2(self.hidden)))
+                                  self.hidden, float(frac), bus_ratio(frac), int(slots), K=self.k, KP=triton.next_power_of_2(self.k),
+                                  BLOCK_H=min(1024, triton.next_power_of_2(self.hidden)))
         else:
-            self.bus_count += _publish_torch(ids.reshape(-1), w.reshape(-1), x.reshape(-1), lx, s, frac, slots, hand)
+            self.bus_count += _publish_torch(ids.reshape(-1), w.reshape(-1), x.reshape(-1), lx, s, frac, slots)
         if self.cuda:
             s.packet.copy_(s.packet_dev, non_blocking=True)
             s.flag_in.copy_(self.step, non_blocking=True)
@@ -388,12 +382,12 @@ def _native_stacks(lx: LayerExperts) -> tuple[int, list[torch.Tensor], int, int]
 
 
 def _publish_torch(ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor, lx: LayerExperts, s: _Layer, frac: float,
-                   slots: int, hand: float = 0.0) -> int:
+                   slots: int) -> int:
     """``_publish_kernel`` in torch ops (a CPU accelerator without Triton's interpreter); the bus's pairs."""
     k = ids.shape[0]
     cpu = lx.tier_dev[ids] == COMPUTE
     n = int(cpu.sum())
-    m = bus_count(n, frac, slots, hand)
+    m = bus_count(n, frac, slots)
     rank = torch.cumsum(cpu.long(), 0) - 1
     bus = cpu & (rank < m)
     row = lx.local_dev[ids]

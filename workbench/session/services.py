@@ -239,8 +239,7 @@ def load_engine(inv: Inventory, placement: Placement, progress=None, cancel=None
                 hardware=None):
     """Load the engine on CUDA when there is one (bf16), else on the CPU (fp32). ``force``: no
     VRAM check (the user chose to load anyway). ``hardware``: the machine's profile, whose bus and
-    CPU read rates set decode's bus share (``bus.fraction_for``; None: the engine's default) and the
-    hand-off its count weighs (``bus.hand_for``)."""
+    CPU read rates set decode's bus share (``bus.fraction_for``; None: the engine's default)."""
     engine_mod = _optional("workbench.engine.engine")
     if engine_mod is None:
         raise WorkbenchError("the inference engine is not available in this build")
@@ -257,10 +256,9 @@ def load_engine(inv: Inventory, placement: Placement, progress=None, cancel=None
     ctx = min(int(inv.spec.max_context or 4096), 8192)
     bus_mod = _optional("workbench.engine.bus") if device == "cuda" and hardware is not None else None
     bus_share = bus_mod.fraction_for(inv, hardware) if bus_mod is not None else None
-    bus_hand = bus_mod.hand_for(inv, hardware) if bus_mod is not None else 0.0
     return engine_mod.Engine.load(inv, placement, device=device, dtype=dtype, max_context=ctx,
                                   progress=byte_progress(progress), cancel=cancel,
-                                  vram_budget=(1 << 62) if force else None, bus_share=bus_share, bus_hand=bus_hand)
+                                  vram_budget=(1 << 62) if force else None, bus_share=bus_share)
 
 
 def profile(engine, tokenizer, prompts: list[str], progress=None, cancel=None):
