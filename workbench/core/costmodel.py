@@ -671,19 +671,20 @@ class CostModel:
         waits = (n - m > 0) if eng.served else np.ones_like(n, dtype=bool)  # the server's hand-off: only then
         hand = np.where((has_compute & ~streamed)[..., None], prof.sync_s * waits, 0.0)
         sync_n = sync_fixed[..., None] + np.zeros_like(hand)
+        # served: the packet's way to the native thread and back delays only the CPU's result, so the
+        # hand-off joins the CPU lane; host-driven: the host waits for the routing before any lane starts
+        on_cpu = hand if eng.served else 0.0
+        if not eng.served:
+            sync_n = sync_n + hand
         if frac <= 0:
-            cpu_n = n * c1
+            cpu_n = n * c1 + on_cpu
         elif eng.served:  # kernels read the rows in place: the bus lane is their reads
-            cpu_n = np.maximum((n - m) * c1 + hand, n * b1 / (prof.host_read_bandwidth * eng.shared_read))
+            cpu_n = np.maximum((n - m) * c1 + on_cpu, n * b1 / (prof.host_read_bandwidth * eng.shared_read))
             bus_n = m * b1 / bus_rate(prof, eng.bus_read) + launches
         else:  # copies into slots, then their compute on the GPU
             gpu_x = m * b1 / self.expert_bandwidth(0)
             cpu_n = np.maximum((n - m) * c1, n * b1 / prof.host_read_bandwidth)
             bus_n = m * b1 / prof.h2d_pinned + gpu_x + launches
-        if eng.served:  # the packet's way to the native thread and back delays only the CPU's result
-            cpu_n = cpu_n + (hand if frac <= 0 else 0.0)
-        else:  # the host waits for the routing before any lane starts
-            sync_n = sync_n + hand
         gpu_n = np.maximum(gpu0[..., None] + gpu_x, gpu_other[..., None]) + gpu_fixed[..., None]
         cpu_n = cpu_n + cpu_fixed[..., None]
         bus_n = bus_n + bus_fixed[..., None]

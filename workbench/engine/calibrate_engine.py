@@ -189,8 +189,8 @@ host's time per step (``_deep_resident_fit``)."""
 def _deep_resident_fit(shape: synth.SynthShape, device: str, room: float, seconds, with_launch) -> dict | None:
     """The kernel cost ``launch_s`` and the host's time per step ``step_s`` (s) from the engine's decode
     of two all-resident models of ``DEPTHS`` layers (fewer where half of ``room`` bytes holds fewer;
-    none where the shallower would have fewer than ``LAYERS``): the steps' difference is the layers' kernels alone, the rest of the
-    shallower step the host's. The 8-layer resident step left the host's time in the kernels: H100
+    none where the shallower would have fewer than ``LAYERS``): the steps' difference is the layers'
+    kernels alone, the rest of the shallower step the host's. The 8-layer resident step left the host's time in the kernels: H100
     hosts ran it in 0.66 to 0.96 ms from call to call (the host's Python, not the GPU, set its pace),
     the fitted kernel cost 1.8 to 4.5 µs, while S1 all on the GPU (24 layers) held 454-477 tok/s and
     was predicted up to 25% slow. ``seconds(profile, model)``: the model's seconds per step of a
@@ -362,8 +362,9 @@ def _fit_cpu_rate(prof: HardwareProfile, inv, fmt: str, device: str, info: dict)
     layer's experts on the CPU (``CPU_FIT_SHARES``). The kernel's batch rate, measured alone, is
     the rate of many experts a pass; a token's one or two leave most of the cores short of work (on
     the H200 host one Q8_0 expert a packet ran at half the batch rate). At most the host's RAM read
-    rate: with the host point fitted high, an H100 host's runs put Q8_0 at 442 GB/s. Adds ``cpu_measured_rate``,
-    ``cpu_rate`` and ``hybrid_s`` to ``info``; the measured rate where the fit finds no better one."""
+    rate: with the host point fitted high, an H100 host's runs put Q8_0 at 442 GB/s. Adds
+    ``cpu_measured_rate``, ``cpu_rate`` and ``hybrid_s`` to ``info``; the measured rate where the fit
+    finds no better one."""
     hybrid = [_upper_on_cpu(inv, share) for share in CPU_FIT_SHARES]
     times = [min(_decode_seconds(inv, p, device) for _ in range(REPEATS)) for p in hybrid]
     measured = prof.cpu_expert_throughput[fmt]
@@ -377,6 +378,8 @@ def _fit_cpu_rate(prof: HardwareProfile, inv, fmt: str, device: str, info: dict)
     ram = 1.0 / prof.host_read_bandwidth if prof.host_read_bandwidth > 0 else 0.0  # experts come from RAM no faster
     u = _least_on_line(misfit, max(u0 / 8, ram), max(8 * u0, 2 * ram))
     rate = 1.0 / u if misfit(u) < misfit(u0) else measured
+    if ram > 0:
+        rate = min(rate, 1.0 / ram)
     info.update(cpu_measured_rate=measured, cpu_rate=rate, hybrid_s=times)
     log.info("engine decode per %d-layer step, %s blocks, a sixteenth / half on the CPU: %s ms; the CPU's rate "
              "%.1f GB/s (kernel alone %.1f GB/s)", LAYERS, fmt, " / ".join(f"{t * 1e3:.2f}" for t in times),
@@ -475,8 +478,8 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     the least time of a resident layer at which the all-resident prompts are predicted best (they
     alone have resident layers). Returns the profile and ``{"runs": [{"name", "tokens",
     "measured_s", "predicted_s"}], "prompt_sync_s", "prompt_cpu_scale", "prompt_h2d", "cpu_lead_s",
-    "prompt_cpu_sync_s", "prompt_resident_layer_s", "host_lane": {name: s}, "host_layers": n}`` (seconds per prompt, the
-    predictions at the fitted values)."""
+    "prompt_cpu_sync_s", "prompt_resident_layer_s", "host_lane": {name: s}, "host_layers": n}``
+    (seconds per prompt, the predictions at the fitted values)."""
     from workbench.core.costmodel import model_prompt_pair_reads
 
     room = psutil.virtual_memory().available
@@ -553,12 +556,12 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     info = {"runs": [{"name": r[0], "tokens": r[3], "measured_s": r[4], "predicted_s": seconds(fitted, r[1], r[2], r[3])}
                      for r in runs + resident],
             "prompt_sync_s": sync, "prompt_cpu_scale": scale, "prompt_h2d": rate, "cpu_lead_s": lead,
-            "prompt_cpu_sync_s": fitted.prompt_cpu_sync_s, "prompt_resident_layer_s": layer_s, "prompt_resident_layer_by_format": by_format,
-            "host_lane": lane, "host_layers": len(clock.layers)}
+            "prompt_cpu_sync_s": fitted.prompt_cpu_sync_s, "prompt_resident_layer_s": layer_s,
+            "prompt_resident_layer_by_format": by_format, "host_lane": lane, "host_layers": len(clock.layers)}
     log.info("engine prompts of %d layers of %d experts: %s; host lane per hybrid prompt layer %.0f us, +%.0f us "
              "with a CPU share, %.0f us a batch, %.1f us a copy; beyond the lanes %.0f us per hybrid prompt layer, "
-             "+%.0f us with a CPU share (outside the CPU's run: %s); the CPU's share %.2fx its kernel's time; a prompt's copies at %.1f GB/s; a resident prompt layer at "
-             "least %.0f us (%s)", LAYERS, n,
+             "+%.0f us with a CPU share (outside the CPU's run: %s); the CPU's share %.2fx its kernel's time; "
+             "a prompt's copies at %.1f GB/s; a resident prompt layer at least %.0f us (%s)", LAYERS, n,
              ", ".join(f"{r['name']} ({r['tokens']} tokens) {r['measured_s'] * 1e3:.1f} ms, predicted "
                        f"{r['predicted_s'] * 1e3:.1f}" for r in info["runs"]),
              *(lane[k] * 1e6 for k in HOST_LANE), sync * 1e6, fitted.prompt_cpu_sync_s * 1e6,
@@ -686,7 +689,7 @@ def _fit_host(model, runs: list, u0: float, u_min: float = 0.0) -> tuple[float |
         if sol is None:
             return None, 0.0
         sync, u_next = float(sol[0]), float(sol[1])
-        if 0 < u_next < u_min:  # faster than the host's RAM reads them: the rate at that bound, the host point refitted
+        if 0 < u_next < u_min:  # faster than the host's RAM reads them: that rate, the host point refitted
             a = np.array([r[0] for r in rows])
             sync, u_next = float(a @ (np.array(rhs) - np.array([r[1] for r in rows]) * u_min) / (a @ a)), u_min
         if u_next <= 0:
