@@ -38,7 +38,8 @@
 # scripts/time_dense_kernels.py: kept Q8_0/Q4_K/Q6_K projections and head against bf16), placements (those the side-by-side stages ran,
 # as $OUT/placements.tar.gz), pack (llama-bench binary
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it),
-# handoff (scripts/time_served_handoff.py, both server teams), cpu_sweep (the same for Q8_0 by read-ahead hint, distance and threads), engine_team (S1 bf16 and Q8_0 with the
+# handoff (scripts/time_served_handoff.py, both server teams), handoff_sparse (the same, spinning team, with one and four picks in
+# every layer and then in 40% of them: a sparse placement's layers), cpu_sweep (the same for Q8_0 by read-ahead hint, distance and threads), engine_team (S1 bf16 and Q8_0 with the
 # decode server's passes on torch's OpenMP pool), engine_alt (the same, ours only, under BENCH_ALT_ENV's settings), cpu_prompt (scripts/time_cpu_prompt.py: the fused kernel by tokens
 # per expert against torch's GEMMs; $OUT/cpu_prompt.json), cpu_vs_ggml (scripts/time_cpu_vs_ggml.py:
 # one token's CPU experts, ours against llama.cpp's ggml, built from .llamacpp/ggml-src.tar.xz (carry it:
@@ -188,6 +189,14 @@ stage_handoff() {  # the decode server's hand-off per hybrid layer against the C
         timeout 120 python3 scripts/time_served_handoff.py --format "$1" --picks "$2" 2>&1 | tee -a "$OUT/handoff.txt"
     done
     tail -8 "$OUT/handoff.txt" >>"$OUT/device.log"
+}
+stage_handoff_sparse() {  # the same with one and four picks in every layer, then in 40% of them (the rest empty),
+    # 70 us of the host's wait between layers: does a sparse layer's round trip cost more than a busy one's?
+    for f in bf16 q8_0; do
+        timeout 150 python3 scripts/time_served_handoff.py --format "$f" --picks 1,4 --every 1,0.4 --gap-us 70 \
+            --team spin --cpu-only 2>&1 | tee -a "$OUT/handoff_sparse.txt"
+    done
+    tail -10 "$OUT/handoff_sparse.txt" >>"$OUT/device.log"
 }
 stage_cpu_sweep() {  # one token's Q8_0 CPU experts through the decode server by read-ahead (CPU_PREFETCH_SWEEP: hint:bytes,
     # WORKBENCH_CPU_PREFETCH_HINT / _BYTES) and server threads (CPU_THREADS_SWEEP): the fit over 1, 2, 4 picks splits fixed and per-expert cost

@@ -23,6 +23,11 @@ bf16). Packets live in page-locked memory where CUDA is present, as in the engin
 
     python scripts/time_served_handoff.py --format bf16 --picks 0,1,2
     python scripts/time_served_handoff.py --format q8_0 --picks 0,1 --json out.json
+    python scripts/time_served_handoff.py --format bf16 --picks 1,4 --every 1,0.4 --gap-us 70 --cpu-only
+
+``--every 1,0.4``: the same with every layer's packet giving the CPU its picks, then 40% of them (the
+rest empty, as in calibration's sixteenth run and a ``frequency`` placement's layers), to see
+whether a sparse layer's round trip costs more than a busy one's.
 """
 
 from __future__ import annotations
@@ -59,8 +64,12 @@ def add_layers(srv, fmt: str, w: list[torch.Tensor], ffn: int, k: int, hidden: i
 
 
 def measure(fmt: str, layers: int, experts: int, hidden: int, ffn: int, k: int, picks: int, steps: int,
-            threads: int, w: list[torch.Tensor], own_team: bool = True) -> dict:
-    """Per-layer medians (s) of the round trip through the server and of the direct kernel call."""
+            threads: int, w: list[torch.Tensor], own_team: bool = True, every: float = 1.0, gap_s: float = 0.0) -> dict:
+    """Per-layer medians (s) of the round trip through the server and of the direct kernel call.
+    ``every``: the share of the layers whose packet gives the CPU its ``picks`` (drawn at random; the
+    others' packets are empty, as a sparse placement's layers often are); the round trip is the
+    median over the packets with picks, ``empty_trip_s`` over the others. ``gap_s``: the host waits
+    that long between two layers' packets (the accelerator's own work of a layer)."""
     pin = torch.cuda.is_available()
     srv = cpu_kernel.server(threads, own_team=own_team)
     slots = [(packet.numpy(), flag_in.numpy(), flag_out.numpy())
@@ -68,13 +77,14 @@ def measure(fmt: str, layers: int, experts: int, hidden: int, ffn: int, k: int, 
     srv.start()
     rng = np.random.default_rng(0)
     x = rng.standard_normal(hidden).astype(np.float32)
-    trips, kernels = [], []
+    trips, empty, kernels = [], [], []
     try:
         for step in range(1, steps + 1):
             for packet, flag_in, flag_out in slots:
                 rows = np.full(k, -1.0, np.float32)
-                chosen = rng.choice(experts, size=picks, replace=False)
-                rows[:picks] = chosen
+                busy = picks > 0 and rng.random() < every
+                if busy:
+                    rows[:picks] = rng.choice(experts, size=picks, replace=False)
                 packet[:k] = rows
                 packet[k:2 * k] = 1.0 / k
                 packet[2 * k:] = x
@@ -82,7 +92,10 @@ def measure(fmt: str, layers: int, experts: int, hidden: int, ffn: int, k: int, 
                 flag_in[0] = step
                 while flag_out[0] != step:
                     pass
-                trips.append(time.perf_counter() - t)
+                done = time.perf_counter()
+                (trips if busy or picks == 0 else empty).append((step, done - t))
+                while time.perf_counter() - done < gap_s:
+                    pass
         served_errors = srv.errors()
     finally:
         srv.stop()
@@ -95,10 +108,11 @@ def measure(fmt: str, layers: int, experts: int, hidden: int, ffn: int, k: int, 
         t = time.perf_counter()
         run_fused(fmt, w, xt, chosen, np.full(picks, 1.0 / k, np.float32))
         kernels.append(time.perf_counter() - t)
-    trip = statistics.median(trips[layers:])  # the first step warms up
+    trip = statistics.median([t for s, t in trips if s > 1] or [t for _, t in trips])  # the first step warms up
     kernel = statistics.median(kernels[1:]) if len(kernels) > 1 else 0.0
     return {"format": fmt, "picks": picks, "layers": layers, "threads": threads, "own_team": own_team,
-            "round_trip_s": trip,
+            "every": every, "gap_s": gap_s, "round_trip_s": trip,
+            "empty_trip_s": statistics.median([t for s, t in empty if s > 1]) if len(empty) > layers else None,
             "kernel_s": kernel, "handoff_s": trip - kernel, "errors": int(served_errors)}
 
 
@@ -181,6 +195,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="server threads (default: as the engine's)")
     ap.add_argument("--team", default="spin,omp",
                     help="the server's passes on its own spinning threads (spin), on torch's OpenMP pool (omp), or both")
+    ap.add_argument("--every", default="1",
+                    help="shares of the layers whose packet gives the CPU its picks, a list (1,0.4: every layer, "
+                         "then 40%% of them at random, the rest empty: a sparse placement's layers)")
+    ap.add_argument("--gap-us", type=float, default=0.0,
+                    help="the host waits this long between two layers' packets (a layer's own GPU work, ~70 us)")
     ap.add_argument("--cpu-only", action="store_true", help="skip the accelerator's side of the hand-off")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -191,15 +210,21 @@ def main() -> int:
     torch.set_num_threads(threads)
     w = random_stacks(args.format, args.experts, args.hidden, args.ffn)
     rows = []
+    shares = [float(v) for v in args.every.split(",")]
     for team in args.team.split(","):
-        for picks in (int(p) for p in args.picks.split(",")):
-            r = measure(args.format, args.layers, args.experts, args.hidden, args.ffn, args.top_k, picks, args.steps,
-                        threads, w, own_team=team == "spin")
-            rows.append(r)
-            print(f"{args.format} {team} picks {picks}: round trip {r['round_trip_s'] * 1e6:8.1f} us, kernel "
-                  f"{r['kernel_s'] * 1e6:8.1f} us, hand-off {r['handoff_s'] * 1e6:7.1f} us per layer "
-                  f"({threads} threads, {r['errors']} errors)", flush=True)
-        fit = per_pick_fit([r for r in rows if r.get("own_team") == (team == "spin") and r.get("picks", 0) > 0])
+        for every in shares:
+            for picks in (int(p) for p in args.picks.split(",")):
+                r = measure(args.format, args.layers, args.experts, args.hidden, args.ffn, args.top_k, picks,
+                            args.steps, threads, w, own_team=team == "spin", every=every, gap_s=args.gap_us * 1e-6)
+                rows.append(r)
+                sparse = "" if every >= 1 or picks == 0 else (
+                    f" (picks in {every:.0%} of the layers; the empty ones {r['empty_trip_s'] * 1e6:.1f} us)"
+                    if r["empty_trip_s"] is not None else f" (picks in {every:.0%} of the layers)")
+                print(f"{args.format} {team} picks {picks}: round trip {r['round_trip_s'] * 1e6:8.1f} us, kernel "
+                      f"{r['kernel_s'] * 1e6:8.1f} us, hand-off {r['handoff_s'] * 1e6:7.1f} us per layer "
+                      f"({threads} threads, {r['errors']} errors){sparse}", flush=True)
+        fit = per_pick_fit([r for r in rows if r.get("own_team") == (team == "spin") and r.get("picks", 0) > 0
+                            and r.get("every") == shares[0]])
         if fit is not None:
             rows.append({"format": args.format, "team": team, "fixed_s": fit[0], "per_pick_s": fit[1]})
             per = sum(t.numel() * t.element_size() for t in w) / args.experts  # bytes of one expert
