@@ -203,6 +203,12 @@ def main() -> int:
     ap.add_argument("--cpu-only", action="store_true", help="skip the accelerator's side of the hand-off")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    try:
+        shares = [float(v) for v in args.every.split(",")]
+    except ValueError:
+        shares = []
+    if not shares or not all(0 < v <= 1 for v in shares):
+        ap.error(f"--every takes shares above 0 and at most 1, not {args.every!r}")
     if not cpu_kernel.available():
         print(f"the fused CPU kernel is unavailable: {cpu_kernel.unavailable_reason()}")
         return 1
@@ -210,7 +216,6 @@ def main() -> int:
     torch.set_num_threads(threads)
     w = random_stacks(args.format, args.experts, args.hidden, args.ffn)
     rows = []
-    shares = [float(v) for v in args.every.split(",")]
     for team in args.team.split(","):
         for every in shares:
             for picks in (int(p) for p in args.picks.split(",")):

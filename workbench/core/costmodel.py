@@ -670,12 +670,10 @@ class CostModel:
         bus_n = np.zeros_like(pn)
         waits = (n - m > 0) if eng.served else np.ones_like(n, dtype=bool)  # the server's hand-off: only then
         hand = np.where((has_compute & ~streamed)[..., None], prof.sync_s * waits, 0.0)
-        sync_n = sync_fixed[..., None] + np.zeros_like(hand)
         # served: the packet's way to the native thread and back delays only the CPU's result, so the
         # hand-off joins the CPU lane; host-driven: the host waits for the routing before any lane starts
         on_cpu = hand if eng.served else 0.0
-        if not eng.served:
-            sync_n = sync_n + hand
+        sync_n = sync_fixed[..., None] + (0.0 if eng.served else hand)
         if frac <= 0:
             cpu_n = n * c1 + on_cpu
         elif eng.served:  # kernels read the rows in place: the bus lane is their reads

@@ -172,6 +172,12 @@ def _solve(cost_at, measured: float, lo: float = 0.0, step: float = 1e-5) -> flo
     return max(lo, lo + (measured - a) / slope)
 
 
+def _ram_seconds_per_byte(prof: HardwareProfile) -> float:
+    """The least ``1 / CPU expert rate`` a fit may return (s/B): experts come from RAM no faster than
+    the host reads it (0 where the profile has no RAM read rate)."""
+    return 1.0 / prof.host_read_bandwidth if prof.host_read_bandwidth > 0 else 0.0
+
+
 def _upper_on_cpu(inv, share: float) -> Placement:
     """Every layer's upper ``share`` of experts computed on the CPU, the rest resident."""
     first = inv.spec.n_experts - round(share * inv.spec.n_experts)
@@ -287,7 +293,7 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
         launch, prof = deep["launch_s"], replace(prof, decode_step_s=deep["step_s"])
     else:
         launch = _solve(lambda v: seconds(with_costs(v, prof.sync_s), res), t_res, step=1e-6)
-    ram = 1.0 / prof.host_read_bandwidth if prof.host_read_bandwidth > 0 else 0.0
+    ram = _ram_seconds_per_byte(prof)
     sync, rate = _fit_host(lambda p, s, u: seconds(with_costs(launch, s, 1.0 / u), p), list(zip(hybrid, t_hybrid)),
                            1.0 / rate0, u_min=ram)
     if sync is None:
@@ -375,7 +381,7 @@ def _fit_cpu_rate(prof: HardwareProfile, inv, fmt: str, device: str, info: dict)
         return sum((1.0 / model.decode_tps(h, kv_tokens=16 + STEPS) / t - 1.0) ** 2 for h, t in zip(hybrid, times))
 
     u0 = 1.0 / measured
-    ram = 1.0 / prof.host_read_bandwidth if prof.host_read_bandwidth > 0 else 0.0  # experts come from RAM no faster
+    ram = _ram_seconds_per_byte(prof)
     u = _least_on_line(misfit, max(u0 / 8, ram), max(8 * u0, 2 * ram))
     rate = 1.0 / u if misfit(u) < misfit(u0) else measured
     if ram > 0:
