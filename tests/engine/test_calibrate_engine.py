@@ -398,6 +398,27 @@ def test_a_kept_formats_cpu_rate_is_fitted_to_runs_with_experts_on_the_cpu(monke
     assert fitted.cpu_expert_throughput["bf16"] == base.cpu_expert_throughput["bf16"]  # the others as they were
 
 
+def test_a_kept_formats_cpu_rate_stays_within_the_hosts_ram_read(monkeypatch):
+    """Runs that a CPU faster than the host's RAM read would fit best, and a kernel figure above it
+    too (caches flatter a small timing), give the RAM's rate: experts come from RAM no faster."""
+    from workbench.core import synth
+    from workbench.core.costmodel import CostModel, EngineShape
+
+    base = preset("bench-h200")  # host RAM read 88 GB/s
+    base = replace(base, gpus=(replace(base.gpus[0], expert_throughput={"q8_0": 1.5e12}),),
+                   cpu_expert_throughput={**base.cpu_expert_throughput, "q8_0": 2e11})
+    truth = replace(base, cpu_expert_throughput={**base.cpu_expert_throughput, "q8_0": 3e11})
+
+    def made(inv, placement, device, steps=0):
+        return 1.0 / CostModel(inv, truth, engine=EngineShape(bus_share=0.0)).decode_tps(
+            placement, kv_tokens=16 + calibrate_engine.STEPS)
+
+    monkeypatch.setattr(calibrate_engine, "_decode_seconds", made)
+    shape = synth.SynthShape("calibration", "qwen3moe", 2, 256, 4, 2, 64, 32, 4, 256, 256, qk_norm=True)
+    fitted, info = calibrate_engine.fit_kept_rates(base, shape, device="cpu", formats=("q8_0",))
+    assert fitted.cpu_expert_throughput["q8_0"] == info["q8_0"]["cpu_rate"] == base.host_read_bandwidth
+
+
 def test_the_decode_fit_takes_the_kernel_cost_and_host_step_from_the_two_depths(monkeypatch):
     real = calibrate_engine._decode_times
     monkeypatch.setattr(calibrate_engine, "_decode_times", lambda inv, p, device, steps=4: real(inv, p, device, 4))
