@@ -38,6 +38,7 @@
 # scripts/time_dense_kernels.py: kept Q8_0/Q4_K/Q6_K projections and head against bf16), placements (those the side-by-side stages ran,
 # as $OUT/placements.tar.gz), pack (llama-bench binary
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it),
+# trace (scripts/trace_served.py: S1 Q8_0 and bf16 decode split by the decode server's clock on saved placements; $OUT/trace.tar.gz),
 # handoff (scripts/time_served_handoff.py, both server teams), handoff_sparse (the same, spinning team, with one and four picks in
 # every layer and then in 40% of them: a sparse placement's layers), cpu_sweep (the same for Q8_0 by read-ahead hint, distance and threads), engine_team (S1 bf16 and Q8_0 with the
 # decode server's passes on torch's OpenMP pool), engine_alt (the same, ours only, under BENCH_ALT_ENV's settings), cpu_prompt (scripts/time_cpu_prompt.py: the fused kernel by tokens
@@ -197,6 +198,26 @@ stage_handoff_sparse() {  # the same with one and four picks in every layer, the
             --team spin --cpu-only 2>&1 | tee -a "$OUT/handoff_sparse.txt"
     done
     tail -10 "$OUT/handoff_sparse.txt" >>"$OUT/device.log"
+}
+stage_trace() {  # S1 Q8_0 and bf16 decode split by the decode server's own clock (scripts/trace_served.py) on the
+    # placements stage engine / engine_q8 saved (else the eleventh stop's, from benchmarks/): each packet's CPU time,
+    # each layer's span with and without CPU pairs, the hand-off beyond the CPU's work; $OUT/trace.tar.gz
+    local p=/tmp/wb_trace; rm -rf "$p"; mkdir -p "$p/json"
+    [ -d /tmp/wb_placements/engine_s1_q8 ] || tar -C "$p" -xzf benchmarks/2026-12-07-s15/call1/placements.tar.gz
+    for f in "q8_0 s1_q8 engine_s1_q8 ${TRACE_Q8:-frequency,n-cpu-moe,balanced}" \
+             "bf16 s1 engine_s1_skew ${TRACE_BF16:-frequency,n-cpu-moe}"; do set -- $f
+        [ -f "$models/$2.gguf" ] || { rm -f "$models"/s1*.gguf; log "writing S1 $1"
+            wb write -o "$models/$2.gguf" --shape s1 $layers --coverage 0.5 --weights "$1" | tee -a "$OUT/device.log"; }
+        for st in ${4//,/ }; do
+            local pl=/tmp/wb_placements/$3/$st.json; [ -f "$pl" ] || pl="$p/$3/$st.json"
+            [ "$(left)" -gt 60 ] || { log "skip trace $1 $st: out of time"; continue; }
+            log "trace $1 $st"; timeout 150 python3 scripts/trace_served.py --model "$models/$2.gguf" --device cuda \
+                --placement "$pl" --steps 96 --json "$p/json/$1_$st.json" 2>>"$OUT/device.log" | tee -a "$OUT/trace.txt"
+        done
+        rm -f "$models/$2.gguf"
+    done
+    cat "$OUT/trace.txt" >>"$OUT/device.log"
+    tar -C "$p/json" -czf "$OUT/trace.tar.gz" .
 }
 stage_cpu_sweep() {  # one token's Q8_0 CPU experts through the decode server by read-ahead (CPU_PREFETCH_SWEEP: hint:bytes,
     # WORKBENCH_CPU_PREFETCH_HINT / _BYTES) and server threads (CPU_THREADS_SWEEP): the fit over 1, 2, 4 picks splits fixed and per-expert cost

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -316,3 +317,31 @@ def test_the_publish_kernel_splits_the_cpu_tier_as_the_model_counts(fraction):
         for m, out in forms:
             assert m == want and int(out.host[0]) == n - want
             assert int((out.bus_rows >= 0).sum()) == want and int((out.packet_dev[:k] >= 0).sum()) == n - want
+
+
+def test_the_server_records_each_layers_packet_when_asked(tiny_model_dir, monkeypatch):
+    """``WORKBENCH_SERVER_TRACE``: every served layer's packet of every step, in layer order within a
+    step, its pairs those the publish left the CPU (the packets served), seen before done; off by default."""
+    inv = open_inventory(tiny_model_dir("qwen3_moe"))
+    for capacity in ("", "1000"):
+        monkeypatch.setenv("WORKBENCH_SERVER_TRACE", capacity)
+        engine = decode_step_engine(inv, hybrid(inv))
+        engine.served_mode = "on"
+        try:
+            greedy_tokens(engine, PROMPT, 4)
+            server = engine._decoder.server
+            rec = server.trace()
+            served_packets = server.served
+        finally:
+            engine.close()
+        if not capacity:
+            assert rec.shape == (0, 5)
+            continue
+        layers = sorted(server.layers)
+        assert len(rec) == served_packets and len(rec) % len(layers) == 0
+        assert (rec[:, 3] >= rec[:, 2]).all() and (rec[:, 4] >= 0).all() and (rec[:, 4] <= inv.spec.n_experts_active).all()
+        for step in np.unique(rec[:, 1]):
+            one = rec[rec[:, 1] == step]
+            assert one[:, 0].tolist() == layers  # each served layer once, in order
+            assert (np.diff(one[:, 2]) > 0).all()
+        assert rec[:, 4].sum() > 0

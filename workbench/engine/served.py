@@ -252,6 +252,7 @@ class DecodeServer:
                                   slot.flag_out, b13, b2, act, alpha, limit)
             self.layers[lx.layer] = slot
         self._stop = weakref.finalize(self, self.native.stop)
+        self.native.set_trace(trace_capacity())
         self.native.start()
         log.info("decode server: %d hybrid layers served by a native thread on %d threads", len(layers), threads)
 
@@ -336,6 +337,16 @@ class DecodeServer:
             raise ServedError(f"the CPU experts' thread did not answer within {TIMEOUT_S:g} s or failed on a "
                               f"packet ({self.native.errors()} failed)")
 
+    def trace(self) -> np.ndarray:
+        """The packets the native thread recorded (``WORKBENCH_SERVER_TRACE``), int64 ``[n, 5]``: the
+        model layer, the step, the steady clock (ns, ``time.monotonic_ns``'s clock) when the thread saw
+        the packet and when it stored the result's flag, and the packet's CPU pairs (0: empty)."""
+        t = self.native.trace().numpy().copy()
+        order = np.array(list(self.layers), dtype=np.int64)
+        if len(t):
+            t[:, 0] = order[t[:, 0]]
+        return t
+
     @property
     def bus_pairs(self) -> int:
         """Pairs the accelerator computed from the CPU stacks so far (reads the device)."""
@@ -349,6 +360,13 @@ class DecodeServer:
     def close(self) -> None:
         """Stop the native thread (it holds the CPU stacks until then)."""
         self._stop()
+
+
+def trace_capacity() -> int:
+    """``WORKBENCH_SERVER_TRACE``: packets the decode server records for ``DecodeServer.trace`` (default
+    0: none; each costs two clock reads on the server's thread)."""
+    raw = os.environ.get("WORKBENCH_SERVER_TRACE", "").strip()
+    return int(raw) if raw.isdigit() else 0
 
 
 def _bus_side_stream() -> bool:

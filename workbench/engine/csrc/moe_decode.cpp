@@ -1589,6 +1589,30 @@ class Server {
     wake_cv_.notify_one();
   }
 
+  // Record each packet the thread serves, up to ``capacity`` of them (0: none), from the next start
+  // on: what ``trace`` returns. Only while the thread is stopped.
+  void set_trace(int64_t capacity) {
+    TORCH_CHECK(!thread_.joinable(), "Server.set_trace: the server is running");
+    TORCH_CHECK(capacity >= 0, "Server.set_trace: capacity must be >= 0");
+    trace_.assign(static_cast<size_t>(capacity), TraceRec{});
+    trace_n_.store(0);
+  }
+
+  // The packets recorded so far, int64 [n, 5]: the layer's index (order of add_layer), the step
+  // number its flag_in carried, the steady clock (ns) when the thread saw it and when it stored the
+  // result's flag_out, and the packet's CPU pairs (0: an empty packet).
+  at::Tensor trace() const {
+    const int64_t n = trace_n_.load(std::memory_order_acquire);
+    auto t = at::empty({n, 5}, at::kLong);
+    int64_t* p = t.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      const TraceRec& r = trace_[static_cast<size_t>(i)];
+      p[5 * i] = r.layer, p[5 * i + 1] = r.step, p[5 * i + 2] = r.seen_ns, p[5 * i + 3] = r.done_ns;
+      p[5 * i + 4] = r.pairs;
+    }
+    return t;
+  }
+
   int64_t served() const { return served_.load(); }
   int64_t idle_waits() const { return idle_waits_.load(); }
   int64_t errors() const { return errors_.load(); }
@@ -1606,17 +1630,29 @@ class Server {
     auto last = std::chrono::steady_clock::now();
     const auto spin = std::chrono::microseconds(spin_us_), idle = std::chrono::microseconds(idle_us_);
     uint64_t woken = 0;
+    const bool tracing = !trace_.empty();
     while (!stop_.load(std::memory_order_relaxed)) {
       bool any = false;
-      for (auto& L : layers_) {
+      for (size_t li = 0; li < layers_.size(); ++li) {
+        ServedLayer& L = layers_[li];
         int64_t* in = L.flag_in.data_ptr<int64_t>();
         const int64_t v = __atomic_load_n(in, __ATOMIC_ACQUIRE);
         if (v == L.seen) continue;
+        const int64_t seen_ns = tracing ? clock_ns() : 0;
         if (!serve(L)) errors_.fetch_add(1);
         L.seen = v;
+        const int64_t done_ns = tracing ? clock_ns() : 0;
         __atomic_store_n(L.flag_out.data_ptr<int64_t>(), v, __ATOMIC_RELEASE);
         served_.fetch_add(1, std::memory_order_relaxed);
         any = true;
+        if (tracing) {
+          const int64_t n = trace_n_.load(std::memory_order_relaxed);
+          if (n < static_cast<int64_t>(trace_.size())) {
+            trace_[static_cast<size_t>(n)] = TraceRec{static_cast<int64_t>(li), v, seen_ns, done_ns,
+                                                      static_cast<int64_t>(rows_.size())};
+            trace_n_.store(n + 1, std::memory_order_release);
+          }
+        }
       }
       const auto now = std::chrono::steady_clock::now();
       if (any) {
@@ -1680,8 +1716,19 @@ class Server {
     return true;
   }
 
+  static int64_t clock_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  struct TraceRec {
+    int64_t layer = 0, step = 0, seen_ns = 0, done_ns = 0, pairs = 0;
+  };
+
   int64_t threads_, spin_us_, idle_us_;
   bool own_team_;
+  std::vector<TraceRec> trace_;  // written by the thread only, up to trace_n_
+  std::atomic<int64_t> trace_n_{0};
   std::mutex wake_m_;
   std::condition_variable wake_cv_;
   uint64_t wakes_ = 0;  // guarded by wake_m_
@@ -1740,6 +1787,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("alpha"), py::arg("limit"))
       .def("start", &Server::start)
       .def("stop", &Server::stop, py::call_guard<py::gil_scoped_release>())
+      .def("set_trace", &Server::set_trace, "Record up to capacity packets from the next start (0: none)",
+           py::arg("capacity"))
+      .def("trace", &Server::trace,
+           "Packets recorded: int64 [n, 5] (layer index, step, seen ns, done ns, CPU pairs), steady clock")
       .def("served", &Server::served)
       .def("wake", &Server::wake, "A decode step starts: spin for its packets")
       .def("idle_waits", &Server::idle_waits, "Times the thread waited on its condition (idle)")
