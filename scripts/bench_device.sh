@@ -200,10 +200,10 @@ stage_handoff_sparse() {  # the same with one and four picks in every layer, the
     tail -10 "$OUT/handoff_sparse.txt" >>"$OUT/device.log"
 }
 stage_trace() {  # S1 Q8_0 and bf16 decode split by the decode server's own clock (scripts/trace_served.py) on the
-    # placements stage engine / engine_q8 saved (else the eleventh stop's, from benchmarks/): each packet's CPU time,
+    # placements stage engine / engine_q8 saved (else the twelfth stop call 1's, from benchmarks/): each packet's CPU time,
     # each layer's span with and without CPU pairs, the hand-off beyond the CPU's work; $OUT/trace.tar.gz
     local p=/tmp/wb_trace; rm -rf "$p"; mkdir -p "$p/json"
-    [ -d /tmp/wb_placements/engine_s1_q8 ] || tar -C "$p" -xzf benchmarks/2026-12-07-s15/call1/placements.tar.gz
+    [ -d /tmp/wb_placements/engine_s1_q8 ] || tar -C "$p" -xzf benchmarks/2026-12-07-s16/call1/placements.tar.gz
     for f in "q8_0 s1_q8 engine_s1_q8 ${TRACE_Q8:-frequency,n-cpu-moe,balanced}" \
              "bf16 s1 engine_s1_skew ${TRACE_BF16:-frequency,n-cpu-moe}"; do set -- $f
         [ -f "$models/$2.gguf" ] || { rm -f "$models"/s1*.gguf; log "writing S1 $1"
