@@ -204,15 +204,22 @@ stage_trace() {  # S1 Q8_0 and bf16 decode split by the decode server's own cloc
     # each layer's span with and without CPU pairs, the hand-off beyond the CPU's work; $OUT/trace.tar.gz
     local p=/tmp/wb_trace; rm -rf "$p"; mkdir -p "$p/json"
     [ -d /tmp/wb_placements/engine_s1_q8 ] || tar -C "$p" -xzf benchmarks/2026-12-07-s16/call1/placements.tar.gz
-    for f in "q8_0 s1_q8 engine_s1_q8 ${TRACE_Q8:-frequency,n-cpu-moe,balanced}" \
-             "bf16 s1 engine_s1_skew ${TRACE_BF16:-frequency,n-cpu-moe}"; do set -- $f
+    # TRACE_Q8 / TRACE_BF16: the placements (none: that format skipped); TRACE_ENVS: settings each is
+    # traced under, beside the defaults (e.g. "WORKBENCH_SERVER_CHUNKS=4 WORKBENCH_SERVER_THREADS=14")
+    for f in "q8_0 s1_q8 engine_s1_q8 ${TRACE_Q8-frequency,n-cpu-moe,balanced}" \
+             "bf16 s1 engine_s1_skew ${TRACE_BF16-frequency,n-cpu-moe}"; do set -- $f
+        [ -n "${4:-}" ] || continue
         [ -f "$models/$2.gguf" ] || { rm -f "$models"/s1*.gguf; log "writing S1 $1"
             wb write -o "$models/$2.gguf" --shape s1 $layers --coverage 0.5 --weights "$1" | tee -a "$OUT/device.log"; }
         for st in ${4//,/ }; do
             local pl=/tmp/wb_placements/$3/$st.json; [ -f "$pl" ] || pl="$p/$3/$st.json"
-            [ "$(left)" -gt 60 ] || { log "skip trace $1 $st: out of time"; continue; }
-            log "trace $1 $st"; timeout 150 python3 scripts/trace_served.py --model "$models/$2.gguf" --device cuda \
-                --placement "$pl" --steps 96 --json "$p/json/$1_$st.json" 2>>"$OUT/device.log" | tee -a "$OUT/trace.txt"
+            for setting in default ${TRACE_ENVS:-}; do
+                [ "$(left)" -gt 45 ] || { log "skip trace $1 $st $setting: out of time"; continue; }
+                local envs=(); [ "$setting" != default ] && envs=("$setting")
+                log "trace $1 $st $setting"; env "${envs[@]}" timeout 120 python3 scripts/trace_served.py \
+                    --model "$models/$2.gguf" --device cuda --placement "$pl" --steps 96 \
+                    --json "$p/json/$1_${st}_${setting//[=]/-}.json" 2>>"$OUT/device.log" | tee -a "$OUT/trace.txt"
+            done
         done
         rm -f "$models/$2.gguf"
     done

@@ -47,14 +47,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bus-share", type=float, default=None,
                     help="decode's bus share of runs that did not record theirs (runs before the balanced share: 0.45)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="a profile number to predict with instead, e.g. bus_read_rate=31e9 (repeatable)")
+                    help="a profile number to predict with instead, e.g. bus_read_rate=31e9 or cpu_expert_throughput.q8_0=104e9 (repeatable)")
     args = ap.parse_args(argv)
 
     inv = open_model(args.model)
     prof = HardwareProfile.load(args.profile)
     for item in args.set:
         name, _, value = item.partition("=")
-        prof = replace(prof, **{name: float(value)})
+        field, _, key = name.partition(".")
+        if key:  # a rate by format, e.g. cpu_expert_throughput.q8_0=104e9
+            prof = replace(prof, **{field: {**getattr(prof, field), key: float(value)}})
+        else:
+            prof = replace(prof, **{field: float(value)})
     runs = json.loads(Path(args.bench).read_text())["runs"]
     print("| placement | measured decode tok/s | predicted in the run | predicted now | error now "
           "| measured prefill tok/s | predicted in the run | predicted now | error now |")

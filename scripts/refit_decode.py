@@ -11,7 +11,8 @@ sparse (header and routers only). Runs the calibration did not log (queued steps
 timed, a kept format's hybrid runs) are left out: their fitted values stay as in the profile.
 
     python scripts/refit_decode.py --profile h200.json --experts 64 \\
-        --steps 0.60,0.96,1.83,3.24,4.31,5.37 [--queued 0.52] [--q8-resident 0.48] [--deep 1.31,2.35] -o refit.json
+        --steps 0.60,0.96,1.83,3.24,4.31,5.37 [--queued 0.52] [--q8-resident 0.48] [--deep 1.31,2.35] \\
+        [--packets 12,80] -o refit.json
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deep", default=None,
                     help="ms per step of the two deeper all-resident models, as logged (`... a step of 16 layers, "
                          "... of 32`): 'T16,T32' (absent: the 8-layer resident run fits the kernel cost, as before)")
+    ap.add_argument("--packets", default=None,
+                    help="the decode server's packets as traced (scripts/trace_served.py): 'FIXED_US,GBS' per packet "
+                         "and GB/s of experts; calibration then fits the host point alone (absent: with the rate)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=768)
     ap.add_argument("--top-k", type=int, default=8)
@@ -59,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     if deep is None:
         ce._deep_resident_fit = lambda *a: None
 
-    def times(inv, placement, device, steps_=ce.STEPS):
+    if args.packets:  # the decode server's packets as a trace measured them (calibration fits the rest)
+        fixed_us, rate_gbs = (float(v) for v in args.packets.split(","))
+        ce.packet_rate = lambda records, nbytes: (fixed_us * 1e-6, rate_gbs * 1e9)
+    else:  # a log has no packets: the host point and rate fitted together, as before the trace
+        ce.packet_rate = lambda records, nbytes: None
+
+    def times(inv, placement, device, steps_=ce.STEPS, packets=None):
         if deep is not None and inv.spec.n_layers in deep and "layers" in str(inv.path):
             return deep[inv.spec.n_layers], deep[inv.spec.n_layers]
         if "q8_0" in str(inv.path):

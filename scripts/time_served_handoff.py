@@ -71,7 +71,7 @@ def measure(fmt: str, layers: int, experts: int, hidden: int, ffn: int, k: int, 
     median over the packets with picks, ``empty_trip_s`` over the others. ``gap_s``: the host waits
     that long between two layers' packets (the accelerator's own work of a layer)."""
     pin = torch.cuda.is_available()
-    srv = cpu_kernel.server(threads, own_team=own_team)
+    srv = cpu_kernel.server(threads, own_team=own_team, chunks=served.server_chunks())
     slots = [(packet.numpy(), flag_in.numpy(), flag_out.numpy())
              for packet, flag_in, _, flag_out in add_layers(srv, fmt, w, ffn, k, hidden, layers, pin)]
     srv.start()
@@ -125,7 +125,7 @@ def measure_cuda(layers: int, hidden: int, ffn: int, k: int, steps: int, threads
     graph when the publishing kernel has told the wait that the packet holds no CPU pairs (the
     decode server's case for such packets: it adds nothing and does not poll)."""
     dev = torch.device("cuda")
-    srv = cpu_kernel.server(threads, own_team=own_team)
+    srv = cpu_kernel.server(threads, own_team=own_team, chunks=served.server_chunks())
     step = torch.zeros(1, dtype=torch.int64, device=dev)
     status = torch.zeros(1, dtype=torch.int32, device=dev)
     host = torch.ones(1, dtype=torch.int32, device=dev)  # the CPU's pairs as the publishing kernel counted them

@@ -4,7 +4,9 @@ accelerator, at a tiny expert shape)."""
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from workbench.core.costmodel import BUS_SHARE, CostModel, model_bus_share
 from workbench.core.hardware import preset
 from workbench.core.memory import placement_cpu_moe
+from workbench.core.readers import open_model
 from workbench.engine import calibrate_engine
 
 
@@ -28,8 +31,8 @@ def test_fitted_costs_fit_the_measured_runs(monkeypatch):
     seen, calls, queued = {}, [], {}
     real = calibrate_engine._decode_times
 
-    def record(inv, placement, device, steps=calibrate_engine.STEPS):
-        t, q = real(inv, placement, device, steps=4)
+    def record(inv, placement, device, steps=calibrate_engine.STEPS, packets=None):
+        t, q = real(inv, placement, device, steps=4, packets=packets)
         calls.append(t)
         best = seen.get(id(placement), (inv, placement, t))[2]
         seen[id(placement)] = (inv, placement, min(t, best))  # the fit keeps a placement's faster run
@@ -68,15 +71,23 @@ def test_fitted_costs_fit_the_measured_runs(monkeypatch):
         assert step_s(res) == pytest.approx(t_res, rel=0.02)
     else:
         assert step_s(res) >= t_res * 0.999
-    if not joint:  # the half run alone pins the host point
+    def sse(sync, rate):
+        prof = replace(fitted, sync_s=sync, cpu_expert_throughput={**fitted.cpu_expert_throughput, "bf16": rate})
+        return sum((step_s(p, prof) / t - 1) ** 2 for _, p, t in hybrid)
+
+    best = sse(info["sync_s"], info["cpu_rate"])
+    from workbench.engine import cpu_kernel
+
+    if cpu_kernel.available():  # the hybrid runs' steps were served (on this CPU accelerator too), and traced
+        assert info["packet_rate"] is not None
+    if info["packet_rate"] is not None:  # the server's packets give the rate; the host point alone is fitted
+        assert info["cpu_rate"] == info["packet_rate"] and info["packet_fixed_s"] >= 0
+        for sync in (1.1, 0.9):
+            assert best <= sse(info["sync_s"] * sync, info["cpu_rate"]) * (1 + 1e-6)
+    elif not joint:  # the half run alone pins the host point
         if info["sync_s"] > 0:
             assert step_s(hybrid[2][1]) == pytest.approx(hybrid[2][2], rel=0.02)
     else:  # least squares: moving either fitted value makes the four runs' squared relative errors larger
-        def sse(sync, rate):
-            prof = replace(fitted, sync_s=sync, cpu_expert_throughput={**fitted.cpu_expert_throughput, "bf16": rate})
-            return sum((step_s(p, prof) / t - 1) ** 2 for _, p, t in hybrid)
-
-        best = sse(info["sync_s"], info["cpu_rate"])
         for sync, rate in ((1.1, 1), (0.9, 1), (1, 1.1), (1, 0.9)):
             assert best <= sse(info["sync_s"] * sync, info["cpu_rate"] * rate) * (1 + 1e-6)
     assert info["cpu_predicted_s"] == pytest.approx(step_s(cpu), rel=1e-9)  # the check run, as predicted
@@ -93,7 +104,7 @@ def test_two_resident_depths_part_the_kernels_from_the_hosts_time_per_step(monke
     truth = replace(preset("bench-h200"), decode_step_s=3e-4)
     truth = replace(truth, gpus=(replace(truth.gpus[0], launch_s=1.9e-6),))
 
-    def made(inv, placement, device, steps=calibrate_engine.STEPS):
+    def made(inv, placement, device, steps=calibrate_engine.STEPS, packets=None):
         return 1.0 / CostModel(inv, truth, engine=EngineShape(bus_share=0.0)).decode_tps(
             placement, kv_tokens=16 + calibrate_engine.STEPS)
 
@@ -161,8 +172,8 @@ def test_kept_block_rates_are_fitted_to_the_resident_runs_in_their_format(monkey
     runs = []
     real = calibrate_engine._decode_seconds
 
-    def record(inv, placement, device, steps=calibrate_engine.STEPS):
-        t = real(inv, placement, device, steps=2)
+    def record(inv, placement, device, steps=calibrate_engine.STEPS, packets=None):
+        t = real(inv, placement, device, steps=2, packets=packets)
         runs.append((inv, placement, t))
         return t
 
@@ -193,7 +204,7 @@ def test_kept_block_rates_are_fitted_to_the_resident_runs_in_their_format(monkey
     assert set(info) == {"q8_0"} and fitted.gpus[0].expert_throughput["q4_k"] == rates["q4_k"]
     asked = []  # only the formats asked for (``workbench calibrate --kept-fits``); the runs' times as measured above
     monkeypatch.setattr(calibrate_engine, "_decode_seconds",
-                        lambda inv, placement, device, steps=0: asked.append(inv.spec) or runs[0][2])
+                        lambda inv, placement, device, steps=0, packets=None: asked.append(inv.spec) or runs[0][2])
     fitted, info = calibrate_engine.fit_kept_rates(base, shape, device="cpu", formats=("q8_0",))
     assert set(info) == {"q8_0"} and len(asked) == n and fitted.gpus[0].expert_throughput["q4_k"] == rates["q4_k"]
 
@@ -382,7 +393,7 @@ def test_a_kept_formats_cpu_rate_is_fitted_to_runs_with_experts_on_the_cpu(monke
                     cpu_expert_throughput={**base.cpu_expert_throughput, "q8_0": truth_cpu})
     seen = []
 
-    def made(inv, placement, device, steps=0):  # what the engine would measure if the model were right
+    def made(inv, placement, device, steps=0, packets=None):  # what the engine would measure if the model were right
         seen.append(placement)
         model = CostModel(inv, truth, engine=EngineShape(bus_share=0.0))
         return 1.0 / model.decode_tps(placement, kv_tokens=16 + calibrate_engine.STEPS)
@@ -409,7 +420,7 @@ def test_a_kept_formats_cpu_rate_stays_within_the_hosts_ram_read(monkeypatch):
                    cpu_expert_throughput={**base.cpu_expert_throughput, "q8_0": 2e11})
     truth = replace(base, cpu_expert_throughput={**base.cpu_expert_throughput, "q8_0": 3e11})
 
-    def made(inv, placement, device, steps=0):
+    def made(inv, placement, device, steps=0, packets=None):
         return 1.0 / CostModel(inv, truth, engine=EngineShape(bus_share=0.0)).decode_tps(
             placement, kv_tokens=16 + calibrate_engine.STEPS)
 
@@ -421,7 +432,7 @@ def test_a_kept_formats_cpu_rate_stays_within_the_hosts_ram_read(monkeypatch):
 
 def test_the_decode_fit_takes_the_kernel_cost_and_host_step_from_the_two_depths(monkeypatch):
     real = calibrate_engine._decode_times
-    monkeypatch.setattr(calibrate_engine, "_decode_times", lambda inv, p, device, steps=4: real(inv, p, device, 4))
+    monkeypatch.setattr(calibrate_engine, "_decode_times", lambda inv, p, device, steps=4, packets=None: real(inv, p, device, 4, packets))
     monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
     monkeypatch.setattr(calibrate_engine, "MAX_EXPERTS", 32)
     deep = {"depths": (16, 32), "resident_s": [1e-3, 2e-3], "launch_s": 2.5e-6, "step_s": 1.5e-4}
@@ -460,3 +471,44 @@ def test_the_prompt_refit_reports_the_time_outside_the_cpus_run(monkeypatch):
     out = calibrate.refit_prompt(base, 2048, 768, 8, said.append)
     assert out.prompt_cpu_sync_s == 1.9e-3 and out.provenance["prompt_cpu_sync_s"] == "fitted to the engine"
     assert "+1900 us with a CPU share (outside the CPU's run: 2600 us)" in said[0]
+
+
+def test_the_servers_packets_give_a_fixed_cost_and_the_rate_of_one_tokens_experts():
+    """Packets of 1, 2 and 3 pairs at 20 µs plus 50 µs a pair (5 MB experts: 100 GB/s), one of them
+    held up 5 ms, empty ones and a count seen too seldom (7 pairs) left out; one pair count alone, or
+    none, pins nothing."""
+    counts = [1, 2, 3, 0] * 5 + [7, 7]
+    rows = [[0, s, 1_000_000 * s, 1_000_000 * s + 20_000 + 50_000 * n + (1 if n < 7 else 3) * 1000, n]
+            for s, n in enumerate(counts)]
+    rows[0][3] += 5_000_000
+    fixed, rate = calibrate_engine.packet_rate(np.array(rows, dtype=np.int64), 5e6)
+    assert fixed == pytest.approx(21e-6) and rate == pytest.approx(1e11)
+    one = np.array([r for r in rows if r[4] in (0, 2)], dtype=np.int64)
+    assert calibrate_engine.packet_rate(one, 5e6) is None
+    assert calibrate_engine.packet_rate(np.zeros((0, 5), dtype=np.int64), 5e6) is None
+
+
+def test_the_host_point_alone_is_fitted_to_runs_made_with_a_known_one(monkeypatch):
+    """Runs the model makes at a host point of 300 µs (above what the tiny layers' GPU lane hides),
+    the CPU's rate given: the one-value fit gives 300 µs back; runs faster than any host point
+    allows give 0."""
+    from workbench.core import synth
+    from workbench.core.costmodel import EngineShape
+
+    shape = synth.SynthShape("calibration", "qwen3moe", 8, 64, 4, 2, 16, 32, 2, 32, 256, qk_norm=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "c.gguf"
+        synth.write_gguf(path, shape, coverage_target=None, sparse=True)
+        inv = open_model(path)
+        runs_at = [calibrate_engine._upper_on_cpu(inv, share) for share in calibrate_engine.HYBRID_SHARES]
+    base = preset("bench-h200")
+
+    def model(placement, sync):
+        return 1.0 / CostModel(inv, replace(base, sync_s=sync), engine=EngineShape(bus_share=0.0)).decode_tps(
+            placement, kv_tokens=16 + calibrate_engine.STEPS)
+
+    runs = [(p, model(p, 300e-6)) for p in runs_at]
+    assert model(runs_at[0], 300e-6) > model(runs_at[0], 0.0)
+    assert calibrate_engine._fit_sync(model, runs) == pytest.approx(300e-6, rel=1e-3)
+    fast = [(p, 0.5 * model(p, 0.0)) for p in runs_at]
+    assert calibrate_engine._fit_sync(model, fast) == 0.0

@@ -34,11 +34,13 @@ def direct(fmt: str, w: list[torch.Tensor], x: torch.Tensor, rows: list[int], wt
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "q8_0"])
-@pytest.mark.parametrize("threads,own_team", [(1, True), (3, True), (4, True), (3, False)])
-def test_served_packets_equal_the_direct_kernel(fmt, threads, own_team):
+@pytest.mark.parametrize("threads,own_team,chunks", [(1, True, 1), (3, True, 1), (4, True, 1), (3, False, 1),
+                                                     (3, True, 4), (4, True, 3)])
+def test_served_packets_equal_the_direct_kernel(fmt, threads, own_team, chunks):
+    """``chunks``: each pass cut into that many parts per thread, taken in turn (the same sums)."""
     w = stacks(fmt)
     layers = []
-    srv = cpu_kernel.server(threads, spin_us=200, own_team=own_team)
+    srv = cpu_kernel.server(threads, spin_us=200, own_team=own_team, chunks=chunks)
     for _ in range(2):
         bufs = [torch.zeros(2 * K + H), torch.zeros(1, dtype=torch.int64), torch.zeros(H),
                 torch.zeros(1, dtype=torch.int64)]
@@ -65,6 +67,7 @@ def test_served_packets_equal_the_direct_kernel(fmt, threads, own_team):
         assert srv.errors() == 0 and srv.served() == 12
     finally:
         srv.stop()
+        cpu_kernel.server(1, chunks=1)  # the process-wide setting back to its default
 
 
 @pytest.mark.parametrize("woken", [True, False])

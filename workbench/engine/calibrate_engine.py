@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import statistics
 import tempfile
 import time
@@ -54,6 +55,11 @@ SHORT_PROMPT_TOKENS = 128
 """The prompt fit's short prompt: each expert picked about 8 times, so that the CPU computes a share
 of them while the rest travel (a skewed model's cold experts in a longer prompt)."""
 MAX_EXPERTS = 256
+PACKETS_PER_COUNT = 5
+"""The fewest packets of one count of CPU pairs whose median ``packet_rate`` fits."""
+TRACE_ENV, TRACE_PACKETS = "WORKBENCH_SERVER_TRACE", 200_000
+"""The decode server's packet records in the hybrid runs (``served.trace_capacity``): enough for
+every packet of a run's steps, warm-up included (40 bytes each)."""
 
 
 def calibration_experts(hidden: int, ffn: int, top_k: int, dtype_bytes: int = 2, room: int | None = None) -> int:
@@ -83,13 +89,36 @@ after its 512-token prompt, held 454-457 tok/s, and the higher fits predicted it
 (BENCHMARKS.md, seventh stop). A GPU (and a CPU) that idled runs its first steps at lower clocks."""
 
 
-def _decode_seconds(inv, placement, device: str, steps: int = STEPS) -> float:
+def _decode_seconds(inv, placement, device: str, steps: int = STEPS, packets: list | None = None) -> float:
     """Median seconds per decode step of the engine under ``placement``, each step waited for as a
-    generation's is (``_decode_times``)."""
-    return _decode_times(inv, placement, device, steps)[0]
+    generation's is (``_decode_times``; ``packets`` as there)."""
+    return _decode_times(inv, placement, device, steps, packets)[0]
 
 
-def _decode_times(inv, placement, device: str, steps: int = STEPS) -> tuple[float, float]:
+def packet_rate(records: np.ndarray, expert_bytes: float) -> tuple[float, float] | None:
+    """The decode server's CPU time per packet as ``fixed + pairs * expert_bytes / rate``, by least
+    squares over the median packet of each count of CPU pairs that ``PACKETS_PER_COUNT`` or more
+    packets had (``served.DecodeServer.trace`` records, int64 ``[n, 5]``: layer, step, seen ns,
+    done ns, pairs; a packet held up by a graph's capture or a neighbour's burst moves no median):
+    ``(fixed s, rate B/s)``, the rate at which one token's experts are read where the engine reads
+    them (its team, a packet's one to few experts, from RAM). None without two such counts or
+    without a positive cost per pair."""
+    if records is None or not len(records):
+        return None
+    rec = records[records[:, 4] > 0]
+    counts = [c for c in np.unique(rec[:, 4]) if (rec[:, 4] == c).sum() >= PACKETS_PER_COUNT]
+    if len(counts) < 2:
+        return None
+    pairs = np.array(counts, dtype=float)
+    seconds = np.array([np.median(rec[rec[:, 4] == c, 3] - rec[rec[:, 4] == c, 2]) for c in counts]) * 1e-9
+    a = np.stack([np.ones_like(pairs), pairs], axis=1)
+    (fixed, per_pair), *_ = np.linalg.lstsq(a, seconds, rcond=None)
+    if per_pair <= 0:
+        return None
+    return max(0.0, float(fixed)), float(expert_bytes / per_pair)
+
+
+def _decode_times(inv, placement, device: str, steps: int = STEPS, packets: list | None = None) -> tuple[float, float]:
     """Seconds per decode step of the engine under ``placement`` (after a 16-token prompt, the
     graphs' capture and ``WARM_S`` of steps): ``(waited, queued)``. ``waited``: the median step when
     the host waits for each step's token, as a generation does; ``queued``: the mean step when the
@@ -97,13 +126,19 @@ def _decode_times(inv, placement, device: str, steps: int = STEPS) -> tuple[floa
     the token's read back) runs under the device's work. Their difference is the host's time per
     step, which a model of 8 layers would otherwise put on its layers' kernels (S1's 24 layers pay
     it once a step too). A step that waits inside (a hybrid layer's server checks its status) gives
-    ``queued`` close to ``waited``."""
+    ``queued`` close to ``waited``. ``packets``: a list that gets the decode server's records of
+    the run's packets appended (``served.DecodeServer.trace``), where a server ran."""
     from .engine import Engine
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     t0 = time.perf_counter()
     engine = Engine.load(inv, placement, device=device, dtype=dtype, max_context=16 + 2 * steps + 8,
                          bus_share=0.0)  # the CPU alone: the bus share is modelled from the bus's own rate
+    if packets is not None and device != "cuda":  # a CPU accelerator: the served steps, run eagerly
+        engine.decode_mode, engine.served_mode = "static", "on"
+    traced = os.environ.get(TRACE_ENV)
+    if packets is not None:  # read as the decode server starts (the first one-token step)
+        os.environ[TRACE_ENV] = str(TRACE_PACKETS)
     log.info("calibration model loaded in %.1f s (%.1f GB on the CPU)", time.perf_counter() - t0,
              engine.memory_report()["cpu"] / 1e9)
     try:
@@ -133,11 +168,20 @@ def _decode_times(inv, placement, device: str, steps: int = STEPS) -> tuple[floa
         last.item()
         queued = (time.perf_counter() - t) / steps
         waited = statistics.median(times)
+        server = engine._decoder.server if packets is not None and engine._decoder is not None else None
+        if server is not None:
+            packets.append(server.trace())
+            log.info("calibration decode: %d packets recorded", len(packets[-1]))
         if before is not None:
             log.info("calibration decode: %.3f ms a step (%.3f ms queued), SM clock %s MHz before the timed steps, "
                      "%s after", waited * 1e3, queued * 1e3, before, _sm_clock_mhz(device))
         return waited, queued
     finally:
+        if packets is not None:
+            if traced is None:
+                os.environ.pop(TRACE_ENV, None)
+            else:
+                os.environ[TRACE_ENV] = traced
         engine.close()
 
 
@@ -273,7 +317,8 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
         # slows one run's every step, and the fit would carry it to every prediction
         res_times = [_decode_times(inv, res, device) for _ in range(REPEATS)]
         t_res, q_res = min(t for t, _ in res_times), min(q for _, q in res_times)
-        t_hybrid = [min(_decode_seconds(inv, p, device) for _ in range(REPEATS)) for p in hybrid]
+        packets: list[np.ndarray] = []  # the decode server's records of the hybrid runs
+        t_hybrid = [min(_decode_seconds(inv, p, device, packets=packets) for _ in range(REPEATS)) for p in hybrid]
         t_cpu = _decode_seconds(inv, cpu, device)
     half, t_half = hybrid[HYBRID_SHARES.index(0.5)], t_hybrid[HYBRID_SHARES.index(0.5)]
 
@@ -294,16 +339,26 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     else:
         launch = _solve(lambda v: seconds(with_costs(v, prof.sync_s), res), t_res, step=1e-6)
     ram = _ram_seconds_per_byte(prof)
-    sync, rate = _fit_host(lambda p, s, u: seconds(with_costs(launch, s, 1.0 / u), p), list(zip(hybrid, t_hybrid)),
-                           1.0 / rate0, u_min=ram)
+    served = packet_rate(np.concatenate(packets) if packets else None, 3.0 * hidden * ffn * 2)
+    sync = None
+    if served is not None:  # the CPU's rate as the server read the runs' packets; the host point alone fitted
+        rate = served[1]
+        sync = _fit_sync(lambda p, s: seconds(with_costs(launch, s, rate), p), list(zip(hybrid, t_hybrid)))
+    if sync is None:
+        sync, rate = _fit_host(lambda p, s, u: seconds(with_costs(launch, s, 1.0 / u), p), list(zip(hybrid, t_hybrid)),
+                               1.0 / rate0, u_min=ram)
     if sync is None:
         sync, rate = _solve(lambda v: seconds(with_costs(launch, v), half), t_half, step=1e-5), rate0
     fitted = with_costs(launch, sync, rate)
     info = {"resident_s": t_res, "resident_queued_s": q_res, "step_s": prof.decode_step_s, "deep": deep,
             "sixteenth_s": t_hybrid[0], "quarter_s": t_hybrid[1], "half_s": t_hybrid[2], "three_quarters_s": t_hybrid[3],
             "cpu_s": t_cpu, "launch_s": launch, "sync_s": sync, "cpu_rate": rate,
+            "packet_fixed_s": served[0] if served else None, "packet_rate": served[1] if served else None,
             "cpu_predicted_s": seconds(fitted, cpu)}
     fitted, info["kept"] = fit_kept_rates(fitted, shape, device, kept)
+    if served is not None:
+        log.info("the decode server's packets: %.1f us each and %.1f GB/s of experts (one token's, as it reads them)",
+                 served[0] * 1e6, served[1] / 1e9)
     log.info("engine decode per %d-layer step: %.2f ms all resident, %.2f / %.2f / %.2f / %.2f ms a sixteenth / quarter "
              "/ half / three quarters on the CPU, %.2f ms all on the CPU (%.2f predicted); the host %.0f us a step, fitted kernel "
              "%.2f us, host point %.0f us, CPU experts %.1f GB/s", LAYERS, t_res * 1e3, *(t * 1e3 for t in t_hybrid),
@@ -372,8 +427,18 @@ def _fit_cpu_rate(prof: HardwareProfile, inv, fmt: str, device: str, info: dict)
     ``cpu_measured_rate``, ``cpu_rate`` and ``hybrid_s`` to ``info``; the measured rate where the fit
     finds no better one."""
     hybrid = [_upper_on_cpu(inv, share) for share in CPU_FIT_SHARES]
-    times = [min(_decode_seconds(inv, p, device) for _ in range(REPEATS)) for p in hybrid]
+    packets: list[np.ndarray] = []
+    times = [min(_decode_seconds(inv, p, device, packets=packets) for _ in range(REPEATS)) for p in hybrid]
     measured = prof.cpu_expert_throughput[fmt]
+    layer = inv.spec.moe_layers[0]
+    served = packet_rate(np.concatenate(packets) if packets else None,
+                         float(sum(inv.units[k].nbytes for k in inv.expert_keys(layer)[:1])))
+    if served is not None:  # the rate the server read the runs' packets at: measured, not fitted
+        info.update(cpu_measured_rate=measured, cpu_rate=served[1], hybrid_s=times, packet_fixed_s=served[0])
+        log.info("engine decode per %d-layer step, %s blocks, a sixteenth / half on the CPU: %s ms; the decode "
+                 "server's packets %.1f us each and %.1f GB/s of experts (kernel alone %.1f GB/s)", LAYERS, fmt,
+                 " / ".join(f"{t * 1e3:.2f}" for t in times), served[0] * 1e6, served[1] / 1e9, measured / 1e9)
+        return served[1]
 
     def misfit(u: float) -> float:
         p = replace(prof, cpu_expert_throughput={**prof.cpu_expert_throughput, fmt: 1.0 / u})
@@ -709,5 +774,36 @@ def _fit_host(model, runs: list, u0: float, u_min: float = 0.0) -> tuple[float |
     return sync, 1.0 / u
 
 
+def _fit_sync(model, runs: list) -> float | None:
+    """Least squares of the relative errors for ``model(placement, sync) == measured`` over ``runs``
+    (``[(placement, measured s)]``), the model piecewise linear in ``sync`` (s): solved around each
+    solution until it settles, from the best of a scan over ``[0, SYNC_MAX_S]`` (below some value
+    the GPU's lane hides the host point, and the model is flat there); at least 0. None when no run
+    depends on ``sync``."""
+    def sse(v: float) -> float:
+        return sum((model(p, v) / t - 1.0) ** 2 for p, t in runs)
+
+    if sse(0.0) == sse(SYNC_MAX_S):
+        return None
+    ds, sync = 1e-6, _least_on_line(sse, 0.0, SYNC_MAX_S)
+    for _ in range(HOST_FIT_ROUNDS):
+        num = den = 0.0
+        for placement, measured in runs:
+            base = model(placement, sync)
+            b = (model(placement, sync + ds) - base) / ds
+            num += (b / measured) * (measured - base + b * sync) / measured
+            den += (b / measured) ** 2
+        if den <= 0:
+            break
+        nxt = max(0.0, num / den)
+        settled = abs(nxt - sync) <= 1e-9
+        sync = nxt
+        if settled:
+            break
+    return sync
+
+
+SYNC_MAX_S = 1e-3
+"""The largest host point ``_fit_sync`` scans (s): a hybrid layer's hand-off is tens of µs."""
 HOST_FIT_ROUNDS = 20
 """Most linearizations ``_fit_host`` solves (each around the last solution's CPU rate)."""

@@ -325,7 +325,7 @@ def int8_dots(on: bool | None = None) -> bool:
     return bool(mod.int8_dots())
 
 
-def server(threads: int, spin_us: int = 2000, own_team: bool = False, idle_us: int = 20000):
+def server(threads: int, spin_us: int = 2000, own_team: bool = False, idle_us: int = 20000, chunks: int = 1):
     """A native decode server (``csrc/moe_decode.cpp``, ``Server``): a thread that computes the CPU
     experts of one-token steps from packets the accelerator copies into page-locked memory, polling
     their flags (``served.DecodeServer`` drives it). ``threads``: its parallel passes' threads;
@@ -333,11 +333,14 @@ def server(threads: int, spin_us: int = 2000, own_team: bool = False, idle_us: i
     ``own_team``: the passes run on the server's own spinning threads (``SpinTeam``); False: on
     torch's OpenMP pool, whose workers may sleep between packets. ``idle_us``: after that long
     without a packet the thread stops polling every 50 µs and waits for ``wake()`` (or 1 ms).
+    ``chunks``: parts per thread of each pass on its own team (1: one contiguous part each; more:
+    taken in turn, so that a thread slowed by its core's neighbour takes fewer; process-wide).
 
     Raises RuntimeError when the kernel is unavailable."""
     mod = _load()
     if mod is None:
         raise RuntimeError(f"the fused CPU decode kernel is unavailable: {_failed}")
+    mod.set_team_chunks(int(chunks))
     return mod.Server(int(threads), int(spin_us), bool(own_team), int(idle_us))
 
 

@@ -142,6 +142,13 @@ def server_threads() -> int:
     return max(1, torch.get_num_threads() - 1)
 
 
+def server_chunks() -> int:
+    """``WORKBENCH_SERVER_CHUNKS``: parts per thread of each pass on the server's own team (default 1:
+    one contiguous part each; more are taken in turn, ``cpu_kernel.server``)."""
+    raw = os.environ.get("WORKBENCH_SERVER_CHUNKS", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+
+
 def server_team() -> bool:
     """``WORKBENCH_SERVER_TEAM``: ``spin`` (default) runs the server's passes on its own spinning
     threads (``SpinTeam`` in ``csrc/moe_decode.cpp``); ``omp`` on torch's OpenMP pool, whose workers
@@ -168,7 +175,7 @@ class StackServer:
         self.packet = torch.zeros(2 * k + hidden, dtype=torch.float32)
         self.flag_in, self.flag_out = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
         self.out = torch.zeros(hidden, dtype=torch.float32)
-        self.native = cpu_kernel.server(threads or server_threads(), own_team=server_team())
+        self.native = cpu_kernel.server(threads or server_threads(), own_team=server_team(), chunks=server_chunks())
         self.native.add_layer(kind, list(stacks), f13, f2, ffn, k, self.packet, self.flag_in, self.out,
                               self.flag_out, *cpu_kernel.act_args(("silu",)))
         self.native.start()
@@ -242,7 +249,7 @@ class DecodeServer:
         self.bus_count = torch.zeros(1, dtype=torch.int64, device=device)  # pairs the bus computed so far
         self.pair_ids = torch.arange(k, dtype=torch.int64, device=device)  # the bus kernel's "experts": pairs
         self.bus_stream = torch.cuda.Stream(device) if self.cuda and _bus_side_stream() else None
-        self.native = cpu_kernel.server(threads, own_team=server_team())
+        self.native = cpu_kernel.server(threads, own_team=server_team(), chunks=server_chunks())
         self.layers: dict[int, _Layer] = {}
         for lx in layers:
             slot = _Layer(lx, k, hidden, self.cuda)

@@ -744,6 +744,11 @@ inline void cpu_relax() {
 // (scripts/time_served_handoff.py). These workers spin on a generation counter while packets keep
 // coming (``spin_us`` after the last job, as the server thread does), then sleep on a condition
 // variable. The calling thread runs part 0 itself. One caller at a time.
+// Parts per thread of a SpinTeam job (1: one contiguous part each, as at::parallel_for cuts a range).
+// More parts are taken one by one from a shared count, so that a thread slowed by a neighbour on its
+// core (the thread that waits for the GPU spins) or by the OS takes fewer of them.
+std::atomic<int64_t> g_team_chunks{1};
+
 class SpinTeam {
  public:
   SpinTeam(int64_t threads, int64_t spin_us) : n_(std::max<int64_t>(1, threads)), spin_us_(spin_us) {
@@ -768,7 +773,10 @@ class SpinTeam {
       f(begin, end);
       return;
     }
-    job_ = &f, begin_ = begin, end_ = end, parts_ = parts;
+    const int64_t chunks = std::max(parts, std::min(parts * std::max<int64_t>(1, g_team_chunks.load()),
+                                                    len / std::max<int64_t>(1, grain)));
+    job_ = &f, begin_ = begin, end_ = end, parts_ = parts, chunks_ = chunks;
+    next_.store(parts, std::memory_order_relaxed);  // chunks past each thread's first, taken in turn
     // every worker acknowledges every job, taking a part or not: none still reads this job's fields
     // when the next one overwrites them
     pending_.store(n_ - 1, std::memory_order_relaxed);
@@ -798,10 +806,14 @@ class SpinTeam {
     if (n % 16 == 0) std::this_thread::yield();
   }
 
-  void part(int64_t i) const {
+  // Thread i's chunk i, then (with more chunks than threads) further chunks from the shared count.
+  void part(int64_t i) {
     const int64_t len = end_ - begin_;
-    const int64_t b = begin_ + len * i / parts_, e = begin_ + len * (i + 1) / parts_;
-    if (b < e) (*job_)(b, e);
+    for (int64_t c = i; c < chunks_; c = next_.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t b = begin_ + len * c / chunks_, e = begin_ + len * (c + 1) / chunks_;
+      if (b < e) (*job_)(b, e);
+      if (chunks_ == parts_) break;
+    }
   }
 
   void work(int64_t i) {
@@ -844,7 +856,8 @@ class SpinTeam {
   std::atomic<int64_t> pending_{0};
   std::atomic<bool> stop_{false}, failed_{false};
   const std::function<void(int64_t, int64_t)>* job_ = nullptr;
-  int64_t begin_ = 0, end_ = 0, parts_ = 1;
+  int64_t begin_ = 0, end_ = 0, parts_ = 1, chunks_ = 1;
+  std::atomic<int64_t> next_{0};
 };
 
 // The decode server's thread runs its passes on its own team; every other thread on torch's pool.
@@ -1773,6 +1786,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_int8_dots", [](bool on) { g_int8_dots.store(on); },
         "Experts kept in GGUF blocks: dots with inputs rounded to int8 (True; AVX512-VNNI or AVX2 builds) or exact f32 ones",
         py::arg("on"));
+  m.def("set_team_chunks", [](int64_t n) { g_team_chunks.store(std::max<int64_t>(1, n)); },
+        "Parts per thread of the decode server's team jobs (1: one contiguous part each; more: taken in turn)",
+        py::arg("n"));
   m.def("int8_dots", [] { return int8_dots_on(); }, "Whether experts kept in GGUF blocks take the int8 dots now");
   m.def("wait_background", &wait_background,
         "Wait for the run started with threads > 0; False if it failed (its output is then undefined)",
