@@ -69,6 +69,24 @@ def test_the_hosts_time_per_step_counts_once_a_decoded_token():
     assert dataclasses.replace(hw, decode_step_s=-1.0).problems()
 
 
+
+def test_a_layers_hand_off_is_its_cpu_experts_formats():
+    """``sync_by_format``: a layer of bf16 experts takes the bf16 hand-off where the profile has one,
+    and ``sync_s`` where it has one for another format only."""
+    inv = synth_inventory(1, 2, top_k=1, hidden=64, expert_ffn=32, vocab=128, n_heads=2, n_kv_heads=1, head_dim=32)
+    hw = h200_profile()
+    hw = dataclasses.replace(hw, cpu_expert_throughput={**hw.cpu_expert_throughput, "bf16": 1e8})
+    p = Placement()
+    p.set(UnitKey(0, "expert", 1), CPU_COMPUTE)
+    one = inv.units[UnitKey(0, "expert", 0)].nbytes / 1e8
+
+    def cpu_lane(prof):
+        return CostModel(inv, prof, engine=EngineShape()).predict(p, ctx=256, prompt_tokens=100).decode_layers[0].cpu
+
+    assert cpu_lane(dataclasses.replace(hw, sync_by_format={"bf16": 7e-4})) == pytest.approx(0.5 * (one + 7e-4))
+    assert cpu_lane(dataclasses.replace(hw, sync_by_format={"q8_0": 7e-4})) == pytest.approx(0.5 * (one + hw.sync_s))
+    assert hw.sync_s != 7e-4
+
 def test_a_layer_waits_for_the_cpu_token_by_token():
     """A decode layer's time is the mean over the tokens' CPU selection counts (binomial over the
     top-k picks) of its slowest lane (the CPU's with the hand-off), not the slowest mean lane: with one of four

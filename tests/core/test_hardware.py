@@ -91,6 +91,10 @@ def test_profile_json_roundtrip_and_save_load(tmp_path):
         prof.save(path)
         assert HardwareProfile.load(path).to_json() == prof.to_json()
         assert not path.with_name(path.name + ".tmp").exists()
+    with_syncs = replace(preset("bench-h200"), sync_by_format={"q8_0": 6e-5})
+    assert HardwareProfile.from_json(json.loads(json.dumps(with_syncs.to_json()))) == with_syncs
+    bad = replace(with_syncs, sync_by_format={"q8_0": 2.0})
+    assert any("sync_by_format[q8_0]" in p for p in bad.problems())
     # a plain profile written before 'provenance' existed still loads
     old = preset("bench-h200").to_json()
     del old["provenance"]

@@ -512,3 +512,33 @@ def test_the_host_point_alone_is_fitted_to_runs_made_with_a_known_one(monkeypatc
     assert calibrate_engine._fit_sync(model, runs) == pytest.approx(300e-6, rel=1e-3)
     fast = [(p, 0.5 * model(p, 0.0)) for p in runs_at]
     assert calibrate_engine._fit_sync(model, fast) == 0.0
+
+
+def test_a_kept_formats_hand_off_is_fitted_to_its_runs_where_the_server_traced_them(monkeypatch):
+    """Runs made by the model with a Q8_0 hand-off of 70 µs (bf16's stays 50) and packets traced at
+    10 µs plus 5 MB a pair at 90 GB/s: the Q8_0 CPU rate is the packets', its hand-off 70 µs back."""
+    from workbench.core import synth
+    from workbench.core.costmodel import EngineShape
+
+    base = preset("bench-h200")
+    base = replace(base, sync_s=5e-5, gpus=(replace(base.gpus[0], expert_throughput={"q8_0": 1.5e12}),),
+                   cpu_expert_throughput={**base.cpu_expert_throughput, "q8_0": 6e10})
+    truth = replace(base, sync_by_format={"q8_0": 7e-4}, cpu_expert_throughput={**base.cpu_expert_throughput,
+                                                                                "q8_0": 9e10})
+    per_pair = 5e6 / 9e10
+
+    def made(inv, placement, device, steps=0, packets=None):
+        if packets is not None:
+            packets.append(np.array([[0, s, 10 ** 6 * s, 10 ** 6 * s + int(1e9 * (1e-5 + n * per_pair)), n]
+                                     for s, n in enumerate([1, 2, 3] * 5)], dtype=np.int64))
+        return 1.0 / CostModel(inv, truth, engine=EngineShape(bus_share=0.0)).decode_tps(
+            placement, kv_tokens=16 + calibrate_engine.STEPS)
+
+    monkeypatch.setattr(calibrate_engine, "_decode_seconds", made)
+    monkeypatch.setattr(calibrate_engine, "packet_rate",
+                        lambda rec, nbytes, real=calibrate_engine.packet_rate: real(rec, 5e6))
+    shape = synth.SynthShape("calibration", "qwen3moe", 2, 256, 4, 2, 64, 32, 4, 256, 256, qk_norm=True)
+    fitted, info = calibrate_engine.fit_kept_rates(base, shape, device="cpu", formats=("q8_0",))
+    assert fitted.cpu_expert_throughput["q8_0"] == pytest.approx(9e10, rel=1e-3)
+    assert info["q8_0"]["packet_fixed_s"] == pytest.approx(1e-5, rel=1e-3)
+    assert fitted.sync_by_format["q8_0"] == pytest.approx(7e-4, rel=1e-3) and fitted.sync_s == 5e-5

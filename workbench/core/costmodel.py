@@ -669,7 +669,8 @@ class CostModel:
         gpu_x = np.zeros_like(pn)
         bus_n = np.zeros_like(pn)
         waits = (n - m > 0) if eng.served else np.ones_like(n, dtype=bool)  # the server's hand-off: only then
-        hand = np.where((has_compute & ~streamed)[..., None], prof.sync_s * waits, 0.0)
+        per_layer = self._layer_sync().reshape((-1,) + (1,) * (np.ndim(has_compute) - 1))
+        hand = np.where((has_compute & ~streamed)[..., None], per_layer[..., None] * waits, 0.0)
         # served: the packet's way to the native thread and back delays only the CPU's result, so the
         # hand-off joins the CPU lane; host-driven: the host waits for the routing before any lane starts
         on_cpu = hand if eng.served else 0.0
@@ -690,6 +691,12 @@ class CostModel:
         gpu, cpu, bus, sync = ((pn * v).sum(axis=-1) for v in (gpu_n, cpu_n, bus_n, sync_n))
         spread = np.maximum(total - (np.maximum(np.maximum(gpu, cpu), bus) + sync), 0.0)
         return gpu, cpu, bus, sync, spread
+
+    def _layer_sync(self) -> np.ndarray:
+        """Per layer, the decode hand-off of its CPU experts (s): ``sync_by_format`` for the format of
+        its first expert, else ``sync_s``."""
+        by, base = self.profile.sync_by_format, self.profile.sync_s
+        return np.array([by.get(str(self.expert_format[layer, 0]), base) for layer in range(self.n_layers)])
 
     def layer_curves(self, base: Placement, order: np.ndarray, kv_tokens: int = 512,
                      kv_dtype: str = "f16") -> tuple[np.ndarray, np.ndarray]:

@@ -138,6 +138,10 @@ class HardwareProfile:
     fitted to the calibration's all-resident prompt in that format: a layer of kept Q8_0 blocks
     dequantizes its tiles as it goes and takes longer than a bf16 one (16.5 against 11.9 ms for
     8 layers on the H200 machine). A format not in it takes ``prompt_resident_layer_s``."""
+    sync_by_format: dict[str, float] = field(default_factory=dict)
+    """``sync_s`` of a decode layer whose CPU experts are held in a kept block format (``"q8_0"``...),
+    fitted to the calibration's hybrid runs in that format (a Q8_0 layer's hand-off came to 59 µs
+    where bf16's took 132 on the same H100 host). A format not in it takes ``sync_s``."""
     source: str = ""
     provenance: dict[str, str] = field(default_factory=dict)
     """Where each number came from, by field name: ``"measured"``, ``"preset:<name>"`` or ``"absent"``
@@ -161,6 +165,7 @@ class HardwareProfile:
             d["cpu_prompt_flops"] = {str(k): float(v) for k, v in dict(d.get("cpu_prompt_flops") or {}).items()}
             d["prompt_resident_layer_by_format"] = {
                 str(k): float(v) for k, v in dict(d.get("prompt_resident_layer_by_format") or {}).items()}
+            d["sync_by_format"] = {str(k): float(v) for k, v in dict(d.get("sync_by_format") or {}).items()}
             d["provenance"] = dict(d.get("provenance", {}))
             return cls(**_none_to_nan(d, cls))
         except (TypeError, ValueError, AttributeError) as e:
@@ -200,6 +205,9 @@ class HardwareProfile:
                      "prompt_host_batch_s", "prompt_host_copy_s", "prompt_resident_layer_s"):
             if not (0 <= getattr(self, name) < 1):
                 out.append(f"{name} is {getattr(self, name)!r} s: expected a cost between 0 and 1 second")
+        for fmt, value in self.sync_by_format.items():
+            if not (0 <= value < 1):
+                out.append(f"sync_by_format[{fmt}] is {value!r} s: expected a cost between 0 and 1 second")
         for fmt, value in self.prompt_resident_layer_by_format.items():
             if not (0 <= value < 1):
                 out.append(f"prompt_resident_layer_by_format[{fmt}] is {value!r} s: expected a cost between 0 and 1 "

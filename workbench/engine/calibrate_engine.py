@@ -382,6 +382,7 @@ def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str =
     g0 = prof.gpus[0]
     rates, info = dict(g0.expert_throughput), {}
     cpu_rates = dict(prof.cpu_expert_throughput)
+    syncs = dict(prof.sync_by_format)
     for fmt in [f for f in rates if formats is None or f in formats]:
         block = 256 if fmt.endswith("_k") else 32
         if fmt not in synth.WEIGHT_TYPES or shape.hidden % block or shape.expert_ffn % block:
@@ -412,12 +413,18 @@ def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str =
             if fmt in cpu_rates:
                 cpu_rates[fmt] = _fit_cpu_rate(replace(prof, gpus=gpus, cpu_expert_throughput=cpu_rates), inv, fmt,
                                                device, info[fmt])
+                if info[fmt].get("sync_s") is not None:
+                    syncs[fmt] = info[fmt]["sync_s"]
     gpus = (replace(g0, expert_throughput=rates),) + tuple(prof.gpus[1:])
-    return replace(prof, gpus=gpus, cpu_expert_throughput=cpu_rates), info
+    return replace(prof, gpus=gpus, cpu_expert_throughput=cpu_rates, sync_by_format=syncs), info
 
 
 def _fit_cpu_rate(prof: HardwareProfile, inv, fmt: str, device: str, info: dict) -> float:
-    """The CPU's rate for experts held in ``fmt``'s blocks in the engine's decode (B/s): the value at
+    """The CPU's rate for experts held in ``fmt``'s blocks in the engine's decode (B/s), from the
+    calibration model in that format with a sixteenth and with half of each layer's experts on the
+    CPU (``CPU_FIT_SHARES``). Where the decode server traced their packets: the rate it read them at
+    (``packet_rate``), and the hand-off of this format's layers fitted to those runs (``info["sync_s"]``:
+    ``HardwareProfile.sync_by_format``; None where the runs do not pin it). Else the value at
     which the model, with the fitted kernel cost and host point, best predicts (least squares of the
     relative errors) the calibration model in that format with a sixteenth and with half of each
     layer's experts on the CPU (``CPU_FIT_SHARES``). The kernel's batch rate, measured alone, is
@@ -433,12 +440,21 @@ def _fit_cpu_rate(prof: HardwareProfile, inv, fmt: str, device: str, info: dict)
     layer = inv.spec.moe_layers[0]
     served = packet_rate(np.concatenate(packets) if packets else None,
                          float(sum(inv.units[k].nbytes for k in inv.expert_keys(layer)[:1])))
-    if served is not None:  # the rate the server read the runs' packets at: measured, not fitted
-        info.update(cpu_measured_rate=measured, cpu_rate=served[1], hybrid_s=times, packet_fixed_s=served[0])
+    if served is not None:  # the rate the server read the runs' packets at: measured, not fitted; the
+        rate = served[1]    # hand-off of this format's layers fitted to the same runs
+        at_rate = replace(prof, cpu_expert_throughput={**prof.cpu_expert_throughput, fmt: rate})
+
+        def model(placement, s: float) -> float:
+            p = replace(at_rate, sync_by_format={**at_rate.sync_by_format, fmt: s})
+            return 1.0 / CostModel(inv, p, engine=EngineShape(bus_share=0.0)).decode_tps(placement, kv_tokens=16 + STEPS)
+
+        sync = _fit_sync(model, list(zip(hybrid, times)))
+        info.update(cpu_measured_rate=measured, cpu_rate=rate, hybrid_s=times, packet_fixed_s=served[0], sync_s=sync)
         log.info("engine decode per %d-layer step, %s blocks, a sixteenth / half on the CPU: %s ms; the decode "
-                 "server's packets %.1f us each and %.1f GB/s of experts (kernel alone %.1f GB/s)", LAYERS, fmt,
-                 " / ".join(f"{t * 1e3:.2f}" for t in times), served[0] * 1e6, served[1] / 1e9, measured / 1e9)
-        return served[1]
+                 "server's packets %.1f us each and %.1f GB/s of experts (kernel alone %.1f GB/s); host point %s",
+                 LAYERS, fmt, " / ".join(f"{t * 1e3:.2f}" for t in times), served[0] * 1e6, rate / 1e9,
+                 measured / 1e9, "not pinned" if sync is None else f"{sync * 1e6:.0f} us")
+        return rate
 
     def misfit(u: float) -> float:
         p = replace(prof, cpu_expert_throughput={**prof.cpu_expert_throughput, fmt: 1.0 / u})
