@@ -116,6 +116,28 @@ def planned_placements(inv, strategies: list[str], budget: int, margin: int, pro
     return {s: planner.plan(s).placement for s in strategies}
 
 
+def timed_steps(engine, prompt: int, steps: int, warm: int = 4, each=None, warmed=None) -> list[tuple[int, int]]:
+    """A ``prompt``-token prompt of random ids, ``warm`` untimed one-token steps (the graphs' capture),
+    then ``steps`` timed ones, each waited for as a generation does: ``(start, end)`` of each on
+    ``time.monotonic_ns``'s clock (ns). ``warmed()`` is called before the first timed step,
+    ``each(start, end)`` after each."""
+    toks = torch.randint(0, engine.vocab_size, (prompt + warm + steps + 1,))
+    engine.forward(toks[:prompt], 0, last_only=True).argmax().item()
+    pos, out = prompt, []
+    for i in range(warm + steps):
+        if i == warm and warmed is not None:
+            warmed()
+        t0 = time.monotonic_ns()
+        engine.forward(toks[pos:pos + 1], pos).argmax().item()
+        t1 = time.monotonic_ns()
+        if i >= warm:
+            out.append((t0, t1))
+            if each is not None:
+                each(t0, t1)
+        pos += 1
+    return out
+
+
 def count_syncs(stats: pstats.Stats) -> dict[str, int]:
     """Calls of host-sync-like tensor methods in a cProfile run."""
     out: dict[str, int] = {}

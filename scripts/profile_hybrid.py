@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_decode import n_cpu_moe_placement, planned_placements, small_model  # noqa: E402
+from profile_decode import n_cpu_moe_placement, planned_placements, small_model, timed_steps  # noqa: E402
 from profile_decode import timed as timed_by  # noqa: E402
 
 from workbench.core.fmt import parse_size  # noqa: E402
@@ -103,19 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ph = Phases()
     instrument(ph)
     try:
-        toks = torch.randint(0, engine.vocab_size, (args.prompt + args.steps + 8,))
-        engine.forward(toks[:args.prompt], 0, last_only=True).argmax().item()
-        pos = args.prompt
-        for _ in range(4):  # warm-up (captures the graphs)
-            engine.forward(toks[pos:pos + 1], pos).argmax().item()
-            pos += 1
-        ph.steps.clear()
-        ph.step.clear()
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            engine.forward(toks[pos:pos + 1], pos).argmax().item()
-            ph.end_step(time.perf_counter() - t)
-            pos += 1
+        timed_steps(engine, args.prompt, args.steps, warmed=ph.step.clear,  # the prompt's and warm-up's phases
+                    each=lambda t0, t1: ph.end_step((t1 - t0) * 1e-9))
         hybrid = sum(1 for lx in engine.experts.values() if lx.needs_host)
         srv = engine._decoder.server if engine._decoder is not None else None
         print(f"decode server: {len(srv.layers) if srv else 0} of {hybrid} hybrid layers served"

@@ -29,7 +29,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -38,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_decode import n_cpu_moe_placement, small_model  # noqa: E402
+from profile_decode import n_cpu_moe_placement, small_model, timed_steps  # noqa: E402
 
 from workbench.core.project import load_project  # noqa: E402
 from workbench.core.readers import open_model  # noqa: E402
@@ -123,19 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.load(inv, placement, device=args.device, dtype=dtype, max_context=args.prompt + args.steps + 16)
     if args.device != "cuda":
         engine.decode_mode, engine.served_mode = "static", "on"  # the decode graphs' pieces, run eagerly
-    steps = []
     try:
-        toks = torch.randint(0, engine.vocab_size, (args.prompt + args.steps + 8,))
-        engine.forward(toks[:args.prompt], 0, last_only=True).argmax().item()
-        pos = args.prompt
-        for _ in range(4):  # warm-up (captures the graphs)
-            engine.forward(toks[pos:pos + 1], pos).argmax().item()
-            pos += 1
-        for _ in range(args.steps):
-            t0 = time.monotonic_ns()
-            engine.forward(toks[pos:pos + 1], pos).argmax().item()
-            steps.append((t0, time.monotonic_ns()))
-            pos += 1
+        steps = timed_steps(engine, args.prompt, args.steps)
         srv = engine._decoder.server if engine._decoder is not None else None
         if srv is None:
             print("no decode server ran: nothing to trace", file=sys.stderr)
