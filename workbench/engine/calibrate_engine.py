@@ -137,11 +137,11 @@ def _decode_times(inv, placement, device: str, steps: int = STEPS, packets: list
     if packets is not None and device != "cuda":  # a CPU accelerator: the served steps, run eagerly
         engine.decode_mode, engine.served_mode = "static", "on"
     traced = os.environ.get(TRACE_ENV)
-    if packets is not None:  # read as the decode server starts (the first one-token step)
-        os.environ[TRACE_ENV] = str(TRACE_PACKETS)
-    log.info("calibration model loaded in %.1f s (%.1f GB on the CPU)", time.perf_counter() - t0,
-             engine.memory_report()["cpu"] / 1e9)
     try:
+        if packets is not None:  # read as the decode server starts (the first one-token step)
+            os.environ[TRACE_ENV] = str(TRACE_PACKETS)
+        log.info("calibration model loaded in %.1f s (%.1f GB on the CPU)", time.perf_counter() - t0,
+                 engine.memory_report()["cpu"] / 1e9)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, VOCAB, (16 + 2 * steps,), generator=g)
         engine.forward(ids[:16], 0, last_only=True)
@@ -425,9 +425,8 @@ def _fit_cpu_rate(prof: HardwareProfile, inv, fmt: str, device: str, info: dict)
     CPU (``CPU_FIT_SHARES``). Where the decode server traced their packets: the rate it read them at
     (``packet_rate``), and the hand-off of this format's layers fitted to those runs (``info["sync_s"]``:
     ``HardwareProfile.sync_by_format``; None where the runs do not pin it). Else the value at
-    which the model, with the fitted kernel cost and host point, best predicts (least squares of the
-    relative errors) the calibration model in that format with a sixteenth and with half of each
-    layer's experts on the CPU (``CPU_FIT_SHARES``). The kernel's batch rate, measured alone, is
+    which the model, with the fitted kernel cost and host point, best predicts those runs (least
+    squares of the relative errors). The kernel's batch rate, measured alone, is
     the rate of many experts a pass; a token's one or two leave most of the cores short of work (on
     the H200 host one Q8_0 expert a packet ran at half the batch rate). At most the host's RAM read
     rate: with the host point fitted high, an H100 host's runs put Q8_0 at 442 GB/s. Adds

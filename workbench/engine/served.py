@@ -144,7 +144,8 @@ def server_threads() -> int:
 
 def server_chunks() -> int:
     """``WORKBENCH_SERVER_CHUNKS``: parts per thread of each pass on the server's own team (default 1:
-    one contiguous part each; more are taken in turn, ``cpu_kernel.server``)."""
+    one contiguous part each; more are taken in turn, ``cpu_kernel.server``). On an H100 host 4 gave
+    S1 Q8_0 ``frequency`` the same one-expert packets (65.5 against 66.5 µs; BENCHMARKS.md, twelfth stop)."""
     raw = os.environ.get("WORKBENCH_SERVER_CHUNKS", "").strip()
     return int(raw) if raw.isdigit() and int(raw) > 0 else 1
 

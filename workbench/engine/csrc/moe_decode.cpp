@@ -737,6 +737,13 @@ inline void cpu_relax() {
 #endif
 }
 
+// Parts per thread of a SpinTeam job (1: one contiguous part each, as at::parallel_for cuts a range).
+// More parts are taken one by one from a shared count, so that a thread slowed by a neighbour on its
+// core (the thread that waits for the GPU spins) or by the OS takes fewer of them. On an H100 host
+// four gained nothing: one Q8_0 expert a packet already read at the RAM's rate (BENCHMARKS.md,
+// twelfth stop).
+std::atomic<int64_t> g_team_chunks{1};
+
 // A team of threads for the decode server's two passes per packet. Between a decode step's hybrid
 // layers the server waits ~0.1 ms for the next packet; OpenMP's workers (libgomp) sleep on a futex
 // as soon as a process has more OpenMP threads than cores (torch's own pool counts), so each pass
@@ -744,11 +751,6 @@ inline void cpu_relax() {
 // (scripts/time_served_handoff.py). These workers spin on a generation counter while packets keep
 // coming (``spin_us`` after the last job, as the server thread does), then sleep on a condition
 // variable. The calling thread runs part 0 itself. One caller at a time.
-// Parts per thread of a SpinTeam job (1: one contiguous part each, as at::parallel_for cuts a range).
-// More parts are taken one by one from a shared count, so that a thread slowed by a neighbour on its
-// core (the thread that waits for the GPU spins) or by the OS takes fewer of them.
-std::atomic<int64_t> g_team_chunks{1};
-
 class SpinTeam {
  public:
   SpinTeam(int64_t threads, int64_t spin_us) : n_(std::max<int64_t>(1, threads)), spin_us_(spin_us) {
