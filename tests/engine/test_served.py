@@ -71,8 +71,12 @@ def host_run(inv, placement, tokens: list[int], **kw):
     return run(inv, placement, "off", forced=None if TEST_DTYPE == torch.float32 else tokens, **kw)
 
 
+@pytest.mark.parametrize("direct", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the publish kernel writes to page-locked memory itself only on CUDA"))])
 @pytest.mark.parametrize("place", ["hybrid", "compute"])
-def test_served_steps_give_the_reference_tokens(place, tiny_model_dir, tiny_hf_model):
+def test_served_steps_give_the_reference_tokens(place, direct, tiny_model_dir, tiny_hf_model, monkeypatch):
+    """``direct``: the packets and their flags written by the publish kernel (``WORKBENCH_SERVED_DIRECT``)."""
+    monkeypatch.setenv("WORKBENCH_SERVED_DIRECT", "1" if direct else "0")
     inv = open_inventory(tiny_model_dir("qwen3_moe"))
     placement = hybrid(inv) if place == "hybrid" else placements(inv)["compute"]
     tokens, logits, (packets, _) = run(inv, placement, "on")
@@ -248,6 +252,12 @@ def test_the_setting_from_the_environment(raw, mode):
     assert _served_mode(raw) == mode
 
 
+@pytest.mark.parametrize("raw,on", [("", False), ("0", False), ("1", True), (" 1 ", True), ("yes", False)])
+def test_the_direct_publish_setting(raw, on, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_SERVED_DIRECT", raw)
+    assert served.direct_publish() is on
+
+
 def test_closing_the_engine_while_another_thread_decodes(tiny_model_dir):
     """The chat pane decodes on a worker thread while the user closes the model: the step in progress
     finishes, the next one says the engine was closed, and the server's thread is gone."""
@@ -311,7 +321,9 @@ def test_the_publish_kernel_splits_the_cpu_tier_as_the_model_counts(fraction):
                                 host=torch.zeros(1, dtype=torch.int32))
             count = torch.zeros(1, dtype=torch.long)
             served._publish_kernel[(1,)](ids, w, x, tier, local, t.packet_dev, t.bus_rows, count, t.host, hidden,
-                                         float(fraction), served.bus_ratio(fraction), slots, K=k, KP=k, BLOCK_H=16)
+                                         float(fraction), served.bus_ratio(fraction), slots,
+                                         torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long),
+                                         K=k, KP=k, BLOCK_H=16)
             forms.append((int(count[0]), t))
         want = bus_count(n, fraction, slots)
         for m, out in forms:

@@ -59,10 +59,14 @@ if triton is not None:
 
     @triton.jit
     def _publish_kernel(ids_ptr, w_ptr, x_ptr, tier_ptr, local_ptr, packet_ptr, bus_ptr, count_ptr, host_ptr, H,
-                        fraction, ratio, slots, K: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr):
+                        fraction, ratio, slots, flag_ptr, step_ptr, K: tl.constexpr, KP: tl.constexpr,
+                        BLOCK_H: tl.constexpr, DIRECT: tl.constexpr = False):
         """The packet ``[rows of the CPU's pairs (-1 others), weights, x]`` (float32) and the bus's rows
         per pair (-1: not the bus's) from one token's ``ids``/``w [K]`` and ``x [H]``; adds the bus's
-        pairs to ``count`` and stores the CPU's in ``host`` (int32: 0 lets ``wait_add`` skip the layer)."""
+        pairs to ``count`` and stores the CPU's in ``host`` (int32: 0 lets ``wait_add`` skip the layer).
+        ``DIRECT``: ``packet`` is the page-locked host packet itself, and once every thread's stores
+        are fenced at system scope the kernel stores ``step`` into the host's ``flag`` (no copies
+        after it); else ``flag``/``step`` are unused."""
         offs = tl.arange(0, KP)
         km = offs < K
         ids = tl.load(ids_ptr + offs, mask=km, other=0)
@@ -89,6 +93,14 @@ if triton is not None:
         for h0 in range(0, H, BLOCK_H):
             hm = h0 + h < H
             tl.store(packet_ptr + 2 * K + h0 + h, tl.load(x_ptr + h0 + h, mask=hm).to(tl.float32), mask=hm)
+        if DIRECT:
+            # each thread's packet stores reach the host before any thread goes on (fence.sc.sys, one
+            # per element of a block every thread holds part of); the flag's value depends on every
+            # fence's result, so its store comes after all of them
+            done = tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.u32 $0, 0;", "=r,r", [h], dtype=tl.int32,
+                                             is_pure=False, pack=1)
+            tl.debug_barrier()
+            tl.store(flag_ptr, tl.load(step_ptr) + tl.sum(done, axis=0).to(tl.int64))
 
     @triton.jit
     def _wait_add_kernel(flag_ptr, step_ptr, src_ptr, out_ptr, status_ptr, host_ptr, H, timeout_ns,
@@ -250,6 +262,7 @@ class DecodeServer:
         self.bus_count = torch.zeros(1, dtype=torch.int64, device=device)  # pairs the bus computed so far
         self.pair_ids = torch.arange(k, dtype=torch.int64, device=device)  # the bus kernel's "experts": pairs
         self.bus_stream = torch.cuda.Stream(device) if self.cuda and _bus_side_stream() else None
+        self.direct = self.cuda and direct_publish()
         self.native = cpu_kernel.server(threads, own_team=server_team(), chunks=server_chunks())
         self.layers: dict[int, _Layer] = {}
         for lx in layers:
@@ -278,10 +291,14 @@ class DecodeServer:
         """Send the CPU its share of the token ``x [1, H]`` with routing ``ids``/``w [1, k]``."""
         s = self.layers[lx.layer]
         frac, slots = (lx.bus.fraction, lx.bus.slots) if lx.bus is not None else (0.0, 0)
+        direct = self.direct and x.is_cuda
         if gpu_kernels.usable(x):
-            _publish_kernel[(1,)](ids, w, x, lx.tier_dev, lx.local_dev, s.packet_dev, s.bus_rows, self.bus_count, s.host,
-                                  self.hidden, float(frac), bus_ratio(frac), int(slots), K=self.k, KP=triton.next_power_of_2(self.k),
-                                  BLOCK_H=min(1024, triton.next_power_of_2(self.hidden)))
+            _publish_kernel[(1,)](ids, w, x, lx.tier_dev, lx.local_dev, s.packet if direct else s.packet_dev, s.bus_rows,
+                                  self.bus_count, s.host, self.hidden, float(frac), bus_ratio(frac), int(slots),
+                                  s.flag_in, self.step, K=self.k, KP=triton.next_power_of_2(self.k),
+                                  BLOCK_H=min(1024, triton.next_power_of_2(self.hidden)), DIRECT=direct)
+            if direct:
+                return
         else:
             self.bus_count += _publish_torch(ids.reshape(-1), w.reshape(-1), x.reshape(-1), lx, s, frac, slots)
         if self.cuda:
@@ -368,6 +385,13 @@ class DecodeServer:
     def close(self) -> None:
         """Stop the native thread (it holds the CPU stacks until then)."""
         self._stop()
+
+
+def direct_publish() -> bool:
+    """``WORKBENCH_SERVED_DIRECT=1``: on CUDA the publish kernel writes each layer's packet and its
+    flag into page-locked memory itself, two copies fewer a served layer (default 0 until measured on
+    a GPU: the copies)."""
+    return os.environ.get("WORKBENCH_SERVED_DIRECT", "0").strip() == "1"
 
 
 def trace_capacity() -> int:
