@@ -6,7 +6,8 @@ decodes ``--steps`` tokens with the decode server recording every packet (``WORK
 the steady clock when its thread saw a layer's packet and when it stored the result's flag, and the
 packet's CPU pairs), and splits each step (microseconds, medians over steps):
 
-- ``cpu``: seen to done, by the packet's CPU pairs (0: an empty packet, the thread only reads it);
+- ``cpu``: seen to done, by the packet's CPU pairs (0: an empty packet, the thread only reads it;
+  ``bus``: layers where the bus also took pairs, whatever the CPU's);
 - ``span``: one served layer's packet to the next layer's (the layer's whole time as the CPU sees it),
   for layers whose next layer is served too, by the layer's CPU pairs;
 - ``after``: the CPU's result stored to the next layer's packet seen: what the accelerator does after
@@ -43,20 +44,29 @@ from workbench.core.project import load_project  # noqa: E402
 from workbench.core.readers import open_model  # noqa: E402
 from workbench.engine import Engine  # noqa: E402
 
+BUCKETS = ("0", "1", "2", "3+", "bus")
+"""The rows of the split: the CPU's pairs of layers where the bus took none, then those where it did."""
+
 
 def _med(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
 def summarize(records: np.ndarray, steps: list[tuple[int, int]]) -> dict:
-    """The split of ``records`` (``DecodeServer.trace``: int64 ``[n, 5]`` layer, step, seen ns, done ns,
-    pairs) over the timed ``steps`` (``(launch ns, token ns)`` per step, on the same clock, in order).
+    """The split of ``records`` (``DecodeServer.trace``: int64 ``[n, 6]`` layer, step, seen ns, done ns,
+    CPU pairs, bus pairs; ``[n, 5]`` records, from before the bus's column, count none) over the timed
+    ``steps`` (``(launch ns, token ns)`` per step, on the same clock, in order).
 
-    Returns medians in µs: ``cpu`` / ``span`` / ``after`` by pairs (keys ``"0"``, ``"1"``, ``"2"``,
-    ``"3+"``) with their counts, ``lead``, ``tail``, ``step`` (ms), ``engaged`` (layers with CPU pairs
-    per step, mean) and ``handoff`` by pairs: ``span`` less the empty layers' ``span`` less ``cpu``."""
-    def bucket(p: int) -> str:
-        return str(p) if p < 3 else "3+"
+    Returns medians in µs: ``cpu`` / ``span`` / ``after`` by the CPU's pairs of layers where the bus
+    took none (keys ``"0"``, ``"1"``, ``"2"``, ``"3+"``) and of those where it took some (``"bus"``:
+    the accelerator also read experts over the bus), with their counts, ``lead``, ``tail``, ``step``
+    (ms), ``engaged`` (layers with CPU pairs per step, mean) and ``handoff`` by pairs: ``span`` less
+    the empty layers' ``span`` less ``cpu``."""
+    def bucket(p: int, b: int) -> str:
+        return "bus" if b > 0 else str(p) if p < 3 else "3+"
+
+    if len(records) and records.shape[1] < 6:
+        records = np.hstack([records, np.zeros((len(records), 1), dtype=records.dtype)])
 
     cpu, span, after = defaultdict(list), defaultdict(list), defaultdict(list)
     lead, tail, step_ms, engaged = [], [], [], []
@@ -69,19 +79,19 @@ def summarize(records: np.ndarray, steps: list[tuple[int, int]]) -> dict:
         engaged.append(int((rows[:, 4] > 0).sum()))
         lead.append((rows[0, 2] - t0) / 1e3)
         tail.append((t1 - rows[-1, 3]) / 1e3)
-        for i, (layer, _, seen, done, pairs) in enumerate(rows.tolist()):
-            b = bucket(pairs)
+        for i, (layer, _, seen, done, pairs, on_bus) in enumerate(rows.tolist()):
+            b = bucket(pairs, on_bus)
             cpu[b].append((done - seen) / 1e3)
             if i + 1 < len(rows) and rows[i + 1, 0] == layer + 1:
                 span[b].append((rows[i + 1, 2] - seen) / 1e3)
                 after[b].append((rows[i + 1, 2] - done) / 1e3)
     out = {"step_ms": _med(step_ms), "engaged": float(np.mean(engaged)) if engaged else None,
            "lead_us": _med(lead), "tail_us": _med(tail), "cpu": {}, "span": {}, "after": {}, "n": {}, "handoff": {}}
-    for b in ("0", "1", "2", "3+"):
+    for b in BUCKETS:
         out["cpu"][b], out["span"][b], out["after"][b] = _med(cpu[b]), _med(span[b]), _med(after[b])
         out["n"][b] = len(cpu[b])
     empty = out["span"]["0"]
-    for b in ("1", "2", "3+"):
+    for b in BUCKETS[1:]:
         s, c = out["span"][b], out["cpu"][b]
         out["handoff"][b] = None if None in (s, c, empty) else s - empty - c
     return out
@@ -96,7 +106,7 @@ def report(s: dict) -> str:
     lines = [f"step {_fmt(s['step_ms'])} ms, {_fmt(s['engaged'])} layers a step gave the CPU pairs; "
              f"launch to first packet {_fmt(s['lead_us'])} us, last result to token {_fmt(s['tail_us'])} us",
              "", "| CPU pairs | packets | cpu us | span us | after us | hand-off us |", "| --- | --- | --- | --- | --- | --- |"]
-    for b in ("0", "1", "2", "3+"):
+    for b in BUCKETS:
         lines.append(f"| {b} | {s['n'][b]} | {_fmt(s['cpu'][b])} | {_fmt(s['span'][b])} | {_fmt(s['after'][b])} "
                      f"| {_fmt(s['handoff'].get(b))} |")
     return "\n".join(lines)

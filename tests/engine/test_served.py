@@ -59,7 +59,7 @@ def run(inv, placement, mode: str, fraction: float | None = None, steps: int = N
                 engine.forward(torch.tensor([t]), len(PROMPT) + i)
         last = engine.forward(torch.tensor([tokens[-1]]), len(PROMPT) + steps - 1)
         server = engine._decoder.server if engine._decoder is not None else None
-        counts = (server.served, server.bus_pairs) if server is not None else None
+        counts = (server.served, server.bus_pairs, server.trace()) if server is not None else None
         return tokens, last, counts
     finally:
         engine.close()
@@ -79,7 +79,7 @@ def test_served_steps_give_the_reference_tokens(place, direct, tiny_model_dir, t
     monkeypatch.setenv("WORKBENCH_SERVED_DIRECT", "1" if direct else "0")
     inv = open_inventory(tiny_model_dir("qwen3_moe"))
     placement = hybrid(inv) if place == "hybrid" else placements(inv)["compute"]
-    tokens, logits, (packets, _) = run(inv, placement, "on")
+    tokens, logits, (packets, _, _) = run(inv, placement, "on")
     _, host_logits, none = host_run(inv, placement, tokens)
     assert none is None
     layers = len(inv.spec.moe_layers)
@@ -91,13 +91,16 @@ def test_served_steps_give_the_reference_tokens(place, direct, tiny_model_dir, t
 
 @pytest.mark.skipif(not served.gpu_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_a_bus_share_reads_the_cpu_stacks_in_place(fraction, tiny_model_dir, tiny_hf_model):
-    """The bus's pairs computed by the accelerator from the CPU tier's stacks, the rest by the thread."""
+def test_a_bus_share_reads_the_cpu_stacks_in_place(fraction, tiny_model_dir, tiny_hf_model, monkeypatch):
+    """The bus's pairs computed by the accelerator from the CPU tier's stacks, the rest by the thread;
+    the packets mark the bus's pairs, which the server's trace counts."""
+    monkeypatch.setenv("WORKBENCH_SERVER_TRACE", "10000")
     inv = open_inventory(tiny_model_dir("qwen3_moe"))
     placement = placements(inv)["compute"]
-    tokens, logits, (_, bus_pairs) = run(inv, placement, "on", fraction)
+    tokens, logits, (_, bus_pairs, trace) = run(inv, placement, "on", fraction)
     _, host_logits, _ = host_run(inv, placement, tokens, fraction=0.0)
     assert bus_pairs > 0
+    assert 0 < trace[:, 5].sum() <= bus_pairs  # the last step's packets may still be on their way
     assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
     if TEST_DTYPE == torch.float32:
         assert tokens == reference_tokens(tiny_hf_model("qwen3_moe"), PROMPT, N_NEW)
@@ -111,7 +114,7 @@ def test_kept_blocks_are_served_as_blocks(tensor_type, width, tiny_gguf, monkeyp
     inv = open_inventory(tiny_gguf("qwen3_moe", tensor_type, **sizes))
     monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", "1")
     placement = placements(inv)["compute"]  # (resident k-quant rows run slowly in Triton's interpreter)
-    tokens, logits, (packets, _) = run(inv, placement, "on", steps=4)
+    tokens, logits, (packets, _, _) = run(inv, placement, "on", steps=4)
     host_tokens, host_logits, _ = host_run(inv, placement, tokens, steps=4)
     assert packets > 0
     assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
@@ -133,7 +136,7 @@ def test_gpt_oss_experts_are_served_with_their_biases(source, tiny_model_dir, ti
     inv = open_inventory(tiny_model_dir("gpt_oss", **sizes) if source == "float"
                          else tiny_gguf("gpt_oss", "MXFP4", **sizes))
     placement = hybrid(inv)
-    tokens, logits, (packets, _) = run(inv, placement, "on", steps=6)
+    tokens, logits, (packets, _, _) = run(inv, placement, "on", steps=6)
     host_tokens, host_logits, _ = host_run(inv, placement, tokens, steps=6)
     assert packets > 0
     assert biased and all(biased)
@@ -153,7 +156,7 @@ def test_gpt_oss_bus_pairs_read_their_biases_in_place(source, tiny_model_dir, ti
     inv = open_inventory(tiny_model_dir("gpt_oss", **sizes) if source == "float"
                          else tiny_gguf("gpt_oss", "MXFP4", **sizes))
     placement = placements(inv)["compute"]
-    tokens, logits, (_, bus_pairs) = run(inv, placement, "on", 0.5, steps=6)
+    tokens, logits, (_, bus_pairs, _) = run(inv, placement, "on", 0.5, steps=6)
     host_tokens, host_logits, _ = host_run(inv, placement, tokens, steps=6)
     assert bus_pairs > 0
     assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
@@ -347,7 +350,7 @@ def test_the_server_records_each_layers_packet_when_asked(tiny_model_dir, monkey
         finally:
             engine.close()
         if not capacity:
-            assert rec.shape == (0, 5)
+            assert rec.shape == (0, 6)
             continue
         layers = sorted(server.layers)
         assert len(rec) == served_packets and len(rec) % len(layers) == 0

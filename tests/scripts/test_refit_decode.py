@@ -40,6 +40,7 @@ def test_logged_steps_made_by_the_model_give_its_costs_back(tmp_path, monkeypatc
     monkeypatch.setattr(ce, "_fit_cpu_rate", ce._fit_cpu_rate)
     monkeypatch.setattr(ce, "_deep_resident_fit", ce._deep_resident_fit)
     monkeypatch.setattr(ce, "calibration_experts", ce.calibration_experts)
+    monkeypatch.setattr(ce, "packet_rate", ce.packet_rate)
     monkeypatch.setattr(synth, "write_gguf", synth.write_gguf)
     assert mod.main(["--profile", str(_saved(base, tmp_path)), "--experts", str(experts),
                      "--steps", ",".join(f"{t:.6f}" for t in ms), "--queued", f"{queued:.6f}", "-o", str(out)]) == 0
@@ -48,6 +49,12 @@ def test_logged_steps_made_by_the_model_give_its_costs_back(tmp_path, monkeypatc
     assert fitted.gpus[0].launch_s == pytest.approx(truth.gpus[0].launch_s, rel=1e-2)
     assert fitted.sync_s == pytest.approx(truth.sync_s, rel=0.05)
     assert fitted.cpu_expert_throughput["bf16"] == pytest.approx(7e10, rel=0.05)
+    # the packets' rate given (as a trace measured it): the host point alone comes back
+    assert mod.main(["--profile", str(_saved(base, tmp_path)), "--experts", str(experts), "--packets", "10,70",
+                     "--steps", ",".join(f"{t:.6f}" for t in ms), "--queued", f"{queued:.6f}", "-o", str(out)]) == 0
+    fitted = HardwareProfile.load(out)
+    assert fitted.cpu_expert_throughput["bf16"] == 7e10
+    assert fitted.sync_s == pytest.approx(truth.sync_s, rel=0.02)
 
 
 def _saved(profile: HardwareProfile, folder: Path) -> Path:
@@ -70,7 +77,7 @@ def test_logged_deep_resident_steps_give_the_kernel_cost_and_host_step_back(tmp_
         inv = open_model(path)
         deep.append(1e3 / CostModel(inv, truth, engine=EngineShape(bus_share=0.0)).decode_tps(
             placement_all_gpu(inv), kv_tokens=16 + ce.STEPS))
-    for name in ("_decode_times", "_fit_cpu_rate", "calibration_experts", "_deep_resident_fit"):
+    for name in ("_decode_times", "_fit_cpu_rate", "calibration_experts", "_deep_resident_fit", "packet_rate"):
         monkeypatch.setattr(ce, name, getattr(ce, name))  # the script patches the module; undone after
     monkeypatch.setattr(synth, "write_gguf", synth.write_gguf)
     out = tmp_path / "refit.json"

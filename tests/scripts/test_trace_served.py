@@ -37,10 +37,22 @@ def test_a_step_splits_into_the_cpus_part_and_the_rest(mod):
         steps.append((t0, seen2 + 2 * us + 15 * us))
     rows.append([0, 9, 99_000_000_000, 99_000_000_100, 3])  # a warm-up step's packet
     s = mod.summarize(np.array(rows, dtype=np.int64), steps)
-    assert s["n"] == {"0": 6, "1": 3, "2": 0, "3+": 0}
+    assert s["n"] == {"0": 6, "1": 3, "2": 0, "3+": 0, "bus": 0}
     assert s["span"]["0"] == pytest.approx(50) and s["span"]["1"] == pytest.approx(110)
     assert s["cpu"]["1"] == pytest.approx(40) and s["after"]["1"] == pytest.approx(70)
     assert s["handoff"]["1"] == pytest.approx(20) and s["handoff"]["2"] is None
     assert s["lead_us"] == pytest.approx(30) and s["tail_us"] == pytest.approx(15)
     assert s["engaged"] == 1 and s["step_ms"] == pytest.approx(0.207)
     assert "| 1 | 3 | 40.0 | 110.0 | 70.0 | 20.0 |" in mod.report(s)
+
+
+def test_layers_where_the_bus_took_pairs_are_counted_apart(mod):
+    """A layer whose packet marks bus pairs goes to ``bus`` whatever the CPU's pairs; records of five
+    columns (before the bus's) count none."""
+    us = 1000
+    rows = [[0, 0, 10 * us, 11 * us, 1, 0], [1, 0, 100 * us, 150 * us, 1, 1], [2, 0, 300 * us, 301 * us, 0, 0]]
+    s = mod.summarize(np.array(rows, dtype=np.int64), [(0, 400 * us)])
+    assert s["n"] == {"0": 1, "1": 1, "2": 0, "3+": 0, "bus": 1}
+    assert s["span"]["bus"] == pytest.approx(200) and s["cpu"]["bus"] == pytest.approx(50)
+    five = mod.summarize(np.array([r[:5] for r in rows], dtype=np.int64), [(0, 400 * us)])
+    assert five["n"]["bus"] == 0 and five["n"]["1"] == 2

@@ -98,8 +98,8 @@ def _decode_seconds(inv, placement, device: str, steps: int = STEPS, packets: li
 def packet_rate(records: np.ndarray, expert_bytes: float) -> tuple[float, float] | None:
     """The decode server's CPU time per packet as ``fixed + pairs * expert_bytes / rate``, by least
     squares over the median packet of each count of CPU pairs that ``PACKETS_PER_COUNT`` or more
-    packets had (``served.DecodeServer.trace`` records, int64 ``[n, 5]``: layer, step, seen ns,
-    done ns, pairs; a packet held up by a graph's capture or a neighbour's burst moves no median):
+    packets had (``served.DecodeServer.trace`` records, int64 ``[n, 6]``: layer, step, seen ns,
+    done ns, pairs, bus pairs; a packet held up by a graph's capture or a neighbour's burst moves no median):
     ``(fixed s, rate B/s)``, the rate at which one token's experts are read where the engine reads
     them (its team, a packet's one to few experts, from RAM). None without two such counts or
     without a positive cost per pair."""

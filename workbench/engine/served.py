@@ -7,7 +7,7 @@ thread (``cpu_kernel.server``) talk through page-locked memory instead, and a wh
 one CUDA graph:
 
 1. ``publish`` (on the accelerator): one kernel splits the token's ``k`` selections into the CPU's
-   (``packet`` rows, -1 elsewhere), the bus's (``bus_rows``: the first ``costmodel.bus_count(n, fraction, slots)`` of the
+   (``packet`` rows; -2 where the bus's, -1 elsewhere), the bus's (``bus_rows``: the first ``costmodel.bus_count(n, fraction, slots)`` of the
    ``n`` CPU-tier selections, as ``bus.BusShare.share`` counts them) and the rest, and writes the
    packet ``[rows, weights, x]`` (float32 ``[2k + H]``); two copies send it and then the step number
    (``step``, counted on the device) to page-locked memory.
@@ -61,7 +61,7 @@ if triton is not None:
     def _publish_kernel(ids_ptr, w_ptr, x_ptr, tier_ptr, local_ptr, packet_ptr, bus_ptr, count_ptr, host_ptr, H,
                         fraction, ratio, slots, flag_ptr, step_ptr, K: tl.constexpr, KP: tl.constexpr,
                         BLOCK_H: tl.constexpr, DIRECT: tl.constexpr = False):
-        """The packet ``[rows of the CPU's pairs (-1 others), weights, x]`` (float32) and the bus's rows
+        """The packet ``[rows of the CPU's pairs (-2 the bus's, -1 others), weights, x]`` (float32) and the bus's rows
         per pair (-1: not the bus's) from one token's ``ids``/``w [K]`` and ``x [H]``; adds the bus's
         pairs to ``count`` and stores the CPU's in ``host`` (int32: 0 lets ``wait_add`` skip the layer).
         ``DIRECT``: ``packet`` is the page-locked host packet itself, and once every thread's stores
@@ -87,7 +87,7 @@ if triton is not None:
         tl.store(count_ptr, tl.load(count_ptr) + m)
         tl.store(host_ptr, n - m)
         tl.store(bus_ptr + offs, tl.where(bus, row, -1), mask=km)
-        tl.store(packet_ptr + offs, tl.where(cpu & (rank >= m), row, -1).to(tl.float32), mask=km)
+        tl.store(packet_ptr + offs, tl.where(cpu & (rank >= m), row, tl.where(bus, -2, -1)).to(tl.float32), mask=km)
         tl.store(packet_ptr + K + offs, w, mask=km)
         h = tl.arange(0, BLOCK_H)
         for h0 in range(0, H, BLOCK_H):
@@ -363,9 +363,10 @@ class DecodeServer:
                               f"packet ({self.native.errors()} failed)")
 
     def trace(self) -> np.ndarray:
-        """The packets the native thread recorded (``WORKBENCH_SERVER_TRACE``), int64 ``[n, 5]``: the
+        """The packets the native thread recorded (``WORKBENCH_SERVER_TRACE``), int64 ``[n, 6]``: the
         model layer, the step, the steady clock (ns, ``time.monotonic_ns``'s clock) when the thread saw
-        the packet and when it stored the result's flag, and the packet's CPU pairs (0: empty)."""
+        the packet and when it stored the result's flag, the packet's CPU pairs (0: empty) and the
+        bus's pairs of that layer and step."""
         t = self.native.trace().numpy().copy()
         order = np.array(list(self.layers), dtype=np.int64)
         if len(t):
@@ -442,7 +443,7 @@ def _publish_torch(ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor, lx: Laye
     bus = cpu & (rank < m)
     row = lx.local_dev[ids]
     s.bus_rows.copy_(torch.where(bus, row, -1))
-    s.packet_dev[:k] = torch.where(cpu & ~bus, row, -1).float()
+    s.packet_dev[:k] = torch.where(cpu & ~bus, row, torch.where(bus, -2, -1)).float()
     s.packet_dev[k:2 * k] = w.float()
     s.packet_dev[2 * k:] = x.float()
     s.host.fill_(n - m)

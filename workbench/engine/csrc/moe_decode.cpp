@@ -1613,17 +1613,18 @@ class Server {
     trace_n_.store(0);
   }
 
-  // The packets recorded so far, int64 [n, 5]: the layer's index (order of add_layer), the step
+  // The packets recorded so far, int64 [n, 6]: the layer's index (order of add_layer), the step
   // number its flag_in carried, the steady clock (ns) when the thread saw it and when it stored the
-  // result's flag_out, and the packet's CPU pairs (0: an empty packet).
+  // result's flag_out, the packet's CPU pairs (0: an empty packet) and the pairs it marks as the
+  // bus's (-2 rows: computed by the accelerator from the CPU's stacks meanwhile).
   at::Tensor trace() const {
     const int64_t n = trace_n_.load(std::memory_order_acquire);
-    auto t = at::empty({n, 5}, at::kLong);
+    auto t = at::empty({n, 6}, at::kLong);
     int64_t* p = t.data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i) {
       const TraceRec& r = trace_[static_cast<size_t>(i)];
-      p[5 * i] = r.layer, p[5 * i + 1] = r.step, p[5 * i + 2] = r.seen_ns, p[5 * i + 3] = r.done_ns;
-      p[5 * i + 4] = r.pairs;
+      int64_t* q = p + 6 * i;
+      q[0] = r.layer, q[1] = r.step, q[2] = r.seen_ns, q[3] = r.done_ns, q[4] = r.pairs, q[5] = r.bus;
     }
     return t;
   }
@@ -1664,7 +1665,7 @@ class Server {
           const int64_t n = trace_n_.load(std::memory_order_relaxed);
           if (n < static_cast<int64_t>(trace_.size())) {
             trace_[static_cast<size_t>(n)] = TraceRec{static_cast<int64_t>(li), v, seen_ns, done_ns,
-                                                      static_cast<int64_t>(rows_.size())};
+                                                      static_cast<int64_t>(rows_.size()), bus_};
             trace_n_.store(n + 1, std::memory_order_release);
           }
         }
@@ -1695,9 +1696,13 @@ class Server {
     float* out = L.out.data_ptr<float>();
     std::memset(out, 0, sizeof(float) * L.H);
     rows_.clear(), wt_.clear();
+    bus_ = 0;
     for (int64_t j = 0; j < L.k; ++j) {
       const float r = pk[j];
-      if (!(r >= 0.f)) continue;  // -1 (or NaN): not the CPU's
+      if (!(r >= 0.f)) {  // -1 (or NaN): not the CPU's; -2: the bus's
+        bus_ += r == -2.f;
+        continue;
+      }
       const int64_t row = static_cast<int64_t>(r);
       if (row >= L.E) return false;
       rows_.push_back(row), wt_.push_back(pk[L.k + j]);
@@ -1737,7 +1742,7 @@ class Server {
   }
 
   struct TraceRec {
-    int64_t layer = 0, step = 0, seen_ns = 0, done_ns = 0, pairs = 0;
+    int64_t layer = 0, step = 0, seen_ns = 0, done_ns = 0, pairs = 0, bus = 0;
   };
 
   int64_t threads_, spin_us_, idle_us_;
@@ -1751,6 +1756,7 @@ class Server {
   std::vector<ServedLayer> layers_;
   std::vector<int64_t> rows_;
   std::vector<float> wt_;
+  int64_t bus_ = 0;  // the last packet's pairs marked as the bus's
   std::thread thread_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> served_{0}, errors_{0};
@@ -1808,7 +1814,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_trace", &Server::set_trace, "Record up to capacity packets from the next start (0: none)",
            py::arg("capacity"))
       .def("trace", &Server::trace,
-           "Packets recorded: int64 [n, 5] (layer index, step, seen ns, done ns, CPU pairs), steady clock")
+           "Packets recorded: int64 [n, 6] (layer index, step, seen ns, done ns, CPU pairs, bus pairs), steady clock")
       .def("served", &Server::served)
       .def("wake", &Server::wake, "A decode step starts: spin for its packets")
       .def("idle_waits", &Server::idle_waits, "Times the thread waited on its condition (idle)")
