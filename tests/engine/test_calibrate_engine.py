@@ -79,7 +79,9 @@ def test_fitted_costs_fit_the_measured_runs(monkeypatch):
     from workbench.engine import cpu_kernel
 
     if cpu_kernel.available():  # the hybrid runs' steps were served (on this CPU accelerator too), and traced
-        assert info["packet_rate"] is not None
+        assert sum(info["packets"].values()) > 0 and set(info["packets"]) <= {0, 1, 2}  # top_k 2
+    # at this tiny shape a pair costs next to nothing beside the packet's fixed cost: on a busy machine
+    # the packets may pin no positive rate, and the joint fit below takes over
     if info["packet_rate"] is not None:  # the server's packets give the rate; the host point alone is fitted
         assert info["cpu_rate"] == info["packet_rate"] and info["packet_fixed_s"] >= 0
         for sync in (1.1, 0.9):

@@ -345,18 +345,19 @@ def test_the_server_records_each_layers_packet_when_asked(tiny_model_dir, monkey
         try:
             greedy_tokens(engine, PROMPT, 4)
             server = engine._decoder.server
-            rec = server.trace()
-            served_packets = server.served
         finally:
-            engine.close()
+            engine.close()  # the thread has served every packet (a step waits only for those with CPU pairs)
+        rec, served_packets = server.trace(), server.served
         if not capacity:
             assert rec.shape == (0, 6)
             continue
         layers = sorted(server.layers)
-        assert len(rec) == served_packets and len(rec) % len(layers) == 0
+        assert len(rec) == served_packets and len(rec) >= 3 * len(layers)
         assert (rec[:, 3] >= rec[:, 2]).all() and (rec[:, 4] >= 0).all() and (rec[:, 4] <= inv.spec.n_experts_active).all()
-        for step in np.unique(rec[:, 1]):
+        steps = np.unique(rec[:, 1])
+        for step in steps:
             one = rec[rec[:, 1] == step]
-            assert one[:, 0].tolist() == layers  # each served layer once, in order
+            # each served layer once, in order (the last step's last packets may have come after the stop)
+            assert one[:, 0].tolist() == (layers if step < steps[-1] else layers[:len(one)])
             assert (np.diff(one[:, 2]) > 0).all()
         assert rec[:, 4].sum() > 0

@@ -282,9 +282,12 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     """``prof`` fitted to the engine's decode: ``decode_step_s`` (the host's time per step: the
     all-resident run waited for step by step, less the same steps queued; ``_decode_times``), then
     ``gpus[0].launch_s`` from the all-resident run, then
-    ``sync_s`` (the host point of a hybrid layer) and the bf16 CPU expert rate together, by least
-    squares of the relative errors, from four runs with a sixteenth, a quarter, a half and three
-    quarters of every layer's experts on the CPU (``HYBRID_SHARES``): layers that mix resident and
+    ``sync_s`` (the host point of a hybrid layer) and the bf16 CPU expert rate from four runs with a
+    sixteenth, a quarter, a half and three quarters of every layer's experts on the CPU
+    (``HYBRID_SHARES``): the rate as the decode server read those runs' packets (``packet_rate``),
+    then the host point alone by least squares of the relative errors (``_fit_sync``; on an H100
+    host the joint fit below put the rate at the RAM's cap and the host point 60 µs too high for
+    Q8_0's layers); where the packets pin no rate, both together by least squares. Layers that mix resident and
     CPU experts, as planned placements' do (one fixed and one per-byte cost per hybrid layer; with
     two runs 2 experts apart the host point swung from 44 to 227 µs between identical fits on the
     H200 host; without a physical solution the measured rate stays and ``sync_s`` comes from the
@@ -296,7 +299,9 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     check, its prediction returned next to it: on the H200 host it ran up to 40% slower than the
     model in some processes and not in others, so nothing is fitted to it. Returns the profile and
     ``{"resident_s", "resident_queued_s", "step_s", "sixteenth_s", "quarter_s", "half_s", "three_quarters_s", "cpu_s", "launch_s",
-    "sync_s", "cpu_rate", "cpu_predicted_s"}`` (seconds per decode step, B/s; fitted values). ``device``: the engine's
+    "sync_s", "cpu_rate", "cpu_predicted_s", "packet_fixed_s", "packet_rate", "packets"}`` (seconds per decode step,
+    B/s; fitted values; the decode server's packets of the hybrid runs: ``packet_rate``'s fit, None where
+    it had too few, and how many packets each count of CPU pairs had). ``device``: the engine's
     accelerator (``cuda``; ``cpu`` only exercises the fit in tests)."""
     room = psutil.virtual_memory().available
     if device == "cuda" and torch.cuda.is_available():
@@ -339,7 +344,8 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     else:
         launch = _solve(lambda v: seconds(with_costs(v, prof.sync_s), res), t_res, step=1e-6)
     ram = _ram_seconds_per_byte(prof)
-    served = packet_rate(np.concatenate(packets) if packets else None, 3.0 * hidden * ffn * 2)
+    traced = np.concatenate(packets) if packets else np.zeros((0, 6), dtype=np.int64)
+    served = packet_rate(traced, 3.0 * hidden * ffn * 2)
     sync = None
     if served is not None:  # the CPU's rate as the server read the runs' packets; the host point alone fitted
         rate = served[1]
@@ -354,6 +360,7 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
             "sixteenth_s": t_hybrid[0], "quarter_s": t_hybrid[1], "half_s": t_hybrid[2], "three_quarters_s": t_hybrid[3],
             "cpu_s": t_cpu, "launch_s": launch, "sync_s": sync, "cpu_rate": rate,
             "packet_fixed_s": served[0] if served else None, "packet_rate": served[1] if served else None,
+            "packets": {int(c): int((traced[:, 4] == c).sum()) for c in np.unique(traced[:, 4])},
             "cpu_predicted_s": seconds(fitted, cpu)}
     fitted, info["kept"] = fit_kept_rates(fitted, shape, device, kept)
     if served is not None:
