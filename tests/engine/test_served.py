@@ -335,8 +335,8 @@ def test_the_publish_kernel_splits_the_cpu_tier_as_the_model_counts(fraction):
 
 
 def test_the_server_records_each_layers_packet_when_asked(tiny_model_dir, monkeypatch):
-    """``WORKBENCH_SERVER_TRACE``: every served layer's packet of every step, in layer order within a
-    step, its pairs those the publish left the CPU (the packets served), seen before done; off by default."""
+    """``WORKBENCH_SERVER_TRACE``: each packet the thread served, in layer order within a step, its
+    pairs those the publish left the CPU, seen before done; off by default."""
     inv = open_inventory(tiny_model_dir("qwen3_moe"))
     for capacity in ("", "1000"):
         monkeypatch.setenv("WORKBENCH_SERVER_TRACE", capacity)
@@ -352,12 +352,12 @@ def test_the_server_records_each_layers_packet_when_asked(tiny_model_dir, monkey
             assert rec.shape == (0, 6)
             continue
         layers = sorted(server.layers)
-        assert len(rec) == served_packets and len(rec) >= 3 * len(layers)
+        assert len(rec) == served_packets and len(rec) >= len(layers)
         assert (rec[:, 3] >= rec[:, 2]).all() and (rec[:, 4] >= 0).all() and (rec[:, 4] <= inv.spec.n_experts_active).all()
-        steps = np.unique(rec[:, 1])
-        for step in steps:
+        assert set(rec[:, 0].tolist()) <= set(layers)
+        for step in np.unique(rec[:, 1]):
             one = rec[rec[:, 1] == step]
-            # each served layer once, in order (the last step's last packets may have come after the stop)
-            assert one[:, 0].tolist() == (layers if step < steps[-1] else layers[:len(one)])
-            assert (np.diff(one[:, 2]) > 0).all()
+            # served layers in order, each once (a packet without CPU pairs that the next step's
+            # overwrote before the thread saw it is not served, as nothing waits for it)
+            assert (np.diff(one[:, 0]) > 0).all() and (np.diff(one[:, 2]) > 0).all()
         assert rec[:, 4].sum() > 0
