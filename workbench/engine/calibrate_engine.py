@@ -103,8 +103,6 @@ def packet_rate(records: np.ndarray, expert_bytes: float) -> tuple[float, float]
     ``(fixed s, rate B/s)``, the rate at which one token's experts are read where the engine reads
     them (its team, a packet's one to few experts, from RAM). None without two such counts or
     without a positive cost per pair."""
-    if records is None or not len(records):
-        return None
     rec = records[records[:, 4] > 0]
     counts = [c for c in np.unique(rec[:, 4]) if (rec[:, 4] == c).sum() >= PACKETS_PER_COUNT]
     if len(counts) < 2:
@@ -116,6 +114,16 @@ def packet_rate(records: np.ndarray, expert_bytes: float) -> tuple[float, float]
     if per_pair <= 0:
         return None
     return max(0.0, float(fixed)), float(expert_bytes / per_pair)
+
+
+def _records(packets: list[np.ndarray]) -> np.ndarray:
+    """The decode server's records of several runs (``_decode_times``' ``packets``) as one ``[n, 6]`` array."""
+    return np.concatenate(packets) if packets else np.zeros((0, 6), dtype=np.int64)
+
+
+def _expert_bytes(inv) -> float:
+    """Bytes of one routed expert of ``inv``'s first MoE layer (its weights as the file holds them)."""
+    return float(inv.units[inv.expert_keys(inv.spec.moe_layers[0])[0]].nbytes)
 
 
 def _decode_times(inv, placement, device: str, steps: int = STEPS, packets: list | None = None) -> tuple[float, float]:
@@ -344,8 +352,8 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     else:
         launch = _solve(lambda v: seconds(with_costs(v, prof.sync_s), res), t_res, step=1e-6)
     ram = _ram_seconds_per_byte(prof)
-    traced = np.concatenate(packets) if packets else np.zeros((0, 6), dtype=np.int64)
-    served = packet_rate(traced, 3.0 * hidden * ffn * 2)
+    traced = _records(packets)
+    served = packet_rate(traced, _expert_bytes(inv))
     sync = None
     if served is not None:  # the CPU's rate as the server read the runs' packets; the host point alone fitted
         rate = served[1]
@@ -443,9 +451,7 @@ def _fit_cpu_rate(prof: HardwareProfile, inv, fmt: str, device: str, info: dict)
     packets: list[np.ndarray] = []
     times = [min(_decode_seconds(inv, p, device, packets=packets) for _ in range(REPEATS)) for p in hybrid]
     measured = prof.cpu_expert_throughput[fmt]
-    layer = inv.spec.moe_layers[0]
-    served = packet_rate(np.concatenate(packets) if packets else None,
-                         float(sum(inv.units[k].nbytes for k in inv.expert_keys(layer)[:1])))
+    served = packet_rate(_records(packets), _expert_bytes(inv))
     if served is not None:  # the rate the server read the runs' packets at: measured, not fitted; the
         rate = served[1]    # hand-off of this format's layers fitted to the same runs
         at_rate = replace(prof, cpu_expert_throughput={**prof.cpu_expert_throughput, fmt: rate})

@@ -145,21 +145,24 @@ def _guarded(method):
     return run
 
 
+def _env_count(name: str, least: int = 1) -> int | None:
+    """The whole number in the environment variable ``name`` when it is one of at least ``least``, else None."""
+    raw = os.environ.get(name, "").strip()
+    return int(raw) if raw.isdigit() and int(raw) >= least else None
+
+
 def server_threads() -> int:
     """Threads of the decode server's team (its polling thread among them): ``WORKBENCH_SERVER_THREADS``
     when set, else torch's thread count less one (the caller's thread waits on the GPU meanwhile)."""
-    raw = os.environ.get("WORKBENCH_SERVER_THREADS", "").strip()
-    if raw.isdigit() and int(raw) > 0:
-        return int(raw)
-    return max(1, torch.get_num_threads() - 1)
+    n = _env_count("WORKBENCH_SERVER_THREADS")
+    return n if n is not None else max(1, torch.get_num_threads() - 1)
 
 
 def server_chunks() -> int:
     """``WORKBENCH_SERVER_CHUNKS``: parts per thread of each pass on the server's own team (default 1:
     one contiguous part each; more are taken in turn, ``cpu_kernel.server``). On an H100 host 4 gave
     S1 Q8_0 ``frequency`` the same one-expert packets (65.5 against 66.5 µs; BENCHMARKS.md, twelfth stop)."""
-    raw = os.environ.get("WORKBENCH_SERVER_CHUNKS", "").strip()
-    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+    return _env_count("WORKBENCH_SERVER_CHUNKS") or 1
 
 
 def server_team() -> bool:
@@ -291,7 +294,7 @@ class DecodeServer:
         """Send the CPU its share of the token ``x [1, H]`` with routing ``ids``/``w [1, k]``."""
         s = self.layers[lx.layer]
         frac, slots = (lx.bus.fraction, lx.bus.slots) if lx.bus is not None else (0.0, 0)
-        direct = self.direct and x.is_cuda
+        direct = self.direct  # on CUDA only, where x is
         if gpu_kernels.usable(x):
             _publish_kernel[(1,)](ids, w, x, lx.tier_dev, lx.local_dev, s.packet if direct else s.packet_dev, s.bus_rows,
                                   self.bus_count, s.host, self.hidden, float(frac), bus_ratio(frac), int(slots),
@@ -398,8 +401,7 @@ def direct_publish() -> bool:
 def trace_capacity() -> int:
     """``WORKBENCH_SERVER_TRACE``: packets the decode server records for ``DecodeServer.trace`` (default
     0: none; each costs two clock reads on the server's thread)."""
-    raw = os.environ.get("WORKBENCH_SERVER_TRACE", "").strip()
-    return int(raw) if raw.isdigit() else 0
+    return _env_count("WORKBENCH_SERVER_TRACE", least=0) or 0
 
 
 def _bus_side_stream() -> bool:
