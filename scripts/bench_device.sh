@@ -39,8 +39,8 @@
 # as $OUT/placements.tar.gz), pack (llama-bench binary
 # as $OUT/llama-bench.tar.xz.part-NN; carried back as .llamacpp/pack/, stage build unpacks it),
 # trace (scripts/trace_served.py: S1 Q8_0 and bf16 decode split by the decode server's clock on saved placements; $OUT/trace.tar.gz;
-# TRACE_ENVS="WORKBENCH_SERVED_DIRECT=1" sets the publish kernel writing packets itself against the copies, after
-# WORKBENCH_SERVED_DIRECT=1 SERVED_TESTS=tests/engine/test_served.py ... served_tests has checked its tokens on CUDA),
+# TRACE_ENVS="WORKBENCH_SERVED_DIRECT=0" traces the packets copied by the stream against the publish kernel's own
+# writes, the default),
 # handoff (scripts/time_served_handoff.py, both server teams), handoff_sparse (the same, spinning team, with one and four picks in
 # every layer and then in 40% of them: a sparse placement's layers), cpu_sweep (the same for Q8_0 by read-ahead hint, distance and threads), engine_team (S1 bf16 and Q8_0 with the
 # decode server's passes on torch's OpenMP pool), engine_alt (the same, ours only, under BENCH_ALT_ENV's settings), cpu_prompt (scripts/time_cpu_prompt.py: the fused kernel by tokens

@@ -255,7 +255,7 @@ def test_the_setting_from_the_environment(raw, mode):
     assert _served_mode(raw) == mode
 
 
-@pytest.mark.parametrize("raw,on", [("", False), ("0", False), ("1", True), (" 1 ", True), ("yes", False)])
+@pytest.mark.parametrize("raw,on", [("", True), ("0", False), (" 0 ", False), ("1", True), ("yes", True)])
 def test_the_direct_publish_setting(raw, on, monkeypatch):
     monkeypatch.setenv("WORKBENCH_SERVED_DIRECT", raw)
     assert served.direct_publish() is on
