@@ -211,6 +211,33 @@ def test_kept_block_rates_are_fitted_to_the_resident_runs_in_their_format(monkey
     assert set(info) == {"q8_0"} and len(asked) == n and fitted.gpus[0].expert_throughput["q4_k"] == rates["q4_k"]
 
 
+def test_a_kept_rate_is_fitted_to_two_depths_whose_difference_leaves_out_the_hosts_pace(monkeypatch):
+    """Runs made by the model at a known Q8_0 rate, with the 8-layer model's step paced by the host
+    (time the model leaves out) and a fixed host time on every step: the two depths' difference gives
+    the rate back; the 8-layer run alone (no room for the depths) reads the host's time as slow bytes."""
+    from workbench.core import synth
+    from workbench.core.costmodel import EngineShape
+
+    base = preset("bench-h200")
+    base = replace(base, gpus=(replace(base.gpus[0], expert_throughput={"q8_0": 1.5e12}),))
+    truth = replace(base, gpus=(replace(base.gpus[0], expert_throughput={"q8_0": 1.2e12}),))
+
+    def made(inv, placement, device, steps=calibrate_engine.STEPS, packets=None):
+        paced = 3e-4 if inv.spec.n_layers == calibrate_engine.LAYERS else 0.0
+        return 2e-4 + paced + 1.0 / CostModel(inv, truth, engine=EngineShape(bus_share=0.0)).decode_tps(
+            placement, kv_tokens=16 + calibrate_engine.STEPS)
+
+    monkeypatch.setattr(calibrate_engine, "_decode_seconds", made)
+    monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
+    shape = synth.SynthShape("calibration", "qwen3moe", calibrate_engine.LAYERS, 256, 4, 2, 64, 8, 2, 256, 256,
+                             qk_norm=True)
+    fitted, info = calibrate_engine.fit_kept_rates(base, shape, device="cpu", formats=("q8_0",), room=1e12)
+    assert info["q8_0"]["depths"] == calibrate_engine.DEPTHS and len(info["q8_0"]["deep_s"]) == 2
+    assert fitted.gpus[0].expert_throughput["q8_0"] == info["q8_0"]["rate"] == pytest.approx(1.2e12, rel=1e-6)
+    paced, info = calibrate_engine.fit_kept_rates(base, shape, device="cpu", formats=("q8_0",))
+    assert "depths" not in info["q8_0"] and info["q8_0"]["rate"] < 0.9 * 1.2e12
+
+
 def test_a_quarter_of_the_calibration_experts_is_eight_times_the_l3(monkeypatch):
     from workbench.engine import calibrate
 

@@ -244,6 +244,30 @@ DEPTHS = (16, 32)
 host's time per step (``_deep_resident_fit``)."""
 
 
+def _deep_runs(shape: synth.SynthShape, device: str, room: float, wtype: str = "bf16") -> tuple | None:
+    """The engine's decode of two all-resident models of ``DEPTHS`` layers (``top_k`` experts a layer,
+    weights in ``wtype``; fewer layers where half of ``room`` bytes holds fewer at bf16's size, none
+    where the shallower would have fewer than ``LAYERS``): ``(depths, models, seconds a step)``."""
+    one = shape.n_active * 3 * shape.hidden * shape.expert_ffn * 2 + shape.hidden * shape.head_dim * 2 * (
+        2 * shape.n_heads + 2 * shape.n_kv_heads)
+    deep = min(DEPTHS[1], int(room / 2 / max(one, 1)))
+    depths = (min(DEPTHS[0], deep // 2), deep)
+    if depths[0] < LAYERS:
+        return None
+    models, times = [], []
+    with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
+        for d in depths:
+            path = Path(tmp) / f"calibration-{d}-layers-{wtype}.gguf"
+            synth.write_gguf(path, replace(shape, n_layers=d, n_experts=shape.n_active), coverage_target=None,
+                             wtype=wtype)
+            model = open_model(path)
+            res = placement_all_gpu(model)
+            times.append(min(_decode_seconds(model, res, device) for _ in range(REPEATS)))
+            models.append(model)
+            path.unlink()
+    return depths, models, times
+
+
 def _deep_resident_fit(shape: synth.SynthShape, device: str, room: float, seconds, with_launch) -> dict | None:
     """The kernel cost ``launch_s`` and the host's time per step ``step_s`` (s) from the engine's decode
     of two all-resident models of ``DEPTHS`` layers (fewer where half of ``room`` bytes holds fewer;
@@ -254,22 +278,10 @@ def _deep_resident_fit(shape: synth.SynthShape, device: str, room: float, second
     was predicted up to 25% slow. ``seconds(profile, model)``: the model's seconds per step of a
     model all resident; ``with_launch(v)``: the profile with kernel cost ``v``. Returns
     ``{"depths", "resident_s", "launch_s", "step_s"}``, or None without room or a positive kernel cost."""
-    one = shape.n_active * 3 * shape.hidden * shape.expert_ffn * 2 + shape.hidden * shape.head_dim * 2 * (
-        2 * shape.n_heads + 2 * shape.n_kv_heads)
-    deep = min(DEPTHS[1], int(room / 2 / max(one, 1)))
-    depths = (min(DEPTHS[0], deep // 2), deep)
-    if depths[0] < LAYERS:
+    runs = _deep_runs(shape, device, room)
+    if runs is None:
         return None
-    models, times = [], []
-    with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
-        for d in depths:
-            path = Path(tmp) / f"calibration-{d}-layers.gguf"
-            synth.write_gguf(path, replace(shape, n_layers=d, n_experts=shape.n_active), coverage_target=None)
-            model = open_model(path)
-            res = placement_all_gpu(model)
-            times.append(min(_decode_seconds(model, res, device) for _ in range(REPEATS)))
-            models.append(model)
-            path.unlink()
+    depths, models, times = runs
 
     def no_step(v: float) -> HardwareProfile:
         return replace(with_launch(v), decode_step_s=0.0)
@@ -370,7 +382,7 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
             "packet_fixed_s": served[0] if served else None, "packet_rate": served[1] if served else None,
             "packets": {int(c): int((traced[:, 4] == c).sum()) for c in np.unique(traced[:, 4])},
             "cpu_predicted_s": seconds(fitted, cpu)}
-    fitted, info["kept"] = fit_kept_rates(fitted, shape, device, kept)
+    fitted, info["kept"] = fit_kept_rates(fitted, shape, device, kept, room=room if deep is not None else None)
     if served is not None:
         log.info("the decode server's packets: %.1f us each and %.1f GB/s of experts (one token's, as it reads them)",
                  served[0] * 1e6, served[1] / 1e9)
@@ -382,18 +394,29 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
 
 
 def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str = "cuda",
-                   formats: tuple[str, ...] | None = None) -> tuple[HardwareProfile, dict[str, dict]]:
+                   formats: tuple[str, ...] | None = None, room: float | None = None
+                   ) -> tuple[HardwareProfile, dict[str, dict]]:
     """``prof`` with each kept block format's GPU rate (``gpus[0].expert_throughput``: Q8_0, Q4_K) fitted
-    to the engine's decode of the calibration model written in that format, every weight resident:
-    the one value at which the model, with the fitted ``launch_s``, predicts that run. The block
+    to the engine's decode of calibration models written in that format, every weight resident: the
+    one value at which the model, with the fitted ``launch_s``, predicts those runs. The block
     kernels' own rate, measured alone, leaves out how the engine's step uses them (the kept q/k/v
-    and o matvecs, their places in the graph). A format whose block does not divide the shape, or
-    whose run has no positive solution, keeps its measured rate. A format the CPU holds too (a
-    measured ``cpu_expert_throughput``) gets its CPU rate fitted the same way, to runs with some of
-    the experts on the CPU (``_fit_cpu_rate``). Returns the profile and, per format,
-    ``{"resident_s", "measured_rate", "rate"}`` and, for the CPU, ``{"hybrid_s", "cpu_measured_rate",
-    "cpu_rate"}`` (seconds per step, B/s). ``formats``: fit only these (None: every format with a
-    measured rate); the others keep their kernels' rates."""
+    and o matvecs, their places in the graph).
+
+    Where half of ``room`` (bytes) holds them, the runs are two models of ``DEPTHS`` layers, as for
+    the kernel cost (``_deep_resident_fit``), and the rate is fitted to their difference: the
+    deeper model's extra layers alone. The 8-layer model's step is paced by the host, not its
+    kernels (an H100 host: bf16 0.91 ms against 0.60 ms modelled with the kernel cost of the
+    two depths), so a rate fitted to it took that host time as slow reads: Q4_K 450 GB/s against its
+    kernels' 719, and S1 Q4_K all on the GPU decoded 509 tok/s against 376 predicted (532 at the
+    kernels' rate; BENCHMARKS.md, thirteenth stop). Without the room (``room`` None), the 8-layer model.
+
+    A format whose block does not divide the shape, or whose runs have no positive solution, keeps
+    its measured rate. A format the CPU holds too (a measured ``cpu_expert_throughput``) gets its CPU
+    rate fitted to runs of the 8-layer model with some of the experts on the CPU (``_fit_cpu_rate``).
+    Returns the profile and, per format, ``{"resident_s", "measured_rate", "rate"}`` (with two
+    depths also ``"depths"`` and ``"deep_s"``, and ``resident_s`` the deeper step) and, for the CPU,
+    ``{"hybrid_s", "cpu_measured_rate", "cpu_rate"}`` (seconds per step, B/s). ``formats``: fit only
+    these (None: every format with a measured rate); the others keep their kernels' rates."""
     g0 = prof.gpus[0]
     rates, info = dict(g0.expert_throughput), {}
     cpu_rates = dict(prof.cpu_expert_throughput)
@@ -402,28 +425,36 @@ def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str =
         block = 256 if fmt.endswith("_k") else 32
         if fmt not in synth.WEIGHT_TYPES or shape.hidden % block or shape.expert_ffn % block:
             continue
+
+        def seconds(u: float, inv, fmt=fmt) -> float:
+            gpus = (replace(g0, expert_throughput={**rates, fmt: 1.0 / u}),)
+            p = replace(prof, gpus=gpus + tuple(prof.gpus[1:]))
+            return 1.0 / CostModel(inv, p, engine=EngineShape(bus_share=0.0)).decode_tps(
+                placement_all_gpu(inv), kv_tokens=16 + STEPS)
+
+        measured = rates[fmt]
+        deep = _deep_runs(shape, device, room, fmt) if room is not None else None
         with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
             path = Path(tmp) / f"calibration-{fmt}.gguf"
             synth.write_gguf(path, shape, coverage_target=None, wtype=fmt)
             inv = open_model(path)
-            res = placement_all_gpu(inv)
-            t = min(_decode_seconds(inv, res, device) for _ in range(REPEATS))  # as the hybrid runs
-
-            def seconds(u: float, fmt=fmt, inv=inv, res=res) -> float:
-                gpus = (replace(g0, expert_throughput={**rates, fmt: 1.0 / u}),)
-                p = replace(prof, gpus=gpus + tuple(prof.gpus[1:]))
-                return 1.0 / CostModel(inv, p, engine=EngineShape(bus_share=0.0)).decode_tps(res, kv_tokens=16 + STEPS)
-
-            u0 = 1.0 / rates[fmt]  # seconds are linear in u = 1 / rate (a rate of 0 or inf is not one)
-            a = seconds(u0)
-            slope = (seconds(2 * u0) - a) / u0
-            u = u0 + (t - a) / slope if slope > 0 else 0.0
-            measured = rates[fmt]
+            if deep is not None:
+                depths, models, times = deep
+                u = _rate_solution(lambda v: seconds(v, models[1]) - seconds(v, models[0]), times[1] - times[0],
+                                   1.0 / measured)
+                info[fmt] = {"resident_s": times[1], "depths": depths, "deep_s": times}
+                how = (" / ".join(f"{t * 1e3:.2f}" for t in times) + " ms for "
+                       + " / ".join(str(d) for d in depths) + " layers")
+            else:
+                t = min(_decode_seconds(inv, placement_all_gpu(inv), device) for _ in range(REPEATS))
+                u = _rate_solution(lambda v: seconds(v, inv), t, 1.0 / measured)
+                info[fmt] = {"resident_s": t}
+                how = f"{t * 1e3:.2f} ms for {LAYERS} layers"
             if u > 0:
                 rates[fmt] = 1.0 / u
-            info[fmt] = {"resident_s": t, "measured_rate": measured, "rate": rates[fmt]}
-            log.info("engine decode per %d-layer step, %s blocks all resident: %.2f ms; their GPU rate %.0f GB/s "
-                     "(kernels alone %.0f GB/s)", LAYERS, fmt, t * 1e3, rates[fmt] / 1e9, measured / 1e9)
+            info[fmt].update(measured_rate=measured, rate=rates[fmt])
+            log.info("engine decode, %s blocks all resident: %s; their GPU rate %.0f GB/s (kernels alone %.0f GB/s)",
+                     fmt, how, rates[fmt] / 1e9, measured / 1e9)
             gpus = (replace(g0, expert_throughput=dict(rates)),) + tuple(prof.gpus[1:])
             if fmt in cpu_rates:
                 cpu_rates[fmt] = _fit_cpu_rate(replace(prof, gpus=gpus, cpu_expert_throughput=cpu_rates), inv, fmt,
@@ -432,6 +463,14 @@ def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str =
                     syncs[fmt] = info[fmt]["sync_s"]
     gpus = (replace(g0, expert_throughput=rates),) + tuple(prof.gpus[1:])
     return replace(prof, gpus=gpus, cpu_expert_throughput=cpu_rates, sync_by_format=syncs), info
+
+
+def _rate_solution(seconds, target: float, u0: float) -> float:
+    """``u`` (seconds a byte) at which ``seconds(u)``, linear in ``u``, gives ``target``: from its value at
+    ``u0`` and ``2 * u0``; 0 where it does not grow with ``u`` (no solution)."""
+    a = seconds(u0)
+    slope = (seconds(2 * u0) - a) / u0
+    return u0 + (target - a) / slope if slope > 0 else 0.0
 
 
 def _fit_cpu_rate(prof: HardwareProfile, inv, fmt: str, device: str, info: dict) -> float:
