@@ -114,14 +114,10 @@ def test_the_down_projections_buffers_live_where_the_kernel_runs():
 @pytest.mark.parametrize("n_heads,n_kv,hd,S,pos", [(32, 4, 128, 576, 300), (4, 4, 64, 40, 0), (8, 2, 64, 1000, 999),
                                                    (6, 2, 32, 130, 129), (16, 1, 64, 4096, 2050),
                                                    (4, 2, 8, 96, 50)])
-@pytest.mark.parametrize("one", [False, True])
-def test_decode_attention_matches_float64(dtype, n_heads, n_kv, hd, S, pos, one, monkeypatch):
-    """Keys ``0..pos`` attended, every slot after ``pos`` ignored (filled with large values here).
-    ``one``: the splits merged by the splitting kernel's last program per key/value head (twice: its
-    counts must be back at 0 for the next call)."""
+def test_decode_attention_matches_float64(dtype, n_heads, n_kv, hd, S, pos):
+    """Keys ``0..pos`` attended, every slot after ``pos`` ignored (filled with large values here)."""
     if DEV == "cpu" and S * n_kv > 8192:
         pytest.skip("the interpreter is slow at this size")
-    monkeypatch.setenv("WORKBENCH_ATTN_ONE", "1" if one else "0")
     g = torch.Generator(device=DEV).manual_seed(S + pos)
     q = torch.randn(1, n_heads, hd, device=DEV, generator=g).to(dtype)
     k = torch.randn(S, n_kv, hd, device=DEV, generator=g).to(dtype)
@@ -129,10 +125,7 @@ def test_decode_attention_matches_float64(dtype, n_heads, n_kv, hd, S, pos, one,
     k[pos + 1:] = 50.0  # stale slots: would dominate the softmax if read
     v[pos + 1:] = 1e4
     scale = hd ** -0.5
-    for _ in range(2 if one else 1):
-        out = gpu_kernels.decode_attention(q, k, v, torch.tensor([pos], device=DEV), scale)
-    if one:
-        assert not gpu_kernels._attn_counts(k, n_kv).any()  # every count back at 0
+    out = gpu_kernels.decode_attention(q, k, v, torch.tensor([pos], device=DEV), scale)
     rep = n_heads // n_kv
     kk = k[:pos + 1].double().repeat_interleave(rep, dim=1)  # [n, nH, hd]
     vv = v[:pos + 1].double().repeat_interleave(rep, dim=1)

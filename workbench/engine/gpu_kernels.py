@@ -561,13 +561,11 @@ if triton is not None:
     def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, pm_ptr, pl_ptr, NKV, scale,
                             REP: tl.constexpr, REPP: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
                             SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, F32_DOT: tl.constexpr,
-                            PDL: tl.constexpr = False, ONE: tl.constexpr = False, cnt_ptr=None, out_ptr=None):
+                            PDL: tl.constexpr = False):
         """Flash-decoding, first pass: the ``REP`` query heads of key/value head ``program_id(0)``
         over keys ``0..pos`` split ``SPLIT`` ways (``program_id(1)``); writes each split's running
         max ``pm``, denominator ``pl`` ``[NKV, SPLIT, REPP]`` and unnormalised output ``po [.., HDP]``
-        (``HDP``: the head dim padded to the 16 a tensor-core dot needs). ``ONE``: each program then
-        counts itself in ``cnt[g]`` and the group's last merges its splits into ``out`` (the second
-        pass in this kernel, ``_attn_merge_group``) and sets the count back to 0."""
+        (``HDP``: the head dim padded to the 16 a tensor-core dot needs)."""
         g = tl.program_id(0)
         sp = tl.program_id(1)
         _after_inputs(PDL)
@@ -608,33 +606,6 @@ if triton is not None:
         tl.store(pm_ptr + base * REPP + r, m)
         tl.store(pl_ptr + base * REPP + r, den)
         tl.store(po_ptr + (base * REPP + r[:, None]) * HDP + d[None, :], acc)
-        if ONE:
-            tl.debug_barrier()  # every thread's split stored before the count says so
-            if tl.atomic_add(cnt_ptr + g, 1, sem="acq_rel") == SPLIT - 1:
-                _attn_merge_group(po_ptr, pm_ptr, pl_ptr, out_ptr, g, REP, REPP, HD, HDP, SPLIT)
-                tl.atomic_xchg(cnt_ptr + g, 0)
-
-    @triton.jit
-    def _attn_merge_group(po_ptr, pm_ptr, pl_ptr, out_ptr, g, REP: tl.constexpr, REPP: tl.constexpr,
-                          HD: tl.constexpr, HDP: tl.constexpr, SPLIT: tl.constexpr):
-        """The ``SPLIT`` splits of key/value head ``g``'s ``REP`` query heads merged into
-        ``out [(g * REP + r) * HD + d]`` (its dtype), read from L2 (``.cg``: other programs wrote them):
-        the same weighted sum as ``_decode_attn_combine_kernel``, a split at a time."""
-        r = tl.arange(0, REPP)
-        d = tl.arange(0, HDP)
-        at = g * SPLIT * REPP + r
-        mt = tl.full((REPP,), -float("inf"), dtype=tl.float32)
-        for s in range(SPLIT):
-            mt = tl.maximum(mt, tl.load(pm_ptr + at + s * REPP, cache_modifier=".cg"))
-        den = tl.zeros((REPP,), dtype=tl.float32)
-        o = tl.zeros((REPP, HDP), dtype=tl.float32)
-        for s in range(SPLIT):
-            wt = tl.exp(tl.load(pm_ptr + at + s * REPP, cache_modifier=".cg") - mt)  # an empty split weighs 0
-            den += wt * tl.load(pl_ptr + at + s * REPP, cache_modifier=".cg")
-            o += wt[:, None] * tl.load(po_ptr + (at[:, None] + s * REPP) * HDP + d[None, :], cache_modifier=".cg")
-        o = o / den[:, None]
-        tl.store(out_ptr + (g * REP + r[:, None]) * HD + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=(r < REP)[:, None] & (d < HD)[None, :])
 
     @triton.jit
     def _decode_attn_combine_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, REP: tl.constexpr, REPP: tl.constexpr,
@@ -941,37 +912,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     po = torch.empty((n_kv, split, repp, hdp), dtype=torch.float32, device=dev)
     pm = torch.empty((n_kv, split, repp), dtype=torch.float32, device=dev)
     pl = torch.empty((n_kv, split, repp), dtype=torch.float32, device=dev)
-    out = torch.empty((1, n_heads * hd), dtype=q.dtype, device=dev)
-    one = attention_in_one()
-    cnt = _attn_counts(k_cache, n_kv) if one else None
     _decode_attn_kernel[(n_kv, split)](q, k_cache, v_cache, pos, po, pm, pl, n_kv, float(scale), REP=rep, REPP=repp,
                                        HD=hd, HDP=hdp, SPLIT=split, BLOCK_S=64,
-                                       F32_DOT=k_cache.dtype == torch.float32 or not q.is_cuda, ONE=one,
-                                       cnt_ptr=cnt, out_ptr=out, **pdl_args())
-    if not one:
-        _decode_attn_combine_kernel[(n_heads,)](po, pm, pl, out, REP=rep, REPP=repp, HD=hd, HDP=hdp, SPLIT=split,
-                                                **pdl_args())
+                                       F32_DOT=k_cache.dtype == torch.float32 or not q.is_cuda, **pdl_args())
+    out = torch.empty((1, n_heads * hd), dtype=q.dtype, device=dev)
+    _decode_attn_combine_kernel[(n_heads,)](po, pm, pl, out, REP=rep, REPP=repp, HD=hd, HDP=hdp, SPLIT=split,
+                                            **pdl_args())
     return out
-
-
-def attention_in_one() -> bool:
-    """``WORKBENCH_ATTN_ONE=1``: one token's attention merges its splits in the splitting kernel's
-    last program per key/value head (one kernel a layer fewer) instead of a second kernel (default 0,
-    until timed on a GPU)."""
-    return os.environ.get("WORKBENCH_ATTN_ONE", "0").strip() == "1"
-
-
-_attn_counters: dict[tuple, torch.Tensor] = {}
-
-
-def _attn_counts(k_cache: torch.Tensor, n_kv: int) -> torch.Tensor:
-    """The merged attention's split counts ``[n_kv]`` int32 (zero between calls), one per key cache:
-    made at its first call (eager, before graph capture), so that layers never share one."""
-    key = (k_cache.data_ptr(), k_cache.device, n_kv)
-    cnt = _attn_counters.get(key)
-    if cnt is None:
-        cnt = _attn_counters[key] = torch.zeros(n_kv, dtype=torch.int32, device=k_cache.device)
-    return cnt
 
 
 def route_softmax_topk(logits: torch.Tensor, k: int, norm: bool, scaling: float, counts: torch.Tensor
