@@ -84,6 +84,7 @@ left() { echo $(( budget_s - ($(date +%s) - t0) )); }
 log() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/device.log"; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:/tmp/site"
 log "transparent huge pages: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null || echo unknown)"
+log "NUMA nodes online: $(cat /sys/devices/system/node/online 2>/dev/null || echo unknown); $(lscpu 2>/dev/null | grep -i 'numa node[0-9]' | tr -s ' ' | paste -sd ';' -)"
 for whl in .whl_engine .llamacpp/whl; do  # transformers and gguf wheels, as pinned here
     if [ -d "$whl" ] && ls "$whl"/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl"/*.whl; break

@@ -77,3 +77,41 @@ def test_the_bench_reports_the_cpu_tiers_share_on_huge_pages():
     share = huge_page_share(SimpleNamespace(experts={0: lx, 1: plain}))
     assert untouched == 0.0 and 0.0 <= share <= 1.0
     assert share == pytest.approx(sum(min(hostmem.huge_bytes(t), t.numel() * t.element_size()) for t in stacks) / total)
+
+
+def test_numa_maps_lines_give_each_mappings_bytes_by_node():
+    text = ("7f0000000000 default anon=1024 dirty=1024 active=0 N0=512 N1=512 kernelpagesize_kB=4\n"
+            "7f4000000000 bind:1 anon=8 dirty=8 N1=8 kernelpagesize_kB=2048\n"
+            "55d261aa2000 default file=/usr/bin/head mapped=2 N0=2 kernelpagesize_kB=4\n"
+            "7fff00000000 default stack anon=3 dirty=3 N0=3\n"  # no page size: 4 KiB
+            "not a mapping line\n")
+    nodes = hostmem.parse_numa_maps(text)
+    assert nodes[0x7f0000000000] == {0: 512 * 4096, 1: 512 * 4096}
+    assert nodes[0x7f4000000000] == {1: 8 * 2 * 2**20}
+    assert nodes[0x7fff00000000] == {0: 3 * 4096} and len(nodes) == 4
+
+
+@pytest.mark.skipif(not Path("/proc/self/numa_maps").exists(), reason="no /proc/self/numa_maps here")
+def test_the_bench_reports_the_cpu_tiers_bytes_by_numa_node():
+    """``bench.numa_shares``: the CPU tier's stack bytes by node once the loader has touched them (a
+    run's ``engine_paths["cpu_numa"]``); the shares add up to 1 and name only nodes online."""
+    from types import SimpleNamespace
+
+    from workbench.engine.bench import _count_nodes, numa_shares
+
+    lx = LayerExperts(0, 8, torch.device("cpu"), torch.bfloat16, None)
+    lx.alloc_tier(COMPUTE, 4, (1536, 1024), (1024, 768))
+    for t in lx.cpu_stacks():
+        t.fill_(1.0)
+    placed = hostmem.node_bytes_each(lx.cpu_stacks())
+    for t, nodes in zip(lx.cpu_stacks(), placed):
+        assert sum(nodes.values()) >= t.numel() * t.element_size()  # every page touched is placed somewhere
+    shares = numa_shares(SimpleNamespace(experts={0: lx}))
+    online = _count_nodes(Path("/sys/devices/system/node/online").read_text())
+    assert shares["nodes"] == online >= 1
+    named = {k: v for k, v in shares.items() if k != "nodes"}
+    assert sum(named.values()) == pytest.approx(1.0, abs=1e-3) and all(int(k[1:]) < 64 for k in named)
+    plain = LayerExperts(1, 8, torch.device("cpu"), torch.bfloat16, None)
+    plain.alloc_tier(RESIDENT, 8, (1536, 1024), (1024, 768))
+    assert numa_shares(SimpleNamespace(experts={1: plain})) is None
+    assert _count_nodes("0-1,3\n") == 3 and _count_nodes("0") == 1

@@ -393,7 +393,9 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
     token}``: the host work of each hybrid layer), ``prompt_pair_reads`` (the
     prompt split's cost of a further token per CPU expert, in reads; None: a read per token) and
     ``cpu_huge_pages`` (the share of the CPU tier's stack bytes the OS backs with huge pages now,
-    ``hostmem.huge_bytes``; None without a CPU tier)."""
+    ``hostmem.huge_bytes``; None without a CPU tier) and ``cpu_numa`` (``{node: share}`` of those
+    bytes by NUMA node, ``hostmem.node_bytes_each``, and ``nodes``: the host's NUMA nodes online;
+    None without a CPU tier or where the OS does not say)."""
     share = getattr(engine, "_bus", None)
     kept = {str(layer): "+".join(lx.kept) for layer, lx in engine.experts.items() if lx.kept is not None}
     tiers = {str(layer): [int(n) for n in lx.n_tier] for layer, lx in engine.experts.items()}
@@ -406,6 +408,7 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
     out["served_bus_pairs"] = server.bus_pairs if server is not None else 0
     out["prompt_pair_reads"] = getattr(engine, "prompt_pair_reads", None)
     out["cpu_huge_pages"] = huge_page_share(engine)
+    out["cpu_numa"] = numa_shares(engine)
     if counts is not None and counts.any():
         k = max(1, engine.args.top_k)
         cpu = {}
@@ -430,10 +433,48 @@ def huge_page_share(engine) -> float | None:
     is a mapping of its own; a small one shares torch's, so each counts at most its own bytes."""
     from . import hostmem
 
-    stacks = [t for lx in engine.experts.values() for t in lx.cpu_stacks() if t is not None and t.numel()]
+    stacks = _cpu_stacks(engine)
     sizes = [t.numel() * t.element_size() for t in stacks]
     huge = sum(min(n, h) for n, h in zip(sizes, hostmem.huge_bytes_each(stacks)))
     return huge / sum(sizes) if stacks else None
+
+
+def _cpu_stacks(engine) -> list[torch.Tensor]:
+    """Every layer's CPU-tier stacks that hold anything (``LayerExperts.cpu_stacks``)."""
+    return [t for lx in engine.experts.values() for t in lx.cpu_stacks() if t is not None and t.numel()]
+
+
+def numa_shares(engine) -> dict | None:
+    """The CPU tier's stack bytes by NUMA node, ``{"nodes": nodes online, "N0": share, ...}`` (shares
+    0..1 of the bytes placed; ``LayerExperts.cpu_stacks``; a stack in a mapping larger than itself
+    counts its own part of that mapping's pages); None without a CPU tier or where
+    ``/proc/self/numa_maps`` says nothing."""
+    from . import hostmem
+
+    stacks = _cpu_stacks(engine)
+    placed: dict[int, float] = {}
+    for t, nodes in zip(stacks, hostmem.node_bytes_each(stacks)):
+        total = sum(nodes.values())
+        own = t.numel() * t.element_size()
+        for node, b in nodes.items():  # a small stack in torch's shared mapping: its part of the mapping's pages
+            placed[node] = placed.get(node, 0.0) + b * min(1.0, own / total)
+    if not placed or sum(placed.values()) <= 0:
+        return None
+    whole = sum(placed.values())
+    online = Path("/sys/devices/system/node/online")
+    out: dict = {"nodes": _count_nodes(online.read_text()) if online.exists() else None}
+    out.update({f"N{n}": round(b / whole, 4) for n, b in sorted(placed.items())})
+    return out
+
+
+def _count_nodes(spec: str) -> int:
+    """Nodes in a kernel CPU/node list such as ``0-1,3``."""
+    n = 0
+    for part in spec.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            n += int(hi or lo) - int(lo) + 1
+    return n
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:

@@ -88,6 +88,44 @@ def huge_bytes_each(tensors: list[torch.Tensor]) -> list[int]:
     return out
 
 
+def node_bytes_each(tensors: list[torch.Tensor]) -> list[dict[int, int]]:
+    """Bytes of the mapping holding each of ``tensors`` that sit on each NUMA node now, ``{node: bytes}``
+    (pages the kernel has placed: ``/proc/self/numa_maps``, by the mapping's start in
+    ``/proc/self/smaps``); ``{}`` where those files are missing. A CPU tier on a node away from its
+    threads' cores reads at the link between the sockets, not the RAM's rate."""
+    starts = []
+    for entry in _smaps_entries([t.data_ptr() for t in tensors]):
+        head = entry[0].split(" ", 1)[0] if entry else ""
+        starts.append(int(head.split("-")[0], 16) if "-" in head else None)
+    try:
+        with open("/proc/self/numa_maps") as f:
+            nodes = parse_numa_maps(f.read())
+    except OSError:
+        return [{} for _ in tensors]
+    return [dict(nodes.get(a, {})) if a is not None else {} for a in starts]
+
+
+def parse_numa_maps(text: str) -> dict[int, dict[int, int]]:
+    """``/proc/<pid>/numa_maps`` as ``{mapping start address: {node: bytes}}`` (``N<node>=<pages>``
+    times the line's ``kernelpagesize_kB``)."""
+    out: dict[int, dict[int, int]] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if not fields:
+            continue
+        try:
+            start = int(fields[0], 16)
+        except ValueError:
+            continue
+        page = next((int(f.split("=", 1)[1]) * 1024 for f in fields if f.startswith("kernelpagesize_kB=")), 4096)
+        nodes = {}
+        for f in fields[1:]:
+            if f.startswith("N") and "=" in f and f[1:f.index("=")].isdigit():
+                nodes[int(f[1:f.index("=")])] = int(f.split("=", 1)[1]) * page
+        out[start] = nodes
+    return out
+
+
 def advised(t: torch.Tensor) -> bool:
     """Whether the mapping holding ``t`` carries the huge-page advice (``hg`` in its ``VmFlags``)."""
     return any(line.startswith("VmFlags:") and " hg" in line for line in _smaps_entry(t.data_ptr()))
