@@ -10,7 +10,7 @@ statistics come from the saved projects):
 
     python scripts/check_predictions.py --model /tmp/s1.gguf --profile h200.json \\
         --bench engine_s1_skew.json --placements placements/engine_s1_skew [--ctx 576 --prompt 512] \\
-        [--bus-share 0.45] [--set bus_read_rate=31e9]
+        [--bus-share 0.45] [--set bus_read_rate=31e9] [--set gpu.expert_throughput.q8_0=1.7e12]
 
 Each run is predicted at the bus share its engine recorded (``engine_paths.bus_share``; runs from
 before that record: ``--bus-share``, else the model's own).
@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bus-share", type=float, default=None,
                     help="decode's bus share of runs that did not record theirs (runs before the balanced share: 0.45)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="a profile number to predict with instead, e.g. bus_read_rate=31e9 or cpu_expert_throughput.q8_0=104e9 (repeatable)")
+                    help="a profile number to predict with instead, e.g. bus_read_rate=31e9, cpu_expert_throughput.q8_0=104e9 "
+                         "or the first GPU's gpu.expert_throughput.q8_0=1.7e12 (repeatable)")
     args = ap.parse_args(argv)
 
     inv = open_model(args.model)
@@ -55,7 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.set:
         name, _, value = item.partition("=")
         field, _, key = name.partition(".")
-        if key:  # a rate by format, e.g. cpu_expert_throughput.q8_0=104e9
+        if field == "gpu":  # the first GPU's, e.g. gpu.expert_throughput.q8_0=1.7e12 or gpu.launch_s=1.3e-6
+            g = prof.gpus[0]
+            gfield, _, gkey = key.partition(".")
+            g = replace(g, **{gfield: {**getattr(g, gfield), gkey: float(value)} if gkey else float(value)})
+            prof = replace(prof, gpus=(g,) + tuple(prof.gpus[1:]))
+        elif key:  # a rate by format, e.g. cpu_expert_throughput.q8_0=104e9
             prof = replace(prof, **{field: {**getattr(prof, field), key: float(value)}})
         else:
             prof = replace(prof, **{field: float(value)})
