@@ -440,14 +440,14 @@ def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str =
             inv = open_model(path)
             if deep is not None:
                 depths, models, times = deep
-                u = _rate_solution(lambda v: seconds(v, models[1]) - seconds(v, models[0]), times[1] - times[0],
+                u = _rate_solution(lambda v, m=models: seconds(v, m[1]) - seconds(v, m[0]), times[1] - times[0],
                                    1.0 / measured)
                 info[fmt] = {"resident_s": times[1], "depths": depths, "deep_s": times}
                 how = (" / ".join(f"{t * 1e3:.2f}" for t in times) + " ms for "
                        + " / ".join(str(d) for d in depths) + " layers")
             else:
                 t = min(_decode_seconds(inv, placement_all_gpu(inv), device) for _ in range(REPEATS))
-                u = _rate_solution(lambda v: seconds(v, inv), t, 1.0 / measured)
+                u = _rate_solution(lambda v, m=inv: seconds(v, m), t, 1.0 / measured)
                 info[fmt] = {"resident_s": t}
                 how = f"{t * 1e3:.2f} ms for {LAYERS} layers"
             if u > 0:
