@@ -234,8 +234,10 @@ def test_a_kept_rate_is_fitted_to_two_depths_whose_difference_leaves_out_the_hos
     fitted, info = calibrate_engine.fit_kept_rates(base, shape, device="cpu", formats=("q8_0",), room=1e12)
     assert info["q8_0"]["depths"] == calibrate_engine.DEPTHS and len(info["q8_0"]["deep_s"]) == 2
     assert fitted.gpus[0].expert_throughput["q8_0"] == info["q8_0"]["rate"] == pytest.approx(1.2e12, rel=1e-6)
+    assert calibrate_engine.resident_runs(info["q8_0"]).endswith(" ms for 16 / 32 layers")
     paced, info = calibrate_engine.fit_kept_rates(base, shape, device="cpu", formats=("q8_0",))
     assert "depths" not in info["q8_0"] and info["q8_0"]["rate"] < 0.9 * 1.2e12
+    assert calibrate_engine.resident_runs(info["q8_0"]).endswith(f" ms for {calibrate_engine.LAYERS} layers")
 
 
 def test_a_quarter_of_the_calibration_experts_is_eight_times_the_l3(monkeypatch):

@@ -881,7 +881,7 @@ def calibrate(
             provenance=provenance | dict.fromkeys(_GPU_SIDE, "absent") | {"sync_s": "default"},
         )
     if measured and fit_engine:
-        from .calibrate_engine import fit_engine_costs
+        from .calibrate_engine import fit_engine_costs, resident_runs
 
         run.check()
         try:
@@ -898,7 +898,7 @@ def calibrate(
                        f"{fit['cpu_s'] * 1e3:.2f} ms all on the CPU ({fit['cpu_predicted_s'] * 1e3:.2f} ms predicted); "
                        f"fitted kernel {fit['launch_s'] * 1e6:.2f} us, host point {fit['sync_s'] * 1e6:.0f} us, "
                        f"CPU experts {fit['cpu_rate'] / 1e9:.1f} GB/s"
-                       + "".join(f"; {fmt} blocks all resident {_resident_runs(k)}, GPU rate "
+                       + "".join(f"; {fmt} blocks all resident {resident_runs(k)}, GPU rate "
                                  f"{k['rate'] / 1e9:.0f} GB/s (kernels alone {k['measured_rate'] / 1e9:.0f})"
                                  + (f", a sixteenth / half on the CPU {k['hybrid_s'][0] * 1e3:.2f} / "
                                     f"{k['hybrid_s'][1] * 1e3:.2f} ms, CPU rate {k['cpu_rate'] / 1e9:.1f} GB/s "
@@ -995,14 +995,3 @@ def with_preset_gpus(
         bus_read_rate=base.bus_read_rate,
         provenance=dict(measured.provenance) | dict.fromkeys(_GPU_SIDE + ("decode_step_s",), tag),
     )
-
-
-def _resident_runs(kept: dict) -> str:
-    """A kept format's all-resident calibration runs as the report says them: ``1.02 / 1.95 ms for 16 /
-    32 layers`` (two depths) or ``0.77 ms for 8 layers``."""
-    from .calibrate_engine import LAYERS
-
-    if "deep_s" in kept:
-        return (" / ".join(f"{t * 1e3:.2f}" for t in kept["deep_s"]) + " ms for "
-                + " / ".join(str(d) for d in kept["depths"]) + " layers")
-    return f"{kept['resident_s'] * 1e3:.2f} ms for {LAYERS} layers"
