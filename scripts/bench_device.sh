@@ -60,6 +60,9 @@
 # After a change to the GPU kernels, run served_tests (and gpu_tests) before the side-by-side stages: the
 # served decode's bus runs the expert kernels over page-locked host stacks, a path only CUDA exercises, and
 # a failure there sends the hybrid layers back to host-driven steps (the bench prints a WARNING per run).
+# The llama-bench pack (~42 MB) and the tree (~33 MB) exceed what one call carries (64 MiB): carry parts 00 and 01
+# with a first call that ends in stage keep, then part 02 with the next call on the same warm machine, starting
+# with stages restore build (BENCHMARKS.md, thirteenth stop).
 # A session's run in one call (~560 s; carry .llamacpp/pack, or .llamacpp after
 # `scripts/build_llamacpp.sh fetch` (stage build then takes ~250 s in the background), and .llamacpp/whl):
 #   OUT=$OUT BENCH_ALL_GPU=0 BENCH_TIME_S=570 CANDIDATES_TIME_S=150 scripts/bench_device.sh build candidates \
@@ -449,15 +452,24 @@ stage_calibrate() {  # the profile the later stages predict with ($OUT/h200.json
     log "calibrate"; python3 -m workbench -v calibrate -o "$OUT/h200.json" --kquants "$kq" --kept-fits "${BENCH_KEPT_FITS:-q8_0,q4_k}" \
         2>>"$OUT/device.log" | tail -4 | tee -a "$OUT/device.log"
 }
-stage_keep() {  # the profile and llama-bench kept in /tmp/wb_keep for the next call on this warm machine
-    mkdir -p /tmp/wb_keep/bin
+stage_keep() {  # the profile and llama-bench kept in /tmp/wb_keep for the next call on this warm machine; also
+    # the parts of a carried pack (.llamacpp/pack), so that a pack too large to carry beside the tree (64 MiB a call)
+    # can come in two calls: the first carries some parts and keeps them, the next carries the rest and restores them
+    mkdir -p /tmp/wb_keep/bin /tmp/wb_keep/pack
     [ -f "$OUT/h200.json" ] && cp "$OUT/h200.json" /tmp/wb_keep/ && log "kept the profile"
+    if ls .llamacpp/pack/llama-bench.tar.xz.part-* >/dev/null 2>&1; then
+        cp .llamacpp/pack/llama-bench.tar.xz.part-* /tmp/wb_keep/pack/ && log "kept $(ls /tmp/wb_keep/pack | wc -l) pack parts"
+    fi
+    [ -x .llamacpp/bin/llama-bench ] || [ -n "$build_pid" ] || return 0
     wait_build && cp .llamacpp/bin/llama-bench /tmp/wb_keep/bin/ && log "kept llama-bench"
 }
-stage_restore() {  # what stage keep left on this machine: the profile as $OUT/h200.json, llama-bench
+stage_restore() {  # what stage keep left on this machine: the profile as $OUT/h200.json, llama-bench, pack parts
     [ -f /tmp/wb_keep/h200.json ] && cp /tmp/wb_keep/h200.json "$OUT/" && log "profile restored"
     if [ ! -x .llamacpp/bin/llama-bench ] && [ -x /tmp/wb_keep/bin/llama-bench ]; then
         mkdir -p .llamacpp/bin && cp /tmp/wb_keep/bin/llama-bench .llamacpp/bin/ && log "llama-bench restored"
+    fi
+    if ls /tmp/wb_keep/pack/llama-bench.tar.xz.part-* >/dev/null 2>&1; then  # then stage build unpacks them
+        mkdir -p .llamacpp/pack && cp -n /tmp/wb_keep/pack/* .llamacpp/pack/ && log "pack parts restored: $(ls .llamacpp/pack | wc -l)"
     fi
 }
 stage_engine() {  # S1 skewed: llama.cpp and ours, with all on the GPU too
