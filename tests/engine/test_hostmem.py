@@ -115,3 +115,17 @@ def test_the_bench_reports_the_cpu_tiers_bytes_by_numa_node():
     plain.alloc_tier(RESIDENT, 8, (1536, 1024), (1024, 768))
     assert numa_shares(SimpleNamespace(experts={1: plain})) is None
     assert _count_nodes("0-1,3\n") == 3 and _count_nodes("0") == 1
+
+
+def test_a_stack_with_no_pages_placed_counts_for_no_node(monkeypatch):
+    """A mapping that numa_maps lists without pages on any node adds nothing (and divides by nothing)."""
+    from types import SimpleNamespace
+
+    from workbench.engine.bench import numa_shares
+
+    lx = LayerExperts(0, 8, torch.device("cpu"), torch.bfloat16, None)
+    lx.alloc_tier(COMPUTE, 4, (1536, 1024), (1024, 768))
+    monkeypatch.setattr(hostmem, "node_bytes_each", lambda ts: [{0: 0} for _ in ts])
+    assert numa_shares(SimpleNamespace(experts={0: lx})) is None
+    monkeypatch.setattr(hostmem, "node_bytes_each", lambda ts: [{0: 0}] + [{1: 4096} for _ in ts[1:]])
+    assert numa_shares(SimpleNamespace(experts={0: lx}))["N1"] == 1.0

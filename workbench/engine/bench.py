@@ -455,6 +455,8 @@ def numa_shares(engine) -> dict | None:
     placed: dict[int, float] = {}
     for t, nodes in zip(stacks, hostmem.node_bytes_each(stacks)):
         total = sum(nodes.values())
+        if total <= 0:
+            continue
         own = t.numel() * t.element_size()
         for node, b in nodes.items():  # a small stack in torch's shared mapping: its part of the mapping's pages
             placed[node] = placed.get(node, 0.0) + b * min(1.0, own / total)

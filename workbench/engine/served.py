@@ -9,8 +9,9 @@ one CUDA graph:
 1. ``publish`` (on the accelerator): one kernel splits the token's ``k`` selections into the CPU's
    (``packet`` rows; -2 where the bus's, -1 elsewhere), the bus's (``bus_rows``: the first ``costmodel.bus_count(n, fraction, slots)`` of the
    ``n`` CPU-tier selections, as ``bus.BusShare.share`` counts them) and the rest, and writes the
-   packet ``[rows, weights, x]`` (float32 ``[2k + H]``); two copies send it and then the step number
-   (``step``, counted on the device) to page-locked memory.
+   packet ``[rows, weights, x]`` (float32 ``[2k + H]``) and then the step number (``step``, counted on
+   the device) straight into page-locked memory, fenced at system scope (``direct_publish``; with
+   ``WORKBENCH_SERVED_DIRECT=0`` it writes them on the device and two copies send them).
 2. The native thread sees the new step number in the layer's ``flag_in``, computes the packet's
    experts into ``out`` (float32 ``[H]``) with the fused kernel and stores the step number in
    ``flag_out``.
