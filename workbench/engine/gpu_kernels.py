@@ -372,10 +372,11 @@ if triton is not None:
         row's raw Q4_K / Q6_K / Q5_K super-blocks (5 / 6 / 7: Q2_K / Q3_K / IQ4_XS, a super-block a tile), read a super-block at a time (scales once per sub-block,
         not per value). Rows where ``rm`` is False give 0 and read nothing.
 
-        ``TILE`` (blocks only; ``K`` a compile-time constant, ``BLOCK_K`` dividing 256): the row
-        decoded ``BLOCK_K`` values at a time (``_tile3_dots``), products summed elementwise into an
-        accumulator and reduced across threads once per row, not once or twice per block: the
-        autotuner keeps whichever form is faster on the GPU at hand."""
+        ``TILE`` (``K`` a compile-time constant; blocks: ``BLOCK_K`` dividing 256): the row
+        decoded ``BLOCK_K`` values at a time (``_tile3_dots``; float rows: loaded), the loop unrolled,
+        products summed elementwise into an accumulator ``[BLOCK_N, BLOCK_K]`` and reduced across
+        threads once per row, not once per block: the autotuner keeps whichever form is faster on
+        the GPU at hand."""
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if TILE and FMT == 3:
             acc = _tile3_dots(w_rows, d_rows, x_ptr, K, rm, FMT, SWIGLU, BLOCK_N, BLOCK_K, 16)
@@ -405,6 +406,15 @@ if triton is not None:
                 q = tl.load(w_rows[:, None, None] + at[None, :, :], mask=m3, other=0).to(tl.float32)
                 d = tl.load(d_rows[:, None] + blk[None, :], mask=rm[:, None] & bm[None, :], other=0.0)
                 acc += tl.sum(tl.sum(q * x[None, :, :], axis=2) * d.to(tl.float32), axis=1)
+        elif TILE:  # float rows, every block's loads in flight at once, one reduction per row
+            acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                km = offs_k < K
+                x = _inputs(x_ptr, offs_k, K, km, SWIGLU)
+                w = tl.load(w_rows[:, None] + offs_k[None, :], mask=rm[:, None] & km[None, :], other=0)
+                acc2 += w.to(tl.float32) * x[None, :]
+            acc = tl.sum(acc2, axis=1)
         else:
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
