@@ -70,6 +70,42 @@ def test_the_hosts_time_per_step_counts_once_a_decoded_token():
 
 
 
+def test_routing_over_more_experts_than_picked_costs_each_moe_layer_on_the_gpu():
+    """``route_s_per_expert``: each MoE layer whose router sits on a GPU takes that much longer per
+    expert beyond its ``top_k``, in its pre-expert part, prompt untouched; nothing where the profile
+    has 0 (a profile from before it) or a layer has no more experts than it picks."""
+    inv = synth_inventory(4, 8, top_k=2)
+    hw = h200_profile()
+    p = placement_n_cpu_moe(inv, 1)
+    base = CostModel(inv, hw).predict(p, ctx=512, prompt_tokens=128)
+    c = 9e-8
+    wide = dataclasses.replace(hw, gpus=(dataclasses.replace(hw.gpus[0], route_s_per_expert=c),) + hw.gpus[1:])
+    more = CostModel(inv, wide).predict(p, ctx=512, prompt_tokens=128)
+    assert [m.pre - b.pre for m, b in zip(more.decode_layers, base.decode_layers)] == pytest.approx([c * 6] * 4)
+    assert 1 / more.decode_tps == pytest.approx(1 / base.decode_tps + 4 * c * 6)
+    assert more.prefill_tps == base.prefill_tps
+    narrow = synth_inventory(4, 2, top_k=2)
+    assert CostModel(narrow, wide).decode_tps(placement_all_gpu(narrow), kv_tokens=256) == pytest.approx(
+        CostModel(narrow, hw).decode_tps(placement_all_gpu(narrow), kv_tokens=256))
+    bad = dataclasses.replace(hw, gpus=(dataclasses.replace(hw.gpus[0], route_s_per_expert=1e-3),))
+    assert any("route_s_per_expert" in m for m in bad.problems())
+
+
+def test_the_cpu_and_the_bus_together_read_no_faster_than_ram_and_the_hand_off_adds_to_that():
+    """Served decode with a bus share: the CPU's lane is at least all of a token's CPU-tier experts
+    read at the host's RAM rate (the bus reads the same RAM), plus the hand-off, which moves the
+    packet and the result and reads no weights."""
+    inv = synth_inventory(1, 8, top_k=8, hidden=64, expert_ffn=32, vocab=128, n_heads=2, n_kv_heads=1, head_dim=32)
+    one = inv.units[UnitKey(0, "expert", 0)].nbytes
+    hw = h200_profile()
+    # a CPU as fast as the RAM alone and a bus at a third of it: the share sends 2 of 8 to the bus
+    hw = dataclasses.replace(hw, host_read_bandwidth=1e9, cpu_expert_throughput={"bf16": 1e9}, bus_read_rate=0.5e9,
+                             h2d_pinned=1e10, sync_s=1e-3, sync_by_format={})
+    p = placement_cpu_moe(inv)
+    lane = CostModel(inv, hw, engine=EngineShape(bus_share=0.25)).predict(p, ctx=64, prompt_tokens=8).decode_layers[0]
+    assert lane.cpu == pytest.approx(8 * one / 1e9 + 1e-3)
+
+
 def test_a_layers_hand_off_is_its_cpu_experts_formats():
     """``sync_by_format``: a layer of bf16 experts takes the bf16 hand-off where the profile has one,
     and ``sync_s`` where it has one for another format only."""

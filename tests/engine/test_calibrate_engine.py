@@ -13,7 +13,7 @@ import pytest
 
 from workbench.core.costmodel import BUS_SHARE, CostModel, model_bus_share
 from workbench.core.hardware import preset
-from workbench.core.memory import placement_cpu_moe
+from workbench.core.memory import placement_all_gpu, placement_cpu_moe
 from workbench.core.readers import open_model
 from workbench.engine import calibrate_engine
 
@@ -238,6 +238,42 @@ def test_a_kept_rate_is_fitted_to_two_depths_whose_difference_leaves_out_the_hos
     paced, info = calibrate_engine.fit_kept_rates(base, shape, device="cpu", formats=("q8_0",))
     assert "depths" not in info["q8_0"] and info["q8_0"]["rate"] < 0.9 * 1.2e12
     assert calibrate_engine.resident_runs(info["q8_0"]).endswith(f" ms for {calibrate_engine.LAYERS} layers")
+
+
+def test_the_routing_cost_per_expert_comes_from_a_wide_model_against_the_narrow_one(monkeypatch):
+    """Runs made by the model with a known routing cost per expert and a fixed host time on every
+    step: the wide model (more experts than picked) against the narrow one of the same depth gives
+    the cost back; without room for the wide model, none."""
+    from workbench.core import synth
+    from workbench.core.costmodel import EngineShape
+
+    base = preset("bench-h200")
+    truth = replace(base, gpus=(replace(base.gpus[0], route_s_per_expert=9e-8),))
+
+    def made(inv, placement, device, steps=calibrate_engine.STEPS, packets=None):
+        return 2e-4 + 1.0 / CostModel(inv, truth, engine=EngineShape(bus_share=0.0)).decode_tps(
+            placement, kv_tokens=16 + calibrate_engine.STEPS)
+
+    def seconds(inv):
+        return 1.0 / CostModel(inv, base, engine=EngineShape(bus_share=0.0)).decode_tps(
+            placement_all_gpu(inv), kv_tokens=16 + calibrate_engine.STEPS)
+
+    monkeypatch.setattr(calibrate_engine, "_decode_seconds", made)
+    monkeypatch.setattr(calibrate_engine, "VOCAB", 256)
+    monkeypatch.setattr(calibrate_engine, "WIDE_EXPERTS", 24)
+    shape = synth.SynthShape("calibration", "qwen3moe", calibrate_engine.LAYERS, 128, 4, 2, 32, 8, 2, 128, 256,
+                             qk_norm=True)
+    deep = calibrate_engine._deep_resident_fit(shape, "cpu", 1e12, lambda p, m: 1.0 / CostModel(
+        m, p, engine=EngineShape(bus_share=0.0)).decode_tps(placement_all_gpu(m), kv_tokens=16 + calibrate_engine.STEPS),
+        lambda v: replace(base, gpus=(replace(base.gpus[0], launch_s=v),)))
+    assert deep is not None and [m.spec.n_experts for m in deep["models"]] == [2, 2]
+    wide = calibrate_engine._wide_fit(shape, "cpu", 1e12, deep, seconds)
+    assert wide["experts"] == 24 and wide["depth"] == calibrate_engine.DEPTHS[0]
+    assert wide["route_s_per_expert"] == pytest.approx(9e-8, rel=1e-3)
+    assert wide["wide_s"] - wide["narrow_s"] > wide["depth"] * 22 * 9e-8  # more than the cost: the router's bytes
+    one_expert = 3 * 128 * 128 * 2
+    room = 2 * calibrate_engine.DEPTHS[0] * 3 * one_expert
+    assert calibrate_engine._wide_fit(shape, "cpu", room, deep, seconds) is None  # no room
 
 
 def test_a_quarter_of_the_calibration_experts_is_eight_times_the_l3(monkeypatch):
@@ -468,10 +504,13 @@ def test_the_decode_fit_takes_the_kernel_cost_and_host_step_from_the_two_depths(
     monkeypatch.setattr(calibrate_engine, "MAX_EXPERTS", 32)
     deep = {"depths": (16, 32), "resident_s": [1e-3, 2e-3], "launch_s": 2.5e-6, "step_s": 1.5e-4}
     monkeypatch.setattr(calibrate_engine, "_deep_resident_fit", lambda *a: deep)
+    wide = {"experts": 32, "depth": 16, "wide_s": 1.2e-3, "narrow_s": 1e-3, "route_s_per_expert": 5e-8}
+    monkeypatch.setattr(calibrate_engine, "_wide_fit", lambda *a: wide)
     fitted, info = calibrate_engine.fit_engine_costs(preset("bench-h200"), 64, 32, 2, n_heads=4, n_kv_heads=2,
                                                      head_dim=16, device="cpu")
     assert fitted.gpus[0].launch_s == info["launch_s"] == 2.5e-6
     assert fitted.decode_step_s == info["step_s"] == 1.5e-4 and info["deep"] is deep
+    assert fitted.gpus[0].route_s_per_expert == 5e-8 and info["wide"] is wide  # before the host point's fit
 
 
 def test_the_cpu_lead_is_the_time_outside_the_cpus_run_of_layers_that_waited_for_it():

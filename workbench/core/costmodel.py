@@ -582,6 +582,9 @@ class CostModel:
                 launches = eng.launches_attn
             elif key.kind == "router":
                 launches = eng.launches_moe
+                if is_gpu(a.tier):  # routing over the layer's experts beyond those it picks
+                    pre[layer] += self._gpu(gpu_index(a.tier)).route_s_per_expert * max(
+                        0, self.n_experts - self.inv.spec.n_experts_active)
             elif key.kind in ("shared", "dense_mlp"):
                 launches = eng.launches_mlp
             else:
@@ -678,7 +681,7 @@ class CostModel:
         if frac <= 0:
             cpu_n = n * c1 + on_cpu
         elif eng.served:  # kernels read the rows in place: the bus lane is their reads
-            cpu_n = np.maximum((n - m) * c1 + on_cpu, n * b1 / (prof.host_read_bandwidth * eng.shared_read))
+            cpu_n = np.maximum((n - m) * c1, n * b1 / (prof.host_read_bandwidth * eng.shared_read)) + on_cpu
             bus_n = m * b1 / bus_rate(prof, eng.bus_read) + launches
         else:  # copies into slots, then their compute on the GPU
             gpu_x = m * b1 / self.expert_bandwidth(0)

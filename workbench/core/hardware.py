@@ -32,7 +32,10 @@ class GpuProfile:
     kernel launch (s); ``bf16_flops``: dense bf16 matrix rate (FLOP/s); ``expert_bandwidth``: bytes of
     expert weights per second a batch-1 expert matmul reaches on this GPU; ``expert_throughput``: the
     same for experts kept in a quantized file's blocks, by format (``q8_0``, ``q4_k``), bytes of the
-    blocks per second through the engine's one-token kernels (formats not listed: ``expert_bandwidth``)."""
+    blocks per second through the engine's one-token kernels (formats not listed: ``expert_bandwidth``);
+    ``route_s_per_expert``: what one token's decode step takes longer per MoE layer for each expert
+    that layer has beyond the ones it selects (s; its router and routing over more experts, fitted to
+    the engine by calibration; 0: not measured)."""
 
     name: str
     vram_bytes: int
@@ -43,6 +46,7 @@ class GpuProfile:
     pcie_gen: int | None = None
     pcie_width: int | None = None
     expert_throughput: dict[str, float] = field(default_factory=dict)
+    route_s_per_expert: float = 0.0
 
     def problems(self) -> list[str]:
         """What is wrong with this GPU's numbers, one sentence each."""
@@ -58,6 +62,8 @@ class GpuProfile:
             out += _check_rate(f"expert_throughput[{fmt}]", rate, "B/s")
         if not (0 <= self.launch_s < 0.1):
             out.append(f"launch_s is {self.launch_s!r} s: expected microseconds")
+        if not (0 <= self.route_s_per_expert < 1e-5):
+            out.append(f"route_s_per_expert is {self.route_s_per_expert!r} s: expected well under 10 microseconds")
         if self.pcie_gen is not None and self.pcie_gen not in range(1, 8):
             out.append(f"pcie_gen {self.pcie_gen!r} is not a PCIe generation")
         if self.pcie_width is not None and self.pcie_width not in (1, 2, 4, 8, 12, 16, 32):

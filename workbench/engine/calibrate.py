@@ -896,7 +896,11 @@ def calibrate(
                        f"{fit['sixteenth_s'] * 1e3:.2f} / {fit['quarter_s'] * 1e3:.2f} / {fit['half_s'] * 1e3:.2f} / "
                        f"{fit['three_quarters_s'] * 1e3:.2f} ms a sixteenth / quarter / half / three quarters on the CPU, "
                        f"{fit['cpu_s'] * 1e3:.2f} ms all on the CPU ({fit['cpu_predicted_s'] * 1e3:.2f} ms predicted); "
-                       f"fitted kernel {fit['launch_s'] * 1e6:.2f} us, host point {fit['sync_s'] * 1e6:.0f} us, "
+                       f"fitted kernel {fit['launch_s'] * 1e6:.2f} us, "
+                       + (f"routing {w['route_s_per_expert'] * 1e9:.0f} ns a layer per expert beyond those picked "
+                          f"({w['wide_s'] * 1e3:.2f} ms for {w['depth']} layers of {w['experts']} experts), "
+                          if (w := fit.get("wide")) else "")
+                       + f"host point {fit['sync_s'] * 1e6:.0f} us, "
                        f"CPU experts {fit['cpu_rate'] / 1e9:.1f} GB/s"
                        + "".join(f"; {fmt} blocks all resident {resident_runs(k)}, GPU rate "
                                  f"{k['rate'] / 1e9:.0f} GB/s (kernels alone {k['measured_rate'] / 1e9:.0f})"

@@ -293,7 +293,41 @@ def _deep_resident_fit(shape: synth.SynthShape, device: str, room: float, second
     step = max(0.0, times[0] - seconds(no_step(launch), models[0]))
     log.info("engine decode, all resident: %.3f ms a step of %d layers, %.3f ms of %d: the kernel %.2f us, the host "
              "%.0f us a step", times[0] * 1e3, depths[0], times[1] * 1e3, depths[1], launch * 1e6, step * 1e6)
-    return {"depths": depths, "resident_s": times, "launch_s": launch, "step_s": step}
+    return {"depths": depths, "resident_s": times, "launch_s": launch, "step_s": step, "models": models}
+
+
+WIDE_EXPERTS = 128
+"""Experts a layer of the wide all-resident model (``_wide_fit``): as many as Qwen3-30B-A3B's, fewer
+where room is short."""
+
+
+def _wide_fit(shape: synth.SynthShape, device: str, room: float, deep: dict, seconds) -> dict | None:
+    """The routing's cost per expert of a layer beyond those it selects (``GpuProfile.route_s_per_expert``,
+    s): the engine's decode of a model as deep as ``deep``'s shallower one (``_deep_resident_fit``:
+    ``top_k`` experts a layer) but with ``WIDE_EXPERTS`` experts a layer (fewer where half of ``room``
+    bytes holds fewer; none below ``2 * top_k``), all resident, against that run: their difference,
+    less the model's (``seconds(model)``: its seconds per step, this cost 0), per layer and extra expert.
+    The deep models pick every expert they have; S1 picks 8 of 128, and its layers all on the GPU ran
+    ~11 µs longer than the deep models' (bf16 and Q4_K, H100; BENCHMARKS.md). Returns
+    ``{"experts", "depth", "wide_s", "narrow_s", "route_s_per_expert"}``, or None without room."""
+    d, k = deep["depths"][0], shape.n_active
+    expert = 3 * shape.hidden * shape.expert_ffn * 2
+    other = shape.hidden * shape.head_dim * 2 * (2 * shape.n_heads + 2 * shape.n_kv_heads)
+    experts = min(WIDE_EXPERTS, int((room / 2 / d - other) / expert))
+    if experts < 2 * k:
+        return None
+    with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
+        path = Path(tmp) / f"calibration-{d}-layers-{experts}-experts.gguf"
+        synth.write_gguf(path, replace(shape, n_layers=d, n_experts=experts), coverage_target=None)
+        wide = open_model(path)
+        t = min(_decode_seconds(wide, placement_all_gpu(wide), device) for _ in range(REPEATS))
+        path.unlink()
+    narrow, t_narrow = deep["models"][0], deep["resident_s"][0]
+    extra = (t - t_narrow) - (seconds(wide) - seconds(narrow))
+    per = max(0.0, extra / (d * (experts - k)))
+    log.info("engine decode, all resident, %d layers: %.3f ms with %d experts a layer, %.3f ms with %d: routing %.1f ns "
+             "a layer per expert beyond those picked", d, t * 1e3, experts, t_narrow * 1e3, k, per * 1e9)
+    return {"experts": experts, "depth": d, "wide_s": t, "narrow_s": t_narrow, "route_s_per_expert": per}
 
 
 def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
@@ -359,8 +393,17 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
 
     deep = _deep_resident_fit(shape, device, room, lambda p, m: seconds(p, placement_all_gpu(m), m),
                               lambda v: with_costs(v, prof.sync_s))
+    wide = None
     if deep is not None:
         launch, prof = deep["launch_s"], replace(prof, decode_step_s=deep["step_s"])
+        def no_route(p: HardwareProfile) -> HardwareProfile:
+            return replace(p, gpus=(replace(p.gpus[0], route_s_per_expert=0.0),) + tuple(p.gpus[1:]))
+
+        wide = _wide_fit(shape, device, room, deep,
+                         lambda m: seconds(no_route(with_costs(launch, prof.sync_s)), placement_all_gpu(m), m))
+        if wide is not None:
+            prof = replace(prof, gpus=(replace(prof.gpus[0], route_s_per_expert=wide["route_s_per_expert"]),)
+                           + tuple(prof.gpus[1:]))
     else:
         launch = _solve(lambda v: seconds(with_costs(v, prof.sync_s), res), t_res, step=1e-6)
     ram = _ram_seconds_per_byte(prof)
@@ -376,7 +419,7 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     if sync is None:
         sync, rate = _solve(lambda v: seconds(with_costs(launch, v), half), t_half, step=1e-5), rate0
     fitted = with_costs(launch, sync, rate)
-    info = {"resident_s": t_res, "resident_queued_s": q_res, "step_s": prof.decode_step_s, "deep": deep,
+    info = {"resident_s": t_res, "resident_queued_s": q_res, "step_s": prof.decode_step_s, "deep": deep, "wide": wide,
             "sixteenth_s": t_hybrid[0], "quarter_s": t_hybrid[1], "half_s": t_hybrid[2], "three_quarters_s": t_hybrid[3],
             "cpu_s": t_cpu, "launch_s": launch, "sync_s": sync, "cpu_rate": rate,
             "packet_fixed_s": served[0] if served else None, "packet_rate": served[1] if served else None,
