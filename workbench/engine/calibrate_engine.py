@@ -9,7 +9,10 @@ three quarters of them on the CPU and with all of them on the CPU, and solves th
 ``launch_s`` (from the resident run) and ``sync_s`` and CPU expert rate (least squares over the
 three hybrid runs: one fixed and one per-byte cost per hybrid layer, the per-byte one pinned by the
 runs' spread of 2 to 6 CPU experts a token) so that it predicts those runs; the all-CPU run checks the result. Written
-again in Q8_0 and Q4_K, all resident, it gives those blocks' GPU rates (``fit_kept_rates``).
+again in Q8_0 and Q4_K, all resident, it gives those blocks' GPU rates (``fit_kept_rates``). Two
+deeper models of top-k experts a layer (16 and 32 layers) give the kernel cost from their
+difference (``_deep_resident_fit``), and one of 128 experts a layer against the 16-layer one the
+cost of a layer's experts beyond those it picks (``_wide_fit``).
 The model then carries them to other placements. A quarter of the experts is eight times the
 CPU's L3 (160 experts, 12 GB, at the Qwen3-30B-A3B shape on the H200 host's 300 MiB), so the CPU
 reads them from RAM, as a real model's.
