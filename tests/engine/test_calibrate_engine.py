@@ -266,11 +266,13 @@ def test_the_routing_cost_per_expert_comes_from_a_wide_model_against_the_narrow_
     deep = calibrate_engine._deep_resident_fit(shape, "cpu", 1e12, lambda p, m: 1.0 / CostModel(
         m, p, engine=EngineShape(bus_share=0.0)).decode_tps(placement_all_gpu(m), kv_tokens=16 + calibrate_engine.STEPS),
         lambda v: replace(base, gpus=(replace(base.gpus[0], launch_s=v),)))
-    assert deep is not None and [m.spec.n_experts for m in deep["models"]] == [2, 2]
+    assert deep is not None
     wide = calibrate_engine._wide_fit(shape, "cpu", 1e12, deep, seconds)
     assert wide["experts"] == 24 and wide["depth"] == calibrate_engine.DEPTHS[0]
     assert wide["route_s_per_expert"] == pytest.approx(9e-8, rel=1e-3)
     assert wide["wide_s"] - wide["narrow_s"] > wide["depth"] * 22 * 9e-8  # more than the cost: the router's bytes
+    monkeypatch.setattr(calibrate_engine.synth, "write_gguf", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    assert calibrate_engine._wide_fit(shape, "cpu", 1e12, deep, seconds) is None  # the calibration goes on without it
     one_expert = 3 * 128 * 128 * 2
     room = 2 * calibrate_engine.DEPTHS[0] * 3 * one_expert
     assert calibrate_engine._wide_fit(shape, "cpu", room, deep, seconds) is None  # no room
