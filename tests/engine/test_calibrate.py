@@ -328,3 +328,22 @@ def test_the_bus_reads_experts_in_place_at_most_at_the_copy_rate():
     rate = cal._gpu_bus_read(run, dev, 2048, 768, 256 << 20, 0.2)
     h2d, _, _ = cal._gpu_copies(run, dev, 64 << 20, 0.2)
     assert 0.2 * h2d < rate < 1.5 * h2d
+
+
+def test_the_gpu_timings_random_q4k_blocks_decode_to_finite_values():
+    """Random bytes as Q4_K blocks hold NaN or infinite scales in about one block of 16, and the
+    kernels' check then leaves every candidate unchecked; the timing's blocks get finite scales and
+    keep their random values."""
+    from workbench.engine import blocks
+    from workbench.engine.calibrate import finite_q4k
+
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (4, 64, 2 * 144), generator=g, dtype=torch.uint8)
+    before = blocks.dequantize("q4_k", [raw.reshape(-1, 2 * 144)], 512, torch.float32)
+    assert not torch.isfinite(before).all()  # the seed gives non-finite scales, as random bytes do
+    kept = raw.clone()
+    out = finite_q4k(raw)
+    assert out is raw
+    values = blocks.dequantize("q4_k", [raw.reshape(-1, 2 * 144)], 512, torch.float32)
+    assert torch.isfinite(values).all() and values.abs().max() > 0
+    assert torch.equal(raw.view(4, 64, 2, 144)[..., 4:], kept.view(4, 64, 2, 144)[..., 4:])

@@ -501,6 +501,16 @@ def _gpu_experts(run: _Run, dev: torch.device, hidden: int, ffn: int, nbytes: in
     return per * calls * top_k / _repeat(run, lambda: _cuda_time(g.replay), share)
 
 
+def finite_q4k(raw: torch.Tensor) -> torch.Tensor:
+    """Random Q4_K rows ``raw [..., n * 144]`` (uint8) with each block's two float16 scales (``d``,
+    ``dmin``: its first 4 bytes) set to 1e-3, in place: random bytes there are NaN or infinite in
+    about 1 block of 16, and the kernels' check then finds every probe non-finite and leaves the
+    candidates unchecked. Returns ``raw``."""
+    scales = torch.tensor([1e-3, 1e-3], dtype=torch.float16).view(torch.uint8).to(raw.device)
+    raw.view(*raw.shape[:-1], -1, 144)[..., :4] = scales
+    return raw
+
+
 def _gpu_kept_experts(run: _Run, dev: torch.device, hidden: int, ffn: int, nbytes: int, share: float,
                       top_k: int = 8) -> dict[str, float]:
     """Bytes/s of expert blocks (``q8_0``, ``q4_k``) that one token's resident experts read through the
@@ -525,8 +535,8 @@ def _gpu_kept_experts(run: _Run, dev: torch.device, hidden: int, ffn: int, nbyte
             d2 = torch.full((n_exp, hidden, ffn // 32), 1e-3, device=dev, dtype=torch.float16)
             stacks, extra = (q13, q2, d13, d2), {}
         else:
-            b13 = torch.randint(0, 256, (n_exp, 2 * ffn, hidden // 256 * 144), device=dev, dtype=torch.uint8)
-            b2 = torch.randint(0, 256, (n_exp, hidden, ffn // 256 * 144), device=dev, dtype=torch.uint8)
+            b13 = finite_q4k(torch.randint(0, 256, (n_exp, 2 * ffn, hidden // 256 * 144), device=dev, dtype=torch.uint8))
+            b2 = finite_q4k(torch.randint(0, 256, (n_exp, hidden, ffn // 256 * 144), device=dev, dtype=torch.uint8))
             stacks, extra = (b13, b2), {"fmt": ("q4_k", "q4_k")}
         calls = n_exp // top_k
         rows = [torch.arange(c * top_k, (c + 1) * top_k, device=dev) for c in range(calls)]
