@@ -33,7 +33,8 @@
 # (S1 as Q8_0, llama.cpp at --n-cpu-moe 8), engine_q4 (S1 as Q4_K), cap_tests (the VRAM cap on CUDA), gpu_tests
 # (the Triton kernels', VRAM cap's, spinning team's and hot path's tests on CUDA), served (scripts/profile_hybrid.py
 # with and without the decode server), served_tests (its tests and the bus share's on CUDA), fit_probe
-# (scripts/probe_engine_fit.py three times after stage calibrate), prompt_kernels (tests/engine/test_prefill_kernels.py on
+# (scripts/probe_engine_fit.py three times after stage calibrate), wide_probe (scripts/probe_wide_fit.py: the kernel
+# cost and the routing's cost per expert beyond those picked, alone, on $OUT/h200.json or WIDE_PROFILE), prompt_kernels (tests/engine/test_prefill_kernels.py on
 # CUDA and scripts/time_prompt_kernels.py), dense_kernels (tests/engine/test_packed.py on CUDA and
 # scripts/time_dense_kernels.py: kept Q8_0/Q4_K/Q6_K projections and head against bf16), placements (those the side-by-side stages ran,
 # as $OUT/placements.tar.gz), pack (llama-bench binary
@@ -441,6 +442,12 @@ stage_explore() {  # the one-token kernels' candidates plus EXPLORE's forms, Q4_
 }
 stage_fit_probe() {  # calibration's engine fit three times in fresh processes (needs $OUT/h200.json: stage calibrate first)
     for i in 1 2 3; do python3 scripts/probe_engine_fit.py fresh "$OUT/h200.json" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"; done
+}
+stage_wide_probe() {  # the kernel cost and the routing's cost per expert alone (scripts/probe_wide_fit.py, ~2 min) on top of
+    # $OUT/h200.json (stage calibrate or restore first) or WIDE_PROFILE; writes $OUT/h200.json with them
+    local prof="${WIDE_PROFILE:-$OUT/h200.json}"
+    [ -f "$prof" ] || { log "wide_probe: no profile"; return; }
+    timeout 240 python3 scripts/probe_wide_fit.py --profile "$prof" -o "$OUT/h200.json" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
 }
 stage_placements() {  # the placements the side-by-side stages ran, as one file
     tar -C /tmp/wb_placements -czf "$OUT/placements.tar.gz" . && log "placements: $(tar -tzf "$OUT/placements.tar.gz" | grep -c json) files"
