@@ -12,7 +12,7 @@ timed, a kept format's hybrid runs) are left out: their fitted values stay as in
 
     python scripts/refit_decode.py --profile h200.json --experts 64 \\
         --steps 0.60,0.96,1.83,3.24,4.31,5.37 [--queued 0.52] [--q8-resident 0.48] [--deep 1.31,2.35] \\
-        [--packets 12,80] -o refit.json
+        [--packets 12,80] [--wide 1.28,1.10] -o refit.json
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--packets", default=None,
                     help="the decode server's packets as traced (scripts/trace_served.py): 'FIXED_US,GBS' per packet "
                          "and GB/s of experts; calibration then fits the host point alone (absent: with the rate)")
+    ap.add_argument("--wide", default=None,
+                    help="ms per step of the wide fit's two models, as logged (`... layers: W ms with E experts a "
+                         "layer, N ms with K`): 'W,N' (absent: no routing cost per expert, as before it)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=768)
     ap.add_argument("--top-k", type=int, default=8)
@@ -63,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     if deep is None:
         ce._deep_resident_fit = lambda *a: None
 
+    wide = [float(v) * 1e-3 for v in args.wide.split(",")] if args.wide else None
+    if wide is None:
+        ce._wide_fit = lambda *a: None
+
     if args.packets:  # the decode server's packets as a trace measured them (calibration fits the rest)
         fixed_us, rate_gbs = (float(v) for v in args.packets.split(","))
         ce.packet_rate = lambda records, nbytes: (fixed_us * 1e-6, rate_gbs * 1e9)
@@ -70,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         ce.packet_rate = lambda records, nbytes: None
 
     def times(inv, placement, device, steps_=ce.STEPS, packets=None):
+        if wide is not None and "experts.gguf" in str(inv.path):  # the wide fit's models: top-k, then wide
+            return (wide[1],) * 2 if inv.spec.n_experts == inv.spec.n_experts_active else (wide[0],) * 2
         if deep is not None and inv.spec.n_layers in deep and "layers" in str(inv.path):
             return deep[inv.spec.n_layers], deep[inv.spec.n_layers]
         if "q8_0" in str(inv.path):
@@ -83,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     fitted.save(args.out)
     print(f"host per step {info['step_s'] * 1e6:.0f} us, kernel {info['launch_s'] * 1e6:.2f} us, host point "
           f"{info['sync_s'] * 1e6:.0f} us, CPU experts {info['cpu_rate'] / 1e9:.1f} GB/s"
+          + (f", routing {info['wide']['route_s_per_expert'] * 1e9:.1f} ns per expert" if info.get("wide") else "")
           + "".join(f"; {f} GPU rate {k['rate'] / 1e9:.0f} GB/s" for f, k in info.get("kept", {}).items())
           + f" -> {args.out}")
     return 0
