@@ -410,6 +410,7 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     wide = None
     if deep is not None:
         launch, prof = deep["launch_s"], replace(prof, decode_step_s=deep["step_s"])
+
         def no_route(p: HardwareProfile) -> HardwareProfile:
             return replace(p, gpus=(replace(p.gpus[0], route_s_per_expert=0.0),) + tuple(p.gpus[1:]))
 
