@@ -312,10 +312,13 @@ stage_decode_kernels() {  # each form of one decode step's kernels at S1's shape
 }
 stage_kernels() {  # one decode step's kernels all on the GPU: a 4-layer cut of S1 in bf16 and Q8_0 (scripts/profile_decode.py)
     local p=/tmp/wb_kernels; rm -rf "$p"; mkdir -p "$p"
-    for w in ${KERNELS_WEIGHTS:-bf16 q8_0}; do
-        log "profile_decode all-gpu $w"; timeout 240 python3 scripts/profile_decode.py --shape s1 --layers 4 --weights "$w" \
-            --device cuda --strategies all-gpu --steps 32 --out "$p/$w" 2>>"$OUT/device.log" | tail -3 | tee -a "$OUT/device.log"
-    done
+    # KERNELS_EXPERTS (e.g. "128 8"): the cut with that many experts a layer, routing uniform (what picking 8 of 128 costs)
+    for w in ${KERNELS_WEIGHTS:-bf16 q8_0}; do for e in ${KERNELS_EXPERTS:-shape}; do
+        local ex=(); [ "$e" != shape ] && ex=(--experts "$e")
+        log "profile_decode all-gpu $w ${ex[*]}"; timeout 240 python3 scripts/profile_decode.py --shape s1 --layers 4 \
+            --weights "$w" "${ex[@]}" --device cuda --strategies all-gpu --steps 32 --out "$p/$w${ex:+_$e}" 2>>"$OUT/device.log" \
+            | tail -3 | tee -a "$OUT/device.log"
+    done; done
     tar -C "$p" -czf "$OUT/kernels.tar.gz" .
 }
 stage_prefill() {  # a hybrid prompt's time under several bus/CPU splits (scripts/profile_prefill.py)

@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="mid", help="synthetic shape without --model: mid or one of synth.SHAPES")
     ap.add_argument("--layers", type=int, default=None, help="layers of the synthetic model (the shape's)")
     ap.add_argument("--weights", default="bf16", choices=synth.WEIGHT_TYPES, help="synthetic weights' format")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="experts a layer of the synthetic model (the shape's), its routing uniform: S1 at 8 "
+                         "against 128 shows what picking 8 of many costs each kernel")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "f32"))
     ap.add_argument("--budget", default=None, help="use the planner's placements under this VRAM budget")
@@ -276,11 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     if path is None:
         s = MID if args.shape == "mid" else synth.SHAPES[args.shape]
         s = replace(s, n_layers=args.layers) if args.layers else s
-        path = Path("/tmp/wb_profile") / f"{s.name}_{s.n_layers}_{args.weights}.gguf"
+        s = replace(s, n_experts=args.experts) if args.experts else s
+        path = Path("/tmp/wb_profile") / f"{s.name}_{s.n_layers}_{s.n_experts}_{args.weights}.gguf"
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
-            synth.write_gguf(path, s, coverage_target=0.5, wtype=args.weights)
+            synth.write_gguf(path, s, coverage_target=None if args.experts else 0.5, wtype=args.weights)
             log.info("wrote %s in %.1f s", path, time.perf_counter() - t0)
     inv = open_model(str(path))
     dev = torch.device(args.device)
