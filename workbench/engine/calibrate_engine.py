@@ -248,27 +248,41 @@ DEPTHS = (16, 32)
 host's time per step (``_deep_resident_fit``)."""
 
 
+def _layer_bytes(shape: synth.SynthShape, experts: int) -> int:
+    """bf16 bytes of one layer of ``shape`` with ``experts`` experts: their gate, up and down
+    projections, and the attention's q/k/v/o."""
+    return experts * 3 * shape.hidden * shape.expert_ffn * 2 + shape.hidden * shape.head_dim * 2 * (
+        2 * shape.n_heads + 2 * shape.n_kv_heads)
+
+
+def _resident_steps(shapes: list[synth.SynthShape], device: str, wtype: str = "bf16", sparse: bool = False
+                    ) -> tuple[list, list[float]]:
+    """The engine's decode of a calibration model of each of ``shapes`` (weights in ``wtype``; ``sparse``:
+    written as holes, ``synth.write_gguf``), every weight resident, one model at a time on disk:
+    ``(models, seconds a step)`` (the faster of ``REPEATS`` runs each)."""
+    models, times = [], []
+    with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
+        for s in shapes:
+            name = f"{s.n_experts}-experts" if sparse else wtype
+            path = Path(tmp) / f"calibration-{s.n_layers}-layers-{name}.gguf"
+            synth.write_gguf(path, s, coverage_target=None, wtype=wtype, sparse=sparse)
+            model = open_model(path)
+            times.append(min(_decode_seconds(model, placement_all_gpu(model), device) for _ in range(REPEATS)))
+            models.append(model)
+            path.unlink()
+    return models, times
+
+
 def _deep_runs(shape: synth.SynthShape, device: str, room: float, wtype: str = "bf16") -> tuple | None:
     """The engine's decode of two all-resident models of ``DEPTHS`` layers (``top_k`` experts a layer,
     weights in ``wtype``; fewer layers where half of ``room`` bytes holds fewer at bf16's size, none
     where the shallower would have fewer than ``LAYERS``): ``(depths, models, seconds a step)``."""
-    one = shape.n_active * 3 * shape.hidden * shape.expert_ffn * 2 + shape.hidden * shape.head_dim * 2 * (
-        2 * shape.n_heads + 2 * shape.n_kv_heads)
-    deep = min(DEPTHS[1], int(room / 2 / max(one, 1)))
+    deep = min(DEPTHS[1], int(room / 2 / max(_layer_bytes(shape, shape.n_active), 1)))
     depths = (min(DEPTHS[0], deep // 2), deep)
     if depths[0] < LAYERS:
         return None
-    models, times = [], []
-    with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
-        for d in depths:
-            path = Path(tmp) / f"calibration-{d}-layers-{wtype}.gguf"
-            synth.write_gguf(path, replace(shape, n_layers=d, n_experts=shape.n_active), coverage_target=None,
-                             wtype=wtype)
-            model = open_model(path)
-            res = placement_all_gpu(model)
-            times.append(min(_decode_seconds(model, res, device) for _ in range(REPEATS)))
-            models.append(model)
-            path.unlink()
+    models, times = _resident_steps([replace(shape, n_layers=d, n_experts=shape.n_active) for d in depths], device,
+                                    wtype)
     return depths, models, times
 
 
@@ -319,21 +333,13 @@ def _wide_fit(shape: synth.SynthShape, device: str, room: float, deep: dict, sec
     "depth", "wide_s", "narrow_s", "route_s_per_expert"}``, or None without room, or where the models
     cannot be written or run (the rest of the calibration goes on)."""
     d, k = deep["depths"][0], shape.n_active
-    expert = 3 * shape.hidden * shape.expert_ffn * 2
-    other = shape.hidden * shape.head_dim * 2 * (2 * shape.n_heads + 2 * shape.n_kv_heads)
-    experts = min(WIDE_EXPERTS, int((room / 2 / d - other) / expert))
+    other = _layer_bytes(shape, 0)
+    experts = min(WIDE_EXPERTS, int((room / 2 / d - other) / (_layer_bytes(shape, 1) - other)))
     if experts < 2 * k:
         return None
-    models, times = [], []
     try:
-        with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
-            for n in (k, experts):
-                path = Path(tmp) / f"calibration-{d}-layers-{n}-experts.gguf"
-                synth.write_gguf(path, replace(shape, n_layers=d, n_experts=n), coverage_target=None, sparse=True)
-                model = open_model(path)
-                times.append(min(_decode_seconds(model, placement_all_gpu(model), device) for _ in range(REPEATS)))
-                models.append(model)
-                path.unlink()
+        models, times = _resident_steps([replace(shape, n_layers=d, n_experts=n) for n in (k, experts)], device,
+                                        sparse=True)
     except (OSError, RuntimeError, WorkbenchError) as e:
         log.warning("the routing's cost per expert is not fitted: %s", e)
         return None
