@@ -891,7 +891,7 @@ def calibrate(
             provenance=provenance | dict.fromkeys(_GPU_SIDE, "absent") | {"sync_s": "default"},
         )
     if measured and fit_engine:
-        from .calibrate_engine import fit_engine_costs, resident_runs
+        from .calibrate_engine import depth_runs, fit_engine_costs, resident_runs
 
         run.check()
         try:
@@ -899,8 +899,7 @@ def calibrate(
             prof, fit = fit_engine_costs(prof, hidden, expert_ffn, top_k, kept=kept_fits)
             deep = fit.get("deep")
             host = (f"{fit['resident_queued_s'] * 1e3:.2f} ms a step queued" if deep is None else
-                    " / ".join(f"{t * 1e3:.2f}" for t in deep["resident_s"])
-                    + f" ms for {' / '.join(str(d) for d in deep['depths'])} layers all resident")
+                    depth_runs(deep["resident_s"], deep["depths"]) + " all resident")
             run.report(f"engine decode per 8-layer step: {fit['resident_s'] * 1e3:.2f} ms all resident "
                        f"({host}: the host {fit['step_s'] * 1e6:.0f} us a step), "
                        f"{fit['sixteenth_s'] * 1e3:.2f} / {fit['quarter_s'] * 1e3:.2f} / {fit['half_s'] * 1e3:.2f} / "

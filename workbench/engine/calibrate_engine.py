@@ -528,13 +528,17 @@ def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str =
     return replace(prof, gpus=gpus, cpu_expert_throughput=cpu_rates, sync_by_format=syncs), info
 
 
+def depth_runs(times: list[float], depths) -> str:
+    """Steps of models ``depths`` layers deep (s) in words: ``1.02 / 1.95 ms for 16 / 32 layers``."""
+    return " / ".join(f"{t * 1e3:.2f}" for t in times) + " ms for " + " / ".join(str(d) for d in depths) + " layers"
+
+
 def resident_runs(kept: dict) -> str:
     """A kept format's all-resident calibration runs (``fit_kept_rates``' info) in words: ``1.02 / 1.95 ms
     for 16 / 32 layers`` (two depths) or ``0.77 ms for 8 layers``."""
     if "deep_s" in kept:
-        return (" / ".join(f"{t * 1e3:.2f}" for t in kept["deep_s"]) + " ms for "
-                + " / ".join(str(d) for d in kept["depths"]) + " layers")
-    return f"{kept['resident_s'] * 1e3:.2f} ms for {LAYERS} layers"
+        return depth_runs(kept["deep_s"], kept["depths"])
+    return depth_runs([kept["resident_s"]], [LAYERS])
 
 
 def _rate_solution(seconds, target: float, u0: float) -> float:
