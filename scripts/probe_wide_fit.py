@@ -15,9 +15,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import psutil
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workbench.core import synth  # noqa: E402
@@ -38,9 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     prof = HardwareProfile.load(a.profile)
-    room = psutil.virtual_memory().available
-    if a.device == "cuda":
-        room = min(room, torch.cuda.mem_get_info()[0])
+    room = ce.calibration_room(a.device)
     shape = synth.SynthShape("calibration", "qwen3moe", ce.LAYERS, a.hidden, 32, 4, 128, a.top_k, a.top_k, a.ffn,
                              ce.VOCAB, qk_norm=True)
 
@@ -60,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     if wide is not None:
         fitted = replace(fitted, gpus=(replace(fitted.gpus[0], route_s_per_expert=wide["route_s_per_expert"]),)
                          + tuple(fitted.gpus[1:]))
-    print(f"kernel {deep['launch_s'] * 1e6:.2f} us, host {deep['step_s'] * 1e6:.0f} us a step; deep "
-          f"{' / '.join(f'{t * 1e3:.3f}' for t in deep['resident_s'])} ms; "
+    print(f"kernel {deep['launch_s'] * 1e6:.2f} us, host {deep['step_s'] * 1e6:.0f} us a step; "
+          f"{ce.depth_runs(deep['resident_s'], deep['depths'])} all resident; "
           + ("no room for the wide model" if wide is None else
              f"wide {wide['wide_s'] * 1e3:.3f} ms ({wide['experts']} experts) against {wide['narrow_s'] * 1e3:.3f}: "
              f"{wide['route_s_per_expert'] * 1e9:.1f} ns per expert beyond those picked"))

@@ -248,6 +248,15 @@ DEPTHS = (16, 32)
 host's time per step (``_deep_resident_fit``)."""
 
 
+def calibration_room(device: str) -> int:
+    """Bytes a calibration model may take: the host RAM available now, and on ``cuda`` no more than
+    the GPU's free memory."""
+    room = psutil.virtual_memory().available
+    if device == "cuda" and torch.cuda.is_available():
+        room = min(room, torch.cuda.mem_get_info()[0])
+    return room
+
+
 def _layer_bytes(shape: synth.SynthShape, experts: int) -> int:
     """bf16 bytes of one layer of ``shape`` with ``experts`` experts: their gate, up and down
     projections, and the attention's q/k/v/o."""
@@ -377,9 +386,7 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     B/s; fitted values; the decode server's packets of the hybrid runs: ``packet_rate``'s fit, None where
     it had too few, and how many packets each count of CPU pairs had). ``device``: the engine's
     accelerator (``cuda``; ``cpu`` only exercises the fit in tests)."""
-    room = psutil.virtual_memory().available
-    if device == "cuda" and torch.cuda.is_available():
-        room = min(room, torch.cuda.mem_get_info()[0])
+    room = calibration_room(device)
     experts = calibration_experts(hidden, ffn, top_k, room=room)
     shape = synth.SynthShape("calibration", "qwen3moe", LAYERS, hidden, n_heads, n_kv_heads, head_dim,
                              experts, min(top_k, experts), ffn, VOCAB, qk_norm=True)
@@ -696,9 +703,7 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     (seconds per prompt, the predictions at the fitted values)."""
     from workbench.core.costmodel import model_prompt_pair_reads
 
-    room = psutil.virtual_memory().available
-    if device == "cuda" and torch.cuda.is_available():
-        room = min(room, torch.cuda.mem_get_info()[0])
+    room = calibration_room(device)
     expert = 3 * hidden * ffn * 2
     n = experts or max(top_k, min(PROMPT_EXPERTS, int(room / 2 / (LAYERS * expert))))
     shape = synth.SynthShape("calibration", "qwen3moe", LAYERS, hidden, n_heads, n_kv_heads, head_dim,
