@@ -130,7 +130,7 @@ class Placement:
         for name, entry in obj.get("assign", {}).items():
             a = Assignment.parse(name)
             for layer, text in entry.get("experts", {}).items():
-                for e in _parse_ranges(text):
+                for e in parse_ranges(text):
                     p.set(UnitKey(int(layer), "expert", e), a)
             for layer, kind in entry.get("units", []):
                 p.set(UnitKey(layer, kind), a)
@@ -150,7 +150,8 @@ def _ranges(ix: list[int]) -> str:
     return ",".join(parts)
 
 
-def _parse_ranges(text: str) -> list[int]:
+def parse_ranges(text: str) -> list[int]:
+    """``"0-2,5,7-8" -> [0, 1, 2, 5, 7, 8]`` (a Linux CPU or node list reads the same way)."""
     out: list[int] = []
     for part in filter(None, str(text).split(",")):
         a, _, b = part.partition("-")

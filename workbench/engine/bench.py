@@ -27,6 +27,7 @@ from workbench.core.placement import (
     Placement,
     expert_grid,
     is_gpu,
+    parse_ranges,
 )
 from workbench.core.planner import Planner
 from workbench.core.readers import open_model
@@ -470,13 +471,8 @@ def numa_shares(engine) -> dict | None:
 
 
 def _count_nodes(spec: str) -> int:
-    """Nodes in a kernel CPU/node list such as ``0-1,3``."""
-    n = 0
-    for part in spec.strip().split(","):
-        if part:
-            lo, _, hi = part.partition("-")
-            n += int(hi or lo) - int(lo) + 1
-    return n
+    """Nodes in a kernel node list such as ``0-1,3`` (``placement.parse_ranges``)."""
+    return len(parse_ranges(spec.strip()))
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
