@@ -338,7 +338,9 @@ def _wide_fit(shape: synth.SynthShape, device: str, room: float, deep: dict, sec
     all on the GPU ran 7-11 µs longer than the deep models' on three H100 hosts (BENCHMARKS.md,
     fourteenth stop). Both models are written sparse (their tiled weights are holes: zeros, no disk
     space; a 16-layer model of 128 experts is 19 GB at the Qwen3-30B-A3B shape); the routers are
-    real, and the kernels' time does not depend on the weights' values. Returns ``{"experts",
+    real, and the kernels' time does not depend on the weights' values. The top-k model is run again
+    rather than taken from the deep runs (dense files) so that the two runs differ in their experts
+    alone (~5 s). Returns ``{"experts",
     "depth", "wide_s", "narrow_s", "route_s_per_expert"}``, or None without room, or where the models
     cannot be written or run (the rest of the calibration goes on)."""
     d, k = deep["depths"][0], shape.n_active
