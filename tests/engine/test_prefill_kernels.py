@@ -23,6 +23,58 @@ def test_tile_table_cuts_runs_into_block_sized_pieces():
     assert tiles.tolist() == [[7, 0, 5], [2, 5, bm], [2, 5 + bm, bm], [2, 5 + 2 * bm, 3], [9, 5 + 2 * bm + 3, 1]]
 
 
+@pytest.mark.parametrize("counts", [[5, 0, 2 * 32 + 3, 1, 0], [0, 0, 7], [32, 64, 1, 31, 33], [1] * 9, [0, 300]])
+def test_the_device_tile_table_is_the_host_table_then_empty_tiles(counts):
+    """Built from the counts where they lie (no read-back), the table holds the host table's tiles
+    first, then empty ones up to the bound of tiles that many pairs can make over that many rows."""
+    c = np.array(counts)
+    used = np.nonzero(c)[0]
+    host = prefill_kernels.tile_table((np.cumsum(c) - c)[used], c[used], used)
+    dev = prefill_kernels.device_tile_table(torch.tensor(c, device=TEST_DEVICE), int(c.sum())).cpu().numpy()
+    assert dev.dtype == np.int32 and dev.shape == (prefill_kernels.tile_bound(int(c.sum()), len(c)), 3)
+    assert dev[:len(host)].tolist() == host.tolist()
+    assert (dev[len(host):, 2] == 0).all()
+
+
+def test_the_grouped_kernels_skip_the_device_tables_empty_tiles():
+    """Over a device table (real tiles, then empty ones), the kernels give each pair its expert's
+    output and write nothing for the empty tiles."""
+    g = torch.Generator().manual_seed(4)
+    E, H, F = 5, 64, 48
+    w13 = (torch.randn(E, 2 * F, H, generator=g) / H ** 0.5).to(TEST_DEVICE)
+    w2 = (torch.randn(E, H, F, generator=g) / F ** 0.5).to(TEST_DEVICE)
+    counts = np.array([2, 0, 40, 1, 3])
+    rows = np.repeat(np.arange(E), counts)
+    xs = torch.randn(len(rows), H, generator=g).to(TEST_DEVICE)
+    tiles = prefill_kernels.device_tile_table(torch.tensor(counts, device=TEST_DEVICE), len(rows))
+    assert int((tiles[:, 2] == 0).sum()) > 0  # some padding to skip
+    got = prefill_kernels.swiglu_grouped(xs, tiles, w13, w2)
+    ref = torch.cat([expert_ffn(xs[rows == r], w13[r], w2[r]) for r in np.nonzero(counts)[0]])
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="a host sync is a CUDA matter")
+def test_many_pairs_on_resident_experts_are_queued_without_a_host_sync():
+    """A prompt layer with every expert on the GPU: ``grouped`` builds its tiles on the device and
+    never waits on the GPU (after the first call per shape, which checks the kernels)."""
+    g = torch.Generator().manual_seed(5)
+    E, H, F, n = 16, 64, 48, 400
+    w13 = (torch.randn(E, 2 * F, H, generator=g) / H ** 0.5).to(TEST_DEVICE)
+    w2 = (torch.randn(E, H, F, generator=g) / F ** 0.5).to(TEST_DEVICE)
+    x = torch.randn(n, H, generator=g).to(TEST_DEVICE)
+    rows = torch.randint(0, E, (n,), generator=g).to(TEST_DEVICE)
+    scale = torch.rand(n, generator=g).to(TEST_DEVICE)
+    grouped(x, rows, scale, w13, w2, scale_input=False)  # the first call per shape checks the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = grouped(x, rows, scale, w13, w2, scale_input=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = torch.stack([expert_ffn(x[j:j + 1], w13[r], w2[r])[0] for j, r in enumerate(rows.tolist())]) * scale[:, None]
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_kernels_match_one_product_per_expert(dtype):
     if dtype == torch.bfloat16 and TEST_DEVICE == "cpu":

@@ -111,8 +111,8 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
     (or, with ``kept`` instead of ``w13``/``w2``, the kept blocks' stacks).
 
     ``x [n, H]`` -> ``[n, H]``. Small ``n``: one gather + batched matmul, no host sync. Larger ``n``:
-    pairs sorted by expert, every expert in two grouped kernels where they run (else one matmul per
-    expert); reads the per-expert counts on the host.
+    pairs sorted by expert, every expert in two grouped kernels where they run, over a tile table
+    built on the device (no host sync); else one matmul per expert, the counts read on the host.
     """
     n = x.shape[0]
     if kept is not None and n <= GATHER_MAX_ROWS:  # a few pairs: only their rows, dequantized
@@ -133,23 +133,24 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
             out = out + b2[rows]
     else:
         order = torch.argsort(rows, stable=True)
-        counts = torch.bincount(rows, minlength=(w13 if kept is None else kept.args[0]).shape[0]).tolist()
+        n_rows = (w13 if kept is None else kept.args[0]).shape[0]
+        # pairs per row, counted in place (bincount on CUDA reads the largest row back first)
+        counts = torch.zeros(n_rows, dtype=torch.int64, device=rows.device).index_add_(
+            0, rows, torch.ones(rows.shape, dtype=torch.int64, device=rows.device))
         xs = x[order]
         ys = None
         if kept is not None or (isinstance(w13, torch.Tensor)
                                 and prefill_kernels.usable_for(x, w13, w2, b13, b2, act)):  # every expert in two kernels
-            c = np.asarray(counts, dtype=np.int64)
-            used = np.nonzero(c)[0]
-            tiles = prefill_kernels.tile_table((np.cumsum(c) - c)[used], c[used], used)
+            tiles = prefill_kernels.device_tile_table(counts, n)  # built on the device: no host sync
             ys = prefill_kernels.run_or_none(xs, tiles, *((w13, w2) if kept is None else kept.args),
                                              fmt=None if kept is None else kept.fmt, b13=b13, b2=b2, act=act)
             if ys is None and kept is not None:
                 per = _PerExpert(kept)
                 w13, w2 = _Half(per, 0), _Half(per, 1)
-        if ys is None:
+        if ys is None:  # one product per expert: the counts read on the host
             parts = []
             start = 0
-            for r, c in enumerate(counts):
+            for r, c in enumerate(counts.tolist()):
                 if c:
                     parts.append(expert_ffn(xs[start:start + c], w13[r], w2[r], None if b13 is None else b13[r],
                                             None if b2 is None else b2[r], act))

@@ -62,59 +62,60 @@ if triton is not None:
         row = tl.load(tiles_ptr + 3 * t).to(tl.int64)
         start = tl.load(tiles_ptr + 3 * t + 1).to(tl.int64)
         count = tl.load(tiles_ptr + 3 * t + 2)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_ok = offs_m < count
-        n_ok = offs_n < N
-        x_rows = x_ptr + (start + offs_m)[:, None] * stride_x
-        w_cols = w_ptr + row * stride_e + offs_n[None, :].to(tl.int64) * stride_n  # [1, BN]: k runs down
-        at_n = row * stride_e + offs_n.to(tl.int64) * stride_n
-        w_rows = w_ptr + at_n  # [BN]: each row's first byte (blocks)
-        d_rows = d_ptr + at_n // 32  # Q8_0: each row's first scale
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            k_ok = kk < K
-            xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if FMT == 0:
-                wm = k_ok[:, None] & n_ok[None, :]
-                w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)  # [BK, BN]
+        if count > 0:  # an empty tile (device_tile_table's padding) reads nothing
+            offs_m = tl.arange(0, BLOCK_M)
+            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_k = tl.arange(0, BLOCK_K)
+            m_ok = offs_m < count
+            n_ok = offs_n < N
+            x_rows = x_ptr + (start + offs_m)[:, None] * stride_x
+            w_cols = w_ptr + row * stride_e + offs_n[None, :].to(tl.int64) * stride_n  # [1, BN]: k runs down
+            at_n = row * stride_e + offs_n.to(tl.int64) * stride_n
+            w_rows = w_ptr + at_n  # [BN]: each row's first byte (blocks)
+            d_rows = d_ptr + at_n // 32  # Q8_0: each row's first scale
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + offs_k
+                k_ok = kk < K
+                xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                if FMT == 0:
+                    wm = k_ok[:, None] & n_ok[None, :]
+                    w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)  # [BK, BN]
+                    if SWIGLU:
+                        wu = tl.load(w_cols + N * stride_n + kk[:, None], mask=wm, other=0.0)
+                else:
+                    w = tl.trans(_block_tile(w_rows, d_rows, k0, n_ok, K, FMT, BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty))
+                    if SWIGLU:
+                        wu = tl.trans(_block_tile(w_rows + N * stride_n, d_rows + N * stride_n // 32, k0, n_ok, K, FMT,
+                                                  BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty))
+                if F32_DOT:  # float32 weights (no tf32), or the interpreter (whose bfloat16 dot is wrong)
+                    xt = xt.to(tl.float32)
+                    acc += tl.dot(xt, w.to(tl.float32), input_precision="ieee")
+                    if SWIGLU:
+                        acc_up += tl.dot(xt, wu.to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(xt, w)
+                    if SWIGLU:
+                        acc_up += tl.dot(xt, wu)
+            if BIAS:
+                n_b = N * 2 if SWIGLU else N
+                acc += tl.load(b_ptr + row * n_b + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
                 if SWIGLU:
-                    wu = tl.load(w_cols + N * stride_n + kk[:, None], mask=wm, other=0.0)
-            else:
-                w = tl.trans(_block_tile(w_rows, d_rows, k0, n_ok, K, FMT, BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty))
-                if SWIGLU:
-                    wu = tl.trans(_block_tile(w_rows + N * stride_n, d_rows + N * stride_n // 32, k0, n_ok, K, FMT,
-                                              BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty))
-            if F32_DOT:  # float32 weights (no tf32), or the interpreter (whose bfloat16 dot is wrong)
-                xt = xt.to(tl.float32)
-                acc += tl.dot(xt, w.to(tl.float32), input_precision="ieee")
-                if SWIGLU:
-                    acc_up += tl.dot(xt, wu.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(xt, w)
-                if SWIGLU:
-                    acc_up += tl.dot(xt, wu)
-        if BIAS:
-            n_b = N * 2 if SWIGLU else N
-            acc += tl.load(b_ptr + row * n_b + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            if SWIGLU:
-                acc_up += tl.load(b_ptr + row * n_b + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if SWIGLU:  # rounded where F.linear, silu and mul round (their bfloat16 results), no more
-            ty = out_ptr.dtype.element_ty
-            g = acc.to(ty).to(tl.float32)
-            u = acc_up.to(ty).to(tl.float32)
-            if ACT == 1:  # gpt-oss
-                g = tl.minimum(g, limit)
-                u = tl.minimum(tl.maximum(u, -limit), limit)
-                acc = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
-            else:
-                act = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
-                acc = act * u
-        out = out_ptr + (start + offs_m)[:, None] * N + offs_n[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+                    acc_up += tl.load(b_ptr + row * n_b + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if SWIGLU:  # rounded where F.linear, silu and mul round (their bfloat16 results), no more
+                ty = out_ptr.dtype.element_ty
+                g = acc.to(ty).to(tl.float32)
+                u = acc_up.to(ty).to(tl.float32)
+                if ACT == 1:  # gpt-oss
+                    g = tl.minimum(g, limit)
+                    u = tl.minimum(tl.maximum(u, -limit), limit)
+                    acc = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+                else:
+                    act = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+                    acc = act * u
+            out = out_ptr + (start + offs_m)[:, None] * N + offs_n[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def available() -> bool:
@@ -149,6 +150,32 @@ def tile_table(starts: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> np.n
     start = starts[run] + piece * BLOCK_M
     count = np.minimum(BLOCK_M, counts[run] - piece * BLOCK_M)
     return np.stack([rows[run], start, count], axis=1).astype(np.int32)
+
+
+def tile_bound(n_pairs: int, n_rows: int) -> int:
+    """The most tiles ``n_pairs`` pairs sorted by row can make over ``n_rows`` rows: each used row
+    adds at most one partial tile to ``n_pairs / BLOCK_M`` full ones."""
+    return (n_pairs + min(n_rows, n_pairs) * (BLOCK_M - 1)) // BLOCK_M
+
+
+def device_tile_table(counts: torch.Tensor, n_pairs: int) -> torch.Tensor:
+    """``tile_table`` built where ``counts`` lies, without reading it back: ``counts [R]`` (pairs
+    per row of the stacks, summing to ``n_pairs``; pairs sorted by row) -> ``[tile_bound(n_pairs, R),
+    3]`` int32 ``(row, start, count)``, the real tiles first and the rest empty (count 0, which the
+    kernels skip). A prompt layer with every expert on the GPU then queues its experts with no host
+    sync, so the host runs ahead of the GPU instead of waiting on it every layer."""
+    R = counts.shape[0]
+    counts = counts.to(torch.int64)
+    per = (counts + BLOCK_M - 1) // BLOCK_M  # [R] tiles per row
+    ends = torch.cumsum(per, 0)  # [R]
+    t = torch.arange(tile_bound(n_pairs, R), device=counts.device)
+    run = torch.searchsorted(ends, t, right=True)  # each tile's row; R past the real tiles
+    real = run < R
+    run = run.clamp(max=R - 1)
+    piece = t - (ends - per)[run]
+    start = (torch.cumsum(counts, 0) - counts)[run] + piece * BLOCK_M
+    count = torch.where(real, torch.clamp(counts[run] - piece * BLOCK_M, max=BLOCK_M), 0)
+    return torch.stack([run, torch.where(real, start, 0), count], dim=1).to(torch.int32)
 
 
 _FMT = gpu_kernels.FMT_CODES
