@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wide", default=None,
                     help="ms per step of the wide fit's two models, as logged (`... layers: W ms with E experts a "
                          "layer, N ms with K`): 'W,N' (absent: no routing cost per expert, as before it)")
+    ap.add_argument("--wide-experts", type=int, default=None,
+                    help="the wide model's experts a layer, as logged (absent: what this machine's room gives)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=768)
     ap.add_argument("--top-k", type=int, default=8)
@@ -69,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     wide = [float(v) * 1e-3 for v in args.wide.split(",")] if args.wide else None
     if wide is None:
         ce._wide_fit = lambda *a: None
+    elif args.wide_experts:  # as many experts as the GPU's room gave, not this machine's
+        ce.WIDE_EXPERTS, fit_wide = args.wide_experts, ce._wide_fit
+        ce._wide_fit = lambda shape, device, room, deep, seconds: fit_wide(shape, device, 1e15, deep, seconds)
 
     if args.packets:  # the decode server's packets as a trace measured them (calibration fits the rest)
         fixed_us, rate_gbs = (float(v) for v in args.packets.split(","))

@@ -114,7 +114,10 @@ def test_gpt_oss_experts_grouped_with_biases_and_clamped_swiglu():
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
-def test_grouped_uses_the_kernels_for_many_pairs_and_matches_the_loop(monkeypatch):
+@pytest.mark.parametrize("device_tiles", ["1", "0"])
+def test_grouped_uses_the_kernels_for_many_pairs_and_matches_the_loop(monkeypatch, device_tiles):
+    """With the tile table built on the device (the default) and on the host (``WORKBENCH_DEVICE_TILES=0``)."""
+    monkeypatch.setenv("WORKBENCH_DEVICE_TILES", device_tiles)
     g = torch.Generator().manual_seed(1)
     E, H, F, n = 8, 64, 48, 300  # more pairs than the gather path takes
     w13 = torch.randn(E, 2 * F, H, generator=g).to(TEST_DEVICE)
@@ -124,9 +127,9 @@ def test_grouped_uses_the_kernels_for_many_pairs_and_matches_the_loop(monkeypatc
     scale = torch.rand(n, generator=g).to(TEST_DEVICE)
     calls = []
     real = prefill_kernels.swiglu_grouped
-    monkeypatch.setattr(prefill_kernels, "swiglu_grouped", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(prefill_kernels, "swiglu_grouped", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     got = grouped(x, rows, scale, w13, w2, scale_input=False)
-    assert calls
+    assert len(calls) == 1 and isinstance(calls[0], torch.Tensor if device_tiles == "1" else np.ndarray)
     monkeypatch.setattr(prefill_kernels, "_disabled", ["off for the reference"])
     ref = grouped(x, rows, scale, w13, w2, scale_input=False)
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5

@@ -141,7 +141,12 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
         ys = None
         if kept is not None or (isinstance(w13, torch.Tensor)
                                 and prefill_kernels.usable_for(x, w13, w2, b13, b2, act)):  # every expert in two kernels
-            tiles = prefill_kernels.device_tile_table(counts, n)  # built on the device: no host sync
+            if prefill_kernels.device_tiles():  # built on the device: no host sync
+                tiles = prefill_kernels.device_tile_table(counts, n)
+            else:
+                c = counts.cpu().numpy()
+                used = np.nonzero(c)[0]
+                tiles = prefill_kernels.tile_table((np.cumsum(c) - c)[used], c[used], used)
             ys = prefill_kernels.run_or_none(xs, tiles, *((w13, w2) if kept is None else kept.args),
                                              fmt=None if kept is None else kept.fmt, b13=b13, b2=b2, act=act)
             if ys is None and kept is not None:

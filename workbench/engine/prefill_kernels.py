@@ -152,6 +152,13 @@ def tile_table(starts: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> np.n
     return np.stack([rows[run], start, count], axis=1).astype(np.int32)
 
 
+def device_tiles() -> bool:
+    """Whether a prompt layer's experts on the GPU take their tile table from ``device_tile_table``
+    (no host sync) rather than from ``tile_table`` over counts read back (``WORKBENCH_DEVICE_TILES=0``:
+    the host table, for side-by-side timing of the two)."""
+    return os.environ.get("WORKBENCH_DEVICE_TILES", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def tile_bound(n_pairs: int, n_rows: int) -> int:
     """The most tiles ``n_pairs`` pairs sorted by row can make over ``n_rows`` rows: each used row
     adds at most one partial tile to ``n_pairs / BLOCK_M`` full ones."""
