@@ -58,6 +58,8 @@
 # $OUT/candidates.txt); stage explore: the same with more forms tried ($OUT/explore.txt).
 # Before a call after a change to the GPU kernels, scripts/check_kernels_compile.py compiles them here for sm_90
 # (with the GPU machine's Triton on PYTHONPATH): a kernel that does not build would cost the call.
+# Stage cache_out returns what the call compiled ($OUT/compile_cache.tar.xz); put it in .compile_cache/ (ignored)
+# and carry that folder: the next call's machine starts from it instead of compiling again.
 # After a change to the GPU kernels, run served_tests (and gpu_tests) before the side-by-side stages: the
 # served decode's bus runs the expert kernels over page-locked host stacks, a path only CUDA exercises, and
 # a failure there sends the hybrid layers back to host-driven steps (the bench prints a WARNING per run).
@@ -94,6 +96,12 @@ for whl in .whl_engine .llamacpp/whl; do  # transformers and gguf wheels, as pin
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl"/*.whl; break
     fi
 done
+cache_pack=.compile_cache/compile_cache.tar.xz  # what stage cache_out returned on an earlier call, carried back
+if [ -f "$cache_pack" ]; then  # Triton's compiled kernels and the fused CPU kernel's build: no compile here again
+    tar -C "$HOME" -xJf "$cache_pack" && log "compile cache restored: $(tar -tJf "$cache_pack" | grep -vc '/$') files"
+    # the build's outputs newer than the sources this call's copy just wrote, or ninja builds them again
+    [ -d "$HOME/.cache/moe-workbench/torch_ext" ] && find "$HOME/.cache/moe-workbench/torch_ext" -type f -exec touch {} +
+fi
 models="${BENCH_MODELS:-/dev/shm/wb}"
 layers="${BENCH_LAYERS:+--layers $BENCH_LAYERS}"  # dry runs: fewer layers
 mkdir -p "$models"
@@ -481,6 +489,17 @@ stage_restore() {  # what stage keep left on this machine: the profile as $OUT/h
     if ls /tmp/wb_keep/pack/llama-bench.tar.xz.part-* >/dev/null 2>&1; then  # then stage build unpacks them
         mkdir -p .llamacpp/pack && cp -n /tmp/wb_keep/pack/* .llamacpp/pack/ && log "pack parts restored: $(ls .llamacpp/pack | wc -l)"
     fi
+}
+stage_cache_out() {  # Triton's compiled kernels (~/.triton/cache) and the fused CPU kernel's build as
+    # $OUT/compile_cache.tar.xz, for the next call to carry as .compile_cache/ (a fresh machine compiled for ~200 s of
+    # a calibration: BENCHMARKS.md, fifteenth stop); skipped above the 16 MiB a returned file may have
+    local dirs=() f="$OUT/compile_cache.tar.xz"
+    for d in .triton/cache .cache/moe-workbench/torch_ext; do [ -d "$HOME/$d" ] && dirs+=("$d"); done
+    [ ${#dirs[@]} -gt 0 ] || { log "cache_out: nothing compiled"; return; }
+    tar -C "$HOME" -cJf "$f" "${dirs[@]}"
+    local mb=$(( $(stat -c %s "$f") / 1048576 ))
+    if [ "$mb" -ge 16 ]; then rm -f "$f"; log "cache_out: ${mb} MiB, over what comes back; not returned"
+    else log "cache_out: ${dirs[*]} in ${mb} MiB"; fi
 }
 stage_engine() {  # S1 skewed: llama.cpp and ours, with all on the GPU too
     if [ -f "$models/s1.gguf" ]; then  # a stage before may have left it uniform
