@@ -251,7 +251,9 @@ stage_cpu_sweep() {  # one token's Q8_0 CPU experts through the decode server by
     grep -E "^prefetch|fixed per packet" "$OUT/cpu_sweep.txt" | tee -a "$OUT/device.log"
 }
 stage_cpu_prompt() {  # a prompt's CPU-tier experts on the fused kernel by tokens per expert, and torch's GEMMs
-    timeout 240 python3 scripts/time_cpu_prompt.py --formats bf16,q8_0,q4_k --tokens 1,2,4,8,16,32 --gemm \
+    # (CPU_PROMPT_TOKENS: the counts; the fused kernel takes tokens four at a time, and calibration times it at 16
+    # alone, so the counts between show how far a straight line through 1 and 16 is off for a cold expert's few)
+    timeout 240 python3 scripts/time_cpu_prompt.py --formats bf16,q8_0,q4_k --tokens "${CPU_PROMPT_TOKENS:-1,2,3,4,5,8,12,16,32}" --gemm \
         --json "$OUT/cpu_prompt.json" 2>&1 | tee -a "$OUT/device.log"
 }
 stage_cpu_vs_ggml() {  # one token's CPU experts: ours (int8 and exact dots) against llama.cpp's ggml, same threads
