@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                              ce.VOCAB, qk_norm=True)
 
     def with_launch(v: float) -> HardwareProfile:
-        return replace(prof, gpus=(replace(prof.gpus[0], launch_s=v, route_s_per_expert=0.0),) + tuple(prof.gpus[1:]))
+        return ce.first_gpu(prof, launch_s=v, route_s_per_expert=0.0)
 
     def seconds(p: HardwareProfile, model) -> float:
         return 1.0 / CostModel(model, p, engine=EngineShape(bus_share=0.0)).decode_tps(
@@ -53,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     fitted = replace(with_launch(deep["launch_s"]), decode_step_s=deep["step_s"])
     wide = ce._wide_fit(shape, a.device, room, deep, lambda m: seconds(fitted, m))
     if wide is not None:
-        fitted = replace(fitted, gpus=(replace(fitted.gpus[0], route_s_per_expert=wide["route_s_per_expert"]),)
-                         + tuple(fitted.gpus[1:]))
+        fitted = ce.first_gpu(fitted, route_s_per_expert=wide["route_s_per_expert"])
     print(f"kernel {deep['launch_s'] * 1e6:.2f} us, host {deep['step_s'] * 1e6:.0f} us a step; "
           f"{ce.depth_runs(deep['resident_s'], deep['depths'])} all resident; "
           + ("no room for the wide model" if wide is None else

@@ -323,6 +323,11 @@ def _deep_resident_fit(shape: synth.SynthShape, device: str, room: float, second
     return {"depths": depths, "resident_s": times, "launch_s": launch, "step_s": step}
 
 
+def first_gpu(prof: HardwareProfile, **fields) -> HardwareProfile:
+    """``prof`` with ``fields`` of its first GPU (the one calibration measures) replaced."""
+    return replace(prof, gpus=(replace(prof.gpus[0], **fields),) + tuple(prof.gpus[1:]))
+
+
 WIDE_EXPERTS = 128
 """Experts a layer of the wide all-resident model (``_wide_fit``): as many as Qwen3-30B-A3B's, fewer
 where room is short."""
@@ -414,8 +419,8 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     prof = replace(prof, decode_step_s=max(0.0, t_res - q_res))  # the host's part of each step, not the kernels'
 
     def with_costs(launch: float, sync: float, rate: float = rate0) -> HardwareProfile:
-        gpus = (replace(prof.gpus[0], launch_s=launch),) + tuple(prof.gpus[1:])
-        return replace(prof, gpus=gpus, sync_s=sync, cpu_expert_throughput={**prof.cpu_expert_throughput, "bf16": rate})
+        return replace(first_gpu(prof, launch_s=launch), sync_s=sync,
+                       cpu_expert_throughput={**prof.cpu_expert_throughput, "bf16": rate})
 
     def seconds(p: HardwareProfile, placement, model=inv) -> float:
         return 1.0 / CostModel(model, p, engine=EngineShape(bus_share=0.0)).decode_tps(placement, kv_tokens=16 + STEPS)
@@ -425,15 +430,10 @@ def fit_engine_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int,
     wide = None
     if deep is not None:
         launch, prof = deep["launch_s"], replace(prof, decode_step_s=deep["step_s"])
-
-        def no_route(p: HardwareProfile) -> HardwareProfile:
-            return replace(p, gpus=(replace(p.gpus[0], route_s_per_expert=0.0),) + tuple(p.gpus[1:]))
-
-        wide = _wide_fit(shape, device, room, deep,
-                         lambda m: seconds(no_route(with_costs(launch, prof.sync_s)), placement_all_gpu(m), m))
+        wide = _wide_fit(shape, device, room, deep, lambda m: seconds(
+            first_gpu(with_costs(launch, prof.sync_s), route_s_per_expert=0.0), placement_all_gpu(m), m))
         if wide is not None:
-            prof = replace(prof, gpus=(replace(prof.gpus[0], route_s_per_expert=wide["route_s_per_expert"]),)
-                           + tuple(prof.gpus[1:]))
+            prof = first_gpu(prof, route_s_per_expert=wide["route_s_per_expert"])
     else:
         launch = _solve(lambda v: seconds(with_costs(v, prof.sync_s), res), t_res, step=1e-6)
     ram = _ram_seconds_per_byte(prof)
