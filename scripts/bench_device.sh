@@ -98,7 +98,8 @@ for whl in .whl_engine .llamacpp/whl; do  # transformers and gguf wheels, as pin
 done
 cache_pack=.compile_cache/compile_cache.tar.xz  # what stage cache_out returned on an earlier call, carried back
 if [ -f "$cache_pack" ]; then  # Triton's compiled kernels and the fused CPU kernel's build: no compile here again
-    tar -C "$HOME" -xJf "$cache_pack" && log "compile cache restored: $(tar -tJf "$cache_pack" | grep -vc '/$') files"
+    if files=$(tar -C "$HOME" -xvJf "$cache_pack"); then log "compile cache restored: $(grep -vc '/$' <<<"$files") files"
+    else log "compile cache not restored (tar failed)"; fi
     # the build's outputs newer than the sources this call's copy just wrote, or ninja builds them again
     [ -d "$HOME/.cache/moe-workbench/torch_ext" ] && find "$HOME/.cache/moe-workbench/torch_ext" -type f -exec touch {} +
 fi

@@ -111,7 +111,7 @@ def test_logged_wide_steps_give_the_routing_cost_back_at_the_logged_expert_count
             placement_all_gpu(inv), kv_tokens=16 + ce.STEPS)
 
     deep = [step_ms(d, 8) for d in ce.DEPTHS]
-    wide, narrow = step_ms(ce.DEPTHS[0], 96), step_ms(ce.DEPTHS[0], 8)
+    wide, narrow = step_ms(ce.DEPTHS[0], 96), deep[0]  # the narrow model is the shallower deep one
     for name in ("_decode_times", "_fit_cpu_rate", "calibration_experts", "_deep_resident_fit", "packet_rate",
                  "_wide_fit", "WIDE_EXPERTS"):
         monkeypatch.setattr(ce, name, getattr(ce, name))  # the script patches the module; undone after
