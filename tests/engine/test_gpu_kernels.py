@@ -57,6 +57,23 @@ def test_route_softmax_topk_matches_torch_and_counts(E, k, norm, scaling):
     assert torch.equal(counts, expect)
 
 
+def test_route_softmax_topk_takes_the_lowest_index_among_equals_in_order():
+    """Ties, as bf16 logits have them: equal probabilities are picked lowest index first, each once,
+    and stored in that order after every larger one (what ``sorted`` by (-p, index) gives)."""
+    E, k = 128, 8
+    logits = torch.zeros(1, E, device=DEV)
+    logits[0, [90, 7, 40, 3, 120, 64]] = 2.0  # six equal, then the two largest below them
+    logits[0, 100] = 3.0
+    logits[0, [77, 5]] = 1.0
+    counts = torch.zeros(E, dtype=torch.int64, device=DEV)
+    ids, w = gpu_kernels.route_softmax_topk(logits, k, True, 1.0, counts)
+    assert ids[0].tolist() == [100, 3, 7, 40, 64, 90, 120, 5]
+    p = F.softmax(logits, dim=-1)[0]
+    top = p[ids[0]] / p[ids[0]].sum()
+    assert torch.allclose(w[0], top, rtol=1e-5, atol=1e-7)
+    assert counts.sum() == k and bool((counts[ids[0]] == 1).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("E,H,k,norm,scaling", [(128, 256, 8, True, 1.0), (60, 200, 4, False, 2.5), (8, 64, 2, True, 1.0)])
 def test_the_router_and_its_routing_in_one_kernel_match_torch_call_after_call(dtype, E, H, k, norm, scaling):

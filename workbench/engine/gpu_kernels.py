@@ -642,14 +642,21 @@ if triton is not None:
         """Softmax over the float32 logits ``x [BLOCK_E]`` (``-inf`` where not ``valid``), the ``K``
         largest (descending, the lowest index among equals first), renormalised when ``NORM``, times
         ``scaling``: their indices to ``ids_ptr``, weights to ``w_ptr``, 1 added to ``counts`` per pick.
-        Each probability's rank is counted against all the others at once (one ``[BLOCK_E, BLOCK_E]``
-        comparison), not found by ``K`` rounds of max."""
+        The picks come from ``K`` rounds of one max over 64-bit keys (a probability's bits above its
+        index, reversed, so that the max is the largest probability and among equals the lowest
+        index): ``K`` reductions, where counting every probability's rank against all the others
+        (a ``[BLOCK_E, BLOCK_E]`` comparison) took ~3,300 PTX lines a thread at 128 experts."""
         e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
         p = e / tl.sum(e, axis=0)
-        work = tl.where(valid, p, -1.0)
-        wo = work[None, :]  # the others
-        ahead = (wo > work[:, None]) | ((wo == work[:, None]) & (offs[None, :] < offs[:, None]))
-        rank = tl.sum(ahead.to(tl.int32), axis=1)
+        # p >= 0, so its bits order as it does; invalid entries -1, below every valid key
+        key = tl.where(valid, (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64),
+                       -1)
+        rank = tl.full((BLOCK_E,), K, tl.int32)
+        for r in tl.static_range(K):
+            best = tl.max(key, axis=0)
+            hit = (key == best) & (best >= 0)  # none once the valid keys are used up (E < K)
+            rank = tl.where(hit, r, rank)
+            key = tl.where(hit, -1, key)
         pick = valid & (rank < K)
         top = tl.where(pick, p, 0.0)
         if NORM:
@@ -939,8 +946,9 @@ def route_softmax_topk(logits: torch.Tensor, k: int, norm: bool, scaling: float,
     E = logits.shape[-1]
     ids = torch.empty((1, k), dtype=torch.int64, device=logits.device)
     weights = torch.empty((1, k), dtype=logits.dtype, device=logits.device)
+    # one warp: the K rounds' reductions by shuffles alone (4 warps: two barriers a round)
     _route_kernel[(1,)](logits, ids, weights, counts, E, float(scaling), K=k,
-                        BLOCK_E=triton.next_power_of_2(E), NORM=norm, **pdl_args())
+                        BLOCK_E=triton.next_power_of_2(E), NORM=norm, num_warps=1, **pdl_args())
     return ids, weights
 
 
