@@ -652,7 +652,7 @@ if triton is not None:
         key = tl.where(valid, (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64),
                        -1)
         rank = tl.full((BLOCK_E,), K, tl.int32)
-        for r in tl.static_range(K):
+        for r in range(K):
             best = tl.max(key, axis=0)
             hit = (key == best) & (best >= 0)  # none once the valid keys are used up (E < K)
             rank = tl.where(hit, r, rank)
