@@ -8,7 +8,8 @@ Two steps, two processes:
    launch options) once to a JSON file.
 2. ``compile``: compile each recorded signature with the real compiler for ``--arch`` (90: Hopper),
    every autotuning candidate of the kernel (the interpreter runs only the first), and where the
-   kernel takes ``PDL``, with programmatic dependent launch as well. It stops at the GPU binary
+   kernel takes ``PDL``, with programmatic dependent launch as well, each with the divisibility
+   hints Triton's launcher gives the arguments (addresses and integers divisible by 16). It stops at the GPU binary
    (Triton's wheels carry ``ptxas``): a kernel that compiles can still compute wrongly; only the
    CUDA tests (``scripts/bench_device.sh``) say that. The argument types are the tests' (float32
    activations on the CPU, where a GPU run has bf16 ones).
@@ -57,6 +58,18 @@ def _arg(value, constexpr: bool):
     return None
 
 
+def _divisible(value) -> bool:
+    """Whether Triton's launcher would mark ``value`` divisible by 16 (``tt.divisibility``), as it
+    specializes every launch: a tensor whose address is, an integer that is. The compiler's passes
+    see those hints, and one of them can fail only with them (the routing kernel's layout pass did
+    on Triton 3.6.0: BENCHMARKS.md, sixteenth stop)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+
+
 def record(out: Path, pytest_args: list[str]) -> int:
     """Run ``pytest_args`` under Triton's interpreter and write each kernel's launch signatures to
     ``out``: ``[{"module", "name", "sig": {arg: type}, "constexprs": {arg: value}, "options": {...}}]``."""
@@ -74,7 +87,7 @@ def record(out: Path, pytest_args: list[str]) -> int:
         params = inspect.signature(fn).parameters
         bound = inspect.signature(fn).bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params})
         bound.apply_defaults()
-        sig, const = {}, {}
+        sig, const, divisible = {}, {}, []
         for name, value in bound.arguments.items():
             form = _arg(value, "constexpr" in str(params[name].annotation))
             if form is None:
@@ -83,9 +96,11 @@ def record(out: Path, pytest_args: list[str]) -> int:
             sig[name] = form[0]
             if form[0] == "constexpr":
                 const[name] = form[1]
+            elif _divisible(value):
+                divisible.append(name)
         else:
             entry = {"module": fn.__module__, "name": fn.__name__, "sig": sig, "constexprs": const,
-                     "options": {k: kwargs[k] for k in OPTIONS if k in kwargs}}
+                     "options": {k: kwargs[k] for k in OPTIONS if k in kwargs}, "divisible": divisible}
             seen.setdefault(json.dumps(entry, sort_keys=True), entry)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
@@ -144,7 +159,10 @@ def compile_all(path: Path, arch: int) -> int:
                     continue
                 done.add(key)
                 n += 1
-                src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+                hints = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in e.get("divisible", ())
+                         if k not in const}  # as the launcher specializes them on the GPU
+                src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+                                attrs=hints)
                 try:
                     triton.compile(src, target=target, options={k: v for k, v in opts.items() if v is not None})
                     ok += 1

@@ -53,7 +53,6 @@ def decoded(tiny_model_dir, family: str, placement: str) -> list[int]:
 def test_static_decode_with_one_kernel_attention_inputs(family, tiny_model_dir, tiny_hf_model, monkeypatch):
     monkeypatch.setattr(model, "FUSE_QKV", True)
     monkeypatch.setenv("WORKBENCH_OUT_NORM", "1")  # off unless asked for
-    monkeypatch.setenv("WORKBENCH_FUSED_ROUTING", "1")
     calls = spy(monkeypatch, gpu_kernels, "qkv_rope_cache")
     attn_calls = spy(monkeypatch, gpu_kernels, "decode_attention")
     norm_calls = spy(monkeypatch, gpu_kernels, "add_rms_norm")
@@ -93,8 +92,8 @@ def test_a_kernel_that_fails_turns_the_kernels_off_and_the_step_still_runs(kerne
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_the_trial_fusions_decode_as_transformers(family, tiny_model_dir, tiny_hf_model, monkeypatch):
-    """The fusions in trial (off unless asked for): the output projection with the add and norm after
-    it, the router with its routing. Every expert resident (the test above decodes a mixed
+    """The output projection with the add and norm after it (in trial, off unless asked for) and the
+    router with its routing (the default). Every expert resident (the test above decodes a mixed
     placement). gpt-oss takes neither: its router has a bias, its attention sinks."""
     for var in ("WORKBENCH_OUT_NORM", "WORKBENCH_FUSED_ROUTING"):
         monkeypatch.setenv(var, "1")

@@ -956,12 +956,14 @@ _route_counts: dict[tuple, torch.Tensor] = {}
 
 
 def fused_routing() -> bool:
-    """Whether one token's router product and routing run as one kernel (``router_route``): only
-    with ``WORKBENCH_FUSED_ROUTING=1`` (an earlier form with fixed blocks took 9.5-10.7 µs in the
-    engine's graph on the H100, against 2.9 + 4.0 µs for the product on the one-pass matvec and
-    ``route_softmax_topk``: BENCHMARKS.md, fifth stop). In the graph on an H100, S1 all on the GPU
-    decoded 497.4 tok/s with this form against 490.2 without (one run of two repeats each): no clear gain."""
-    return os.environ.get("WORKBENCH_FUSED_ROUTING", "0") == "1"
+    """Whether one token's router product and routing run as one kernel (``router_route``): the
+    default; ``WORKBENCH_FUSED_ROUTING=0`` runs the product on the one-pass matvec, then
+    ``route_softmax_topk``. With the routing's picks as ``K`` rounds of one max (it had ranked
+    every expert against all the others), S1 all on the GPU decoded 530.3 tok/s on an H100 in the
+    fused form, 61.1% of its roofline, against 481.5-495.2 tok/s on three earlier H100 hosts in
+    the two-kernel form (BENCHMARKS.md, sixteenth stop; on one host, the eighth stop's, the fused
+    form with the old picks was 1.5% ahead)."""
+    return os.environ.get("WORKBENCH_FUSED_ROUTING", "1") != "0"
 
 
 def router_route(x: torch.Tensor, router: torch.Tensor, k: int, norm: bool, scaling: float, counts: torch.Tensor
