@@ -106,3 +106,25 @@ def test_the_trial_fusions_decode_as_transformers(family, tiny_model_dir, tiny_h
         assert out_calls
     if TEST_DTYPE == torch.float32:
         assert tokens == reference_tokens(tiny_hf_model(family), PROMPT, N_NEW)
+
+
+def test_a_routing_kernel_that_does_not_build_leaves_the_other_kernels_on(tiny_model_dir, tiny_hf_model, monkeypatch):
+    """Where a routing kernel fails to build here (as the unrolled picks did on the GPU's Triton), PyTorch
+    routes from then on and every other kernel stays on: the same tokens, the attention still on its
+    flash-decoding kernels."""
+    from workbench.engine import kernel_check
+
+    def broken(*args, **kwargs):
+        raise kernel_check.CandidatesWrong("no candidate built")
+
+    monkeypatch.setattr(gpu_kernels, "_routing_off", [])
+    monkeypatch.setattr(gpu_kernels, "_disabled", [])
+    monkeypatch.setattr(gpu_kernels, "router_route", broken)
+    monkeypatch.setattr(gpu_kernels, "route_softmax_topk", broken)
+    monkeypatch.setattr(model, "FUSE_QKV", True)
+    attn_calls = spy(monkeypatch, gpu_kernels, "decode_attention")
+    tokens = decoded(tiny_model_dir, "qwen3_moe", "resident")
+    assert gpu_kernels._routing_off and gpu_kernels.available()
+    assert attn_calls
+    if TEST_DTYPE == torch.float32:
+        assert tokens == reference_tokens(tiny_hf_model("qwen3_moe"), PROMPT, N_NEW)

@@ -64,6 +64,25 @@ def disable(reason: str) -> None:
     _disabled.append(reason)
 
 
+_routing_off: list[str] = []
+
+
+def routing_kernels() -> bool:
+    """Whether one token's routing runs on its kernels (``router_route``, ``route_softmax_topk``):
+    until one fails to build or run here (``routing_failed``)."""
+    return not _routing_off
+
+
+def routing_failed(exc: BaseException) -> None:
+    """A routing kernel failed to build or run here: route on PyTorch from now on and keep every other
+    kernel. (A routing kernel that did not build once turned all of them off: S1 all on the GPU then
+    decoded 183 tok/s instead of 530; BENCHMARKS.md, sixteenth stop.)"""
+    if not _routing_off:
+        log.warning("the routing kernels are off, PyTorch routes instead (the other kernels stay on): %s",
+                    f"{type(exc).__name__}: {exc}"[:300])
+    _routing_off.append(str(exc))
+
+
 def failed_here(exc: BaseException) -> bool:
     """Whether ``exc`` came from building or launching one of these kernels (or none of a kernel's
     candidates computing the right thing here: ``kernel_check.CandidatesWrong``)."""

@@ -96,10 +96,12 @@ class MoeBlock:
         a = self.args
         one = (x.shape[0] == 1 and gpu_kernels.usable(x) and self.router.dtype == x.dtype and x.is_contiguous()
                and self.router.is_contiguous())
-        if (one and self.router_bias is None and a.router == "softmax_topk" and not a.group_limited
+        kernels = gpu_kernels.routing_kernels()
+        if (one and kernels and self.router_bias is None and a.router == "softmax_topk" and not a.group_limited
                 and not a.family.startswith("deepseek") and gpu_kernels.fused_routing()):  # one kernel
-            return gpu_kernels.router_route(x, self.router, a.top_k, a.norm_topk_prob, a.routed_scaling,
-                                            self.counts[self.layer])
+            picked = self._on_kernel(gpu_kernels.router_route, x, self.router)
+            if picked is not None:
+                return picked
         if a.family.startswith("deepseek"):  # DeepSeek routes in float32
             logits = F.linear(x.float(), self.router.float())  # [T, E]
         elif one:  # one token: the one-token kernel beats cuBLAS on a router
@@ -109,9 +111,10 @@ class MoeBlock:
         else:
             logits = F.linear(x, self.router, self.router_bias)
         if (logits.shape[0] == 1 and a.router == "softmax_topk" and not a.group_limited
-                and gpu_kernels.usable(logits)):  # one token: softmax, top-k and counts in one kernel
-            return gpu_kernels.route_softmax_topk(logits, a.top_k, a.norm_topk_prob, a.routed_scaling,
-                                                  self.counts[self.layer])
+                and gpu_kernels.usable(logits) and gpu_kernels.routing_kernels()):  # softmax, top-k, counts: one kernel
+            picked = self._on_kernel(gpu_kernels.route_softmax_topk, logits)
+            if picked is not None:
+                return picked
         ids, weights = route(self.args, logits, self.score_bias)
         flat = ids.reshape(-1)
         n = flat.numel()
@@ -124,6 +127,18 @@ class MoeBlock:
             setattr(self, name, ones)
         self.counts[self.layer].index_add_(0, flat, ones[:n])
         return ids, weights
+
+    def _on_kernel(self, kernel, *inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``kernel(*inputs, k, norm, scaling, counts)``'s ``(ids, weights)``; None where it fails to
+        build or run here (``gpu_kernels.routing_failed``: PyTorch routes from then on)."""
+        a = self.args
+        try:
+            return kernel(*inputs, a.top_k, a.norm_topk_prob, a.routed_scaling, self.counts[self.layer])
+        except Exception as exc:
+            if not gpu_kernels.failed_here(exc):
+                raise
+            gpu_kernels.routing_failed(exc)
+            return None
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert ``[T, H]`` (gated by ``shared_router`` when the family has one)."""
