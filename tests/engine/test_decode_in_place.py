@@ -114,4 +114,3 @@ def test_the_trial_fusions_decode_as_transformers(family, tiny_model_dir, tiny_h
         assert out_calls
     if TEST_DTYPE == torch.float32:
         assert tokens == reference_tokens(tiny_hf_model(family), PROMPT, N_NEW)
-

@@ -96,8 +96,7 @@ class MoeBlock:
         a = self.args
         one = (x.shape[0] == 1 and gpu_kernels.usable(x) and self.router.dtype == x.dtype and x.is_contiguous()
                and self.router.is_contiguous())
-        kernels = gpu_kernels.routing_kernels()
-        if (one and kernels and self.router_bias is None and a.router == "softmax_topk" and not a.group_limited
+        if (one and gpu_kernels.routing_kernels() and self.router_bias is None and a.router == "softmax_topk" and not a.group_limited
                 and not a.family.startswith("deepseek") and gpu_kernels.fused_routing()):  # one kernel
             picked = self._on_kernel(gpu_kernels.router_route, x, self.router)
             if picked is not None:
