@@ -332,10 +332,13 @@ stage_kernels() {  # one decode step's kernels all on the GPU: a 4-layer cut of 
     done; done
     tar -C "$p" -czf "$OUT/kernels.tar.gz" .
 }
-stage_prefill() {  # a hybrid prompt's time under several bus/CPU splits (scripts/profile_prefill.py)
+stage_prefill() {  # a prompt's time under several bus/CPU splits (scripts/profile_prefill.py) at --n-cpu-moe
+    # PREFILL_N_CPU_MOE (17; 0: all on the GPU, the resident layers' kernels and host calls alone); $OUT/prefill.tar.gz
     stage_write
+    local p=/tmp/wb_prefill; rm -rf "$p"
     log "profile_prefill"; timeout 200 python3 scripts/profile_prefill.py --model "$models/s1.gguf" --device cuda \
-        --n-cpu-moe 17 --out "$OUT/prefill" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
+        --n-cpu-moe "${PREFILL_N_CPU_MOE:-17}" --out "$p" 2>>"$OUT/device.log" | tee -a "$OUT/device.log"
+    [ -d "$p" ] && tar -C "$p" -czf "$OUT/prefill.tar.gz" .
 }
 stage_prefill_frequency() {  # where a frequency placement's prompt goes (S1 Q8_0 and bf16 at the budget; ours
     # ran 2.9x / 1.7x below the cost model's prompt there, while its n-cpu-moe prompts met it)

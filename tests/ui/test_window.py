@@ -197,8 +197,12 @@ def test_chat_streams_stop_ends_it_and_the_gui_keeps_breathing(window, qtbot, ch
     assert reply.stats["tokens"] > 1 and reply.stats["decode_tps"] > 0
     assert f"of {s.engine.max_context}" in chat.live.text()
     assert len(gaps) > 50
-    print(f"heartbeat: {len(gaps)} beats, longest gap {max(gaps) * 1000:.0f} ms")
-    assert max(gaps) < 0.1, f"GUI thread blocked {max(gaps) * 1000:.0f} ms"
+    slow = float(np.percentile(gaps, 95))
+    print(f"heartbeat: {len(gaps)} beats, longest gap {max(gaps) * 1000:.0f} ms, 95th percentile {slow * 1000:.0f} ms")
+    # a 10 ms timer on a machine whose cores the engine's threads keep busy: the OS may hold the GUI
+    # thread back once for ~0.1 s; a GUI waiting on the engine would stall for whole tokens, every token
+    assert slow < 0.05, f"GUI thread late by {slow * 1000:.0f} ms at the 95th percentile"
+    assert max(gaps) < 0.25, f"GUI thread blocked {max(gaps) * 1000:.0f} ms"
     assert s.live_stats is not None and s.live_stats.counts.sum() > 0  # the grid followed routing
 
 
