@@ -10,7 +10,7 @@ import torch
 
 from tests.engine.engine_helpers import TEST_DEVICE
 from workbench.engine import prefill_kernels
-from workbench.engine.experts import expert_ffn, grouped
+from workbench.engine.experts import expert_ffn, grouped, grouped_tokens
 
 pytestmark = pytest.mark.skipif(not prefill_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
 
@@ -34,6 +34,20 @@ def test_the_device_tile_table_is_the_host_table_then_empty_tiles(counts):
     assert dev.dtype == np.int32 and dev.shape == (prefill_kernels.tile_bound(int(c.sum()), len(c)), 3)
     assert dev[:len(host)].tolist() == host.tolist()
     assert (dev[len(host):, 2] == 0).all()
+
+
+@pytest.mark.parametrize("rows,pairs,seed", [(5, 40, 0), (128, 4096, 1), (256, 16384, 2), (300, 900, 3), (1, 70, 4)])
+def test_the_tile_table_kernel_builds_what_pytorchs_operations_build(rows, pairs, seed):
+    """One kernel launch, the same table as the ~20 operations it replaces: skewed counts (some rows
+    with many tiles, many with none), a row count off the powers of two, one row."""
+    g = np.random.default_rng(seed)
+    p = g.dirichlet(np.full(rows, 0.3))
+    counts = torch.tensor(np.bincount(g.choice(rows, size=pairs, p=p), minlength=rows), device=TEST_DEVICE)
+    assert int((counts == 0).sum()) > 0 or rows < 10
+    by_kernel = prefill_kernels._tile_table_by_kernel(counts, pairs)
+    assert by_kernel.tolist() == prefill_kernels._tile_table_by_torch(counts, pairs).tolist()
+    assert prefill_kernels.device_tile_table(counts, pairs).tolist() == by_kernel.tolist()
+    assert not prefill_kernels._table_failed
 
 
 def test_the_grouped_kernels_skip_the_device_tables_empty_tiles():
@@ -73,6 +87,66 @@ def test_many_pairs_on_resident_experts_are_queued_without_a_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     ref = torch.stack([expert_ffn(x[j:j + 1], w13[r], w2[r])[0] for j, r in enumerate(rows.tolist())]) * scale[:, None]
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+def _grouped_case(seed: int, E: int, T: int, k: int, bias: bool):
+    g = torch.Generator().manual_seed(seed)
+    H, F = 64, 48
+    w13 = (torch.randn(E, 2 * F, H, generator=g) / H ** 0.5).to(TEST_DEVICE)
+    w2 = (torch.randn(E, H, F, generator=g) / F ** 0.5).to(TEST_DEVICE)
+    b13, b2 = ((torch.randn(E, 2 * F, generator=g).to(TEST_DEVICE), torch.randn(E, H, generator=g).to(TEST_DEVICE))
+               if bias else (None, None))
+    x = torch.randn(T, H, generator=g).to(TEST_DEVICE)
+    rows = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).reshape(-1).to(TEST_DEVICE)
+    scale = torch.rand(T * k, generator=g).to(TEST_DEVICE)
+    return x, rows, scale, w13, w2, b13, b2
+
+
+@pytest.mark.parametrize("scale_input,bias,T", [(False, False, 60), (True, False, 60), (False, True, 60),
+                                                (True, True, 60), (False, False, 3)])
+def test_grouped_tokens_sum_what_grouped_gives_each_pair(scale_input, bias, T):
+    """Each token's sum over its pairs, taken straight from the sorted pairs (many pairs), or from
+    ``grouped`` over copies of the tokens (a few): what ``grouped`` gives each pair, summed."""
+    k = 4
+    x, rows, scale, w13, w2, b13, b2 = _grouped_case(6, 10, T, k, bias)
+    got = grouped_tokens(x, k, rows, scale, w13, w2, scale_input, b13, b2)
+    token = torch.arange(T, device=x.device).repeat_interleave(k)
+    ref = torch.zeros_like(x).index_add_(0, token, grouped(x[token], rows, scale, w13, w2, scale_input, b13, b2))
+    assert got.shape == (T, x.shape[1])
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="a host sync is a CUDA matter")
+def test_a_prompts_tokens_on_resident_experts_are_summed_without_a_host_sync():
+    """``grouped_tokens`` over many pairs (the all-resident prompt layer's path) queues its sort, its
+    tile table (one kernel), the grouped kernels and the sum without waiting on the GPU."""
+    x, rows, scale, w13, w2, _, _ = _grouped_case(7, 16, 100, 4, False)
+    grouped_tokens(x, 4, rows, scale, w13, w2, False)  # the first call per shape checks the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = grouped_tokens(x, 4, rows, scale, w13, w2, False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    token = torch.arange(100, device=x.device).repeat_interleave(4)
+    ref = torch.zeros_like(x).index_add_(0, token, grouped(x[token], rows, scale, w13, w2, False))
+    assert not prefill_kernels._table_failed
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+def test_a_tile_table_kernel_that_fails_leaves_the_table_to_pytorch(monkeypatch):
+    """A build failure of the table's kernel: PyTorch's operations build the same table from then on,
+    and the grouped kernels still run."""
+    monkeypatch.setattr(prefill_kernels, "_table_failed", [])
+
+    def broken(*a, **k):
+        raise prefill_kernels.triton.CompilationError("x.py", None, "no such instruction")
+
+    monkeypatch.setattr(prefill_kernels._tile_table_kernel, "run", broken)
+    counts = torch.tensor([3, 0, 70, 1], device=TEST_DEVICE)
+    got = prefill_kernels.device_tile_table(counts, 74)
+    assert prefill_kernels._table_failed and prefill_kernels.available()
+    assert got.tolist() == prefill_kernels._tile_table_by_torch(counts, 74).tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -122,48 +122,84 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
         rows, kept = torch.arange(n, device=rows.device), None
     w13, w2, kept = _kernel_or_stacks(x, n, GATHER_MAX_ROWS, w13, w2, b13, act, kept)
     scale = scale.to(x.dtype)[:, None]
-    if scale_input:
-        x = x * scale
     if n <= GATHER_MAX_ROWS:
+        if scale_input:
+            x = x * scale
         h = torch.bmm(w13[rows], x[:, :, None])[:, :, 0]  # [n, 2I]
         if b13 is not None:
             h = h + b13[rows]
         out = torch.bmm(w2[rows], activate(h, act)[:, :, None])[:, :, 0]  # [n, H]
         if b2 is not None:
             out = out + b2[rows]
-    else:
-        order = torch.argsort(rows, stable=True)
-        n_rows = (w13 if kept is None else kept.args[0]).shape[0]
-        # pairs per row, counted in place (bincount on CUDA reads the largest row back first)
-        counts = torch.zeros(n_rows, dtype=torch.int64, device=rows.device).index_add_(
-            0, rows, torch.ones(rows.shape, dtype=torch.int64, device=rows.device))
-        xs = x[order]
-        ys = None
-        if kept is not None or (isinstance(w13, torch.Tensor)
-                                and prefill_kernels.usable_for(x, w13, w2, b13, b2, act)):  # every expert in two kernels
-            if prefill_kernels.device_tiles():  # built on the device: no host sync
-                tiles = prefill_kernels.device_tile_table(counts, n)
-            else:
-                c = counts.cpu().numpy()
-                used = np.nonzero(c)[0]
-                tiles = prefill_kernels.tile_table((np.cumsum(c) - c)[used], c[used], used)
-            ys = prefill_kernels.run_or_none(xs, tiles, *((w13, w2) if kept is None else kept.args),
-                                             fmt=None if kept is None else kept.fmt, b13=b13, b2=b2, act=act)
-            if ys is None and kept is not None:
-                per = _PerExpert(kept)
-                w13, w2 = _Half(per, 0), _Half(per, 1)
-        if ys is None:  # one product per expert: the counts read on the host
-            parts = []
-            start = 0
-            for r, c in enumerate(counts.tolist()):
-                if c:
-                    parts.append(expert_ffn(xs[start:start + c], w13[r], w2[r], None if b13 is None else b13[r],
-                                            None if b2 is None else b2[r], act))
-                    start += c
-            ys = torch.cat(parts)
-        out = torch.empty_like(x)
-        out[order] = ys
-    return out if scale_input else out * scale
+        return out if scale_input else out * scale
+    order = torch.argsort(rows, stable=True)
+    xs = x[order]
+    if scale_input:
+        xs = xs * scale[order]
+    ys = _sorted_products(xs, rows, order, w13, w2, b13, b2, act, kept)
+    out = torch.empty_like(x)
+    out[order] = ys if scale_input else ys * scale[order]
+    return out
+
+
+def grouped_tokens(x: torch.Tensor, k: int, rows: torch.Tensor, scale: torch.Tensor, w13: torch.Tensor | None,
+                   w2: torch.Tensor | None, scale_input: bool, b13: torch.Tensor | None = None,
+                   b2: torch.Tensor | None = None, act: tuple = ("silu",), kept: KeptStacks | None = None
+                   ) -> torch.Tensor:
+    """Each token's weighted sum over its ``k`` experts: ``x [T, H]``, ``rows``/``scale [T * k]`` (token
+    ``t``'s pairs at ``t * k ..``) -> ``[T, H]``; what ``grouped`` over each pair's copy of its token
+    row, summed per token, gives. Many pairs: the sorted pairs gather their tokens' rows and add their
+    outputs back to them directly, with no ``[T * k, H]`` copy in pair order on either side."""
+    T, n = x.shape[0], rows.shape[0]
+    w13, w2, kept_k = _kernel_or_stacks(x, n, GATHER_MAX_ROWS, w13, w2, b13, act, kept)
+    if n <= GATHER_MAX_ROWS or kept_k is None and not isinstance(w13, torch.Tensor):
+        token = torch.arange(T, device=x.device).repeat_interleave(k)
+        y = grouped(x[token], rows, scale, *((w13, w2) if kept is None else (None, None)), scale_input, b13, b2,
+                    act, kept=kept)
+        return torch.zeros_like(x).index_add_(0, token, y)
+    order = torch.argsort(rows, stable=True)
+    token = torch.div(order, k, rounding_mode="floor")  # each sorted pair's token
+    xs = x[token]
+    scale = scale.to(x.dtype)[order][:, None]
+    if scale_input:
+        xs = xs * scale
+    ys = _sorted_products(xs, rows, order, w13, w2, b13, b2, act, kept_k)
+    return torch.zeros_like(x).index_add_(0, token, ys if scale_input else ys * scale)
+
+
+def _sorted_products(xs: torch.Tensor, rows: torch.Tensor, order: torch.Tensor, w13, w2, b13, b2, act,
+                     kept: KeptStacks | None) -> torch.Tensor:
+    """Unweighted expert outputs ``[n, H]`` of the pairs sorted by row (``xs [n, H]``, ``order [n]``
+    from ``argsort(rows)``): the grouped kernels over a tile table where they run, else one product
+    per expert (its pairs counted on the host)."""
+    n = xs.shape[0]
+    n_rows = (w13 if kept is None else kept.args[0]).shape[0]
+    # pairs per row, counted in place (bincount on CUDA reads the largest row back first)
+    counts = torch.zeros(n_rows, dtype=torch.int64, device=rows.device).index_add_(
+        0, rows, torch.ones(rows.shape, dtype=torch.int64, device=rows.device))
+    if kept is not None or (isinstance(w13, torch.Tensor)
+                            and prefill_kernels.usable_for(xs, w13, w2, b13, b2, act)):  # every expert in two kernels
+        if prefill_kernels.device_tiles():  # built on the device: no host sync
+            tiles = prefill_kernels.device_tile_table(counts, n)
+        else:
+            c = counts.cpu().numpy()
+            used = np.nonzero(c)[0]
+            tiles = prefill_kernels.tile_table((np.cumsum(c) - c)[used], c[used], used)
+        ys = prefill_kernels.run_or_none(xs, tiles, *((w13, w2) if kept is None else kept.args),
+                                         fmt=None if kept is None else kept.fmt, b13=b13, b2=b2, act=act)
+        if ys is not None:
+            return ys
+        if kept is not None:
+            per = _PerExpert(kept)
+            w13, w2 = _Half(per, 0), _Half(per, 1)
+    parts = []  # one product per expert: the counts read on the host
+    start = 0
+    for r, c in enumerate(counts.tolist()):
+        if c:
+            parts.append(expert_ffn(xs[start:start + c], w13[r], w2[r], None if b13 is None else b13[r],
+                                    None if b2 is None else b2[r], act))
+            start += c
+    return torch.cat(parts)
 
 
 def one_token_on(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, rowmap: torch.Tensor,
@@ -475,6 +511,12 @@ class LayerExperts:
             return out if extra is None else out + extra()
         if self.needs_host and not (small and self.n_tier[RESIDENT]):  # host_part computes every pair
             out = torch.zeros_like(x)
+            return out if extra is None else out + extra()
+        if not self.needs_host and T > 1 and prefill_kernels.token_sums():  # the sorted pairs add into their tokens
+            kept = self.resident_kept()
+            w13, w2 = (None, None) if kept is not None else self.resident_stacks()
+            out = grouped_tokens(x, k, self.local_dev[flat_ids], flat_w, w13, w2, scale_input, self.b13[0],
+                                 self.b2[0], self.act, kept=kept)
             return out if extra is None else out + extra()
         if T == 1:  # one token: its k pairs read x as a view and sum with one reduction
             xt = x.expand(k, x.shape[1])

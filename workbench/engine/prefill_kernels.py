@@ -159,6 +159,14 @@ def device_tiles() -> bool:
     return os.environ.get("WORKBENCH_DEVICE_TILES", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def token_sums() -> bool:
+    """Whether a prompt layer with every expert on the GPU sums its sorted pairs straight into their
+    tokens (``experts.grouped_tokens``) and builds its tile table in one kernel; ``WORKBENCH_TOKEN_SUMS=0``:
+    the pairs copied out in pair order and the table built by PyTorch's operations, as before (for
+    side-by-side timing of the two)."""
+    return os.environ.get("WORKBENCH_TOKEN_SUMS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def tile_bound(n_pairs: int, n_rows: int) -> int:
     """The most tiles ``n_pairs`` pairs sorted by row can make over ``n_rows`` rows: each used row
     adds at most one partial tile to ``n_pairs / BLOCK_M`` full ones."""
@@ -170,7 +178,41 @@ def device_tile_table(counts: torch.Tensor, n_pairs: int) -> torch.Tensor:
     per row of the stacks, summing to ``n_pairs``; pairs sorted by row) -> ``[tile_bound(n_pairs, R),
     3]`` int32 ``(row, start, count)``, the real tiles first and the rest empty (count 0, which the
     kernels skip). A prompt layer with every expert on the GPU then queues its experts with no host
-    sync, so the host runs ahead of the GPU instead of waiting on it every layer."""
+    sync, so the host runs ahead of the GPU instead of waiting on it every layer. On CUDA (or under
+    the interpreter) one kernel launch (``_tile_table_kernel``) instead of ~20 small operations, each
+    of which costs the host more than the GPU; PyTorch's operations where the kernel did not build."""
+    if (counts.shape[0] <= TABLE_MAX_ROWS and not _table_failed and token_sums() and available()
+            and gpu_kernels.usable(counts)):
+        try:
+            return _tile_table_by_kernel(counts, n_pairs)
+        except Exception as exc:  # a Triton build or launch failure: PyTorch's operations from now on
+            if not gpu_kernels.failed_here(exc):
+                raise
+            log.warning("tile table kernel off, PyTorch builds the prompt's tile tables: %s", str(exc)[:300])
+            _table_failed.append(str(exc))
+    return _tile_table_by_torch(counts, n_pairs)
+
+
+TABLE_MAX_ROWS = 1024
+"""Rows of a layer's stacks up to which ``_tile_table_kernel`` builds the tile table (its programs hold
+every row's count in registers)."""
+
+_table_failed: list[str] = []
+
+
+def _tile_table_by_kernel(counts: torch.Tensor, n_pairs: int) -> torch.Tensor:
+    R = counts.shape[0]
+    n_tiles = tile_bound(n_pairs, R)
+    tiles = torch.empty((n_tiles, 3), dtype=torch.int32, device=counts.device)
+    if n_tiles:
+        r_p2 = triton.next_power_of_2(max(R, 16))
+        block_t = max(16, min(64, 8192 // r_p2))
+        _tile_table_kernel[(triton.cdiv(n_tiles, block_t),)](counts, tiles, R, n_tiles, BLOCK_M=BLOCK_M, R_P2=r_p2,
+                                                              BLOCK_T=block_t, num_warps=4)
+    return tiles
+
+
+def _tile_table_by_torch(counts: torch.Tensor, n_pairs: int) -> torch.Tensor:
     R = counts.shape[0]
     counts = counts.to(torch.int64)
     per = (counts + BLOCK_M - 1) // BLOCK_M  # [R] tiles per row
@@ -183,6 +225,32 @@ def device_tile_table(counts: torch.Tensor, n_pairs: int) -> torch.Tensor:
     start = (torch.cumsum(counts, 0) - counts)[run] + piece * BLOCK_M
     count = torch.where(real, torch.clamp(counts[run] - piece * BLOCK_M, max=BLOCK_M), 0)
     return torch.stack([run, torch.where(real, start, 0), count], dim=1).to(torch.int32)
+
+
+if triton is not None:
+    @triton.jit
+    def _tile_table_kernel(counts_ptr, tiles_ptr, R, n_tiles, BLOCK_M: tl.constexpr, R_P2: tl.constexpr,
+                           BLOCK_T: tl.constexpr):
+        """Tiles ``pid * BLOCK_T ..`` of ``device_tile_table`` from ``counts [R]`` (int64): each program
+        scans every row's count (``R <= R_P2``), and a tile belongs to the row whose run of tiles holds
+        it (rows without pairs hold none); tiles past the real ones get row ``R - 1``, start 0, count 0."""
+        r = tl.arange(0, R_P2)
+        c = tl.load(counts_ptr + r, mask=r < R, other=0).to(tl.int32)  # [R_P2]
+        per = (c + BLOCK_M - 1) // BLOCK_M
+        ends = tl.cumsum(per, 0)
+        first = ends - per  # each row's first tile
+        pair0 = tl.cumsum(c, 0) - c  # each row's first pair
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        mine = (t[:, None] >= first[None, :]) & (t[:, None] < ends[None, :])  # [BLOCK_T, R_P2]: one row at most
+        real = tl.sum(mine.to(tl.int32), 1) > 0
+        row = tl.where(real, tl.sum(tl.where(mine, r[None, :], 0), 1), R - 1)
+        piece = t - tl.sum(tl.where(mine, first[None, :], 0), 1)
+        start = tl.where(real, tl.sum(tl.where(mine, pair0[None, :], 0), 1) + piece * BLOCK_M, 0)
+        count = tl.where(real, tl.minimum(tl.sum(tl.where(mine, c[None, :], 0), 1) - piece * BLOCK_M, BLOCK_M), 0)
+        ok = t < n_tiles
+        tl.store(tiles_ptr + 3 * t, row, mask=ok)
+        tl.store(tiles_ptr + 3 * t + 1, start, mask=ok)
+        tl.store(tiles_ptr + 3 * t + 2, count, mask=ok)
 
 
 _FMT = gpu_kernels.FMT_CODES
