@@ -316,7 +316,7 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch, cpu_syn
     layer_s, scale, rate = 700e-6, 1.6, 0.8 * base.h2d_pinned
     lane = dict(prompt_host_layer_s=100e-6, prompt_host_cpu_s=50e-6, prompt_host_batch_s=20e-6,
                 prompt_host_copy_s=2e-6)
-    resident = {"bf16": 4e-3, "q8_0": 6e-3}  # longer than the tiny model's resident layers take on the GPU: they show
+    resident = {"bf16": 4e-3, "q8_0": 6e-3, "q4_k": 9e-3}  # longer than the tiny model's resident layers take: they show
     truth = replace(base, prompt_sync_s=layer_s, prompt_cpu_scale=scale, prompt_h2d=rate, prompt_cpu_sync_s=cpu_sync,
                     prompt_resident_layer_s=1e-3, prompt_resident_layer_by_format=resident, **lane)
     real, seen = calibrate_engine._prompt_seconds, []
@@ -342,13 +342,15 @@ def test_the_prompt_fit_makes_the_model_predict_its_prompts(monkeypatch, cpu_syn
 
     monkeypatch.setattr(calibrate_engine, "_prompt_seconds", as_modelled)
     fitted, info = calibrate_engine.fit_prompt_costs(base, 512, 256, 2, n_heads=8, n_kv_heads=2, head_dim=64,
-                                                     device="cpu", experts=8)  # experts big enough for the bus
-    assert seen == [(128,), (128, 32), (128,)] * 2 and len(info["runs"]) == 8
+                                                     device="cpu", experts=8,  # experts big enough for the bus
+                                                     resident_formats=("q4_k", "q8_0", "f16"))
+    # Q4_K's prompt all on the GPU alone; Q8_0's runs as before; F16 is no block format synth writes
+    assert seen == [(128,), (128, 32), (128,)] * 2 + [(128,)] and len(info["runs"]) == 9
     assert [r["name"] for r in info["runs"]][3:] == ["an eighth on the CPU, Q8_0", "all on the CPU, Q8_0",
                                                      "all on the CPU, short, Q8_0", "all on the GPU",
-                                                     "all on the GPU, Q8_0"]
+                                                     "all on the GPU, Q8_0", "all on the GPU, Q4_K"]
     assert fitted.prompt_resident_layer_by_format == pytest.approx(resident, rel=0.02)
-    assert resident["bf16"] < fitted.prompt_resident_layer_s < resident["q8_0"]  # both at once: for other formats
+    assert resident["bf16"] < fitted.prompt_resident_layer_s < resident["q4_k"]  # all at once: for other formats
     assert info["prompt_resident_layer_by_format"] == fitted.prompt_resident_layer_by_format
     for name, value in lane.items():
         assert getattr(fitted, name) == pytest.approx(value, rel=1e-6), name

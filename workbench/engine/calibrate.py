@@ -891,12 +891,15 @@ def calibrate(
             provenance=provenance | dict.fromkeys(_GPU_SIDE, "absent") | {"sync_s": "default"},
         )
     if measured and fit_engine:
-        from .calibrate_engine import depth_runs, fit_engine_costs, resident_runs
+        from .calibrate_engine import PROMPT_FORMATS, depth_runs, fit_engine_costs, resident_runs
 
         run.check()
+        resident_formats: tuple[str, ...] = ()
         try:
             bf16_rate = prof.cpu_expert_throughput.get("bf16")
             prof, fit = fit_engine_costs(prof, hidden, expert_ffn, top_k, kept=kept_fits)
+            # kept formats the prompt fit does not write: their resident prompt layer timed alone
+            resident_formats = tuple(f for f in fit.get("kept", {}) if f not in PROMPT_FORMATS)
             deep = fit.get("deep")
             host = (f"{fit['resident_queued_s'] * 1e3:.2f} ms a step queued" if deep is None else
                     depth_runs(deep["resident_s"], deep["depths"]) + " all resident")
@@ -927,7 +930,7 @@ def calibrate(
                     "cpu_expert_throughput": f"measured; {', '.join(cpu_fits)} fitted to the engine's decode"})
         except (WorkbenchError, RuntimeError, OSError) as e:
             run.report(f"engine decode not timed ({e}); launch and sync stay as measured")
-        prof = refit_prompt(prof, hidden, expert_ffn, top_k, run.report)
+        prof = refit_prompt(prof, hidden, expert_ffn, top_k, run.report, resident_formats=resident_formats)
     run.done_weight = 1.0
     run.report(f"done in {time.perf_counter() - run.t0:.1f} s")
     return prof
@@ -937,7 +940,8 @@ _GPU_SIDE = ("gpus", "h2d_pinned", "h2d_pageable", "d2h_pinned", "sync_s", "bus_
 
 
 def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int = 8,
-                 report: Callable[[str], None] | None = None, device: str = "cuda") -> HardwareProfile:
+                 report: Callable[[str], None] | None = None, device: str = "cuda",
+                 resident_formats: tuple[str, ...] = ()) -> HardwareProfile:
     """``prof`` with the prompt's host lane (``prompt_host_*``), ``prompt_sync_s``, ``prompt_cpu_scale``,
     ``prompt_h2d`` and ``prompt_resident_layer_s`` (and per format) fitted to the engine's prompts at this expert shape
     (``calibrate_engine.fit_prompt_costs``, ~60 s on CUDA); ``prof`` as it
@@ -946,7 +950,8 @@ def refit_prompt(prof: HardwareProfile, hidden: int, expert_ffn: int, top_k: int
 
     say = report or (lambda message: log.info("%s", message))
     try:
-        fitted, fit = fit_prompt_costs(prof, hidden, expert_ffn, top_k, device=device)
+        fitted, fit = fit_prompt_costs(prof, hidden, expert_ffn, top_k, device=device,
+                                       resident_formats=resident_formats)
     except (WorkbenchError, RuntimeError, OSError) as e:
         say(f"engine prompts not timed ({e}); the prompt's host time per hybrid layer stays "
             f"{prof.prompt_sync_s * 1e6:.0f} us (+{prof.prompt_cpu_sync_s * 1e6:.0f} us with a CPU share)")

@@ -677,7 +677,8 @@ def cpu_lead(layers: list[HostLayer]) -> float | None:
 
 def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n_heads: int = 32,
                      n_kv_heads: int = 4, head_dim: int = 128, device: str = "cuda",
-                     experts: int | None = None) -> tuple[HardwareProfile, dict]:
+                     experts: int | None = None, resident_formats: tuple[str, ...] = ()
+                     ) -> tuple[HardwareProfile, dict]:
     """``prof`` with the prompt's host lane (``HOST_LANE``), ``prompt_sync_s``, ``prompt_cpu_scale`` and
     ``prompt_h2d`` fitted to the engine's prompts, of a ``LAYERS``-layer model of ``experts``
     (default ``PROMPT_EXPERTS``, fewer where memory is short) experts at the given shape, written
@@ -699,7 +700,9 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     fit on one H100 host traded that time for a CPU 1.43 times slower, and S1's hybrid prompts,
     whose CPU shares are shorter, came out 30-50% fast). Last, ``prompt_resident_layer_s``:
     the least time of a resident layer at which the all-resident prompts are predicted best (they
-    alone have resident layers). Returns the profile and ``{"runs": [{"name", "tokens",
+    alone have resident layers), per format: also for each of ``resident_formats`` (e.g. Q4_K, whose
+    grouped kernels decode its blocks in the tiles: S1 Q4_K's prompts all on the GPU ran 27% slower than
+    the floor of the other formats predicted; BENCHMARKS.md, seventeenth stop), from that prompt alone. Returns the profile and ``{"runs": [{"name", "tokens",
     "measured_s", "predicted_s"}], "prompt_sync_s", "prompt_cpu_scale", "prompt_h2d", "cpu_lead_s",
     "prompt_cpu_sync_s", "prompt_resident_layer_s", "host_lane": {name: s}, "host_layers": n}``
     (seconds per prompt, the predictions at the fitted values)."""
@@ -734,6 +737,23 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
                  (f"all on the CPU{tag}", inv, every, PROMPT_TOKENS, every_s),
                  (f"all on the CPU, short{tag}", inv, every, SHORT_PROMPT_TOKENS, short_s)]
         resident += [(f"all on the GPU{tag}", inv, res, PROMPT_TOKENS, res_s, fmt)] if res_s is not None else []
+    for fmt in resident_formats:  # the all-resident prompt alone, where the format's blocks divide the shape
+        block = 256 if fmt.endswith("_k") else 32
+        if fmt in formats or fmt not in synth.WEIGHT_TYPES or hidden % block or ffn % block:
+            continue
+        with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
+            path = Path(tmp) / f"calibration-prompt-{fmt}.gguf"
+            synth.write_gguf(path, shape, coverage_target=None, wtype=fmt)
+            inv = open_model(path)
+            res = placement_all_gpu(inv)
+            try:
+                (res_s,) = _prompt_seconds(inv, res, device, model_prompt_pair_reads(inv, prof), (PROMPT_TOKENS,),
+                                           bus_share=bus.fraction_for(inv, prof))
+            except torch.cuda.OutOfMemoryError:
+                log.warning("the calibration's %s prompt all on the GPU did not fit; it takes the other formats' "
+                            "resident prompt layer", fmt)
+                continue
+        resident.append((f"all on the GPU, {fmt.upper()}", inv, res, PROMPT_TOKENS, res_s, fmt))
     lane = fit_host_lane(clock.layers)
     prof = replace(prof, prompt_cpu_sync_s=0.0, **lane)
     measured = np.array([r[4] for r in runs])
