@@ -136,7 +136,10 @@ def test_a_candidate_that_does_not_build_is_dropped_and_other_errors_go_up():
     assert len(Kernel.configs) == 2 and "other" not in kernel_check._checked
 
 
-def test_a_wrong_candidate_of_the_grouped_prompt_kernel_is_dropped(monkeypatch):
+@pytest.mark.parametrize("placed", [False, True])
+def test_a_wrong_candidate_of_the_grouped_prompt_kernel_is_dropped(monkeypatch, placed):
+    """Also with each output weighted and stored at its pair's place (``dest``, ``scale``): the probe
+    then stores its rows in reverse and weights them, and the right candidate agrees with it."""
     import numpy as np
 
     from workbench.engine import prefill_kernels
@@ -153,8 +156,14 @@ def test_a_wrong_candidate_of_the_grouped_prompt_kernel_is_dropped(monkeypatch):
     xs = torch.randn(len(rows), H, generator=g).to(DEV)
     used = np.nonzero(counts)[0]
     tiles = prefill_kernels.tile_table((np.cumsum(counts) - counts)[used], counts[used], used)
-    got = prefill_kernels.swiglu_grouped(xs, tiles, w13, w2)
     ref = torch.cat([expert_ffn(xs[rows == r], w13[r], w2[r]) for r in used])
+    if placed:
+        dest = torch.randperm(len(rows), generator=g).to(DEV)
+        scale = torch.rand(len(rows), generator=g).to(DEV)
+        got = prefill_kernels.swiglu_grouped(xs, tiles, w13, w2, dest=dest, scale=scale)
+        ref = torch.empty_like(ref).index_copy_(0, dest, ref * scale[:, None])
+    else:
+        got = prefill_kernels.swiglu_grouped(xs, tiles, w13, w2)
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
     assert [c.kwargs.get("GOOD") for c in picky.configs] == [0]
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.engine.engine_helpers import TEST_DEVICE
-from workbench.engine import prefill_kernels
-from workbench.engine.experts import expert_ffn, grouped, grouped_tokens
+from workbench.engine import kernel_check, prefill_kernels
+from workbench.engine.experts import GATHER_MAX_ROWS, expert_ffn, grouped, grouped_tokens
 
 pytestmark = pytest.mark.skipif(not prefill_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
 
@@ -104,12 +104,18 @@ def _grouped_case(seed: int, E: int, T: int, k: int, bias: bool):
 
 @pytest.mark.parametrize("scale_input,bias,T", [(False, False, 60), (True, False, 60), (False, True, 60),
                                                 (True, True, 60), (False, False, 3)])
-def test_grouped_tokens_sum_what_grouped_gives_each_pair(scale_input, bias, T):
+def test_grouped_tokens_sum_what_grouped_gives_each_pair(scale_input, bias, T, monkeypatch):
     """Each token's sum over its pairs, taken straight from the sorted pairs (many pairs), or from
     ``grouped`` over copies of the tokens (a few): what ``grouped`` gives each pair, summed."""
     k = 4
     x, rows, scale, w13, w2, b13, b2 = _grouped_case(6, 10, T, k, bias)
+    launches = []
+    real = prefill_kernels.swiglu_grouped
+    monkeypatch.setattr(prefill_kernels, "swiglu_grouped", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
     got = grouped_tokens(x, k, rows, scale, w13, w2, scale_input, b13, b2)
+    # many pairs: the kernels weight each output (unless the input was scaled) and put it in its pair's place
+    assert [(kw["dest"] is not None, kw["scale"] is not None) for kw in launches] == (
+        [(True, not scale_input)] if T * k > GATHER_MAX_ROWS else [])
     token = torch.arange(T, device=x.device).repeat_interleave(k)
     ref = torch.zeros_like(x).index_add_(0, token, grouped(x[token], rows, scale, w13, w2, scale_input, b13, b2))
     assert got.shape == (T, x.shape[1])
@@ -132,6 +138,29 @@ def test_a_prompts_tokens_on_resident_experts_are_summed_without_a_host_sync():
     ref = torch.zeros_like(x).index_add_(0, token, grouped(x[token], rows, scale, w13, w2, False))
     assert not prefill_kernels._table_failed
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+def test_a_placing_form_that_fails_leaves_the_sums_to_index_add_and_the_kernels_on(monkeypatch):
+    """The down kernel's weighted, placed store fails here (build, launch or check): the grouped
+    kernels go on in sorted order for the rest of the process and the sums stay right."""
+    monkeypatch.setattr(prefill_kernels, "_placing_failed", [])
+    real = prefill_kernels.swiglu_grouped
+    placed_calls = []
+
+    def no_placing(*a, dest=None, scale=None, **kw):
+        if dest is not None:
+            placed_calls.append(1)
+            raise kernel_check.CandidatesWrong("no candidate placed the rows right here")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(prefill_kernels, "swiglu_grouped", no_placing)
+    x, rows, scale, w13, w2, _, _ = _grouped_case(8, 10, 60, 4, False)
+    token = torch.arange(60, device=x.device).repeat_interleave(4)
+    ref = torch.zeros_like(x).index_add_(0, token, grouped(x[token], rows, scale, w13, w2, False))
+    for _ in range(2):
+        got = grouped_tokens(x, 4, rows, scale, w13, w2, False)
+        assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    assert placed_calls == [1] and prefill_kernels._placing_failed and prefill_kernels.available()
 
 
 def test_a_tile_table_kernel_that_fails_leaves_the_table_to_pytorch(monkeypatch):

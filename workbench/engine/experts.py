@@ -136,7 +136,7 @@ def grouped(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, w13: torch
     xs = x[order]
     if scale_input:
         xs = xs * scale[order]
-    ys = _sorted_products(xs, rows, order, w13, w2, b13, b2, act, kept)
+    ys = _sorted_products(xs, rows, order, w13, w2, b13, b2, act, kept).out
     out = torch.empty_like(x)
     out[order] = ys if scale_input else ys * scale[order]
     return out
@@ -148,8 +148,10 @@ def grouped_tokens(x: torch.Tensor, k: int, rows: torch.Tensor, scale: torch.Ten
                    ) -> torch.Tensor:
     """Each token's weighted sum over its ``k`` experts: ``x [T, H]``, ``rows``/``scale [T * k]`` (token
     ``t``'s pairs at ``t * k ..``) -> ``[T, H]``; what ``grouped`` over each pair's copy of its token
-    row, summed per token, gives. Many pairs: the sorted pairs gather their tokens' rows and add their
-    outputs back to them directly, with no ``[T * k, H]`` copy in pair order on either side."""
+    row, summed per token, gives. Many pairs: the sorted pairs gather their tokens' rows once; the
+    down kernel weights each output and stores it at its pair's place, and each token's ``k`` rows
+    are summed in one reduction (no atomics); where that store is off, the sorted outputs are weighted
+    and added into their tokens (``index_add_``). No ``[T * k, H]`` copy of the tokens in pair order."""
     T, n = x.shape[0], rows.shape[0]
     w13, w2, kept_k = _kernel_or_stacks(x, n, GATHER_MAX_ROWS, w13, w2, b13, act, kept)
     if n <= GATHER_MAX_ROWS or kept_k is None and not isinstance(w13, torch.Tensor):
@@ -160,18 +162,31 @@ def grouped_tokens(x: torch.Tensor, k: int, rows: torch.Tensor, scale: torch.Ten
     order = torch.argsort(rows, stable=True)
     token = torch.div(order, k, rounding_mode="floor")  # each sorted pair's token
     xs = x[token]
-    scale = scale.to(x.dtype)[order][:, None]
+    scale = scale.to(x.dtype)[order]
     if scale_input:
-        xs = xs * scale
-    ys = _sorted_products(xs, rows, order, w13, w2, b13, b2, act, kept_k)
-    return torch.zeros_like(x).index_add_(0, token, ys if scale_input else ys * scale)
+        xs = xs * scale[:, None]
+    ys = _sorted_products(xs, rows, order, w13, w2, b13, b2, act, kept_k, place=True,
+                          weights=None if scale_input else scale)
+    if ys.placed:  # back in pair order (and weighted) by the kernels: each token's k rows summed, no atomics
+        return ys.out.view(T, k, -1).sum(1)
+    out = ys.out if scale_input else ys.out * scale[:, None]
+    return torch.zeros_like(x).index_add_(0, token, out)
+
+
+class _Products(NamedTuple):
+    out: torch.Tensor
+    """``[n, H]``: unweighted in the sorted pairs' order, or (``placed``) weighted in the pairs' own order."""
+    placed: bool
 
 
 def _sorted_products(xs: torch.Tensor, rows: torch.Tensor, order: torch.Tensor, w13, w2, b13, b2, act,
-                     kept: KeptStacks | None) -> torch.Tensor:
-    """Unweighted expert outputs ``[n, H]`` of the pairs sorted by row (``xs [n, H]``, ``order [n]``
-    from ``argsort(rows)``): the grouped kernels over a tile table where they run, else one product
-    per expert (its pairs counted on the host)."""
+                     kept: KeptStacks | None, place: bool = False, weights: torch.Tensor | None = None
+                     ) -> _Products:
+    """Expert outputs ``[n, H]`` of the pairs sorted by row (``xs [n, H]``, ``order [n]`` from
+    ``argsort(rows)``): the grouped kernels over a tile table where they run, else one product per
+    expert (its pairs counted on the host), unweighted in sorted order. With ``place`` the kernels
+    store each output at its pair's own place (``order``) instead, times its weight (``weights``, the
+    sorted pairs' ``[n]``, if given), where they take a device tile table (``placed``)."""
     n = xs.shape[0]
     n_rows = (w13 if kept is None else kept.args[0]).shape[0]
     # pairs per row, counted in place (bincount on CUDA reads the largest row back first)
@@ -179,16 +194,22 @@ def _sorted_products(xs: torch.Tensor, rows: torch.Tensor, order: torch.Tensor, 
         0, rows, torch.ones(rows.shape, dtype=torch.int64, device=rows.device))
     if kept is not None or (isinstance(w13, torch.Tensor)
                             and prefill_kernels.usable_for(xs, w13, w2, b13, b2, act)):  # every expert in two kernels
-        if prefill_kernels.device_tiles():  # built on the device: no host sync
+        device = prefill_kernels.device_tiles()
+        if device:  # built on the device: no host sync
             tiles = prefill_kernels.device_tile_table(counts, n)
         else:
             c = counts.cpu().numpy()
             used = np.nonzero(c)[0]
             tiles = prefill_kernels.tile_table((np.cumsum(c) - c)[used], c[used], used)
-        ys = prefill_kernels.run_or_none(xs, tiles, *((w13, w2) if kept is None else kept.args),
-                                         fmt=None if kept is None else kept.fmt, b13=b13, b2=b2, act=act)
+        stacks = (w13, w2) if kept is None else kept.args
+        kw = dict(fmt=None if kept is None else kept.fmt, b13=b13, b2=b2, act=act)
+        if place and device:  # each output weighted and stored at its pair's place by the down kernel
+            ys = prefill_kernels.placed_or_none(xs, tiles, order, weights, *stacks, **kw)
+            if ys is not None:
+                return _Products(ys, True)
+        ys = prefill_kernels.run_or_none(xs, tiles, *stacks, **kw)
         if ys is not None:
-            return ys
+            return _Products(ys, False)
         if kept is not None:
             per = _PerExpert(kept)
             w13, w2 = _Half(per, 0), _Half(per, 1)
@@ -199,7 +220,7 @@ def _sorted_products(xs: torch.Tensor, rows: torch.Tensor, order: torch.Tensor, 
             parts.append(expert_ffn(xs[start:start + c], w13[r], w2[r], None if b13 is None else b13[r],
                                     None if b2 is None else b2[r], act))
             start += c
-    return torch.cat(parts)
+    return _Products(torch.cat(parts), False)
 
 
 def one_token_on(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, rowmap: torch.Tensor,

@@ -47,9 +47,10 @@ if triton is not None:
     @triton.autotune(configs=_configs(), key=["N", "K", "SWIGLU", "FMT", "BIAS", "ACT"])
     @triton.jit
     def _grouped_kernel(x_ptr, w_ptr, d_ptr, tiles_ptr, out_ptr, b_ptr, N, K, stride_e, stride_n, stride_x,
-                        alpha, limit, SWIGLU: tl.constexpr, F32_DOT: tl.constexpr, FMT: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BIAS: tl.constexpr = False, ACT: tl.constexpr = 0):
+                        alpha, limit, dest_ptr, scale_ptr, SWIGLU: tl.constexpr, F32_DOT: tl.constexpr,
+                        FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BIAS: tl.constexpr = False, ACT: tl.constexpr = 0, SCATTER: tl.constexpr = False,
+                        SCALE: tl.constexpr = False):
         """Tile ``t`` (``tiles[t] = (row, start, count)``), outputs ``n`` of block ``pid(1)``:
         ``out[start + m, n] = x[start + m] . w[row, n]`` for ``m < count``, or with ``SWIGLU``
         ``silu(x . w[row, n]) * (x . w[row, N + n])`` (gate rows first, then up). ``FMT`` 0: float
@@ -57,7 +58,10 @@ if triton is not None:
         (``stride_n`` bytes a row), decoded in the tile a block at a time (``_block_tile``) and
         rounded to ``x``'s dtype as a dequantized stack would be. gpt-oss: ``BIAS`` adds ``b[row]``
         (``[2N]`` gate then up with ``SWIGLU``, else ``[N]``) to the products, and ``ACT`` 1 takes its
-        clamped SwiGLU ``(clamp(u, -limit, limit) + 1) * g * sigmoid(alpha g)``, ``g <= limit``."""
+        clamped SwiGLU ``(clamp(u, -limit, limit) + 1) * g * sigmoid(alpha g)``, ``g <= limit``.
+        Without ``SWIGLU``: ``SCALE`` multiplies each row, rounded to the output's dtype, by
+        ``scale[start + m]`` (rounded again, as a separate multiply would), and ``SCATTER`` stores it
+        at row ``dest[start + m]`` of ``out`` instead of ``start + m``."""
         t = tl.program_id(0)
         row = tl.load(tiles_ptr + 3 * t).to(tl.int64)
         start = tl.load(tiles_ptr + 3 * t + 1).to(tl.int64)
@@ -114,7 +118,13 @@ if triton is not None:
                 else:
                     act = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
                     acc = act * u
-            out = out_ptr + (start + offs_m)[:, None] * N + offs_n[None, :]
+            at_m = start + offs_m
+            if SCALE:  # the pair's routing weight on its rounded output
+                sc = tl.load(scale_ptr + at_m, mask=m_ok, other=0.0).to(tl.float32)
+                acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * sc[:, None]
+            if SCATTER:  # each pair's row where its token's pairs lie
+                at_m = tl.load(dest_ptr + at_m, mask=m_ok, other=0).to(tl.int64)
+            out = out_ptr + at_m[:, None] * N + offs_n[None, :]
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -269,7 +279,8 @@ def takes_blocks(x: torch.Tensor, fmt: tuple[str, str], act: tuple, bias: bool) 
 def swiglu_grouped(xs: torch.Tensor, tiles: np.ndarray | torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    d13: torch.Tensor | None = None, d2: torch.Tensor | None = None,
                    fmt: tuple[str, str] | None = None, b13: torch.Tensor | None = None,
-                   b2: torch.Tensor | None = None, act: tuple = ("silu",)) -> torch.Tensor:
+                   b2: torch.Tensor | None = None, act: tuple = ("silu",), dest: torch.Tensor | None = None,
+                   scale: torch.Tensor | None = None) -> torch.Tensor:
     """``xs [n, H]`` (pairs sorted so that each tile's pairs are consecutive), ``tiles`` from
     ``tile_table`` (or that table as an int32 tensor on ``xs``'s device), ``w13 [R, 2I, H]`` (gate rows first), ``w2 [R, H, I]`` -> ``[n, H]`` in ``xs``'s
     dtype: each pair's SwiGLU expert output (unweighted). Queued without a host sync.
@@ -279,6 +290,11 @@ def swiglu_grouped(xs: torch.Tensor, tiles: np.ndarray | torch.Tensor, w13: torc
     bytes ``[R, 2I, H/256*bytes]``/``[R, H, I/256*bytes]`` uint8. They are decoded in the tiles, so no
     dequantized stack is ever made. gpt-oss: biases ``b13 [R, 2I]``, ``b2 [R, H]`` and its
     ``act=("clamped_swiglu", alpha, limit)``.
+
+    ``scale [n]`` (``xs``'s dtype): each pair's output times its weight, rounded as ``ys * scale``
+    rounds; ``dest [n]`` (int64, a permutation of ``0..n-1``): sorted pair ``j``'s row of the result is
+    row ``dest[j]`` (the pairs back in their tokens' order, so that ``[T * k, H]`` sums over ``k``
+    without atomics).
 
     Raises what Triton raises when a kernel fails to build or launch (``gpu_kernels.failed_here``).
     """
@@ -290,7 +306,7 @@ def swiglu_grouped(xs: torch.Tensor, tiles: np.ndarray | torch.Tensor, w13: torc
         tiles_t = torch.from_numpy(np.ascontiguousarray(tiles))
         tiles_t = tiles_t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else tiles_t
     h, out = buffers(xs, w2, fmt)
-    grouped_into(xs, tiles_t, w13, w2, h, out, d13, d2, fmt, b13, b2, act)
+    grouped_into(xs, tiles_t, w13, w2, h, out, d13, d2, fmt, b13, b2, act, dest, scale)
     return out
 
 
@@ -305,9 +321,11 @@ def buffers(xs: torch.Tensor, w2: torch.Tensor, fmt: tuple[str, str] | None = No
 def grouped_into(xs: torch.Tensor, tiles_t: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
                  out: torch.Tensor, d13: torch.Tensor | None = None, d2: torch.Tensor | None = None,
                  fmt: tuple[str, str] | None = None, b13: torch.Tensor | None = None,
-                 b2: torch.Tensor | None = None, act: tuple = ("silu",)) -> None:
+                 b2: torch.Tensor | None = None, act: tuple = ("silu",), dest: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None) -> None:
     """``swiglu_grouped`` for the tiles ``tiles_t [t, 3]`` int32 already on the device (a slice of a
-    larger table: the pairs of other tiles are left as they are), into ``h``/``out`` from ``buffers``.
+    larger table: the pairs of other tiles are left as they are), into ``h``/``out`` from ``buffers``
+    (``dest``/``scale``: as there).
     Queued without a host sync, after the first call per shape (which checks the kernel's autotuning
     candidates against PyTorch: ``kernel_check``)."""
     H = xs.shape[1]
@@ -319,15 +337,17 @@ def grouped_into(xs: torch.Tensor, tiles_t: torch.Tensor, w13: torch.Tensor, w2:
     bias, code = b13 is not None, ACTS[act[0]]
     alpha, limit = (float(act[1]), float(act[2])) if code else (1.0, 0.0)
 
-    def launch(xs=xs, tiles_t=tiles_t, h=h, out=out):
+    def launch(xs=xs, tiles_t=tiles_t, h=h, out=out, dest=dest, scale=scale):
         nt = tiles_t.shape[0]
         _grouped_kernel[lambda meta: (nt, triton.cdiv(i, meta["BLOCK_N"]))](
             xs, w13, d13 if d13 is not None else w13, tiles_t, h, b13 if bias else h, i, H, w13.stride(0),
-            w13.stride(1), xs.stride(0), alpha, limit, SWIGLU=True, F32_DOT=f32, FMT=f13, BLOCK_M=BLOCK_M, BIAS=bias,
-            ACT=code)
+            w13.stride(1), xs.stride(0), alpha, limit, tiles_t, h, SWIGLU=True, F32_DOT=f32, FMT=f13, BLOCK_M=BLOCK_M,
+            BIAS=bias, ACT=code)
         _grouped_kernel[lambda meta: (nt, triton.cdiv(H, meta["BLOCK_N"]))](
             h, w2, d2 if d2 is not None else w2, tiles_t, out, b2 if bias else h, H, i, w2.stride(0), w2.stride(1),
-            h.stride(0), alpha, limit, SWIGLU=False, F32_DOT=f32, FMT=f2, BLOCK_M=BLOCK_M, BIAS=bias)
+            h.stride(0), alpha, limit, dest if dest is not None else tiles_t, scale if scale is not None else h,
+            SWIGLU=False, F32_DOT=f32, FMT=f2, BLOCK_M=BLOCK_M, BIAS=bias, SCATTER=dest is not None,
+            SCALE=scale is not None)
         return out
 
     def probe():  # one tile of random tokens on this call's first expert against PyTorch (kernel_check)
@@ -337,10 +357,37 @@ def grouped_into(xs: torch.Tensor, tiles_t: torch.Tensor, w13: torch.Tensor, w2:
         tc = torch.tensor([[row, 0, BLOCK_M]], dtype=torch.int32, device=xs.device)
         hc, oc = torch.empty((BLOCK_M, i), dtype=xs.dtype, device=xs.device), torch.empty_like(xc)
         ref = gpu_kernels.expert_f32(xc, row, fmt or (None, None), w13, w2, d13, d2, b13, b2, act)
-        return (lambda: launch(xc, tc, hc, oc)), ref
+        dc = sc = None
+        if dest is not None:  # the rows stored in reverse: the scatter's addresses checked too
+            dc = torch.arange(BLOCK_M - 1, -1, -1, device=xs.device)
+            ref = ref.flip(0)
+        if scale is not None:  # the weights of the rows as stored
+            sc = (torch.rand(BLOCK_M, generator=g, device=xs.device) + 0.5).to(scale.dtype)
+            ref = ref * (sc if dc is None else sc[dc]).float()[:, None]
+        return (lambda: launch(xc, tc, hc, oc, dc, sc)), ref
 
-    key = ("grouped", i, H, f13, f2, xs.dtype, w13.dtype, bias, act)
+    key = ("grouped", i, H, f13, f2, xs.dtype, w13.dtype, bias, act, dest is not None, scale is not None)
     gpu_kernels.run_checked([_grouped_kernel], launch, key, probe)
+
+
+_placing_failed: list[str] = []
+
+
+def placed_or_none(xs: torch.Tensor, tiles: torch.Tensor, dest: torch.Tensor, scale: torch.Tensor | None, *stacks,
+                   **kw) -> torch.Tensor | None:
+    """``swiglu_grouped`` with ``dest`` (and ``scale``): each pair's output at its own place; None if that
+    form failed to build, launch or check here (then never tried again in this process; the grouped
+    kernels without it stay on)."""
+    if _placing_failed:
+        return None
+    try:
+        return swiglu_grouped(xs, tiles, *stacks, dest=dest, scale=scale, **kw)
+    except Exception as exc:  # a Triton build, launch or check failure of this form only
+        if not gpu_kernels.failed_here(exc):
+            raise
+        log.warning("grouped prompt kernels store in sorted order from now on: %s", str(exc)[:300])
+        _placing_failed.append(f"{type(exc).__name__}: {exc}")
+        return None
 
 
 def run_or_none(xs: torch.Tensor, tiles: np.ndarray, *stacks, **kw) -> torch.Tensor | None:
