@@ -47,7 +47,7 @@ def test_the_tile_table_kernel_builds_what_pytorchs_operations_build(rows, pairs
     by_kernel = prefill_kernels._tile_table_by_kernel(counts, pairs)
     assert by_kernel.tolist() == prefill_kernels._tile_table_by_torch(counts, pairs).tolist()
     assert prefill_kernels.device_tile_table(counts, pairs).tolist() == by_kernel.tolist()
-    assert not prefill_kernels._table_failed
+    assert "table" not in prefill_kernels._off
 
 
 def test_the_grouped_kernels_skip_the_device_tables_empty_tiles():
@@ -136,14 +136,14 @@ def test_a_prompts_tokens_on_resident_experts_are_summed_without_a_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     token = torch.arange(100, device=x.device).repeat_interleave(4)
     ref = torch.zeros_like(x).index_add_(0, token, grouped(x[token], rows, scale, w13, w2, False))
-    assert not prefill_kernels._table_failed
+    assert "table" not in prefill_kernels._off
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
 
 
 def test_a_placing_form_that_fails_leaves_the_sums_to_index_add_and_the_kernels_on(monkeypatch):
     """The down kernel's weighted, placed store fails here (build, launch or check): the grouped
     kernels go on in sorted order for the rest of the process and the sums stay right."""
-    monkeypatch.setattr(prefill_kernels, "_placing_failed", [])
+    monkeypatch.setattr(prefill_kernels, "_off", {})
     real = prefill_kernels.swiglu_grouped
     placed_calls = []
 
@@ -160,13 +160,13 @@ def test_a_placing_form_that_fails_leaves_the_sums_to_index_add_and_the_kernels_
     for _ in range(2):
         got = grouped_tokens(x, 4, rows, scale, w13, w2, False)
         assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
-    assert placed_calls == [1] and prefill_kernels._placing_failed and prefill_kernels.available()
+    assert placed_calls == [1] and "placed" in prefill_kernels._off and prefill_kernels.available()
 
 
 def test_a_tile_table_kernel_that_fails_leaves_the_table_to_pytorch(monkeypatch):
     """A build failure of the table's kernel: PyTorch's operations build the same table from then on,
     and the grouped kernels still run."""
-    monkeypatch.setattr(prefill_kernels, "_table_failed", [])
+    monkeypatch.setattr(prefill_kernels, "_off", {})
 
     def broken(*a, **k):
         raise prefill_kernels.triton.CompilationError("x.py", None, "no such instruction")
@@ -174,7 +174,7 @@ def test_a_tile_table_kernel_that_fails_leaves_the_table_to_pytorch(monkeypatch)
     monkeypatch.setattr(prefill_kernels._tile_table_kernel, "run", broken)
     counts = torch.tensor([3, 0, 70, 1], device=TEST_DEVICE)
     got = prefill_kernels.device_tile_table(counts, 74)
-    assert prefill_kernels._table_failed and prefill_kernels.available()
+    assert "table" in prefill_kernels._off and prefill_kernels.available()
     assert got.tolist() == prefill_kernels._tile_table_by_torch(counts, 74).tolist()
 
 

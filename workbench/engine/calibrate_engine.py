@@ -495,8 +495,7 @@ def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str =
     cpu_rates = dict(prof.cpu_expert_throughput)
     syncs = dict(prof.sync_by_format)
     for fmt in [f for f in rates if formats is None or f in formats]:
-        block = 256 if fmt.endswith("_k") else 32
-        if fmt not in synth.WEIGHT_TYPES or shape.hidden % block or shape.expert_ffn % block:
+        if not _blocks_divide(fmt, shape.hidden, shape.expert_ffn):
             continue
 
         def seconds(u: float, inv, fmt=fmt) -> float:
@@ -535,6 +534,13 @@ def fit_kept_rates(prof: HardwareProfile, shape: synth.SynthShape, device: str =
                     syncs[fmt] = info[fmt]["sync_s"]
     gpus = (replace(g0, expert_throughput=rates),) + tuple(prof.gpus[1:])
     return replace(prof, gpus=gpus, cpu_expert_throughput=cpu_rates, sync_by_format=syncs), info
+
+
+def _blocks_divide(fmt: str, hidden: int, ffn: int) -> bool:
+    """Whether ``synth`` writes experts of ``fmt`` at this shape: a format it writes whose block (256
+    values for the k-quants, else 32) divides both the hidden and the expert's FFN width."""
+    block = 256 if fmt.endswith("_k") else 32
+    return fmt in synth.WEIGHT_TYPES and hidden % block == 0 and ffn % block == 0
 
 
 def depth_runs(times: list[float], depths) -> str:
@@ -714,46 +720,33 @@ def fit_prompt_costs(prof: HardwareProfile, hidden: int, ffn: int, top_k: int, n
     shape = synth.SynthShape("calibration", "qwen3moe", LAYERS, hidden, n_heads, n_kv_heads, head_dim,
                              n, min(top_k, n), ffn, VOCAB, qk_norm=True)
     clock, runs, resident = HostClock(), [], []
-    formats = [f for f in PROMPT_FORMATS if f == "bf16" or (hidden % 32 == 0 and ffn % 32 == 0)]
+    formats = [f for f in PROMPT_FORMATS if f == "bf16" or _blocks_divide(f, hidden, ffn)]
+    # then the all-resident prompt alone of each other format asked for whose blocks divide the shape
+    formats += [f for f in dict.fromkeys(resident_formats) if f not in formats and _blocks_divide(f, hidden, ffn)]
     for fmt in formats:
+        tag = "" if fmt == "bf16" else f", {fmt.upper()}"
         with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
             path = Path(tmp) / f"calibration-prompt-{fmt}.gguf"
             synth.write_gguf(path, shape, coverage_target=None, wtype=fmt)
             inv = open_model(path)
             pair_reads = model_prompt_pair_reads(inv, prof)
             share = bus.fraction_for(inv, prof)  # the bench's and the app's engines decode with it
-            few, every, res = _upper_on_cpu(inv, 0.125), placement_cpu_moe(inv), placement_all_gpu(inv)
-            (few_s,) = _prompt_seconds(inv, few, device, pair_reads, (PROMPT_TOKENS,), clock, bus_share=share)
-            every_s, short_s = _prompt_seconds(inv, every, device, pair_reads, (PROMPT_TOKENS, SHORT_PROMPT_TOKENS),
-                                               clock, bus_share=share)
+            res = placement_all_gpu(inv)
+            if fmt in PROMPT_FORMATS:
+                few, every = _upper_on_cpu(inv, 0.125), placement_cpu_moe(inv)
+                (few_s,) = _prompt_seconds(inv, few, device, pair_reads, (PROMPT_TOKENS,), clock, bus_share=share)
+                every_s, short_s = _prompt_seconds(inv, every, device, pair_reads,
+                                                   (PROMPT_TOKENS, SHORT_PROMPT_TOKENS), clock, bus_share=share)
+                runs += [(f"an eighth on the CPU{tag}", inv, few, PROMPT_TOKENS, few_s),
+                         (f"all on the CPU{tag}", inv, every, PROMPT_TOKENS, every_s),
+                         (f"all on the CPU, short{tag}", inv, every, SHORT_PROMPT_TOKENS, short_s)]
             try:
                 (res_s,) = _prompt_seconds(inv, res, device, pair_reads, (PROMPT_TOKENS,), bus_share=share)
             except torch.cuda.OutOfMemoryError:  # a small GPU: the resident layers' time stays as it was
                 log.warning("the calibration's %s prompt all on the GPU did not fit; prompt_resident_layer_s "
                             "is not fitted to it", fmt)
-                res_s = None
-        tag = "" if fmt == "bf16" else f", {fmt.upper()}"
-        runs += [(f"an eighth on the CPU{tag}", inv, few, PROMPT_TOKENS, few_s),
-                 (f"all on the CPU{tag}", inv, every, PROMPT_TOKENS, every_s),
-                 (f"all on the CPU, short{tag}", inv, every, SHORT_PROMPT_TOKENS, short_s)]
-        resident += [(f"all on the GPU{tag}", inv, res, PROMPT_TOKENS, res_s, fmt)] if res_s is not None else []
-    for fmt in resident_formats:  # the all-resident prompt alone, where the format's blocks divide the shape
-        block = 256 if fmt.endswith("_k") else 32
-        if fmt in formats or fmt not in synth.WEIGHT_TYPES or hidden % block or ffn % block:
-            continue
-        with tempfile.TemporaryDirectory(prefix="workbench-calibration-") as tmp:
-            path = Path(tmp) / f"calibration-prompt-{fmt}.gguf"
-            synth.write_gguf(path, shape, coverage_target=None, wtype=fmt)
-            inv = open_model(path)
-            res = placement_all_gpu(inv)
-            try:
-                (res_s,) = _prompt_seconds(inv, res, device, model_prompt_pair_reads(inv, prof), (PROMPT_TOKENS,),
-                                           bus_share=bus.fraction_for(inv, prof))
-            except torch.cuda.OutOfMemoryError:
-                log.warning("the calibration's %s prompt all on the GPU did not fit; it takes the other formats' "
-                            "resident prompt layer", fmt)
                 continue
-        resident.append((f"all on the GPU, {fmt.upper()}", inv, res, PROMPT_TOKENS, res_s, fmt))
+        resident.append((f"all on the GPU{tag}", inv, res, PROMPT_TOKENS, res_s, fmt))
     lane = fit_host_lane(clock.layers)
     prof = replace(prof, prompt_cpu_sync_s=0.0, **lane)
     measured = np.array([r[4] for r in runs])

@@ -131,8 +131,12 @@ if triton is not None:
 def available() -> bool:
     """Whether the grouped kernels may run (Triton usable, they did not fail here, and
     ``WORKBENCH_PREFILL_KERNELS`` is not ``0``)."""
-    return (not _disabled and gpu_kernels.available()
-            and os.environ.get("WORKBENCH_PREFILL_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off"))
+    return not _disabled and gpu_kernels.available() and _switch("WORKBENCH_PREFILL_KERNELS")
+
+
+def _switch(name: str) -> bool:
+    """Whether the environment leaves switch ``name`` on (unset, or anything but 0 / false / no / off)."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def disable(reason: str) -> None:
@@ -166,7 +170,7 @@ def device_tiles() -> bool:
     """Whether a prompt layer's experts on the GPU take their tile table from ``device_tile_table``
     (no host sync) rather than from ``tile_table`` over counts read back (``WORKBENCH_DEVICE_TILES=0``:
     the host table, for side-by-side timing of the two)."""
-    return os.environ.get("WORKBENCH_DEVICE_TILES", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switch("WORKBENCH_DEVICE_TILES")
 
 
 def token_sums() -> bool:
@@ -174,7 +178,7 @@ def token_sums() -> bool:
     tokens (``experts.grouped_tokens``) and builds its tile table in one kernel; ``WORKBENCH_TOKEN_SUMS=0``:
     the pairs copied out in pair order and the table built by PyTorch's operations, as before (for
     side-by-side timing of the two)."""
-    return os.environ.get("WORKBENCH_TOKEN_SUMS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switch("WORKBENCH_TOKEN_SUMS")
 
 
 def tile_bound(n_pairs: int, n_rows: int) -> int:
@@ -191,15 +195,10 @@ def device_tile_table(counts: torch.Tensor, n_pairs: int) -> torch.Tensor:
     sync, so the host runs ahead of the GPU instead of waiting on it every layer. On CUDA (or under
     the interpreter) one kernel launch (``_tile_table_kernel``) instead of ~20 small operations, each
     of which costs the host more than the GPU; PyTorch's operations where the kernel did not build."""
-    if (counts.shape[0] <= TABLE_MAX_ROWS and not _table_failed and token_sums() and available()
-            and gpu_kernels.usable(counts)):
-        try:
-            return _tile_table_by_kernel(counts, n_pairs)
-        except Exception as exc:  # a Triton build or launch failure: PyTorch's operations from now on
-            if not gpu_kernels.failed_here(exc):
-                raise
-            log.warning("tile table kernel off, PyTorch builds the prompt's tile tables: %s", str(exc)[:300])
-            _table_failed.append(str(exc))
+    if counts.shape[0] <= TABLE_MAX_ROWS and token_sums() and available() and gpu_kernels.usable(counts):
+        tiles = _or_none("table", lambda: _tile_table_by_kernel(counts, n_pairs))
+        if tiles is not None:
+            return tiles
     return _tile_table_by_torch(counts, n_pairs)
 
 
@@ -207,7 +206,28 @@ TABLE_MAX_ROWS = 1024
 """Rows of a layer's stacks up to which ``_tile_table_kernel`` builds the tile table (its programs hold
 every row's count in registers)."""
 
-_table_failed: list[str] = []
+_off: dict[str, str] = {}
+"""Forms of these kernels that failed to build, launch or check here (``"table"``: the tile table's
+kernel; ``"placed"``: the down kernel's weighted store at each pair's place) and why: each is off for the
+process and its other path takes over; the grouped kernels stay on."""
+
+_OFF_INSTEAD = {"table": "PyTorch builds the prompt's tile tables",
+                "placed": "the grouped prompt kernels store in sorted order"}
+
+
+def _or_none(which: str, run):
+    """``run()``, or None where form ``which`` is off or fails to build, launch or check here (then off
+    from now on: ``_off``)."""
+    if which in _off:
+        return None
+    try:
+        return run()
+    except Exception as exc:  # a Triton build, launch or check failure of this form only
+        if not gpu_kernels.failed_here(exc):
+            raise
+        log.warning("%s from now on: %s", _OFF_INSTEAD[which], f"{type(exc).__name__}: {exc}"[:300])
+        _off[which] = f"{type(exc).__name__}: {exc}"
+        return None
 
 
 def _tile_table_by_kernel(counts: torch.Tensor, n_pairs: int) -> torch.Tensor:
@@ -370,24 +390,12 @@ def grouped_into(xs: torch.Tensor, tiles_t: torch.Tensor, w13: torch.Tensor, w2:
     gpu_kernels.run_checked([_grouped_kernel], launch, key, probe)
 
 
-_placing_failed: list[str] = []
-
-
 def placed_or_none(xs: torch.Tensor, tiles: torch.Tensor, dest: torch.Tensor, scale: torch.Tensor | None, *stacks,
                    **kw) -> torch.Tensor | None:
     """``swiglu_grouped`` with ``dest`` (and ``scale``): each pair's output at its own place; None if that
     form failed to build, launch or check here (then never tried again in this process; the grouped
     kernels without it stay on)."""
-    if _placing_failed:
-        return None
-    try:
-        return swiglu_grouped(xs, tiles, *stacks, dest=dest, scale=scale, **kw)
-    except Exception as exc:  # a Triton build, launch or check failure of this form only
-        if not gpu_kernels.failed_here(exc):
-            raise
-        log.warning("grouped prompt kernels store in sorted order from now on: %s", str(exc)[:300])
-        _placing_failed.append(f"{type(exc).__name__}: {exc}")
-        return None
+    return _or_none("placed", lambda: swiglu_grouped(xs, tiles, *stacks, dest=dest, scale=scale, **kw))
 
 
 def run_or_none(xs: torch.Tensor, tiles: np.ndarray, *stacks, **kw) -> torch.Tensor | None:
