@@ -549,16 +549,18 @@ stage_bus_ab() {  # decode's bus share balanced by the calibrated rates against 
     done
 }
 stage_env_ab() {  # S1 bf16 skewed all on the GPU under each of ENV_AB's settings (space-separated; each
-    # VAR=VALUE[,VAR=VALUE...], e.g. "WORKBENCH_PDL=0 WORKBENCH_OUT_NORM=1,WORKBENCH_FUSED_ROUTING=1"): $OUT/ab_<n>.json
+    # VAR=VALUE[,VAR=VALUE...], e.g. "WORKBENCH_PDL=0 WORKBENCH_OUT_NORM=1,WORKBENCH_FUSED_ROUTING=1"): $OUT/ab_<n>.json;
+    # AB_STRATEGIES (e.g. frequency,balanced): those placements at the budget instead of all on the GPU
     [ -f "$models/s1.gguf" ] || { log "writing S1 skewed"; wb write -o "$models/s1.gguf" --shape s1 $layers --coverage 0.5; }
     local prof=bench-h200 n=0; [ -f "$OUT/h200.json" ] && prof="$OUT/h200.json"
+    local runs=(--strategies "" --all-gpu); [ -n "${AB_STRATEGIES:-}" ] && runs=(--strategies "$AB_STRATEGIES")
     for v in ${ENV_AB:-WORKBENCH_PDL=0 WORKBENCH_PDL=1}; do n=$((n + 1))
         [ "$(left)" -gt 40 ] || { log "env_ab: no time left for $v"; break; }
         log "env_ab $n: $v"
         env ${v//,/ } python3 -m workbench bench run --model "$models/s1.gguf" --budget "${BENCH_BUDGET:-12GiB}" \
-            --margin "${BENCH_MARGIN:-512MiB}" --profile "$prof" --strategies "" --all-gpu -p 512 \
+            --margin "${BENCH_MARGIN:-512MiB}" --profile "$prof" "${runs[@]}" -p 512 \
             -n "${BENCH_ENGINE_GEN:-64}" -r "${BENCH_ENGINE_REPEATS:-3}" --json "$OUT/ab_$n.json" 2>>"$OUT/device.log" \
-            | grep -E "^\| all-gpu|tok/s" | tee -a "$OUT/device.log"
+            | grep -E "^\| [a-z]|tok/s" | tee -a "$OUT/device.log"
     done
 }
 stage_kernel_tests() {  # the fused CPU kernel's tests on this machine's CPU (no transformers needed)

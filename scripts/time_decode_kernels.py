@@ -90,7 +90,7 @@ def expert_cases(fmt: str, calls: int, reps: int, dev) -> dict:
     def gate_up(j):
         gpu_kernels._gate_up_kernel[lambda m: (K, tri.cdiv(2 * FFN, m["BLOCK_N"]))](
             x, w13, d13 if d13 is not None else w13, ids[j], rowmap, scale, hs[j], hs[j], 2 * FFN, H, w13.stride(0),
-            w13.stride(1), FMT=code, BIAS=False)
+            w13.stride(1), FFN * w13.stride(1), FMT=code, BIAS=False)
 
     part, cnt = gpu_kernels._down_workspace(w2, K, H, dev)
 

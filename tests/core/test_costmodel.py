@@ -595,9 +595,9 @@ def test_a_served_bus_reads_in_place_and_shares_the_ram_with_the_cpu():
     inv = synth_inventory(4, 32, hidden=2048, expert_ffn=768, top_k=8)
     hw = h200_profile()
     p = placement_cpu_moe(inv)
-    served = CostModel(inv, hw, engine=EngineShape(bus_read=0.5, shared_read=0.5))
+    served = CostModel(inv, hw, engine=EngineShape(bus_read=0.5, shared_read=0.5, unit_share=0))
     hosted = CostModel(inv, hw, engine=EngineShape(served=False))
-    all_bus = CostModel(inv, hw, engine=EngineShape(bus_share=1.0, bus_read=0.5))
+    all_bus = CostModel(inv, hw, engine=EngineShape(bus_share=1.0, bus_read=0.5, unit_share=0))
     s, h, b = (m.predict(p, ctx=512).decode_layers for m in (served, hosted, all_bus))
     expert_bytes = 8 * 3 * 2048 * 768 * 2  # all eight selections of a layer, bf16
     assert b[0].bus == pytest.approx(expert_bytes / (0.5 * hw.h2d_pinned), rel=0.02)
@@ -722,8 +722,40 @@ def test_decodes_bus_share_balances_the_bus_and_the_cpu_reads():
     assert CostModel(inv, measured).engine.bus_share == model_bus_share(inv, measured) == pytest.approx(
         balanced_bus_share(measured, "BF16"))
     p = placement_n_cpu_moe(inv, 2)
-    same_share = EngineShape(bus_share=0.45)  # the same split: only the bus lane's rate differs
+    same_share = EngineShape(bus_share=0.45, unit_share=0)  # the same split: only the bus lane's rate differs
     slow = CostModel(inv, measured, engine=same_share).predict(p, prompt_tokens=16)
     fast = CostModel(inv, dataclasses.replace(base, bus_read_rate=60e9), engine=same_share).predict(p, prompt_tokens=16)
     assert 1.8 * fast.decode_layers[0].bus < slow.decode_layers[0].bus < 2 * fast.decode_layers[0].bus  # + launches
     assert slow.decode_tps < fast.decode_tps
+
+
+def test_a_unit_split_shares_each_pair_and_the_model_takes_it_where_it_is_faster():
+    """Served decode's unit split: a layer whose tokens give the CPU tier one or two experts is
+    faster with each pair's units split between the CPU and the bus than with whole experts (a lone
+    expert leaves the bus idle), and the model takes it (``unit_shares``, which ``predict`` assumes);
+    no layer takes a split slower than whole experts. ``units_for`` rounds to the experts' blocks,
+    and leaves experts whole where a split would leave either side nothing."""
+    from workbench.core.costmodel import unit_block, units_for
+
+    assert units_for(768, 0.5, 32) == 384 and units_for(768, 0.6, 256) == 256 and units_for(768, 0.3, 256) == 512
+    assert units_for(256, 0.5, 256) == 256 and units_for(768, 0.0, 32) == 768
+    assert units_for(64, 0.6, 32) == 32 and units_for(64, 0.9, 32) == 64
+    assert unit_block("bf16") == unit_block("q8_0") == 32 and unit_block("q4_k") == unit_block("q6_k") == 256
+    inv = synth_inventory(4, 32, hidden=2048, expert_ffn=768, top_k=8)
+    hw = dataclasses.replace(h200_profile(), bus_read_rate=50e9)
+    p = placement_cpu_moe(inv)
+    for layer in (0, 1):  # two layers with a few cold experts on the CPU, two with all of them
+        for e in range(28):
+            p.set(UnitKey(layer, "expert", e), ON_GPU0)
+    whole = CostModel(inv, hw, engine=EngineShape(bus_share=0.4, unit_share=0))
+    model = CostModel(inv, hw, engine=EngineShape(bus_share=0.4))
+    shares = model.unit_shares(p)
+    assert shares[0] > 0 and shares[1] > 0
+    split, kept = model.predict(p, ctx=512).decode_layers, whole.predict(p, ctx=512).decode_layers
+    assert split[0].total < 0.9 * kept[0].total
+    assert all(a.total <= b.total * (1 + 1e-9) for a, b in zip(split, kept))
+    assert [c.bus_units for c in split] == pytest.approx(shares.tolist())
+    fixed = CostModel(inv, hw, engine=EngineShape(bus_share=0.4, unit_share=0.5)).unit_shares(p)
+    assert fixed[0] == 0.5  # a share given: weighed against whole experts alone
+    hosted = CostModel(inv, hw, engine=EngineShape(bus_share=0.4, served=False))
+    assert not hosted.unit_shares(p).any()  # the host-driven step copies whole experts

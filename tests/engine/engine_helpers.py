@@ -129,15 +129,18 @@ def decode_step_engine(inv: Inventory, placement: Placement, max_context: int = 
     return engine
 
 
-def attach_bus_share(engine, fraction: float):
+def attach_bus_share(engine, fraction: float, units: float = 0.0):
     """The engine's bus share (``bus.BusShare``) at ``fraction``: on CUDA the one the engine made; on a
-    CPU accelerator one attached by hand to every layer with CPU experts, as the engine would."""
+    CPU accelerator one attached by hand to every layer with CPU experts, as the engine would.
+    ``units``: served decode's unit split in every such layer (``LayerExperts.bus_units``)."""
     from workbench.engine import bus
     from workbench.engine.experts import COMPUTE
 
     if TEST_DEVICE != "cpu":
         assert engine._bus is not None
         engine._bus.fraction = fraction
+        for lx in engine.experts.values():
+            lx.bus_units = units if lx.bus is not None else 0.0
         return engine._bus
     a = engine.args
     share = bus.BusShare(engine.device, engine.dtype, a.n_experts, (2 * a.expert_ffn, a.hidden),
@@ -145,7 +148,7 @@ def attach_bus_share(engine, fraction: float):
     for lx in engine.experts.values():
         if lx.n_tier[COMPUTE]:
             assert share.pin(lx, lx.bus_stacks(), lx.kept_layout(), lx.bias)
-            lx.bus = share
+            lx.bus, lx.bus_units = share, units
     return share
 
 

@@ -232,6 +232,47 @@ def test_experts_one_token_on_q4_k_blocks_match_ggufs_dequantization(H, F_, E, k
     _check_against(out, x, ids, scale, rowmap, r13, r2)
 
 
+def _cut_units(r13: torch.Tensor, r2: torch.Tensor, units: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float experts ``r13 [E, 2I, H]``, ``r2 [E, H, I]`` cut to their units ``[units, I)``."""
+    F_ = r2.shape[-1]
+    return torch.cat([r13[:, units:F_], r13[:, F_ + units:]], dim=1), r2[:, :, units:]
+
+
+@pytest.mark.parametrize("fmt,H,F_,units", [(None, 64, 96, 32), (("q8_0", "q8_0"), 64, 96, 64),
+                                            (("q4_k", "q4_k"), 256, 512, 256), (("q4_k", "q6_k"), 256, 512, 256)])
+def test_experts_one_token_over_a_part_of_each_experts_units(fmt, H, F_, units):
+    """``blocks.unit_views``: the kernels read the units ``[units, I)`` of each expert in place (views
+    of the whole stacks, the decode server's unit split) and give those units' experts."""
+    from tests.engine.engine_helpers import random_kquant
+    from workbench.engine import blocks
+
+    E, k = 4, 3
+    g = torch.Generator().manual_seed(F_ + units)
+    if fmt is None:
+        r13 = torch.randn(E, 2 * F_, H, generator=g) / H ** 0.5
+        r2 = torch.randn(E, H, F_, generator=g) / F_ ** 0.5
+        stacks = [r13.to(DEV, torch.bfloat16), r2.to(DEV, torch.bfloat16)]
+        r13, r2 = (t.double() for t in stacks)
+    elif fmt[0] == "q8_0":
+        q13 = torch.randint(-127, 128, (E, 2 * F_, H), dtype=torch.int8, generator=g)
+        q2 = torch.randint(-127, 128, (E, H, F_), dtype=torch.int8, generator=g)
+        d13 = (torch.rand(E, 2 * F_, H // 32, generator=g) * 1e-3 / H ** 0.5).to(torch.float16)
+        d2 = (torch.rand(E, H, F_ // 32, generator=g) * 1e-3 / F_ ** 0.5).to(torch.float16)
+        stacks = [t.to(DEV) for t in (q13, d13, q2, d2)]
+        r13 = (q13.double() * d13.double().repeat_interleave(32, -1)).to(DEV)
+        r2 = (q2.double() * d2.double().repeat_interleave(32, -1)).to(DEV)
+    else:
+        b13, r13 = random_kquant(fmt[0], E * 2 * F_, H, g, scale=1e-3)
+        b2, r2 = random_kquant(fmt[1], E * H, F_, g, scale=1e-3)
+        stacks = [b13.reshape(E, 2 * F_, -1).to(DEV), b2.reshape(E, H, -1).to(DEV)]
+        r13, r2 = r13.reshape(E, 2 * F_, H).to(DEV), r2.reshape(E, H, F_).to(DEV)
+    x, ids, scale, rowmap = _token(H, E, k, g)
+    views = blocks.unit_views(fmt, stacks, units)
+    assert all(v.data_ptr() >= s.data_ptr() for v, s in zip(views, stacks))  # views, nothing copied
+    out = gpu_kernels.experts_one_token(x, ids, scale, rowmap, *blocks.kernel_args(fmt, views), fmt=fmt)
+    _check_against(out, x, ids, scale, rowmap, *_cut_units(r13, r2, units))
+
+
 @pytest.mark.parametrize("fmt", [None, ("mxfp4", "mxfp4")])
 def test_gpt_oss_experts_one_token_with_biases_and_clamped_swiglu(fmt):
     """gpt-oss's experts (biases on gate/up and down, the clamped SwiGLU between the kernels) read in

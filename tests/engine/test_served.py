@@ -106,6 +106,47 @@ def test_a_bus_share_reads_the_cpu_stacks_in_place(fraction, tiny_model_dir, tin
         assert tokens == reference_tokens(tiny_hf_model("qwen3_moe"), PROMPT, N_NEW)
 
 
+@pytest.mark.skipif(not served.gpu_kernels.available(), reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("source", ["float", "Q8_0"])
+def test_a_unit_split_shares_every_cpu_pair_between_the_cpu_and_the_bus(source, tiny_model_dir, tiny_gguf,
+                                                                      monkeypatch, exact_cpu_dots):
+    """Served decode's unit split: the thread computes each CPU-tier pair's first units, the
+    accelerator the others from the same page-locked stacks in place, and the step adds both; the
+    host-driven steps' logits (the CPU's exact dots: the int8 ones round inputs the bus does not)."""
+    sizes = {"hidden_size": 64, "moe_intermediate_size": 64, "intermediate_size": 64, "mlp_only_layers": []}
+    inv = open_inventory(tiny_model_dir("qwen3_moe", **sizes) if source == "float"
+                         else tiny_gguf("qwen3_moe", "Q8_0", **sizes))
+    monkeypatch.setenv("WORKBENCH_KEEP_QUANTS", "1")
+    placement = hybrid(inv)
+    engine = decode_step_engine(inv, placement)
+    engine.served_mode = "on"
+    try:
+        attach_bus_share(engine, 0.5, units=0.5)
+        tokens = greedy_tokens(engine, PROMPT, N_NEW)
+        logits = engine.forward(torch.tensor([tokens[-1]]), len(PROMPT) + N_NEW - 1)
+        server = engine._decoder.server
+        split = {layer: (s.units, s.ffn) for layer, s in server.layers.items() if s.bus_stacks is not None}
+        pairs = server.bus_pairs
+    finally:
+        engine.close()
+    _, host_logits, _ = host_run(inv, placement, tokens)
+    assert split and set(split) == set(server.layers) and all(v == (32, 64) for v in split.values())
+    assert pairs > 0  # the bus's part of every CPU-tier pair
+    assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("raw,shares", [("", [0.5, 0.25]), ("0", None), ("0.375", [0.375, 0.375]), ("x", [0.5, 0.25])])
+def test_the_unit_split_setting(raw, shares, monkeypatch):
+    """``WORKBENCH_BUS_UNITS`` overrides the cost model's unit split per layer (0: none)."""
+    from workbench.engine import bus
+
+    monkeypatch.setenv("WORKBENCH_BUS_UNITS", raw)
+    got = bus.unit_shares_from_env([0.5, 0.25], 2)
+    assert (got is None) == (shares is None)
+    if shares is not None:
+        assert got.tolist() == shares
+
+
 @pytest.mark.parametrize("tensor_type,width", [("Q8_0", 64), ("Q4_K", 256)])
 def test_kept_blocks_are_served_as_blocks(tensor_type, width, tiny_gguf, monkeypatch):
     """CPU experts kept in the file's blocks: the thread reads the blocks as the host-driven step does."""

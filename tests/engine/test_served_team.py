@@ -102,3 +102,48 @@ def test_an_idle_server_waits_on_its_condition_and_still_serves(woken):
         t = time.perf_counter()
         srv.stop()
         assert time.perf_counter() - t < 0.5
+
+
+def first_units(fmt: str, w: list[torch.Tensor], units: int) -> list[torch.Tensor]:
+    """The stacks of the experts' first ``units`` intermediate units, as contiguous stacks of their own."""
+    def rows13(t):
+        return torch.cat([t[:, :units], t[:, FFN:FFN + units]], dim=1).contiguous()
+    if fmt == "q8_0":
+        q13, d13, q2, d2 = w
+        return [rows13(q13), rows13(d13), q2[:, :, :units].contiguous(), d2[:, :, :units // 32].contiguous()]
+    return [rows13(w[0]), w[1][:, :, :units].contiguous()]
+
+
+@pytest.mark.parametrize("fmt,units", [("bf16", 40), ("bf16", FFN), ("q8_0", 32), ("q8_0", 64)])
+def test_a_layer_set_to_its_first_units_computes_those_alone(fmt, units):
+    """``set_units``: the thread computes each expert's first ``units`` intermediate units (the decode
+    server's unit split; the accelerator adds the others), bit for bit what the direct kernel gives
+    on stacks cut to those units; a units count off the blocks, or past ``I``, is refused."""
+    w = stacks(fmt)
+    part = first_units(fmt, w, units)
+    bufs = [torch.zeros(2 * K + H), torch.zeros(1, dtype=torch.int64), torch.zeros(H), torch.zeros(1, dtype=torch.int64)]
+    srv = cpu_kernel.server(3, spin_us=200, own_team=True)
+    index = srv.add_layer(0 if fmt == "bf16" else 1, w, 0, 0, FFN, K, *bufs, *cpu_kernel.act_args(("silu",)))
+    for bad in (0, FFN + 32, 31 if fmt == "q8_0" else -1):
+        with pytest.raises(RuntimeError, match="units"):
+            srv.set_units(index, bad)
+    srv.set_units(index, units)
+    packet, flag_in, out, flag_out = bufs
+    srv.start()
+    rng = np.random.default_rng(2)
+    try:
+        for step in range(1, 5):
+            rows = [int(r) for r in rng.choice(E, size=step % K + 1, replace=False)]
+            wt = [float(v) for v in rng.random(len(rows))]
+            x = torch.from_numpy(rng.standard_normal(H).astype(np.float32))
+            packet[:K] = -1.0
+            packet[:len(rows)] = torch.tensor(rows, dtype=torch.float32)
+            packet[K:K + len(rows)] = torch.tensor(wt)
+            packet[2 * K:] = x
+            flag_in.fill_(step)
+            while int(flag_out[0]) != step:
+                pass
+            assert torch.equal(out, direct(fmt, part, x, rows, wt)), step
+        assert srv.errors() == 0
+    finally:
+        srv.stop()

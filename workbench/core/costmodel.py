@@ -219,6 +219,27 @@ def bus_count(n, fraction: float, slots: int):
     return int(m) if np.ndim(n) == 0 else m
 
 
+UNIT_CHOICES = (0.25, 0.375, 0.5, 0.625, 0.75)
+"""The unit splits (the bus's share of each pair's units) the model weighs per layer against whole
+experts (``EngineShape.unit_share`` None)."""
+
+
+def unit_block(fmt: str) -> int:
+    """Intermediate units per block of experts held in ``fmt`` (``weight_format``): 32 for float
+    (aligned views), Q8_0 and MXFP4, 256 for the k-quants: a unit split (``units_for``) cuts whole blocks."""
+    return 256 if fmt in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs") else 32
+
+
+def units_for(ffn: int, share: float, block: int) -> int:
+    """The intermediate units of each CPU-tier expert that the CPU computes under a unit split of
+    ``share`` (the bus's share of them): ``ffn`` less ``share * ffn`` rounded to whole ``block``s, or all ``ffn``
+    (no split) where that leaves either side nothing."""
+    if not share > 0 or ffn <= 0 or block <= 0:
+        return ffn
+    bus = int(round(share * ffn / block)) * block
+    return ffn - bus if 0 < bus < ffn else ffn
+
+
 def model_bus_share(inventory: Inventory, profile: HardwareProfile) -> float:
     """``balanced_bus_share`` for the routed experts of ``inventory`` (their first expert's format as
     the CPU holds it: bfloat16 unless the engine keeps the file's blocks); ``BUS_SHARE`` without
@@ -284,6 +305,12 @@ class EngineShape:
     """Decode sends ``round(n * bus_share)`` (at most ``bus_slots``) of the ``n`` CPU-compute experts a
     token selects in a layer over the bus to the GPU, while the CPU computes the rest; 0: none."""
     bus_slots: int = BUS_SLOTS
+    unit_share: float | None = None
+    """Served decode's unit split: every CPU-tier pair's intermediate units split between the CPU and
+    the bus (``units_for``) instead of whole experts by ``bus_share``. None: each layer takes
+    whichever of whole experts and ``UNIT_CHOICES`` the model predicts fastest for the placement
+    (``CostModel.unit_shares``, which the engine then runs); 0: whole experts; a share: that one in
+    every layer."""
     launches_bus: int = 4
     """per layer that sends experts over the bus: the expert map copy, gate_up, down, add."""
     served: bool = True
@@ -406,6 +433,9 @@ class CostModel:
         self.expert_biases = any("bias" in t.tensor.name for k, u in inventory.units.items()
                                  if k.kind == "expert" for t in u.tensors)
         self.moe_layer = self.present.any(axis=1)
+        self.unit_choices = self._unit_choices(int(spec.expert_ffn or 0))
+        """Per layer, the unit splits decode may take ``[L, C]`` (the bus's share of each pair's units
+        as ``units_for`` rounds it; column 0: whole experts)."""
         self.stats = stats
         self.p_sel = self._selection_probs(stats, recent)
         self.other_units = [(k, held_bytes(k, u), u.n_params) for k, u in sorted(inventory.units.items())
@@ -640,15 +670,53 @@ class CostModel:
         gpu0 = gpu_lanes.pop("gpu:0", np.zeros(L))
         gpu_other = np.max(list(gpu_lanes.values()), axis=0) if gpu_lanes else np.zeros(L)
         sync = sync + np.where(stream.any(axis=1), self.profile.sync_s, 0.0)  # the host-driven step
-        lanes = self._count_lanes((load * compute / self.expert_cpu_rate).sum(axis=1), (load * compute).sum(axis=1),
-                                  (p * compute).sum(axis=1), has_compute, stream.any(axis=1), gpu0, gpu_other,
-                                  cpu_lane, bus, sync, has_compute * eng.launches_cpu_return * launch)
+        lanes, units = self._best_lanes((load * compute / self.expert_cpu_rate).sum(axis=1),
+                                        (load * compute).sum(axis=1), (p * compute).sum(axis=1), has_compute,
+                                        stream.any(axis=1), gpu0, gpu_other, cpu_lane, bus, sync,
+                                        has_compute * eng.launches_cpu_return * launch)
+        units = np.where(has_compute & ~stream.any(axis=1), units, 0.0)
         return [LayerCost(layer, float(pre[layer]), *(float(v[layer]) for v in lanes[:4]),
-                          float(gpu_share[layer]), float(hit_rate[layer]), spread=float(lanes[4][layer]))
+                          float(gpu_share[layer]), float(hit_rate[layer]), spread=float(lanes[4][layer]),
+                          bus_units=float(units[layer]))
                 for layer in range(L)], other
 
+    def _unit_choices(self, ffn: int) -> np.ndarray:
+        """``unit_choices`` for experts of ``ffn`` intermediate units (``EngineShape.unit_share``): none
+        where decode is not served, the experts carry biases (the engine computes those whole) or
+        the bus share is off."""
+        L, share = self.n_layers, self.engine.unit_share
+        if not (self.engine.served and ffn > 0 and self.engine.bus_share > 0) or self.expert_biases or share == 0:
+            return np.zeros((L, 1))
+        shares = UNIT_CHOICES if share is None else (float(share),)
+        return np.array([[0.0] + [1.0 - units_for(ffn, s, unit_block(str(self.expert_format[layer, 0]))) / ffn
+                                  for s in shares] for layer in range(L)])
+
+    def unit_shares(self, placement: Placement, kv_tokens: int = 512, kv_dtype: str = "f16") -> np.ndarray:
+        """Per layer ``[L]``, the share of each CPU-tier pair's intermediate units that served decode's bus
+        computes for ``placement`` as the model predicts it fastest (0: whole experts by the bus
+        share): what the engine runs (``Engine(unit_shares=...)``) and ``predict`` assumes."""
+        layers, _ = self._decode(placement, expert_grid(placement, self.n_layers, self.n_experts), kv_tokens, kv_dtype)
+        return np.array([c.bus_units for c in layers])
+
+    def _best_lanes(self, *args):
+        """``_count_lanes`` at each of ``unit_choices`` (per layer: ``args``' arrays lead with the layer
+        axis), the fastest per element: its lanes and the unit split taken (``[L, ...]`` like ``lam``)."""
+        lam = args[2]
+        best, taken, best_t = None, None, None
+        for c in range(self.unit_choices.shape[1]):
+            units = self.unit_choices[:, c].reshape((-1,) + (1,) * (np.ndim(lam) - 1))
+            lanes = self._count_lanes(*args, units=units)
+            t = np.maximum(np.maximum(lanes[0], lanes[1]), lanes[2]) + lanes[3] + lanes[4]
+            if best is None:
+                best, taken, best_t = list(lanes), np.broadcast_to(units, np.shape(t)).astype(float), t
+                continue
+            better = t < best_t * (1 - 1e-9)
+            best = [np.where(better, new, old) for new, old in zip(lanes, best)]
+            taken, best_t = np.where(better, units, taken), np.where(better, t, best_t)
+        return best, taken
+
     def _count_lanes(self, cpu_t, cpu_bytes, lam, has_compute, streamed, gpu0, gpu_other, cpu_fixed, bus_fixed,
-                     sync_fixed, gpu_fixed):
+                     sync_fixed, gpu_fixed, units=0.0):
         """A decode layer's lanes over how many CPU-compute experts a token selects in it (``n``,
         ``count_probs`` of their expected count ``lam``), ``bus_count(n)`` of them over the bus
         (``EngineShape.bus_share``): the layer waits for its slowest lane token by token, so its
@@ -661,11 +729,17 @@ class CostModel:
         on ``n`` (CPU units, streamed experts' bus time, host points, the CPU result's launches on
         the GPU). Out: the expected ``(gpu, cpu, bus, sync)`` lanes and ``spread``, the expected
         layer beyond ``max(gpu, cpu, bus) + sync`` of those means. Both of the bus's forms read host
-        RAM with the CPU, so the CPU lane is at least the bytes of all ``n`` at the RAM's read rate."""
+        RAM with the CPU, so the CPU lane is at least the bytes of all ``n`` at the RAM's read rate.
+        ``units`` (like ``lam``; served decode): the layer's unit split, the bus's share of every
+        pair's units (0: whole experts by ``bus_count``)."""
         eng, prof = self.engine, self.profile
         k = max(1, self.inv.spec.n_experts_active)
         frac = self._bus_fraction() if self.moe_layer.any() else 0.0
         n, pn, m = split_counts(lam, k, frac, eng.bus_slots)
+        if frac > 0 and eng.served and np.any(units):
+            # the unit split: every pair's units shared, the bus's part of n pairs as many pairs' bytes
+            u = np.asarray(units, dtype=float)[..., None]
+            m = np.where(u > 0, n * u, m)
         safe = np.where(lam > 0, lam, 1.0)
         c1, b1 = (cpu_t / safe)[..., None], (cpu_bytes / safe)[..., None]  # one selection's seconds and bytes
         launches = (m > 0) * eng.launches_bus * self._gpu(0).launch_s
@@ -730,7 +804,7 @@ class CostModel:
         p_cum = np.hstack([zeros, np.cumsum((self.p_sel[rows, order] * present), axis=1)])
         l_cum = np.hstack([zeros, np.cumsum(load, axis=1)])  # expected bytes per token
         cpu_fixed = np.broadcast_to(post.get("cpu", np.zeros(L))[:, None], gpu0.shape)
-        gpu, cpu, bus, sync_n, spread = self._count_lanes(
+        (gpu, cpu, bus, sync_n, spread), _ = self._best_lanes(
             c_gain[:, -1:] - c_gain, l_cum[:, -1:] - l_cum, p_cum[:, -1:] - p_cum, cpu_left, np.zeros_like(cpu_left),
             gpu0, gpu_other, cpu_fixed, np.zeros_like(gpu0), np.zeros_like(gpu0),
             cpu_left * self.engine.launches_cpu_return * launch)

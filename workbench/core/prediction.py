@@ -31,6 +31,9 @@ class LayerCost:
     spread: float = 0.0
     """Decode: the expected time beyond ``max(gpu, cpu, bus) + sync`` of those expected lanes, from
     tokens that give the CPU more than the mean (the layer waits for the slowest lane token by token)."""
+    bus_units: float = 0.0
+    """Served decode's unit split of the layer: the share of each CPU-tier pair's intermediate units
+    the bus computes (0: whole experts by the bus share, or no bus)."""
 
     @property
     def total(self) -> float:

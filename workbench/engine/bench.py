@@ -300,11 +300,13 @@ def measure_engine(engine, *, prompt: int, gen: int, repeats: int, seed: int = 0
 
 def run_placement(inv, placement: Placement, label: str, strategy: str, *, device: str, dtype: torch.dtype,
                   prompt: int, gen: int, repeats: int, vram_budget: int | None,
-                 pair_reads: float | None = None, bus_share: float | None = None) -> tuple[EngineRun, np.ndarray]:
+                 pair_reads: float | None = None, bus_share: float | None = None,
+                 unit_shares=None) -> tuple[EngineRun, np.ndarray]:
     """Load ``placement``, measure it, close the engine. Returns the run and its routing counts.
     ``pair_reads``: the profile's cost of a prompt's further token per CPU expert
     (``costmodel.model_prompt_pair_reads``), which the engine's prompt split then uses;
-    ``bus_share``: decode's bus share (``bus.fraction_for``; None: the engine's default)."""
+    ``bus_share``: decode's bus share (``bus.fraction_for``; None: the engine's default);
+    ``unit_shares``: decode's unit split per layer (``CostModel.unit_shares``; None: none)."""
     from workbench.engine import Engine
 
     run = EngineRun(label, strategy)
@@ -320,7 +322,7 @@ def run_placement(inv, placement: Placement, label: str, strategy: str, *, devic
         try:
             t0 = time.perf_counter()
             engine = Engine.load(inv, placement, device=dev, dtype=dtype, max_context=prompt + gen,
-                                 vram_budget=vram_budget, bus_share=bus_share)
+                                 vram_budget=vram_budget, bus_share=bus_share, unit_shares=unit_shares)
             run.load_s = time.perf_counter() - t0
             engine.set_prompt_pair_reads(pair_reads)
             m = measure_engine(engine, prompt=prompt, gen=gen, repeats=repeats)
@@ -385,7 +387,9 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
     """What a loaded engine did: ``bus_experts`` (experts the bus share copied so far: prompts, and
     decode without the decode server), ``bus_share`` (the share of a token's CPU-selected experts its
     decode sends over the bus), ``served_layers`` / ``served_bus_pairs`` (the decode server's
-    hybrid layers and the (token, expert) pairs its bus kernels computed so far), ``kept``
+    hybrid layers and the (token, expert) pairs its bus kernels computed so far, whole or, under a
+    unit split, in part), ``unit_split`` (``{layer: [CPU units, all units]}`` of the served layers
+    whose pairs the CPU and the bus split by units), ``kept``
     (``{layer: "gate/up format+down format"}``), ``tiers`` (``{layer: [resident, compute, stream]}``
     expert counts), ``decode_server_off`` (why hybrid layers went back to host-driven steps, which
     the cost model does not predict; None when they did not), ``dropped_candidates`` (kernel
@@ -407,6 +411,8 @@ def engine_paths(engine, counts: np.ndarray | None = None) -> dict:
     out["served_layers"] = sorted(server.layers) if server is not None else []
     out["decode_server_off"] = getattr(decoder, "unserved", None)
     out["served_bus_pairs"] = server.bus_pairs if server is not None else 0
+    out["unit_split"] = {str(layer): [s.units, s.ffn] for layer, s in server.layers.items()
+                         if s.bus_stacks is not None} if server is not None else {}
     out["prompt_pair_reads"] = getattr(engine, "prompt_pair_reads", None)
     out["cpu_huge_pages"] = huge_page_share(engine)
     out["cpu_numa"] = numa_shares(engine)
@@ -533,7 +539,8 @@ def run_strategies(model: str, strategies: list[str], *, budget_bytes: int, prof
         run, counts = run_placement(inv, plan.placement, label, strategy, device=device, dtype=dtype,
                                     prompt=prompt, gen=gen, repeats=repeats,
                                     vram_budget=budget_bytes if b is not None else None,
-                                    pair_reads=pair_reads, bus_share=bus_share)
+                                    pair_reads=pair_reads, bus_share=bus_share,
+                                    unit_shares=cost.unit_shares(plan.placement, kv_tokens=prompt + gen))
         run.predicted_decode_tps = plan.prediction.decode_tps
         run.predicted_prefill_tps = plan.prediction.prefill_tps
         prediction = plan.prediction

@@ -222,3 +222,29 @@ def kernel_args(fmt: tuple[str, str] | None, stacks: list[torch.Tensor]) -> tupl
 def take(parts: list[torch.Tensor], rows) -> list[torch.Tensor]:
     """Rows ``rows`` (an index along axis 0) of every tensor of stacked kept matrices."""
     return [t[rows] for t in parts]
+
+
+def unit_block(fmt: tuple[str, str] | None) -> int:
+    """The experts' intermediate units come in whole multiples of this where a layer's units are split
+    between the CPU and the accelerator (``unit_views``): the down rows' block (32 values for Q8_0 and
+    MXFP4, 256 for the k-quants) or 32 for float stacks (16-byte aligned views)."""
+    return 32 if fmt is None else BLOCK[fmt[1]]
+
+
+def unit_views(fmt: tuple[str, str] | None, stacks: list[torch.Tensor], units: int) -> list[torch.Tensor]:
+    """A tier's stacks as ``LayerExperts.cpu_stacks`` holds them (float ``[w13, w2]``, Q8_0 ``[q13, d13,
+    q2, d2]``, k-quants ``[b13, b2]``) cut to each expert's intermediate units ``[units, I)``: views
+    (nothing copied) that ``gpu_kernels.experts_one_token`` reads, gate/up ``[R, 2, I - units, ...]``
+    (gate rows then up rows) and down ``[R, H, ...]`` starting at column ``units`` (its block for
+    blocks). ``units`` is a multiple of ``unit_block(fmt)``."""
+    def gate_up(t: torch.Tensor) -> torch.Tensor:
+        r, n, w = t.shape
+        return t.view(r, 2, n // 2, w)[:, :, units:, :]
+
+    if fmt is not None and fmt[0] == "q8_0":
+        q13, d13, q2, d2 = stacks
+        return [gate_up(q13), gate_up(d13), q2[:, :, units:], d2[:, :, units // 32:]]
+    w13, w2 = stacks
+    if fmt is None:
+        return [gate_up(w13), w2[:, :, units:]]
+    return [gate_up(w13), w2[:, :, row_bytes(fmt[1], units):]]

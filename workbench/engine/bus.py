@@ -71,6 +71,27 @@ def fraction_from_env() -> float:
         return DEFAULT_FRACTION
 
 
+def unit_shares_from_env(shares, n_layers: int) -> np.ndarray | None:
+    """Served decode's unit split per layer (``Engine.load(unit_shares=...)``): ``WORKBENCH_BUS_UNITS``
+    when set, for measuring (``0``: none, whole experts by the bus share; a number in (0, 1): that
+    share of each CPU-tier pair's units on the bus in every layer), else ``shares`` (one value per
+    layer; None: none) as float64 ``[n_layers]``."""
+    raw = os.environ.get("WORKBENCH_BUS_UNITS", "").strip()
+    if raw:
+        try:
+            share = min(1.0, max(0.0, float(raw)))
+        except ValueError:
+            log.warning("WORKBENCH_BUS_UNITS=%r is not a number; ignored", raw)
+        else:
+            return None if share <= 0 else np.full(n_layers, share)
+    if shares is None:
+        return None
+    out = np.zeros(n_layers)
+    given = np.asarray(shares, dtype=float).reshape(-1)[:n_layers]
+    out[:given.size] = np.clip(np.nan_to_num(given), 0.0, 1.0)
+    return out
+
+
 def fraction_for(inventory, profile) -> float:
     """The bus share a loaded ``inventory`` decodes with on the machine ``profile`` describes:
     ``WORKBENCH_BUS_SHARE`` when set (for measuring), else the share that balances the bus's and the

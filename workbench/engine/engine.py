@@ -209,7 +209,7 @@ class Engine:
     def load(cls, inventory: Inventory, placement: Placement | None = None, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32, max_context: int = 2048, progress: Progress | None = None,
              cancel=None, vram_budget: int | None = None, cpu_format: str | None = None,
-             cpu_workers: int = 1, bus_share: float | None = None) -> Engine:
+             cpu_workers: int = 1, bus_share: float | None = None, unit_shares=None) -> Engine:
         """Load ``inventory`` under ``placement`` (default: everything on the accelerator).
 
         ``device`` is the accelerator. ``max_context`` sizes the static KV cache (tokens).
@@ -220,7 +220,11 @@ class Engine:
         ``cpu_format`` (``cpu_formats.FORMATS``: bf16, f32, int8, int4) computes the CPU tier's experts
         with that weight format on ``cpu_workers`` threads; None keeps them in ``dtype``.
         ``bus_share`` (CUDA): the share of a token's CPU-selected experts that decode sends over the bus
-        (``bus.BusShare``); None: ``WORKBENCH_BUS_SHARE`` or the default, 0: none.
+        (``bus.BusShare``); None: ``WORKBENCH_BUS_SHARE`` or the default, 0: none. ``unit_shares``
+        (CUDA, served decode; a value per layer, e.g. ``CostModel.unit_shares`` of the placement): each
+        layer's unit split, the share of each CPU-tier pair's intermediate units the bus computes
+        while the CPU computes the rest (0: whole experts by ``bus_share``); ``WORKBENCH_BUS_UNITS``
+        overrides them (``bus.unit_shares_from_env``).
         Raises PlacementError before allocating anything when the placement does not fit, and
         AcceleratorMemoryError / LoadCancelled after freeing what was loaded.
         """
@@ -260,6 +264,7 @@ class Engine:
         self.served_mode = _served_mode(os.environ.get("WORKBENCH_SERVED", "auto"))
         self._decoder = None
         self._bus, self.bus_share, self._keeps_blocks, self._keeps_dense = None, bus_share, keeps, dense_kept
+        self.unit_shares = bus.unit_shares_from_env(unit_shares, inventory.spec.n_layers)
         self.prompt_pair_reads = _pair_reads_from_env()
         self.host_clock: HostClock | None = None  # record_host
         self._reader = WeightReader(inventory)
@@ -425,6 +430,7 @@ class Engine:
                                      (a.hidden, a.expert_ffn), fraction)
         if self._bus.pin(lx, lx.bus_stacks(), lx.kept_layout(), lx.bias):
             lx.bus = self._bus
+            lx.bus_units = float(self.unit_shares[lx.layer]) if self.unit_shares is not None else 0.0
             log.debug("layer %d: bus share %.2f of its CPU-selected experts", lx.layer, self._bus.fraction)
         else:
             log.warning("layer %d: CPU experts not page-locked, no bus share", lx.layer)

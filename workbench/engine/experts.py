@@ -264,6 +264,7 @@ class LayerExperts:
         self.kept_res: list[torch.Tensor] | None = None  # resident tier likewise, on the accelerator
         self.fused_cpu = False  # the compute tier through cpu_kernel.moe_decode (set by the engine)
         self.bus = None  # bus.BusShare: decode sends some CPU-selected experts over the bus (set by the engine)
+        self.bus_units = 0.0  # served decode's unit split: the bus's share of each CPU-tier pair's units (engine)
         self.prompt_pair_reads: float | None = None  # Engine.set_prompt_pair_reads
         self.clock = None  # hostclock.HostClock: prompts tell it their host time (Engine.record_host)
         self._cpu_wait_s, self._cpu_run_s, self._cpu_share = 0.0, 0.0, False  # this prompt layer's, for the clock

@@ -522,12 +522,14 @@ if triton is not None:
                      key=["N", "K", "FMT"])
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, d_ptr, ids_ptr, rowmap_ptr, scale_ptr, out_ptr, b_ptr, N, K: tl.constexpr,
-                        stride_e, stride_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
+                        stride_e, stride_n, stride_h, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
                         TILE: tl.constexpr, BIAS: tl.constexpr = False, PDL: tl.constexpr = False):
         """out[j, n] = w[rowmap[ids[j]], n, :] . x  (float32; ``BIAS``: plus ``b[row, n]``, rows of ``N``),
-        zero where the pair is inactive. ``FMT`` 1: ``w`` int8 and ``d_ptr`` its float16 scales, one
-        per 32 values along K (GGUF Q8_0); 2: ``w`` the rows' raw GGUF Q4_K bytes (``stride_n`` bytes a
-        row); 3 ... 8: raw GGUF Q6_K, Q5_K, Q2_K, Q3_K, IQ4_XS, MXFP4 bytes."""
+        zero where the pair is inactive. The up rows (``n >= N / 2``) start ``stride_h`` after the gate
+        rows (``N / 2 * stride_n`` in a whole stack; more for a part of each expert's units).
+        ``FMT`` 1: ``w`` int8 and ``d_ptr`` its float16 scales, one per 32 values along K (GGUF
+        Q8_0); 2: ``w`` the rows' raw GGUF Q4_K bytes (``stride_n`` bytes a row); 3 ... 8: raw GGUF
+        Q6_K, Q5_K, Q2_K, Q3_K, IQ4_XS, MXFP4 bytes."""
         pair = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         _after_inputs(PDL)
@@ -535,7 +537,8 @@ if triton is not None:
         active = (row >= 0) & (tl.load(scale_ptr + pair).to(tl.float32) != 0)
         row = tl.maximum(row, 0)
         rm = offs_n < tl.where(active, N, 0)  # an inactive pair loads no weights
-        at = row * stride_e + offs_n * stride_n
+        up = (offs_n >= N // 2).to(tl.int64)
+        at = row * stride_e + (offs_n - up * (N // 2)) * stride_n + up * stride_h
         acc = _row_dots(w_ptr + at, d_ptr + at // 32, x_ptr, K, rm, FMT, False, BLOCK_N, BLOCK_K, TILE)
         if BIAS:
             acc += tl.load(b_ptr + row * N + offs_n, mask=rm, other=0.0).to(tl.float32)
@@ -810,6 +813,8 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     ``x [1, H]``; ``ids``/``scale [k]``: the selected experts and their routing weights;
     ``rowmap [E]`` int64: each expert's row in ``w13 [R, 2I, H]`` (gate rows first) and
     ``w2 [R, H, I]``, or -1 when it lives elsewhere (that pair adds nothing and reads nothing).
+    A part of each expert's intermediate units (``unit_views``): ``w13 [R, 2, I', H]`` (gate, up) and
+    ``w2 [R, H, I']``, views into whole stacks.
     With ``d13 [R, 2I, H/32]`` / ``d2 [R, H, I/32]`` (float16) the stacks are GGUF Q8_0: ``w13``/``w2``
     int8 values, one scale per 32 along the input axis (contiguous stacks; ``fmt`` may then say
     ``("q8_0", "q8_0")`` or be None). ``fmt=(gate/up format, down format)`` of raw blocks (``"q2_k"``
@@ -824,7 +829,9 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     from .experts import activate  # the experts' own activation (this module is imported by them)
 
     k = ids.shape[0]
-    n13 = w13.shape[1]
+    n13 = 2 * w13.shape[2] if w13.dim() == 4 else w13.shape[1]
+    s13 = (w13.stride(0), w13.stride(2), w13.stride(1)) if w13.dim() == 4 else \
+        (w13.stride(0), w13.stride(1), n13 // 2 * w13.stride(1))
     H = w2.shape[1]
     q8 = d13 is not None
     code13 = code2 = 1 if q8 else 0
@@ -838,8 +845,8 @@ def experts_one_token(x: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor, r
     def launch(x=x, ids=ids, scale=scale, rowmap=rowmap):
         h = torch.empty((k, n13), dtype=torch.float32, device=x.device)
         _gate_up_kernel[lambda meta: (k, triton.cdiv(n13, meta["BLOCK_N"]))](
-            x, w13, d13 if q8 else w13, ids, rowmap, scale, h, b13 if bias else h, n13, H, w13.stride(0),
-            w13.stride(1), FMT=code13, BIAS=bias, **pdl_args())
+            x, w13, d13 if q8 else w13, ids, rowmap, scale, h, b13 if bias else h, n13, H, *s13,
+            FMT=code13, BIAS=bias, **pdl_args())
         if not swiglu:  # gpt-oss's clamped SwiGLU into h's first I columns, which the down kernel reads
             h[:, :i] = activate(h, act)
         out = torch.empty((1, H), dtype=x.dtype, device=x.device)
@@ -892,11 +899,14 @@ def run_checked(kernels: list, launch, key, probe):
 
 
 def _rows_f32(fmt: str | None, w: torch.Tensor, d: torch.Tensor | None, r: int, k: int) -> torch.Tensor:
-    """Stack row ``r`` of ``w`` (float values, or kept blocks of ``fmt`` with Q8_0 scales ``d``) as
-    float32 ``[N, k]``, decoded by PyTorch where ``w`` lies."""
+    """Stack row ``r`` of ``w`` (float values, or kept blocks of ``fmt`` with Q8_0 scales ``d``; a
+    ``[R, 2, I', ...]`` view of gate and up rows taken as ``[2I', ...]``) as float32 ``[N, k]``,
+    decoded by PyTorch where ``w`` lies."""
+    def row(t):
+        return t[r].reshape(-1, t.shape[-1]) if t.dim() == 4 else t[r]
     if fmt is None:
-        return w[r].float()
-    return blocks.dequantize(fmt, [w[r], d[r]] if fmt == "q8_0" else [w[r]], k, torch.float32)
+        return row(w).float()
+    return blocks.dequantize(fmt, [row(w), row(d)] if fmt == "q8_0" else [row(w)], k, torch.float32)
 
 
 def expert_f32(x: torch.Tensor, r: int, fmt: tuple, w13: torch.Tensor, w2: torch.Tensor,
@@ -910,7 +920,7 @@ def expert_f32(x: torch.Tensor, r: int, fmt: tuple, w13: torch.Tensor, w2: torch
     from .experts import activate
 
     H = x.shape[-1]
-    i = w13.shape[1] // 2
+    i = w13.shape[2] if w13.dim() == 4 else w13.shape[1] // 2
     a = x.float() @ _rows_f32(fmt[0], w13, d13, r, H).to(x.device).T
     if b13 is not None:
         a = a + b13[r].float().to(x.device)

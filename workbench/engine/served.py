@@ -19,6 +19,11 @@ one CUDA graph:
    on a side stream by reading their weights from page-locked host memory in place
    (``experts_one_token`` over the CPU stacks: only the selected rows cross the bus, nothing is
    copied first).
+   Under a unit split (``split_units``: the layer's ``bus_units``, which the engine takes from the
+   cost model's ``CostModel.unit_shares``) every CPU-tier pair is both the CPU's and the bus's: the
+   native thread computes each expert's first ``units`` intermediate units (``Server.set_units``),
+   the accelerator the others from views of the same stacks (``blocks.unit_views``), and the two
+   parts add up to the expert. A lone CPU-tier expert then no longer leaves the bus idle.
 4. ``wait_add`` (one kernel) polls ``flag_out`` until it holds this step's number and adds ``out``;
    when ``publish`` left the CPU no pair (every selection resident or the bus's), it returns at once:
    the thread still sees the empty packet, but nothing waits for it.
@@ -39,9 +44,9 @@ import weakref
 import numpy as np
 import torch
 
-from workbench.core.costmodel import bus_count, bus_ratio
+from workbench.core.costmodel import bus_count, bus_ratio, units_for
 
-from . import cpu_kernel, gpu_kernels
+from . import blocks, cpu_kernel, gpu_kernels
 from .experts import COMPUTE, STREAM, LayerExperts, one_token_on
 
 log = logging.getLogger(__name__)
@@ -61,10 +66,12 @@ if triton is not None:
     @triton.jit
     def _publish_kernel(ids_ptr, w_ptr, x_ptr, tier_ptr, local_ptr, packet_ptr, bus_ptr, count_ptr, host_ptr, H,
                         fraction, ratio, slots, flag_ptr, step_ptr, K: tl.constexpr, KP: tl.constexpr,
-                        BLOCK_H: tl.constexpr, DIRECT: tl.constexpr = False):
+                        BLOCK_H: tl.constexpr, DIRECT: tl.constexpr = False, SPLIT: tl.constexpr = False):
         """The packet ``[rows of the CPU's pairs (-2 the bus's, -1 others), weights, x]`` (float32) and the bus's rows
         per pair (-1: not the bus's) from one token's ``ids``/``w [K]`` and ``x [H]``; adds the bus's
         pairs to ``count`` and stores the CPU's in ``host`` (int32: 0 lets ``wait_add`` skip the layer).
+        ``SPLIT`` (a unit split): every CPU-tier pair is both the CPU's and the bus's, each computing its
+        own units of the expert; ``fraction``, ``ratio`` and ``slots`` are then unused.
         ``DIRECT``: ``packet`` is the page-locked host packet itself, and once every thread's stores
         are fenced at system scope the kernel stores ``step`` into the host's ``flag`` (no copies
         after it); else ``flag``/``step`` are unused."""
@@ -79,16 +86,23 @@ if triton is not None:
         n = tl.sum(ci, axis=0)
         rank = tl.cumsum(ci, axis=0) - 1
         # costmodel.bus_count: floor(n * fraction) or one more, whichever ends the slower lane first
-        m0 = (n.to(tl.float32) * fraction).to(tl.int32)
-        a0 = tl.maximum((n - m0).to(tl.float32), m0.to(tl.float32) * ratio)
-        a1 = tl.maximum((n - m0 - 1).to(tl.float32), (m0 + 1).to(tl.float32) * ratio)
-        m = m0 + ((a1 < a0) & (m0 < n)).to(tl.int32)
-        m = tl.where(fraction > 0, tl.minimum(tl.minimum(m, n), slots), 0)
-        bus = cpu & (rank < m)
-        tl.store(count_ptr, tl.load(count_ptr) + m)
-        tl.store(host_ptr, n - m)
-        tl.store(bus_ptr + offs, tl.where(bus, row, -1), mask=km)
-        tl.store(packet_ptr + offs, tl.where(cpu & (rank >= m), row, tl.where(bus, -2, -1)).to(tl.float32), mask=km)
+        if SPLIT:
+            tl.store(count_ptr, tl.load(count_ptr) + n)
+            tl.store(host_ptr, n)
+            tl.store(bus_ptr + offs, tl.where(cpu, row, -1), mask=km)
+            tl.store(packet_ptr + offs, tl.where(cpu, row, -1).to(tl.float32), mask=km)
+        else:
+            m0 = (n.to(tl.float32) * fraction).to(tl.int32)
+            a0 = tl.maximum((n - m0).to(tl.float32), m0.to(tl.float32) * ratio)
+            a1 = tl.maximum((n - m0 - 1).to(tl.float32), (m0 + 1).to(tl.float32) * ratio)
+            m = m0 + ((a1 < a0) & (m0 < n)).to(tl.int32)
+            m = tl.where(fraction > 0, tl.minimum(tl.minimum(m, n), slots), 0)
+            bus = cpu & (rank < m)
+            tl.store(count_ptr, tl.load(count_ptr) + m)
+            tl.store(host_ptr, n - m)
+            tl.store(bus_ptr + offs, tl.where(bus, row, -1), mask=km)
+            tl.store(packet_ptr + offs, tl.where(cpu & (rank >= m), row, tl.where(bus, -2, -1)).to(tl.float32),
+                     mask=km)
         tl.store(packet_ptr + K + offs, w, mask=km)
         h = tl.arange(0, BLOCK_H)
         for h0 in range(0, H, BLOCK_H):
@@ -238,6 +252,9 @@ class _Layer:
         dev = lx.device
         self.lx = lx
         self.k = k
+        self.ffn = _ffn(lx)  # each expert's intermediate units
+        self.units = self.ffn  # those the CPU computes (fewer under a unit split)
+        self.bus_stacks: list[torch.Tensor] | None = None  # a unit split: the bus's units (blocks.unit_views)
         self.packet_dev = torch.zeros(2 * k + hidden, dtype=torch.float32, device=dev)
         self.bus_rows = torch.full((k,), -1, dtype=torch.int64, device=dev)
         self.packet = torch.zeros(2 * k + hidden, dtype=torch.float32, pin_memory=pin)
@@ -273,8 +290,12 @@ class DecodeServer:
             slot = _Layer(lx, k, hidden, self.cuda)
             kind, stacks, f13, f2 = _native_stacks(lx)
             b13, b2, act, alpha, limit = cpu_kernel.act_args(lx.act, *lx._cpu_biases())
-            self.native.add_layer(kind, stacks, f13, f2, _ffn(lx), k, slot.packet, slot.flag_in, slot.out,
-                                  slot.flag_out, b13, b2, act, alpha, limit)
+            index = self.native.add_layer(kind, stacks, f13, f2, _ffn(lx), k, slot.packet, slot.flag_in, slot.out,
+                                          slot.flag_out, b13, b2, act, alpha, limit)
+            units = split_units(lx)
+            if units < slot.ffn:
+                self.native.set_units(index, units)
+                slot.units, slot.bus_stacks = units, blocks.unit_views(_kept(lx), stacks, units)
             self.layers[lx.layer] = slot
         self._stop = weakref.finalize(self, self.native.stop)
         self.native.set_trace(trace_capacity())
@@ -296,15 +317,16 @@ class DecodeServer:
         s = self.layers[lx.layer]
         frac, slots = (lx.bus.fraction, lx.bus.slots) if lx.bus is not None else (0.0, 0)
         direct = self.direct  # on CUDA only, where x is
+        split = s.bus_stacks is not None
         if gpu_kernels.usable(x):
             _publish_kernel[(1,)](ids, w, x, lx.tier_dev, lx.local_dev, s.packet if direct else s.packet_dev, s.bus_rows,
                                   self.bus_count, s.host, self.hidden, float(frac), bus_ratio(frac), int(slots),
                                   s.flag_in, self.step, K=self.k, KP=triton.next_power_of_2(self.k),
-                                  BLOCK_H=min(1024, triton.next_power_of_2(self.hidden)), DIRECT=direct)
+                                  BLOCK_H=min(1024, triton.next_power_of_2(self.hidden)), DIRECT=direct, SPLIT=split)
             if direct:
                 return
         else:
-            self.bus_count += _publish_torch(ids.reshape(-1), w.reshape(-1), x.reshape(-1), lx, s, frac, slots)
+            self.bus_count += _publish_torch(ids.reshape(-1), w.reshape(-1), x.reshape(-1), lx, s, frac, slots, split)
         if self.cuda:
             s.packet.copy_(s.packet_dev, non_blocking=True)
             s.flag_in.copy_(self.step, non_blocking=True)
@@ -337,8 +359,9 @@ class DecodeServer:
         out.add_(started)
 
     def _bus_experts(self, lx: LayerExperts, s: _Layer, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        fmt = lx.kept if lx.kept_cpu is not None else None
-        return one_token_on(x, self.pair_ids, w.reshape(-1), s.bus_rows, lx.cpu_stacks(), fmt,
+        if s.bus_stacks is not None:  # a unit split: the bus's units of every CPU-tier pair (no biases)
+            return one_token_on(x, self.pair_ids, w.reshape(-1), s.bus_rows, s.bus_stacks, _kept(lx), act=lx.act)
+        return one_token_on(x, self.pair_ids, w.reshape(-1), s.bus_rows, lx.cpu_stacks(), _kept(lx),
                             lx.b13[COMPUTE], lx.b2[COMPUTE], lx.act)  # biases (None without): page-locked with the stacks
 
     @_guarded
@@ -413,6 +436,22 @@ def _bus_side_stream() -> bool:
     return os.environ.get("WORKBENCH_SERVED_BUS_STREAM", "1") != "0"
 
 
+def split_units(lx: LayerExperts) -> int:
+    """The units of each of ``lx``'s CPU-tier experts that the CPU computes in a served decode step: under
+    a unit split (``lx.bus_units``, the bus's share, which the engine takes from the cost model's
+    ``unit_shares``) ``costmodel.units_for`` of them, the bus computing the rest from the same stacks
+    in place; else all (``_ffn``). Experts with biases (gpt-oss) are not split."""
+    ffn = _ffn(lx)
+    if lx.bus is None or lx.bias or not lx.bus_units > 0:
+        return ffn
+    return units_for(ffn, float(lx.bus_units), blocks.unit_block(_kept(lx)))
+
+
+def _kept(lx: LayerExperts) -> tuple[str, str] | None:
+    """The formats of ``lx``'s CPU tier's kept blocks, None for float stacks."""
+    return lx.kept if lx.kept_cpu is not None else None
+
+
 def _ffn(lx: LayerExperts) -> int:
     """The experts' intermediate size ``I``."""
     if lx.kept_cpu is not None:
@@ -433,23 +472,28 @@ def _native_kind(kept: tuple[str, str] | None) -> tuple[int, int, int]:
 
 def _native_stacks(lx: LayerExperts) -> tuple[int, list[torch.Tensor], int, int]:
     """``(kind, stacks, f13, f2)`` of the native server's ``add_layer`` for ``lx``'s CPU tier."""
-    kind, f13, f2 = _native_kind(None if lx.kept_cpu is None else lx.kept)
+    kind, f13, f2 = _native_kind(_kept(lx))
     return kind, lx.cpu_stacks(), f13, f2
 
 
 def _publish_torch(ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor, lx: LayerExperts, s: _Layer, frac: float,
-                   slots: int) -> int:
+                   slots: int, split: bool = False) -> int:
     """``_publish_kernel`` in torch ops (a CPU accelerator without Triton's interpreter); the bus's pairs."""
     k = ids.shape[0]
     cpu = lx.tier_dev[ids] == COMPUTE
     n = int(cpu.sum())
-    m = bus_count(n, frac, slots)
-    rank = torch.cumsum(cpu.long(), 0) - 1
-    bus = cpu & (rank < m)
     row = lx.local_dev[ids]
-    s.bus_rows.copy_(torch.where(bus, row, -1))
-    s.packet_dev[:k] = torch.where(cpu & ~bus, row, torch.where(bus, -2, -1)).float()
+    if split:
+        s.bus_rows.copy_(torch.where(cpu, row, -1))
+        s.packet_dev[:k] = torch.where(cpu, row, -1).float()
+        m = n
+    else:
+        m = bus_count(n, frac, slots)
+        rank = torch.cumsum(cpu.long(), 0) - 1
+        bus = cpu & (rank < m)
+        s.bus_rows.copy_(torch.where(bus, row, -1))
+        s.packet_dev[:k] = torch.where(cpu & ~bus, row, torch.where(bus, -2, -1)).float()
     s.packet_dev[k:2 * k] = w.float()
     s.packet_dev[2 * k:] = x.float()
-    s.host.fill_(n - m)
+    s.host.fill_(n if split else n - m)
     return m

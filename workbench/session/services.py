@@ -239,7 +239,8 @@ def load_engine(inv: Inventory, placement: Placement, progress=None, cancel=None
                 hardware=None):
     """Load the engine on CUDA when there is one (bf16), else on the CPU (fp32). ``force``: no
     VRAM check (the user chose to load anyway). ``hardware``: the machine's profile, whose bus and
-    CPU read rates set decode's bus share (``bus.fraction_for``; None: the engine's default)."""
+    CPU read rates set decode's bus share (``bus.fraction_for``; None: the engine's default) and its
+    unit split per layer (``CostModel.unit_shares``)."""
     engine_mod = _optional("workbench.engine.engine")
     if engine_mod is None:
         raise WorkbenchError("the inference engine is not available in this build")
@@ -256,9 +257,13 @@ def load_engine(inv: Inventory, placement: Placement, progress=None, cancel=None
     ctx = min(int(inv.spec.max_context or 4096), 8192)
     bus_mod = _optional("workbench.engine.bus") if device == "cuda" and hardware is not None else None
     bus_share = bus_mod.fraction_for(inv, hardware) if bus_mod is not None else None
+    units = None  # decode's unit split per layer, as the cost model predicts it fastest for this placement
+    costmodel = _optional("workbench.core.costmodel") if bus_mod is not None and hardware.gpus else None
+    if costmodel is not None:
+        units = costmodel.CostModel(inv, hardware, None).unit_shares(placement, kv_tokens=min(ctx, 4096))
     return engine_mod.Engine.load(inv, placement, device=device, dtype=dtype, max_context=ctx,
                                   progress=byte_progress(progress), cancel=cancel,
-                                  vram_budget=(1 << 62) if force else None, bus_share=bus_share)
+                                  vram_budget=(1 << 62) if force else None, bus_share=bus_share, unit_shares=units)
 
 
 def profile(engine, tokenizer, prompts: list[str], progress=None, cancel=None):

@@ -935,16 +935,19 @@ struct NoHook {
 
 // The fused experts over any weight layout. dot13(g, r0, nrows, s, c, res): res[q * c + k] = row
 // r0 + q of group g's w13 . x[tok[s + k]] for q < nrows, k < c (rows < 2I, gate rows first);
-// dot2(g, o0, nrows, s, c, as, res): res[q * c + k] = row o0 + q of group g's w2 . as[k * I] (pair
-// s + k's activations). out [T, H] is zeroed.
+// dot2(g, o0, nrows, s, c, as, res): res[q * c + k] = the first U values of row o0 + q of group g's
+// w2 . as[k * U] (pair s + k's activations). out [T, H] is zeroed. U <= I: the experts' first U
+// intermediate units only (gate rows [0, U), up rows [I, I + U), w2's first U columns), a part of
+// each expert whose other units the accelerator computes meanwhile (the decode server's unit split).
 // Each weight row is read from memory once per call and dotted with every token of its group
 // while it sits in L1 (the float and Q8_0 dots widen each weight vector once per four tokens, and
 // with four tokens or more take four rows at a time), so a prompt's expert hit by c tokens costs
 // about one read of its weights and c cheap dots.
 template <typename Dot13, typename Dot2, typename Hook = NoHook>
-void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13, Dot2 dot2, Hook between = Hook()) {
+void grouped_rows(const Pairs& pr, int64_t H, int64_t I, int64_t U, float* out, Dot13 dot13, Dot2 dot2,
+                  Hook between = Hook()) {
   const int64_t G = pr.groups(), n = pr.size();
-  std::vector<float> act(static_cast<size_t>(n * I));  // silu(g) * u (pr.act) per pair, [n, I]
+  std::vector<float> act(static_cast<size_t>(n * U));  // silu(g) * u (pr.act) per pair, [n, U]
   float* a = act.data();
   const int64_t* start = pr.start.data();
   const Act& fn = pr.act;
@@ -955,7 +958,7 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
   auto pass1 = [&](int64_t begin, int64_t end) {
     std::vector<float> gate, up;
     for (int64_t p = begin; p < end;) {
-      const int64_t g = p / I, i0 = p % I, len = std::min(I - i0, end - p);
+      const int64_t g = p / U, i0 = p % U, len = std::min(U - i0, end - p);
       const int64_t s = start[g], c = start[g + 1] - s;
       gate.resize(static_cast<size_t>(len * c));
       up.resize(static_cast<size_t>(len * c));
@@ -963,12 +966,12 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
       dot13(g, I + i0, len, s, c, up.data());
       if (fn.kind == 0 && !fn.b13) {
         for (int64_t q = 0; q < len; ++q)
-          for (int64_t k = 0; k < c; ++k) a[(s + k) * I + i0 + q] = silu(gate[q * c + k]) * up[q * c + k];
+          for (int64_t k = 0; k < c; ++k) a[(s + k) * U + i0 + q] = silu(gate[q * c + k]) * up[q * c + k];
       } else {
         const float* bg = fn.b13 ? fn.b13 + pr.rows[g] * 2 * I + i0 : nullptr;
         for (int64_t q = 0; q < len; ++q)
           for (int64_t k = 0; k < c; ++k)
-            a[(s + k) * I + i0 + q] = fn(gate[q * c + k] + (bg ? bg[q] : 0.f), up[q * c + k] + (bg ? bg[I + q] : 0.f));
+            a[(s + k) * U + i0 + q] = fn(gate[q * c + k] + (bg ? bg[q] : 0.f), up[q * c + k] + (bg ? bg[I + q] : 0.f));
       }
       p += len;
     }
@@ -983,7 +986,7 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
     for (int64_t g = 0; g < G; ++g) {
       const int64_t s = start[g], c = start[g + 1] - s;
       res.resize(static_cast<size_t>((end - begin) * c));
-      dot2(g, begin, end - begin, s, c, a + s * I, res.data());
+      dot2(g, begin, end - begin, s, c, a + s * U, res.data());
       const float* bd = fn.b2 ? fn.b2 + pr.rows[g] * H : nullptr;
       for (int64_t o = begin; o < end; ++o)
         for (int64_t k = 0; k < c; ++k)
@@ -993,7 +996,7 @@ void grouped_rows(const Pairs& pr, int64_t H, int64_t I, float* out, Dot13 dot13
 
   // between the passes, over the pairs: e.g. per-block sums of the activations, which Q4_K's
   // minimums need, or the activations rounded for the int8 dots
-  parallel_passes(G * I, 16, pass1, n, [&](int64_t b, int64_t e) { between(a, b, e); }, H, 16, pass2);
+  parallel_passes(G * U, 16, pass1, n, [&](int64_t b, int64_t e) { between(a, b, e); }, H, 16, pass2);
 }
 
 // Pointers to N inputs: f(k) for k = j .. j + N - 1.
@@ -1002,20 +1005,23 @@ inline void inputs(int64_t j, const T** xs, F&& f) {
   for (int q = 0; q < N; ++q) xs[q] = f(j + q);
 }
 
-// rows_by_inputs over the matrix at ``base`` (K values a row): one(N, row, xs, K, out) and
-// four(N, rows[4], xs, K, out, ldr) against the inputs xk(k) (pointers to K values each).
+// rows_by_inputs over the matrix at ``base`` (rows ``ld`` values apart, their first K dotted; ld 0:
+// K): one(N, row, xs, K, out) and four(N, rows[4], xs, K, out, ldr) against the inputs xk(k)
+// (pointers to K values each).
 template <typename R, typename XK, typename One, typename Four>
-inline void matrix_rows(const R* base, int64_t K, int64_t nrows, int64_t c, float* res, XK xk, One one, Four four) {
+inline void matrix_rows(const R* base, int64_t K, int64_t nrows, int64_t c, float* res, XK xk, One one, Four four,
+                        int64_t ld = 0) {
+  if (ld == 0) ld = K;
   using X = std::remove_const_t<std::remove_pointer_t<decltype(xk(0))>>;
   rows_by_inputs(
       nrows, c, res,
       [&](int64_t q, int64_t j, auto n, float* o) {
         const X* xs[decltype(n)::value];
         inputs<decltype(n)::value>(j, xs, xk);
-        one(n, base + q * K, xs, K, o);
+        one(n, base + q * ld, xs, K, o);
       },
       [&](int64_t q, int64_t j, auto n, float* o) {
-        const R* w[4] = {base + q * K, base + (q + 1) * K, base + (q + 2) * K, base + (q + 3) * K};
+        const R* w[4] = {base + q * ld, base + (q + 1) * ld, base + (q + 2) * ld, base + (q + 3) * ld};
         const X* xs[decltype(n)::value];
         inputs<decltype(n)::value>(j, xs, xk);
         four(n, w, xs, K, o, c);
@@ -1023,7 +1029,8 @@ inline void matrix_rows(const R* base, int64_t K, int64_t nrows, int64_t c, floa
 }
 
 template <typename W>
-void run_float(const float* x, const W* w13, const W* w2, const Pairs& pr, int64_t H, int64_t I, float* out) {
+void run_float(const float* x, const W* w13, const W* w2, const Pairs& pr, int64_t H, int64_t I, int64_t U,
+               float* out) {
   const int64_t e13 = 2 * I * H, e2 = H * I;  // elements per expert
   const int64_t* rows = pr.rows.data();
   const int64_t* tok = pr.tok.data();
@@ -1047,7 +1054,7 @@ void run_float(const float* x, const W* w13, const W* w2, const Pairs& pr, int64
     dot_4rows<decltype(n)::value>(w, xs, K, o, ldr);
   };
   grouped_rows(
-      pr, H, I, out,
+      pr, H, I, U, out,
       [&](int64_t g, int64_t r0, int64_t nrows, int64_t s, int64_t c, float* res) {
         const W* base = w13 + rows[g] * e13 + r0 * H;
         if constexpr (std::is_same_v<W, uint16_t>) {
@@ -1064,8 +1071,8 @@ void run_float(const float* x, const W* w13, const W* w2, const Pairs& pr, int64
         matrix_rows(base, H, nrows, c, res, [&](int64_t k) { return x + tok[s + k] * H; }, f32_one, f32_four);
       },
       [&](int64_t g, int64_t o0, int64_t nrows, int64_t, int64_t c, const float* as, float* res) {
-        matrix_rows(w2 + rows[g] * e2 + o0 * I, I, nrows, c, res, [&](int64_t k) { return as + k * I; }, f32_one,
-                    f32_four);
+        matrix_rows(w2 + rows[g] * e2 + o0 * I, U, nrows, c, res, [&](int64_t k) { return as + k * U; }, f32_one,
+                    f32_four, I);
       });
 }
 
@@ -1109,15 +1116,15 @@ inline void int8_rows(int64_t nrows, int64_t c, float* res, In in, Dot dot) {
 // against each pair's activations (rounded between the passes). row13(g, r, xs, N, out): row r of
 // group g's gate/up matrix against N inputs xs; row2(g, o, xs, N, out): row o of its down matrix.
 template <typename Row13, typename Row2>
-void run_int8(const float* x, int64_t T, const Pairs& pr, int64_t H, int64_t I, int8dot::Order o13,
+void run_int8(const float* x, int64_t T, const Pairs& pr, int64_t H, int64_t I, int64_t U, int8dot::Order o13,
               int8dot::Order o2, Row13 row13, Row2 row2, float* out) {
   const int64_t* tok = pr.tok.data();
   int8dot::Inputs xin, ain;
   xin.init(T, H, o13);
-  ain.init(pr.size(), I, o2);
+  ain.init(pr.size(), U, o2);
   round_tokens(xin, x, T, H);
   grouped_rows(
-      pr, H, I, out,
+      pr, H, I, U, out,
       [&](int64_t g, int64_t r0, int64_t nrows, int64_t s, int64_t c, float* res) {
         int8_rows(nrows, c, res, [&](int64_t k) { return xin.at(tok[s + k]); },
                   [&](int64_t q, const int8dot::Input* xs, auto nn, float* o) { row13(g, r0 + q, xs, nn, o); });
@@ -1127,12 +1134,12 @@ void run_int8(const float* x, int64_t T, const Pairs& pr, int64_t H, int64_t I, 
                   [&](int64_t q, const int8dot::Input* xs, auto nn, float* o) { row2(g, o0 + q, xs, nn, o); });
       },
       [&](const float* a, int64_t b, int64_t e) {
-        for (int64_t p = b; p < e; ++p) ain.set(p, a + p * I);
+        for (int64_t p = b; p < e; ++p) ain.set(p, a + p * U);
       });
 }
 
 void run_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2, const Half* d2, const Pairs& pr,
-            int64_t H, int64_t I, float* out) {
+            int64_t H, int64_t I, int64_t U, float* out) {
   const int64_t e13 = 2 * I * H, e2 = H * I;  // values per expert; scales: 1 per 32
   const int64_t* rows = pr.rows.data();
   if (int8_dots_on() && pr.size() > 0) {
@@ -1141,26 +1148,27 @@ void run_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2
       int8dot::dot_q8<decltype(nn)::value>(q + at, reinterpret_cast<const uint16_t*>(d + at / 32), xs, K, o);
     };
     return run_int8(
-        x, 1 + *std::max_element(pr.tok.begin(), pr.tok.end()), pr, H, I, int8dot::Order::kQ8, int8dot::Order::kQ8,
+        x, 1 + *std::max_element(pr.tok.begin(), pr.tok.end()), pr, H, I, U, int8dot::Order::kQ8, int8dot::Order::kQ8,
         [&](int64_t g, int64_t r, const int8dot::Input* xs, auto nn, float* o) {
           row(q13, d13, rows[g] * e13 + r * H, H, xs, nn, o);
         },
         [&](int64_t g, int64_t r, const int8dot::Input* xs, auto nn, float* o) {
-          row(q2, d2, rows[g] * e2 + r * I, I, xs, nn, o);
+          row(q2, d2, rows[g] * e2 + r * I, U, xs, nn, o);
         },
         out);
   }
   const int64_t* tok = pr.tok.data();
-  // rows r0 .. r0 + nrows of the matrix at value offset ``off`` (K values a row) against inputs xk(k)
-  auto block = [](const int8_t* q, const Half* d, int64_t off, int64_t K, int64_t nrows, int64_t c, float* res,
-                  auto xk) {
+  // rows r0 .. r0 + nrows of the matrix at value offset ``off`` (rows ld values apart, their first K
+  // dotted) against inputs xk(k)
+  auto block = [](const int8_t* q, const Half* d, int64_t off, int64_t K, int64_t ld, int64_t nrows, int64_t c,
+                  float* res, auto xk) {
     rows_by_inputs(
         nrows, c, res,
         [&](int64_t r, int64_t j, auto n, float* o) {
           constexpr int N = decltype(n)::value;
           const float* xs[N];
           inputs<N>(j, xs, xk);
-          const int64_t at = off + r * K;
+          const int64_t at = off + r * ld;
           dot_q8_n<N>(q + at, d + at / 32, xs, K, o);
         },
         [&](int64_t r, int64_t j, auto n, float* o) {
@@ -1169,38 +1177,38 @@ void run_q8(const float* x, const int8_t* q13, const Half* d13, const int8_t* q2
           inputs<N>(j, xs, xk);
           const int8_t* qr[4];
           const Half* dr[4];
-          for (int i = 0; i < 4; ++i) qr[i] = q + off + (r + i) * K, dr[i] = d + (off + (r + i) * K) / 32;
+          for (int i = 0; i < 4; ++i) qr[i] = q + off + (r + i) * ld, dr[i] = d + (off + (r + i) * ld) / 32;
           dot_q8_4rows<N>(qr, dr, xs, K, o, c);
         });
   };
   grouped_rows(
-      pr, H, I, out,
+      pr, H, I, U, out,
       [&](int64_t g, int64_t r0, int64_t nrows, int64_t s, int64_t c, float* res) {
-        block(q13, d13, rows[g] * e13 + r0 * H, H, nrows, c, res, [&](int64_t k) { return x + tok[s + k] * H; });
+        block(q13, d13, rows[g] * e13 + r0 * H, H, H, nrows, c, res, [&](int64_t k) { return x + tok[s + k] * H; });
       },
       [&](int64_t g, int64_t o0, int64_t nrows, int64_t, int64_t c, const float* as, float* res) {
-        block(q2, d2, rows[g] * e2 + o0 * I, I, nrows, c, res, [&](int64_t k) { return as + k * I; });
+        block(q2, d2, rows[g] * e2 + o0 * I, U, I, nrows, c, res, [&](int64_t k) { return as + k * U; });
       });
 }
 
 void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const uint8_t* b2, int64_t f2,
-            const Pairs& pr, int64_t H, int64_t I, float* out) {
+            const Pairs& pr, int64_t H, int64_t I, int64_t U, float* out) {
   const int64_t row13 = kq_row(f13, H), row2 = kq_row(f2, I);  // bytes per matrix row
   const int64_t n = pr.size();
   const int64_t* rows = pr.rows.data();
   if (int8_dots_on()) {
     return run_int8(
-        x, T, pr, H, I, int8dot::order_for_kquant(f13), int8dot::order_for_kquant(f2),
+        x, T, pr, H, I, U, int8dot::order_for_kquant(f13), int8dot::order_for_kquant(f2),
         [&](int64_t g, int64_t r, const int8dot::Input* xs, auto nn, float* o) {
           int8dot::dot_kq<decltype(nn)::value>(f13, b13 + (rows[g] * 2 * I + r) * row13, xs, H, o);
         },
         [&](int64_t g, int64_t r, const int8dot::Input* xs, auto nn, float* o) {
-          int8dot::dot_kq<decltype(nn)::value>(f2, b2 + (rows[g] * H + r) * row2, xs, I, o);
+          int8dot::dot_kq<decltype(nn)::value>(f2, b2 + (rows[g] * H + r) * row2, xs, U, o);
         },
         out);
   }
   const int64_t* tok = pr.tok.data();
-  std::vector<float> xsum(static_cast<size_t>(T * (H / 32))), asum(static_cast<size_t>(n * (I / 32)));
+  std::vector<float> xsum(static_cast<size_t>(T * (H / 32))), asum(static_cast<size_t>(n * (U / 32)));
   for (int64_t t = 0; t < T; ++t) block_sums(x + t * H, H, xsum.data() + t * (H / 32));
   // Q4_K gate/up rows against bf16-exact inputs: the bf16 dot (same products, see dot_q4k_bf16_n)
   std::vector<uint16_t> xb;
@@ -1210,7 +1218,7 @@ void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const ui
     bf16 = as_bf16(x, T * H, xb.data());
   }
   grouped_rows(
-      pr, H, I, out,
+      pr, H, I, U, out,
       [&](int64_t g, int64_t r0, int64_t nrows, int64_t s, int64_t c, float* res) {
         if (c == 1) {  // a decode step: one input, no pointer tables
           const int64_t t = tok[s];
@@ -1246,8 +1254,8 @@ void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const ui
       },
       [&](int64_t g, int64_t o0, int64_t nrows, int64_t s, int64_t c, const float* as, float* res) {
         if (c == 1) {
-          const float* sums = asum.data() + s * (I / 32);
-          for (int64_t q = 0; q < nrows; ++q) dot_kq_n<1>(f2, b2 + (rows[g] * H + o0 + q) * row2, &as, &sums, I, res + q);
+          const float* sums = asum.data() + s * (U / 32);
+          for (int64_t q = 0; q < nrows; ++q) dot_kq_n<1>(f2, b2 + (rows[g] * H + o0 + q) * row2, &as, &sums, U, res + q);
           return;
         }
         for (int64_t q = 0; q < nrows; ++q) {
@@ -1256,14 +1264,14 @@ void run_kq(const float* x, int64_t T, const uint8_t* b13, int64_t f13, const ui
             constexpr int N = decltype(n)::value;
             const float* xs[N];
             const float* sums[N];
-            inputs<N>(j, xs, [&](int64_t k) { return as + k * I; });
-            inputs<N>(j, sums, [&](int64_t k) { return static_cast<const float*>(asum.data() + (s + k) * (I / 32)); });
-            dot_kq_n<N>(f2, row, xs, sums, I, res + q * c + j);
+            inputs<N>(j, xs, [&](int64_t k) { return as + k * U; });
+            inputs<N>(j, sums, [&](int64_t k) { return static_cast<const float*>(asum.data() + (s + k) * (U / 32)); });
+            dot_kq_n<N>(f2, row, xs, sums, U, res + q * c + j);
           });
         }
       },
       [&](const float* a, int64_t b, int64_t e) {
-        for (int64_t p = b; p < e; ++p) block_sums(a + p * I, I, asum.data() + p * (I / 32));
+        for (int64_t p = b; p < e; ++p) block_sums(a + p * U, U, asum.data() + p * (U / 32));
       });
 }
 
@@ -1453,12 +1461,12 @@ at::Tensor moe_decode(const at::Tensor& x, const at::Tensor& w13, const at::Tens
                        (void)b13, (void)b2;  // held while a background run reads them
                        if (wtype == at::kBFloat16) {
                          run_float(xp, reinterpret_cast<const uint16_t*>(w13.data_ptr()),
-                                   reinterpret_cast<const uint16_t*>(w2.data_ptr()), pr, H, I, op);
+                                   reinterpret_cast<const uint16_t*>(w2.data_ptr()), pr, H, I, I, op);
                        } else if (wtype == at::kHalf) {
                          run_float(xp, reinterpret_cast<const Half*>(w13.data_ptr()),
-                                   reinterpret_cast<const Half*>(w2.data_ptr()), pr, H, I, op);
+                                   reinterpret_cast<const Half*>(w2.data_ptr()), pr, H, I, I, op);
                        } else {
-                         run_float(xp, w13.data_ptr<float>(), w2.data_ptr<float>(), pr, H, I, op);
+                         run_float(xp, w13.data_ptr<float>(), w2.data_ptr<float>(), pr, H, I, I, op);
                        }
                      },
                      fn);
@@ -1480,7 +1488,7 @@ at::Tensor moe_decode_q8(const at::Tensor& x, const at::Tensor& q13, const at::T
   return checked_run("moe_decode_q8", x, tokens, rows, weights, E, H, threads, out,
                      [=](const float* xp, const Pairs& pr, float* op) {
                        run_q8(xp, q13.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d13.data_ptr()),
-                              q2.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d2.data_ptr()), pr, H, I, op);
+                              q2.data_ptr<int8_t>(), reinterpret_cast<const Half*>(d2.data_ptr()), pr, H, I, I, op);
                      });
 }
 
@@ -1504,7 +1512,7 @@ at::Tensor moe_decode_kq(const at::Tensor& x, const at::Tensor& b13, int64_t f13
   return checked_run("moe_decode_kq", x, tokens, rows, weights, E, H, threads, out,
                      [=](const float* xp, const Pairs& pr, float* op) {
                        (void)b13b, (void)b2b;  // held while a background run reads them
-                       run_kq(xp, T, b13.data_ptr<uint8_t>(), f13, b2.data_ptr<uint8_t>(), f2, pr, H, I, op);
+                       run_kq(xp, T, b13.data_ptr<uint8_t>(), f13, b2.data_ptr<uint8_t>(), f2, pr, H, I, I, op);
                      },
                      fn);
 }
@@ -1528,6 +1536,7 @@ struct ServedLayer {
   at::Tensor w[4];
   int64_t f13 = 0, f2 = 0;  // k-quant formats
   int64_t E = 0, H = 0, I = 0, k = 0;
+  int64_t U = 0;                              // units computed of I (set_units; the rest: the bus's)
   Act act;                                    // gpt-oss: its biases and clamped SwiGLU
   at::Tensor b13, b2;                         // the biases act points into, or empty
   at::Tensor packet, flag_in, out, flag_out;  // kept alive while the server runs
@@ -1549,7 +1558,7 @@ class Server {
     for (const auto& t : w) TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 3,
                                          "Server.add_layer: weights must be contiguous [E, ...] CPU stacks");
     ServedLayer L;
-    L.kind = kind, L.f13 = f13, L.f2 = f2, L.I = I, L.k = k, L.E = w[0].size(0);
+    L.kind = kind, L.f13 = f13, L.f2 = f2, L.I = I, L.U = I, L.k = k, L.E = w[0].size(0);
     L.H = out.numel();
     if (kind == 0) {
       const auto t = w[0].scalar_type();
@@ -1581,6 +1590,21 @@ class Server {
     L.seen = flag_in.data_ptr<int64_t>()[0];
     layers_.push_back(std::move(L));
     return static_cast<int64_t>(layers_.size()) - 1;
+  }
+
+  // Layer ``index`` computes only its experts' first ``units`` intermediate units (gate rows [0, units),
+  // up rows [I, I + units), down columns [0, units)): the accelerator computes the others from the
+  // same stacks meanwhile and adds them. A whole number of the down rows' blocks; no biases (the down
+  // bias would count twice). Only while the thread is stopped.
+  void set_units(int64_t index, int64_t units) {
+    TORCH_CHECK(!thread_.joinable(), "Server.set_units: the server is running");
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(layers_.size()), "Server.set_units: no such layer");
+    ServedLayer& L = layers_[static_cast<size_t>(index)];
+    const int64_t block = L.kind == 0 ? 1 : L.kind == 1 ? 32 : kq_values(L.f2);
+    TORCH_CHECK(units > 0 && units <= L.I && units % block == 0,
+                "Server.set_units: units must be in (0, I] and a multiple of ", block, ", got ", units);
+    TORCH_CHECK(units == L.I || !(L.b2.defined() && L.b2.numel()), "Server.set_units: experts with biases take all units");
+    L.U = units;
   }
 
   void start() {
@@ -1716,18 +1740,18 @@ class Server {
         const auto t = L.w[0].scalar_type();
         if (t == at::kBFloat16) {
           run_float(x, reinterpret_cast<const uint16_t*>(L.w[0].data_ptr()),
-                    reinterpret_cast<const uint16_t*>(L.w[1].data_ptr()), pr, L.H, L.I, out);
+                    reinterpret_cast<const uint16_t*>(L.w[1].data_ptr()), pr, L.H, L.I, L.U, out);
         } else if (t == at::kHalf) {
           run_float(x, reinterpret_cast<const Half*>(L.w[0].data_ptr()),
-                    reinterpret_cast<const Half*>(L.w[1].data_ptr()), pr, L.H, L.I, out);
+                    reinterpret_cast<const Half*>(L.w[1].data_ptr()), pr, L.H, L.I, L.U, out);
         } else {
-          run_float(x, L.w[0].data_ptr<float>(), L.w[1].data_ptr<float>(), pr, L.H, L.I, out);
+          run_float(x, L.w[0].data_ptr<float>(), L.w[1].data_ptr<float>(), pr, L.H, L.I, L.U, out);
         }
       } else if (L.kind == 1) {
         run_q8(x, L.w[0].data_ptr<int8_t>(), reinterpret_cast<const Half*>(L.w[1].data_ptr()),
-               L.w[2].data_ptr<int8_t>(), reinterpret_cast<const Half*>(L.w[3].data_ptr()), pr, L.H, L.I, out);
+               L.w[2].data_ptr<int8_t>(), reinterpret_cast<const Half*>(L.w[3].data_ptr()), pr, L.H, L.I, L.U, out);
       } else {
-        run_kq(x, 1, L.w[0].data_ptr<uint8_t>(), L.f13, L.w[1].data_ptr<uint8_t>(), L.f2, pr, L.H, L.I, out);
+        run_kq(x, 1, L.w[0].data_ptr<uint8_t>(), L.f13, L.w[1].data_ptr<uint8_t>(), L.f2, pr, L.H, L.I, L.U, out);
       }
     } catch (...) {
       std::memset(out, 0, sizeof(float) * L.H);
@@ -1809,6 +1833,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kind"), py::arg("w"), py::arg("f13"), py::arg("f2"), py::arg("I"), py::arg("k"), py::arg("packet"),
            py::arg("flag_in"), py::arg("out"), py::arg("flag_out"), py::arg("b13"), py::arg("b2"), py::arg("act"),
            py::arg("alpha"), py::arg("limit"))
+      .def("set_units", &Server::set_units,
+           "Layer index computes only its experts' first units intermediate units (the rest: the accelerator's)",
+           py::arg("index"), py::arg("units"))
       .def("start", &Server::start)
       .def("stop", &Server::stop, py::call_guard<py::gil_scoped_release>())
       .def("set_trace", &Server::set_trace, "Record up to capacity packets from the next start (0: none)",
