@@ -595,9 +595,9 @@ def test_a_served_bus_reads_in_place_and_shares_the_ram_with_the_cpu():
     inv = synth_inventory(4, 32, hidden=2048, expert_ffn=768, top_k=8)
     hw = h200_profile()
     p = placement_cpu_moe(inv)
-    served = CostModel(inv, hw, engine=EngineShape(bus_read=0.5, shared_read=0.5, unit_share=0))
+    served = CostModel(inv, hw, engine=EngineShape(bus_read=0.5, shared_read=0.5))
     hosted = CostModel(inv, hw, engine=EngineShape(served=False))
-    all_bus = CostModel(inv, hw, engine=EngineShape(bus_share=1.0, bus_read=0.5, unit_share=0))
+    all_bus = CostModel(inv, hw, engine=EngineShape(bus_share=1.0, bus_read=0.5))
     s, h, b = (m.predict(p, ctx=512).decode_layers for m in (served, hosted, all_bus))
     expert_bytes = 8 * 3 * 2048 * 768 * 2  # all eight selections of a layer, bf16
     assert b[0].bus == pytest.approx(expert_bytes / (0.5 * hw.h2d_pinned), rel=0.02)
@@ -722,7 +722,7 @@ def test_decodes_bus_share_balances_the_bus_and_the_cpu_reads():
     assert CostModel(inv, measured).engine.bus_share == model_bus_share(inv, measured) == pytest.approx(
         balanced_bus_share(measured, "BF16"))
     p = placement_n_cpu_moe(inv, 2)
-    same_share = EngineShape(bus_share=0.45, unit_share=0)  # the same split: only the bus lane's rate differs
+    same_share = EngineShape(bus_share=0.45)  # the same split: only the bus lane's rate differs
     slow = CostModel(inv, measured, engine=same_share).predict(p, prompt_tokens=16)
     fast = CostModel(inv, dataclasses.replace(base, bus_read_rate=60e9), engine=same_share).predict(p, prompt_tokens=16)
     assert 1.8 * fast.decode_layers[0].bus < slow.decode_layers[0].bus < 2 * fast.decode_layers[0].bus  # + launches
@@ -747,8 +747,8 @@ def test_a_unit_split_shares_each_pair_and_the_model_takes_it_where_it_is_faster
     for layer in (0, 1):  # two layers with a few cold experts on the CPU, two with all of them
         for e in range(28):
             p.set(UnitKey(layer, "expert", e), ON_GPU0)
-    whole = CostModel(inv, hw, engine=EngineShape(bus_share=0.4, unit_share=0))
-    model = CostModel(inv, hw, engine=EngineShape(bus_share=0.4))
+    whole = CostModel(inv, hw, engine=EngineShape(bus_share=0.4))  # whole experts: the default
+    model = CostModel(inv, hw, engine=EngineShape(bus_share=0.4, unit_share=None))
     shares = model.unit_shares(p)
     assert shares[0] > 0 and shares[1] > 0
     split, kept = model.predict(p, ctx=512).decode_layers, whole.predict(p, ctx=512).decode_layers
@@ -757,5 +757,28 @@ def test_a_unit_split_shares_each_pair_and_the_model_takes_it_where_it_is_faster
     assert [c.bus_units for c in split] == pytest.approx(shares.tolist())
     fixed = CostModel(inv, hw, engine=EngineShape(bus_share=0.4, unit_share=0.5)).unit_shares(p)
     assert fixed[0] == 0.5  # a share given: weighed against whole experts alone
-    hosted = CostModel(inv, hw, engine=EngineShape(bus_share=0.4, served=False))
+    hosted = CostModel(inv, hw, engine=EngineShape(bus_share=0.4, served=False, unit_share=None))
     assert not hosted.unit_shares(p).any()  # the host-driven step copies whole experts
+
+
+def test_a_unit_split_that_gains_less_than_its_margin_is_not_taken():
+    """Where the host's RAM bounds the CPU's and the bus's reads together, a unit split ends a layer
+    no sooner than whole experts: the model keeps whole experts unless a split gains ``UNIT_GAIN``."""
+    from workbench.core.costmodel import UNIT_GAIN
+
+    inv = synth_inventory(4, 32, hidden=2048, expert_ffn=768, top_k=8)
+    fast = dataclasses.replace(h200_profile(), bus_read_rate=50e9)
+    slow_ram = dataclasses.replace(fast, host_read_bandwidth=0.5 * cpu_rate(fast, "BF16"))
+    p = placement_cpu_moe(inv)
+    for layer in range(4):
+        for e in range(28):
+            p.set(UnitKey(layer, "expert", e), ON_GPU0)
+    for hw, split in ((fast, True), (slow_ram, False)):
+        model = CostModel(inv, hw, engine=EngineShape(bus_share=0.4, unit_share=None))
+        whole = CostModel(inv, hw, engine=EngineShape(bus_share=0.4)).predict(p, ctx=512).decode_layers
+        took = model.predict(p, ctx=512).decode_layers
+        assert bool(model.unit_shares(p).any()) == split
+        if split:
+            assert took[0].total < (1 - UNIT_GAIN) * whole[0].total
+        else:
+            assert [c.total for c in took] == pytest.approx([c.total for c in whole])

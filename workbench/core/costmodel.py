@@ -222,6 +222,12 @@ def bus_count(n, fraction: float, slots: int):
 UNIT_CHOICES = (0.25, 0.375, 0.5, 0.625, 0.75)
 """The unit splits (the bus's share of each pair's units) the model weighs per layer against whole
 experts (``EngineShape.unit_share`` None)."""
+UNIT_GAIN = 0.03
+"""A layer takes a unit split only where the model predicts it at least this much shorter than whole
+experts. On an H100 host whose RAM read 104 GB/s (the CPU's 69 and the bus's 51 GB/s together
+more), the model predicted S1 bf16 ``balanced`` the same either way and the split measured 136.5
+tok/s against 139.6 with whole experts (BENCHMARKS.md, eighteenth stop): where the RAM bounds both
+lanes, a split only adds the bus's partial rows."""
 
 
 def unit_block(fmt: str) -> int:
@@ -305,12 +311,14 @@ class EngineShape:
     """Decode sends ``round(n * bus_share)`` (at most ``bus_slots``) of the ``n`` CPU-compute experts a
     token selects in a layer over the bus to the GPU, while the CPU computes the rest; 0: none."""
     bus_slots: int = BUS_SLOTS
-    unit_share: float | None = None
+    unit_share: float | None = 0.0
     """Served decode's unit split: every CPU-tier pair's intermediate units split between the CPU and
-    the bus (``units_for``) instead of whole experts by ``bus_share``. None: each layer takes
-    whichever of whole experts and ``UNIT_CHOICES`` the model predicts fastest for the placement
-    (``CostModel.unit_shares``, which the engine then runs); 0: whole experts; a share: that one in
-    every layer."""
+    the bus (``units_for``) instead of whole experts by ``bus_share``. 0 (the default): whole
+    experts; None: each layer takes whichever of whole experts and ``UNIT_CHOICES`` the model
+    predicts fastest for the placement (``CostModel.unit_shares``, which the engine then runs); a
+    share: that one wherever it beats whole experts. Off by default: on the one host it was
+    measured on (H100, RAM read 104 GB/s) the split did not speed S1 bf16 up, where the model with
+    it on predicted +4% (BENCHMARKS.md, eighteenth stop)."""
     launches_bus: int = 4
     """per layer that sends experts over the bus: the expert map copy, gate_up, down, add."""
     served: bool = True
@@ -700,17 +708,18 @@ class CostModel:
 
     def _best_lanes(self, *args):
         """``_count_lanes`` at each of ``unit_choices`` (per layer: ``args``' arrays lead with the layer
-        axis), the fastest per element: its lanes and the unit split taken (``[L, ...]`` like ``lam``)."""
+        axis), the fastest per element, a split only where it beats whole experts by ``UNIT_GAIN``:
+        its lanes and the unit split taken (``[L, ...]`` like ``lam``)."""
         lam = args[2]
-        best, taken, best_t = None, None, None
+        best, taken, best_t, whole_t = None, None, None, None
         for c in range(self.unit_choices.shape[1]):
             units = self.unit_choices[:, c].reshape((-1,) + (1,) * (np.ndim(lam) - 1))
             lanes = self._count_lanes(*args, units=units)
             t = np.maximum(np.maximum(lanes[0], lanes[1]), lanes[2]) + lanes[3] + lanes[4]
-            if best is None:
-                best, taken, best_t = list(lanes), np.broadcast_to(units, np.shape(t)).astype(float), t
+            if best is None:  # column 0: whole experts
+                best, taken, best_t, whole_t = list(lanes), np.broadcast_to(units, np.shape(t)).astype(float), t, t
                 continue
-            better = t < best_t * (1 - 1e-9)
+            better = (t < best_t * (1 - 1e-9)) & (t < whole_t * (1 - UNIT_GAIN))
             best = [np.where(better, new, old) for new, old in zip(lanes, best)]
             taken, best_t = np.where(better, units, taken), np.where(better, t, best_t)
         return best, taken

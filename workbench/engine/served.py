@@ -20,7 +20,8 @@ one CUDA graph:
    (``experts_one_token`` over the CPU stacks: only the selected rows cross the bus, nothing is
    copied first).
    Under a unit split (``split_units``: the layer's ``bus_units``, which the engine takes from the
-   cost model's ``CostModel.unit_shares``) every CPU-tier pair is both the CPU's and the bus's: the
+   cost model's ``CostModel.unit_shares`` or ``WORKBENCH_BUS_UNITS``; off by default, as measured it
+   did not pay on a RAM-bound host) every CPU-tier pair is both the CPU's and the bus's: the
    native thread computes each expert's first ``units`` intermediate units (``Server.set_units``),
    the accelerator the others from views of the same stacks (``blocks.unit_views``), and the two
    parts add up to the expert. A lone CPU-tier expert then no longer leaves the bus idle.
