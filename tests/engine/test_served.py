@@ -122,14 +122,14 @@ def test_a_unit_split_shares_every_cpu_pair_between_the_cpu_and_the_bus(source, 
     engine.served_mode = "on"
     try:
         attach_bus_share(engine, 0.5, units=0.5)
-        tokens = greedy_tokens(engine, PROMPT, N_NEW)
-        logits = engine.forward(torch.tensor([tokens[-1]]), len(PROMPT) + N_NEW - 1)
+        tokens = greedy_tokens(engine, PROMPT, 4)
+        logits = engine.forward(torch.tensor([tokens[-1]]), len(PROMPT) + 3)
         server = engine._decoder.server
         split = {layer: (s.units, s.ffn) for layer, s in server.layers.items() if s.bus_stacks is not None}
         pairs = server.bus_pairs
     finally:
         engine.close()
-    _, host_logits, _ = host_run(inv, placement, tokens)
+    _, host_logits, _ = host_run(inv, placement, tokens, steps=4)
     assert split and set(split) == set(server.layers) and all(v == (32, 64) for v in split.values())
     assert pairs > 0  # the bus's part of every CPU-tier pair
     assert rel_err(logits, host_logits) < (1e-5 if TEST_DTYPE == torch.float32 else 2e-2)
