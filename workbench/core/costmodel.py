@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .ggml_types import BLOCK
 from .hardware import HardwareProfile
 from .inventory import Inventory
 from .memory import (
@@ -231,9 +232,10 @@ lanes, a split only adds the bus's partial rows."""
 
 
 def unit_block(fmt: str) -> int:
-    """Intermediate units per block of experts held in ``fmt`` (``weight_format``): 32 for float
-    (aligned views), Q8_0 and MXFP4, 256 for the k-quants: a unit split (``units_for``) cuts whole blocks."""
-    return 256 if fmt in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs") else 32
+    """Intermediate units per block of experts held in ``fmt`` (``weight_format``): the GGML block
+    (``ggml_types.BLOCK``; 32 for Q8_0 and MXFP4, 256 for the k-quants), at least 32 (float stacks:
+    aligned views). A unit split (``units_for``) cuts whole blocks."""
+    return max(32, BLOCK.get(fmt.upper(), (1, 0))[0])
 
 
 def units_for(ffn: int, share: float, block: int) -> int:
@@ -702,7 +704,10 @@ class CostModel:
     def unit_shares(self, placement: Placement, kv_tokens: int = 512, kv_dtype: str = "f16") -> np.ndarray:
         """Per layer ``[L]``, the share of each CPU-tier pair's intermediate units that served decode's bus
         computes for ``placement`` as the model predicts it fastest (0: whole experts by the bus
-        share): what the engine runs (``Engine(unit_shares=...)``) and ``predict`` assumes."""
+        share): what the engine runs (``Engine(unit_shares=...)``) and ``predict`` assumes. Without a
+        split to weigh (``EngineShape.unit_share`` 0, the default) zeros, predicting nothing."""
+        if self.unit_choices.shape[1] == 1:
+            return np.zeros(self.n_layers)
         layers, _ = self._decode(placement, expert_grid(placement, self.n_layers, self.n_experts), kv_tokens, kv_dtype)
         return np.array([c.bus_units for c in layers])
 

@@ -291,7 +291,7 @@ class DecodeServer:
             slot = _Layer(lx, k, hidden, self.cuda)
             kind, stacks, f13, f2 = _native_stacks(lx)
             b13, b2, act, alpha, limit = cpu_kernel.act_args(lx.act, *lx._cpu_biases())
-            index = self.native.add_layer(kind, stacks, f13, f2, _ffn(lx), k, slot.packet, slot.flag_in, slot.out,
+            index = self.native.add_layer(kind, stacks, f13, f2, slot.ffn, k, slot.packet, slot.flag_in, slot.out,
                                           slot.flag_out, b13, b2, act, alpha, limit)
             units = split_units(lx)
             if units < slot.ffn:

@@ -259,8 +259,9 @@ def load_engine(inv: Inventory, placement: Placement, progress=None, cancel=None
     bus_share = bus_mod.fraction_for(inv, hardware) if bus_mod is not None else None
     units = None  # decode's unit split per layer, as the cost model predicts it fastest for this placement
     costmodel = _optional("workbench.core.costmodel") if bus_mod is not None and hardware.gpus else None
-    if costmodel is not None:
-        units = costmodel.CostModel(inv, hardware, None).unit_shares(placement, kv_tokens=min(ctx, 4096))
+    if costmodel is not None:  # the model prepare() cached for this (inventory, hardware), else a new one
+        model = _cost_models.get((id(inv), id(hardware), id(None))) or costmodel.CostModel(inv, hardware, None)
+        units = model.unit_shares(placement, kv_tokens=min(ctx, 4096))
     return engine_mod.Engine.load(inv, placement, device=device, dtype=dtype, max_context=ctx,
                                   progress=byte_progress(progress), cancel=cancel,
                                   vram_budget=(1 << 62) if force else None, bus_share=bus_share, unit_shares=units)
